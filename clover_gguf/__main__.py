@@ -1,0 +1,3 @@
+from clover_gguf.cli import main
+
+main()

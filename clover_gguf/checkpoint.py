@@ -1,0 +1,215 @@
+"""Reading HF safetensors checkpoints without loading them: our own header parser over mmap, one tensor at a time.
+
+safetensors layout: 8-byte little-endian header length N, N bytes of JSON {name: {dtype, shape, data_offsets}},
+then the data area; offsets are relative to the data area's start.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from clover_gguf.errors import UserError
+
+# safetensors dtype -> (numpy storage dtype, element size). BF16 is kept as raw uint16 (numpy has no bfloat16).
+SAFETENSORS_DTYPES: dict[str, np.dtype] = {
+    "F32": np.dtype("<f4"),
+    "F16": np.dtype("<f2"),
+    "BF16": np.dtype("<u2"),
+    "F64": np.dtype("<f8"),
+}
+
+TEXT_PREFIX = "model."
+MULTIMODAL_TEXT_PREFIX = "model.language_model."
+DROPPED_PREFIXES = ("model.visual.", "visual.")
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """One tensor of one shard: enough to read it later through the shard's mmap."""
+
+    name: str  # normalised HF name (see normalise_name)
+    source_name: str
+    dtype: str  # safetensors dtype string
+    shape: tuple[int, ...]
+    shard: Path
+    begin: int  # absolute file offsets
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+def normalise_name(name: str) -> str | None:
+    """Map a checkpoint tensor name to the text-model name `model.*` / `lm_head.*` / `mtp.*`; None = drop."""
+    if name.startswith(DROPPED_PREFIXES):
+        return None
+    if name.startswith(MULTIMODAL_TEXT_PREFIX):
+        return TEXT_PREFIX + name[len(MULTIMODAL_TEXT_PREFIX):]
+    if name.startswith("model.mtp."):
+        return name[len("model."):]
+    return name
+
+
+def list_shards(src: Path) -> list[Path]:
+    src = Path(src)
+    if not src.is_dir():
+        raise UserError(f"not a checkpoint folder: {src}")
+    index = src / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise UserError(f"{index} is not a valid safetensors index ({e})") from None
+        shards = sorted({src / f for f in weight_map.values()})
+        for s in shards:
+            if not s.is_file():
+                raise UserError(f"shard {s.name} is named in {index.name} but absent")
+        return shards
+    shards = sorted(src.glob("*.safetensors"))
+    if not shards:
+        raise UserError(f"no safetensors shard in {src}")
+    return shards
+
+
+def read_shard_header(path: Path) -> list[tuple[str, str, tuple[int, ...], int, int]]:
+    """-> [(name, dtype, shape, abs_begin, abs_end)], checked against the file size."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise UserError(f"{path.name}: truncated safetensors file (no header)")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8 or n > 100 * 2**20:
+            raise UserError(f"{path.name}: corrupt safetensors header (length {n})")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise UserError(f"{path.name}: corrupt safetensors header (not JSON)") from None
+    base = 8 + n
+    out = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (b, e) = info["dtype"], tuple(int(x) for x in info["shape"]), info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise UserError(f"{path.name}: corrupt safetensors entry for {name}") from None
+        if base + e > size:
+            raise UserError(f"{path.name}: truncated safetensors file ({name} ends past the end of the file)")
+        if dtype in SAFETENSORS_DTYPES and (e - b) != int(np.prod(shape)) * SAFETENSORS_DTYPES[dtype].itemsize:
+            raise UserError(f"{path.name}: corrupt safetensors entry for {name} (size does not match shape)")
+        out.append((name, dtype, shape, base + b, base + e))
+    return out
+
+
+class Checkpoint:
+    """All tensors of a checkpoint folder, indexed by normalised name; data is read lazily through mmap."""
+
+    def __init__(self, src: Path):
+        self.src = Path(src)
+        self.shards = list_shards(self.src)
+        self.tensors: dict[str, TensorRef] = {}
+        self.dropped: list[str] = []
+        self._maps: dict[Path, mmap.mmap] = {}
+        for shard in self.shards:
+            for name, dtype, shape, b, e in read_shard_header(shard):
+                norm = normalise_name(name)
+                if norm is None:
+                    self.dropped.append(name)
+                    continue
+                if norm in self.tensors:
+                    raise UserError(f"tensor {name} appears twice in the checkpoint")
+                self.tensors[norm] = TensorRef(norm, name, dtype, shape, shard, b, e)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def names(self) -> list[str]:
+        return list(self.tensors)
+
+    def _map(self, shard: Path) -> mmap.mmap:
+        if shard not in self._maps:
+            with open(shard, "rb") as f:
+                self._maps[shard] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        return self._maps[shard]
+
+    def raw(self, name: str) -> np.ndarray:
+        """The stored elements without conversion (BF16 as uint16), a zero-copy view of the mmap."""
+        ref = self.tensors[name]
+        if ref.dtype not in SAFETENSORS_DTYPES:
+            raise UserError(f"tensor {ref.source_name} has unsupported dtype {ref.dtype} (supported: F32, F16, BF16)")
+        buf = memoryview(self._map(ref.shard))[ref.begin:ref.end]
+        return np.frombuffer(buf, dtype=SAFETENSORS_DTYPES[ref.dtype]).reshape(ref.shape)
+
+    def f32(self, name: str) -> np.ndarray:
+        """The tensor as float32 (a new array)."""
+        ref = self.tensors[name]
+        a = self.raw(name)
+        if ref.dtype == "BF16":
+            return (a.astype(np.uint32) << 16).view(np.float32)
+        return a.astype(np.float32)
+
+    def close(self) -> None:
+        for m in self._maps.values():
+            try:
+                m.close()
+            except BufferError:  # a view is still alive; the map closes when it is collected
+                pass
+        self._maps.clear()
+
+    def __enter__(self) -> "Checkpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+EXPERT_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+FUSED_EXPERT_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+
+
+def load_hf_tensors(src: Path) -> dict[str, "torch.Tensor"]:  # noqa: F821
+    """Every text tensor as float32 torch, experts stacked to `model.layers.i.mlp.experts.{gate,up,down}_proj`
+    ([E, I, H], [E, I, H], [E, H, I]); MTP tensors are left out (decoding does not use them). For the reference
+    model and tests only: this loads the whole model into memory."""
+    import torch
+
+    out: dict[str, torch.Tensor] = {}
+    per_expert: dict[tuple[int, str], dict[int, np.ndarray]] = {}
+    with Checkpoint(src) as ck:
+        for name in ck.names():
+            if name.startswith("mtp."):
+                continue
+            if m := EXPERT_RE.match(name):
+                per_expert.setdefault((int(m[1]), m[3]), {})[int(m[2])] = ck.f32(name)
+            elif m := FUSED_EXPERT_RE.match(name):
+                a = ck.f32(name)
+                p = f"model.layers.{m[1]}.mlp.experts."
+                if m[2] == "gate_up_proj":
+                    half = a.shape[1] // 2
+                    out[p + "gate_proj"] = torch.from_numpy(np.ascontiguousarray(a[:, :half]))
+                    out[p + "up_proj"] = torch.from_numpy(np.ascontiguousarray(a[:, half:]))
+                else:
+                    out[p + "down_proj"] = torch.from_numpy(a)
+            else:
+                out[name] = torch.from_numpy(ck.f32(name))
+    for (layer, kind), experts in per_expert.items():
+        n = max(experts) + 1
+        if sorted(experts) != list(range(n)):
+            raise UserError(f"layer {layer}: {kind}_proj experts are not numbered 0..{n - 1}")
+        out[f"model.layers.{layer}.mlp.experts.{kind}_proj"] = torch.from_numpy(np.stack([experts[e] for e in range(n)]))
+    return out
+
+
+def iter_shard_sizes(src: Path) -> Iterator[int]:
+    for s in list_shards(src):
+        yield s.stat().st_size

@@ -1,0 +1,357 @@
+"""Clover safetensors -> GGUF, streaming: one tensor (or one layer's expert stack) in memory at a time."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+from gguf import GGUFWriter, quants
+
+from clover_gguf.checkpoint import Checkpoint
+from clover_gguf.config import CloverConfig, GenerationDefaults
+from clover_gguf.errors import UserError
+from clover_gguf.fsutil import atomic_output, check_free_disk
+from clover_gguf.tensor_map import (EXPERT_KINDS, FUSED_RE, MTP_LAYER_RE, PER_EXPERT_RE, REORDER_ONLY, TRANSFORMS,
+                                    TensorRule, expert_shape, match_rule)
+from clover_gguf.vocab import Vocab, load_vocab
+
+ARCH = "clover"
+OUTTYPES = {"f32": QT.F32, "f16": QT.F16, "bf16": QT.BF16, "q8_0": QT.Q8_0}
+# what each safetensors storage dtype is in GGML terms: a reorder-only tensor whose output type equals its source
+# type is copied bit for bit
+SOURCE_TYPES = {"F32": QT.F32, "F16": QT.F16, "BF16": QT.BF16}
+BYTES_PER_ELEMENT = {QT.F32: 4.0, QT.F16: 2.0, QT.BF16: 2.0, QT.Q8_0: 34 / 32}
+
+
+@dataclass
+class PlannedTensor:
+    name: str
+    shape: tuple[int, ...]  # numpy order
+    qtype: QT
+    produce: Callable[[], np.ndarray]  # -> f32 array (transformed) or raw array when `raw` is set
+    raw: bool  # produce() returns stored bits already in the output type
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape) * BYTES_PER_ELEMENT[self.qtype])
+
+
+@dataclass
+class ConversionPlan:
+    cfg: CloverConfig
+    tensors: list[PlannedTensor]
+    notices: list[str]
+    skipped_unknown: list[str]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+def _encode(a: np.ndarray, qtype: QT) -> np.ndarray:
+    """f32 -> the storage array for qtype."""
+    if qtype == QT.F32:
+        return np.ascontiguousarray(a, dtype=np.float32)
+    if qtype == QT.F16:
+        return a.astype(np.float16)
+    if qtype == QT.BF16:
+        u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+        return ((u + (0x7FFF + ((u >> 16) & 1))) >> 16).astype(np.uint16)  # round to nearest even
+    return quants.quantize(np.ascontiguousarray(a, dtype=np.float32), qtype)
+
+
+def _output_type(rule_f32: bool, shape: tuple[int, ...], outtype: QT) -> QT:
+    if rule_f32 or len(shape) == 1:
+        return QT.F32
+    if outtype == QT.Q8_0 and shape[-1] % 32:
+        return QT.F16  # Q8_0 needs rows in blocks of 32
+    return outtype
+
+
+def plan_conversion(ck: Checkpoint, cfg: CloverConfig, outtype: str = "bf16", skip_unknown: bool = False
+                    ) -> ConversionPlan:
+    if cfg.linear_key_head_dim != cfg.linear_value_head_dim:
+        raise UserError(
+            f"linear_key_head_dim ({cfg.linear_key_head_dim}) != linear_value_head_dim "
+            f"({cfg.linear_value_head_dim}): llama.cpp's qwen35moe graph, which clover reuses, needs them equal"
+        )
+    qt = OUTTYPES[outtype]
+    n_layers = cfg.num_hidden_layers
+    notices: list[str] = []
+    if not cfg.is_clover:
+        notices.append("plain Qwen3.5-MoE checkpoint: converting the causal model; block mode will be unavailable")
+    if ck.dropped:
+        notices.append(f"dropped {len(ck.dropped)} vision tensor(s) (model.visual.*): Clover is text-only")
+
+    by_gguf: dict[str, PlannedTensor] = {}
+    experts: dict[tuple[int, str], dict] = {}
+    unknown: list[str] = []
+    mtp_layers: set[int] = set()
+
+    def plan_rule(rule: TensorRule, src_name: str, bid: int) -> None:
+        ref = ck.tensors[src_name]
+        want = rule.hf_shape(cfg)
+        if tuple(ref.shape) != tuple(want):
+            raise UserError(f"tensor {ref.source_name} has shape {list(ref.shape)}, config.json implies {list(want)}")
+        if ref.dtype not in SOURCE_TYPES:
+            raise UserError(f"tensor {ref.source_name} has unsupported dtype {ref.dtype} (supported: F32, F16, BF16)")
+        fn = TRANSFORMS[rule.transform]
+        out_shape = fn(np.zeros(want, np.float32), cfg).shape
+        out_type = _output_type(rule.f32, out_shape, qt)
+        gguf_name = rule.gguf.format(i=bid, L=n_layers)
+        raw = rule.transform in REORDER_ONLY and SOURCE_TYPES[ref.dtype] == out_type
+        if raw:
+            produce = lambda: fn(ck.raw(src_name), cfg)  # noqa: E731 - bits moved, never converted
+        else:
+            produce = lambda: fn(ck.f32(src_name), cfg)  # noqa: E731
+        by_gguf[gguf_name] = PlannedTensor(gguf_name, tuple(out_shape), out_type, produce, raw)
+
+    for name in ck.names():
+        if m := MTP_LAYER_RE.match(name):  # the MTP decoder layer is an ordinary layer at index L + j
+            j = int(m["j"])
+            mtp_layers.add(j)
+            mapped = f"model.layers.{n_layers + j}.{m['rest']}"
+        else:
+            mapped = name
+        if m := PER_EXPERT_RE.match(mapped):
+            experts.setdefault((int(m["i"]), m["kind"]), {})[int(m["e"])] = name
+            continue
+        if m := FUSED_RE.match(mapped):
+            experts.setdefault((int(m["i"]), m["kind"]), {})["fused"] = name
+            continue
+        hit = match_rule(mapped)
+        if hit is None:
+            unknown.append(name)
+            continue
+        rule, bid = hit
+        plan_rule(rule, name, n_layers if bid is None else bid)
+
+    if unknown and not skip_unknown:
+        shown = ", ".join(unknown[:8]) + (f" and {len(unknown) - 8} more" if len(unknown) > 8 else "")
+        raise UserError(f"{len(unknown)} tensor(s) the Clover map does not know: {shown} (--skip-unknown drops them)")
+
+    for (layer, kind), srcs in sorted(experts.items()):
+        _plan_experts(ck, cfg, layer, kind, srcs, qt, by_gguf)
+
+    n_blocks = n_layers + len(mtp_layers)
+    _check_complete(cfg, by_gguf, n_layers, n_blocks)
+    order = sorted(by_gguf.values(), key=lambda t: _order_key(t.name))
+    return ConversionPlan(cfg, order, notices, unknown)
+
+
+def _plan_experts(ck: Checkpoint, cfg: CloverConfig, layer: int, kind: str, srcs: dict, qt: QT,
+                  by_gguf: dict[str, PlannedTensor]) -> None:
+    n_exp, inter, hid = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    if "fused" in srcs:
+        name = srcs["fused"]
+        ref = ck.tensors[name]
+        want = (n_exp, 2 * inter, hid) if kind == "gate_up_proj" else (n_exp, hid, inter)
+        if tuple(ref.shape) != want:
+            raise UserError(f"tensor {ref.source_name} has shape {list(ref.shape)}, config.json implies {list(want)}")
+        parts = {"gate": slice(0, inter), "up": slice(inter, 2 * inter)} if kind == "gate_up_proj" else {"down": None}
+        for part, rows in parts.items():
+            shape = expert_shape(cfg, part)
+            out_type = _output_type(False, shape, qt)
+            raw = SOURCE_TYPES.get(ref.dtype) == out_type
+            read = ck.raw if raw else ck.f32
+            # [E, 2I, H]: gate rows first, then up rows
+            produce = (lambda n=name, r=rows, rd=read: rd(n) if r is None else rd(n)[:, r])
+            gguf_name = EXPERT_KINDS[part].format(i=layer)
+            by_gguf[gguf_name] = PlannedTensor(gguf_name, shape, out_type, produce, raw)
+        return
+    # per expert: [I, H] (gate, up) or [H, I] (down) each, stacked to [E, ...]
+    if sorted(srcs) != list(range(n_exp)):
+        raise UserError(f"layer {layer}: {kind}_proj experts found for {len(srcs)} of {n_exp} experts")
+    shape = expert_shape(cfg, kind)
+    for e, name in srcs.items():
+        ref = ck.tensors[name]
+        if tuple(ref.shape) != shape[1:]:
+            raise UserError(f"tensor {ref.source_name} has shape {list(ref.shape)}, config.json implies {list(shape[1:])}")
+        if ref.dtype not in SOURCE_TYPES:
+            raise UserError(f"tensor {ref.source_name} has unsupported dtype {ref.dtype} (supported: F32, F16, BF16)")
+    out_type = _output_type(False, shape, qt)
+    dtypes = {ck.tensors[n].dtype for n in srcs.values()}
+    raw = len(dtypes) == 1 and SOURCE_TYPES[dtypes.pop()] == out_type
+    read = ck.raw if raw else ck.f32
+    names = [srcs[e] for e in range(n_exp)]
+    gguf_name = EXPERT_KINDS[kind].format(i=layer)
+    by_gguf[gguf_name] = PlannedTensor(gguf_name, shape, out_type, lambda ns=names, rd=read: np.stack([rd(n) for n in ns]),
+                                       raw)
+
+
+def _expected_names(cfg: CloverConfig, n_layers: int, n_blocks: int) -> list[str]:
+    names = ["token_embd.weight", "output_norm.weight"]
+    if not cfg.tie_word_embeddings:
+        names.append("output.weight")
+    for i in range(n_blocks):
+        b = f"blk.{i}."
+        names += [b + "attn_norm.weight", b + "post_attention_norm.weight", b + "ffn_gate_inp.weight",
+                  b + "ffn_gate_exps.weight", b + "ffn_up_exps.weight", b + "ffn_down_exps.weight",
+                  b + "ffn_gate_inp_shexp.weight", b + "ffn_gate_shexp.weight", b + "ffn_up_shexp.weight",
+                  b + "ffn_down_shexp.weight"]
+        if i >= n_layers or cfg.is_full_attention(i):
+            names += [b + n for n in ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
+                                      "attn_q_norm.weight", "attn_k_norm.weight")]
+        else:
+            names += [b + n for n in ("attn_qkv.weight", "attn_gate.weight", "ssm_beta.weight", "ssm_alpha.weight",
+                                      "ssm_conv1d.weight", "ssm_dt.bias", "ssm_a", "ssm_norm.weight",
+                                      "ssm_out.weight")]
+            if cfg.is_clover:
+                names += [b + n for n in ("ssm_conv1d_right.weight", "ssm_block_scale", "ssm_block_gate")]
+    if n_blocks > n_layers:
+        b = f"blk.{n_layers}.nextn."
+        names += [b + "eh_proj.weight", b + "enorm.weight", b + "hnorm.weight", b + "shared_head_norm.weight"]
+    return names
+
+
+def _check_complete(cfg: CloverConfig, by_gguf: dict, n_layers: int, n_blocks: int) -> None:
+    missing = [n for n in _expected_names(cfg, n_layers, n_blocks) if n not in by_gguf]
+    if missing:
+        shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
+        raise UserError(f"checkpoint lacks {len(missing)} tensor(s) config.json implies: {shown}")
+
+
+def _order_key(name: str) -> tuple:
+    if name.startswith("blk."):
+        return (1, int(name.split(".")[1]), name)
+    return (0 if name == "token_embd.weight" else 2, 0, name)
+
+
+# ---- metadata -------------------------------------------------------------------------------------------------
+def write_metadata(w: GGUFWriter, cfg: CloverConfig, vocab: Vocab, gen: GenerationDefaults, n_blocks: int,
+                   name: str) -> None:
+    a = ARCH + "."
+    rope_sections = list(cfg.mrope_section or (11, 11, 10)) + [0] * (4 - len(cfg.mrope_section or (11, 11, 10)))
+    recurrent = [not cfg.is_full_attention(i) if i < cfg.num_hidden_layers else False for i in range(n_blocks)]
+    w.add_name(name)
+    u32 = {
+        "context_length": cfg.max_position_embeddings, "embedding_length": cfg.hidden_size, "block_count": n_blocks,
+        "attention.head_count": cfg.num_attention_heads, "attention.head_count_kv": cfg.num_key_value_heads,
+        "attention.key_length": cfg.head_dim, "attention.value_length": cfg.head_dim,
+        "rope.dimension_count": cfg.rotary_dim, "expert_count": cfg.num_experts,
+        "expert_used_count": cfg.num_experts_per_tok, "expert_feed_forward_length": cfg.moe_intermediate_size,
+        "expert_shared_feed_forward_length": cfg.shared_expert_intermediate_size,
+        "ssm.conv_kernel": cfg.linear_conv_kernel_dim, "ssm.state_size": cfg.linear_key_head_dim,
+        "ssm.group_count": cfg.linear_num_key_heads, "ssm.time_step_rank": cfg.linear_num_value_heads,
+        "ssm.inner_size": cfg.value_dim, "full_attention_interval": cfg.full_attention_interval,
+        "diffusion.block_size": gen.block_size, "ssm.conv_right_kernel": cfg.right_kernel,
+        "generation.length_penalty_start": gen.length_penalty_start,
+        "generation.length_penalty_ramp": gen.length_penalty_ramp,
+        "generation.think_end_bias_start": gen.think_end_bias_start,
+        "generation.think_end_bias_ramp": gen.think_end_bias_ramp,
+    }
+    if n_blocks > cfg.num_hidden_layers:
+        u32["nextn_predict_layers"] = n_blocks - cfg.num_hidden_layers
+    for k, v in u32.items():
+        w.add_uint32(a + k, int(v))
+    f32 = {
+        "attention.layer_norm_rms_epsilon": cfg.rms_norm_eps, "rope.freq_base": cfg.rope_theta,
+        "diffusion.threshold": gen.threshold, "moe_block_coreset.top_p": cfg.moe_block_coreset_top_p,
+        "generation.presence_penalty": gen.presence_penalty, "generation.frequency_penalty": gen.frequency_penalty,
+        "generation.repetition_penalty": gen.repetition_penalty, "generation.length_penalty": gen.length_penalty,
+        "generation.think_end_bias": gen.think_end_bias,
+    }
+    for k, v in f32.items():
+        w.add_float32(a + k, float(v))
+    w.add_bool(a + "block_mode", cfg.is_clover)
+    w.add_bool(a + "moe_block_coreset.enabled", cfg.is_clover and cfg.moe_block_coreset_enabled)
+    w.add_array(a + "rope.dimension_sections", rope_sections)
+    w.add_array(a + "attention.recurrent_layers", recurrent)
+
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen35")
+    w.add_token_list(vocab.tokens)
+    w.add_token_types(vocab.token_types)
+    w.add_token_merges(vocab.merges)
+    ids = vocab.special_ids
+    if "eos" in ids:
+        w.add_eos_token_id(ids["eos"])
+    if "pad" in ids:
+        w.add_pad_token_id(ids["pad"])
+    if "bos" in ids:
+        w.add_bos_token_id(ids["bos"])
+    if "mask" in ids:
+        w.add_mask_token_id(ids["mask"])
+    w.add_add_bos_token(vocab.add_bos)
+    if vocab.chat_template:
+        w.add_chat_template(vocab.chat_template)
+
+
+def read_generation_defaults(src: Path) -> GenerationDefaults:
+    p = Path(src) / "generation_config.json"
+    if not p.is_file():
+        return GenerationDefaults()
+    try:
+        return GenerationDefaults.from_hf(json.loads(p.read_text()))
+    except (json.JSONDecodeError, TypeError, ValueError) as e:
+        raise UserError(f"{p} is not a valid generation config: {e}") from None
+
+
+@dataclass
+class ConvertResult:
+    out: Path | None
+    n_tensors: int
+    nbytes: int
+    notices: list[str]
+    skipped_unknown: list[str]
+    plan: ConversionPlan
+
+
+def convert(src: Path, out: Path, outtype: str = "bf16", skip_unknown: bool = False, dry_run: bool = False,
+            quiet: bool = False, log=lambda msg: print(msg, file=sys.stderr)) -> ConvertResult:
+    """Convert the checkpoint folder `src` to the GGUF file `out`. A dry run plans and validates, writes nothing."""
+    if outtype not in OUTTYPES:
+        raise UserError(f"unknown --outtype {outtype!r}: choose one of {', '.join(OUTTYPES)}")
+    src, out = Path(src), Path(out)
+    cfg = CloverConfig.from_file(src)
+    gen = read_generation_defaults(src)
+    vocab = load_vocab(src, cfg)
+    with Checkpoint(src) as ck:
+        plan = plan_conversion(ck, cfg, outtype, skip_unknown)
+        for n in plan.notices:
+            log(f"notice: {n}")
+        if plan.skipped_unknown:
+            log(f"warning: dropped {len(plan.skipped_unknown)} unknown tensor(s): {', '.join(plan.skipped_unknown)}")
+        if dry_run:
+            return ConvertResult(None, len(plan.tensors), plan.nbytes, plan.notices, plan.skipped_unknown, plan)
+        if out.exists() and out.is_dir():
+            raise UserError(f"output is a folder: {out}")
+        check_free_disk(out, plan.nbytes + 16 * 2**20)
+        n_blocks = max(int(t.name.split(".")[1]) for t in plan.tensors if t.name.startswith("blk.")) + 1
+        with atomic_output(out) as tmp:
+            _write(tmp, plan, vocab, gen, n_blocks, src.name, quiet)
+    return ConvertResult(out, len(plan.tensors), plan.nbytes, plan.notices, plan.skipped_unknown, plan)
+
+
+def _write(path: Path, plan: ConversionPlan, vocab: Vocab, gen: GenerationDefaults, n_blocks: int, name: str,
+           quiet: bool) -> None:
+    from tqdm import tqdm
+
+    w = GGUFWriter(path=None, arch=ARCH)
+    write_metadata(w, plan.cfg, vocab, gen, n_blocks, name)
+    for t in plan.tensors:
+        nbytes = t.nbytes
+        storage = {QT.F32: np.float32, QT.F16: np.float16, QT.BF16: np.uint16, QT.Q8_0: np.uint8}[t.qtype]
+        shape = t.shape if t.qtype != QT.Q8_0 else (*t.shape[:-1], t.shape[-1] // 32 * 34)
+        w.add_tensor_info(t.name, shape, np.dtype(storage), nbytes, raw_dtype=t.qtype)
+    try:
+        w.open_output_file(path)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        with tqdm(total=plan.nbytes, unit="B", unit_scale=True, unit_divisor=1024, desc="convert", disable=quiet,
+                  dynamic_ncols=True) as bar:
+            for t in plan.tensors:
+                data = t.produce()
+                if not t.raw:
+                    data = _encode(data, t.qtype)
+                w.write_tensor_data(np.ascontiguousarray(data))
+                bar.update(t.nbytes)
+                del data
+    finally:
+        w.close()

@@ -1,0 +1,424 @@
+"""A readable PyTorch implementation of Clover (docs/architecture.md): the executable definition every other
+numeric path in this project is checked against.
+
+Written for clarity, not speed: the gated delta rule runs token by token, experts run one by one. CPU, float32
+or float64, autograd works. Tensors carry a batch dimension `N` internally; the public methods also take 1-D ids.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from clover_gguf.config import CloverConfig
+from clover_gguf.errors import UserError
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# State carried from a prefix: what llama.cpp keeps in its KV cache and recurrent memory.
+# ---------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LayerState:
+    # full attention: keys/values after norm and RoPE, [N, n_kv_heads, P, head_dim]
+    k: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+    # gated deltanet: last K-1 conv inputs [N, K-1, conv_dim] and the delta-rule state [N, Hv, dk, dv]
+    conv: torch.Tensor | None = None
+    ssm: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class PrefixState:
+    """Immutable: every forward returns a new state, so block mode cannot touch the prefix by construction."""
+
+    layers: tuple[LayerState, ...]
+    n_past: int
+
+
+def zero_centred_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + w)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def rotate_neox(x: torch.Tensor, positions: torch.Tensor, rotary_dim: int, theta: float) -> torch.Tensor:
+    """RoPE on the first `rotary_dim` dims of the last axis, pairs (j, j + rotary_dim/2). x: [..., T, d]."""
+    half = rotary_dim // 2
+    inv_freq = theta ** (-torch.arange(0, half, dtype=torch.float64) * 2.0 / rotary_dim)
+    ang = positions.to(torch.float64)[:, None] * inv_freq[None, :]  # [T, half]
+    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+    x1, x2, rest = x[..., :half], x[..., half:rotary_dim], x[..., rotary_dim:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
+
+
+def coreset_keep_mask(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Block coreset routing (spec 3d). probs: [T, E] router softmax of the block's tokens -> bool [E] (the set S)."""
+    n_exp = probs.shape[-1]
+    top_idx = probs.topk(top_k, dim=-1).indices  # [T, k]
+    candidate = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, top_idx, True)
+    mass = (probs * candidate).sum(0)  # [E] aggregated mass of each expert over the tokens that picked it
+    # rank by mass descending, ties to the lower index: a stable sort of the negated mass does exactly that
+    order = torch.sort(-mass, stable=True).indices
+    ranked = mass[order]
+    cum = ranked.cumsum(0)
+    # smallest leading set whose sum reaches top_p of the total; cum - ranked is the sum *before* each expert
+    n_keep = int((cum - ranked < top_p * cum[-1]).sum().item())
+    n_keep = min(n_exp, max(n_keep, top_k))  # our reading: never fewer than k experts
+    keep = torch.zeros(n_exp, dtype=torch.bool)
+    keep[order[:n_keep]] = True
+    return keep
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Layers
+# ---------------------------------------------------------------------------------------------------------------
+class GatedAttention(nn.Module):
+    def __init__(self, cfg: CloverConfig):
+        super().__init__()
+        self.cfg = cfg
+        nh, nkv, hd, h = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
+        self.q_proj = nn.Linear(h, nh * hd * 2, bias=False)
+        self.k_proj = nn.Linear(h, nkv * hd, bias=False)
+        self.v_proj = nn.Linear(h, nkv * hd, bias=False)
+        self.o_proj = nn.Linear(nh * hd, h, bias=False)
+        self.q_norm = nn.Parameter(torch.zeros(hd))
+        self.k_norm = nn.Parameter(torch.zeros(hd))
+
+    def forward(self, x: torch.Tensor, st: LayerState, n_past: int, block: bool) -> tuple[torch.Tensor, LayerState]:
+        cfg = self.cfg
+        n, t, _ = x.shape
+        nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        qg = self.q_proj(x).view(n, t, nh, 2 * hd)
+        q, gate = qg[..., :hd], qg[..., hd:].reshape(n, t, nh * hd)  # per head: [query | gate]
+        q = zero_centred_rms_norm(q, self.q_norm, cfg.rms_norm_eps).transpose(1, 2)  # [N, nh, T, hd]
+        k = zero_centred_rms_norm(self.k_proj(x).view(n, t, nkv, hd), self.k_norm, cfg.rms_norm_eps).transpose(1, 2)
+        v = self.v_proj(x).view(n, t, nkv, hd).transpose(1, 2)
+        pos = torch.arange(n_past, n_past + t)
+        q = rotate_neox(q, pos, cfg.rotary_dim, cfg.rope_theta)
+        k = rotate_neox(k, pos, cfg.rotary_dim, cfg.rope_theta)
+        if st.k is not None:
+            k, v = torch.cat([st.k, k], dim=2), torch.cat([st.v, v], dim=2)
+        rep = nh // nkv
+        kk, vv = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        scores = q @ kk.transpose(-1, -2) / math.sqrt(hd)  # [N, nh, T, P+T]
+        if not block:  # causal: query t sees keys up to n_past + t; block mode sees the whole block (spec 3c)
+            qpos = torch.arange(t)[:, None] + n_past
+            kpos = torch.arange(k.shape[2])[None, :]
+            scores = scores.masked_fill(kpos > qpos, float("-inf"))
+        att = scores.softmax(-1) @ vv  # [N, nh, T, hd]
+        att = att.transpose(1, 2).reshape(n, t, nh * hd)
+        return self.o_proj(att * torch.sigmoid(gate)), LayerState(k=k, v=v)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: CloverConfig):
+        super().__init__()
+        self.cfg = cfg
+        h, hv = cfg.hidden_size, cfg.linear_num_value_heads
+        self.in_proj_qkv = nn.Linear(h, cfg.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(h, cfg.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(h, hv, bias=False)
+        self.in_proj_a = nn.Linear(h, hv, bias=False)
+        self.conv1d = nn.Parameter(torch.zeros(cfg.conv_dim, cfg.linear_conv_kernel_dim))  # HF [C, 1, K] squeezed
+        self.dt_bias = nn.Parameter(torch.ones(hv))
+        self.A_log = nn.Parameter(torch.zeros(hv))
+        self.norm = nn.Parameter(torch.ones(cfg.linear_value_head_dim))  # gated RMSNorm weight, used as is
+        self.out_proj = nn.Linear(cfg.value_dim, h, bias=False)
+        # Clover extras (spec 3a, 3b)
+        self.conv1d_right = nn.Parameter(torch.zeros(cfg.conv_dim, cfg.right_kernel))
+        self.block_attn_log_scale = nn.Parameter(torch.zeros(hv))
+        self.block_attn_gate = nn.Parameter(torch.zeros(hv))
+
+    def forward(self, x: torch.Tensor, st: LayerState, block: bool) -> tuple[torch.Tensor, LayerState]:
+        cfg = self.cfg
+        n, t, _ = x.shape
+        hk, hv, dk, dv, kconv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                                 cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim)
+        mixed = self.in_proj_qkv(x)  # [N, T, C], channels q | k | v
+        past = st.conv if st.conv is not None else mixed.new_zeros(n, kconv - 1, cfg.conv_dim)
+        xs = torch.cat([past, mixed], dim=1)  # [N, K-1+T, C]
+        # causal depthwise conv: conv[t] = sum_j w[:, j] * xs[t + j]  (xs[t + K-1] is the token itself)
+        conv = sum(self.conv1d[:, j] * xs[:, j:j + t] for j in range(kconv))
+        if block:
+            # right conv: right[t] = sum_{j=1..Kr} wr[:, j-1] * mixed[t + j], zeros past the block's end
+            kr = cfg.right_kernel
+            padded = torch.cat([mixed, mixed.new_zeros(n, kr, cfg.conv_dim)], dim=1)
+            conv = conv + sum(self.conv1d_right[:, j - 1] * padded[:, j:j + t] for j in range(1, kr + 1))
+        u = F.silu(conv)
+        q, k, v = torch.split(u, [cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
+        rep = hv // hk  # HF order: value head h uses key head h // rep
+        q = l2norm(q.reshape(n, t, hk, dk)).repeat_interleave(rep, dim=2)  # [N, T, Hv, dk]
+        k = l2norm(k.reshape(n, t, hk, dk)).repeat_interleave(rep, dim=2)
+        v = v.reshape(n, t, hv, dv)
+        beta = torch.sigmoid(self.in_proj_b(x))  # [N, T, Hv]
+        g = -torch.exp(self.A_log) * F.softplus(self.in_proj_a(x) + self.dt_bias)  # log decay, [N, T, Hv]
+
+        s = st.ssm if st.ssm is not None else x.new_zeros(n, hv, dk, dv)
+        outs = []
+        for i in range(t):  # the gated delta rule, one token at a time
+            s = s * torch.exp(g[:, i])[..., None, None]
+            kv_mem = torch.einsum("nhk,nhkv->nhv", k[:, i], s)
+            delta = (v[:, i] - kv_mem) * beta[:, i, :, None]
+            s = s + torch.einsum("nhk,nhv->nhkv", k[:, i], delta)
+            outs.append(torch.einsum("nhk,nhkv->nhv", q[:, i] / math.sqrt(dk), s))
+        o = torch.stack(outs, dim=1)  # [N, T, Hv, dv]
+
+        if block:  # intra-block softmax over all block positions, both directions (spec 3b)
+            tau = torch.exp(self.block_attn_log_scale)  # [Hv]
+            scores = torch.einsum("nthd,nshd->nhts", q, k) * tau[None, :, None, None]
+            o_sm = torch.einsum("nhts,nshv->nthv", scores.softmax(-1), v)
+            o = o + torch.sigmoid(self.block_attn_gate)[None, None, :, None] * o_sm
+
+        z = self.in_proj_z(x).reshape(n, t, hv, dv)
+        y = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps) * self.norm * F.silu(z)
+        new_state = LayerState(conv=xs[:, -(kconv - 1):] if kconv > 1 else xs[:, :0], ssm=s)
+        return self.out_proj(y.reshape(n, t, cfg.value_dim)), new_state
+
+
+class SparseMoe(nn.Module):
+    def __init__(self, cfg: CloverConfig):
+        super().__init__()
+        self.cfg = cfg
+        h, e, i, si = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+        self.gate = nn.Linear(h, e, bias=False)
+        self.gate_proj = nn.Parameter(torch.zeros(e, i, h))
+        self.up_proj = nn.Parameter(torch.zeros(e, i, h))
+        self.down_proj = nn.Parameter(torch.zeros(e, h, i))
+        self.shared_gate_proj = nn.Linear(h, si, bias=False)
+        self.shared_up_proj = nn.Linear(h, si, bias=False)
+        self.shared_down_proj = nn.Linear(si, h, bias=False)
+        self.shared_expert_gate = nn.Linear(h, 1, bias=False)
+
+    def route(self, x: torch.Tensor, coreset_top_p: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (expert ids [N, T, k], weights [N, T, k])."""
+        k = self.cfg.num_experts_per_tok
+        logits = self.gate(x)  # [N, T, E]
+        probs = logits.softmax(-1)
+        if coreset_top_p is not None:  # restrict each sequence's block to its coreset S
+            keep = torch.stack([coreset_keep_mask(p.detach(), k, coreset_top_p) for p in probs])  # [N, E]
+            probs = probs * keep[:, None, :]
+        w, idx = probs.topk(k, dim=-1)
+        return idx, w / w.sum(-1, keepdim=True)
+
+    def forward(self, x: torch.Tensor, coreset_top_p: float | None) -> torch.Tensor:
+        idx, w = self.route(x, coreset_top_p)
+        out = torch.zeros_like(x)
+        for e in range(self.cfg.num_experts):
+            weight = (w * (idx == e)).sum(-1, keepdim=True)  # [N, T, 1], zero where e was not chosen
+            if not bool((idx == e).any()):
+                continue
+            hid = F.silu(x @ self.gate_proj[e].T) * (x @ self.up_proj[e].T)
+            out = out + weight * (hid @ self.down_proj[e].T)
+        shared = self.shared_down_proj(F.silu(self.shared_gate_proj(x)) * self.shared_up_proj(x))
+        return out + torch.sigmoid(self.shared_expert_gate(x)) * shared
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: CloverConfig, layer: int):
+        super().__init__()
+        self.cfg = cfg
+        self.full_attention = cfg.is_full_attention(layer)
+        self.input_layernorm = nn.Parameter(torch.zeros(cfg.hidden_size))
+        self.post_attention_layernorm = nn.Parameter(torch.zeros(cfg.hidden_size))
+        if self.full_attention:
+            self.self_attn = GatedAttention(cfg)
+        else:
+            self.linear_attn = GatedDeltaNet(cfg)
+        self.mlp = SparseMoe(cfg)
+
+    def forward(self, h: torch.Tensor, st: LayerState, n_past: int, block: bool,
+                coreset_top_p: float | None) -> tuple[torch.Tensor, LayerState]:
+        eps = self.cfg.rms_norm_eps
+        x = zero_centred_rms_norm(h, self.input_layernorm, eps)
+        if self.full_attention:
+            mixed, st = self.self_attn(x, st, n_past, block)
+        else:
+            mixed, st = self.linear_attn(x, st, block)
+        h = h + mixed
+        return h + self.mlp(zero_centred_rms_norm(h, self.post_attention_layernorm, eps), coreset_top_p), st
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The model
+# ---------------------------------------------------------------------------------------------------------------
+class CloverModel(nn.Module):
+    def __init__(self, cfg: CloverConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Parameter(torch.zeros(cfg.vocab_size, cfg.hidden_size))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = nn.Parameter(torch.zeros(cfg.hidden_size))
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(torch.zeros(cfg.vocab_size, cfg.hidden_size))
+
+    # ---- state ------------------------------------------------------------------------------------------
+    def empty_state(self, batch: int = 1) -> PrefixState:
+        return PrefixState(layers=tuple(LayerState() for _ in self.layers), n_past=0)
+
+    def run(self, ids: torch.Tensor, state: PrefixState | None = None, block: bool = False,
+            coreset: bool | float | None = None) -> tuple[torch.Tensor, PrefixState]:
+        """ids [N, T] after `state` -> (logits [N, T, V], the state after these tokens).
+
+        block=True evaluates `ids` as one block in block mode (spec section 3); its returned state is what llama.cpp
+        would hold on a scratch sequence and is meant to be thrown away.
+        """
+        state = state or self.empty_state()
+        top_p = self._coreset_top_p(coreset) if block else None
+        h = self.embed_tokens[ids]
+        new_layers = []
+        for layer, st in zip(self.layers, state.layers):
+            h, st = layer(h, st, state.n_past, block, top_p)
+            new_layers.append(st)
+        h = zero_centred_rms_norm(h, self.norm, self.cfg.rms_norm_eps)
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return h @ head.T, PrefixState(layers=tuple(new_layers), n_past=state.n_past + ids.shape[-1])
+
+    def _coreset_top_p(self, coreset: bool | float | None) -> float | None:
+        if coreset is None:
+            coreset = self.cfg.moe_block_coreset_enabled
+        if coreset is False:
+            return None
+        return self.cfg.moe_block_coreset_top_p if coreset is True else float(coreset)
+
+    # ---- public API -------------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor | Iterable[int]) -> torch.Tensor:
+        """Causal logits: ids [T] -> [T, V] (or [N, T] -> [N, T, V])."""
+        ids = _as_ids(input_ids)
+        logits, _ = self.run(ids.view(1, -1) if ids.dim() == 1 else ids)
+        return logits[0] if ids.dim() == 1 else logits
+
+    def prefill(self, prefix_ids: torch.Tensor | Iterable[int], state: PrefixState | None = None
+                ) -> tuple[torch.Tensor, PrefixState]:
+        """Causal pass over `prefix_ids` (1-D) continuing `state` -> (logits [T, V], new state)."""
+        ids = _as_ids(prefix_ids).view(1, -1)
+        logits, st = self.run(ids, state)
+        return logits[0], st
+
+    def block_logits(self, prefix_ids: torch.Tensor | Iterable[int] | None, block_ids: torch.Tensor | Iterable[int],
+                     coreset: bool | float | None = None, state: PrefixState | None = None) -> torch.Tensor:
+        """Block-mode logits [B, V] for the block positions after a causal prefix.
+
+        Either pass `prefix_ids` (the prefix is run causally here) or a cached `state` (left untouched).
+        coreset: None = as config.json says, False = off, True = config top_p, a float = that top_p.
+        """
+        if not self.cfg.is_clover:
+            raise UserError("block mode needs a Clover checkpoint (this is a plain Qwen3.5-MoE model)")
+        if state is None:
+            state = self.empty_state()
+            if prefix_ids is not None and len(_as_ids(prefix_ids)):
+                _, state = self.prefill(prefix_ids)
+        logits, _ = self.run(_as_ids(block_ids).view(1, -1), state, block=True, coreset=coreset)
+        return logits[0]
+
+    # ---- weights ----------------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> "CloverModel":
+        from clover_gguf import checkpoint
+
+        path = Path(path)
+        cfg = CloverConfig.from_file(path)
+        model = cls(cfg)
+        model.load_hf_state_dict(checkpoint.load_hf_tensors(path), strict=True)
+        return model.to(dtype)
+
+    def hf_name_map(self) -> dict[str, tuple[str, str | None]]:
+        """HF tensor name -> (our parameter name, layout note). Experts are handled separately (stacked here)."""
+        m: dict[str, tuple[str, str | None]] = {
+            "model.embed_tokens.weight": ("embed_tokens", None),
+            "model.norm.weight": ("norm", None),
+        }
+        if self.lm_head is not None:
+            m["lm_head.weight"] = ("lm_head", None)
+        for i, layer in enumerate(self.layers):
+            p, q = f"model.layers.{i}.", f"layers.{i}."
+            m[p + "input_layernorm.weight"] = (q + "input_layernorm", None)
+            m[p + "post_attention_layernorm.weight"] = (q + "post_attention_layernorm", None)
+            if layer.full_attention:
+                for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                    m[p + f"self_attn.{n}.weight"] = (q + f"self_attn.{n}.weight", None)
+                m[p + "self_attn.q_norm.weight"] = (q + "self_attn.q_norm", None)
+                m[p + "self_attn.k_norm.weight"] = (q + "self_attn.k_norm", None)
+            else:
+                for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"):
+                    m[p + f"linear_attn.{n}.weight"] = (q + f"linear_attn.{n}.weight", None)
+                m[p + "linear_attn.conv1d.weight"] = (q + "linear_attn.conv1d", "conv")
+                m[p + "linear_attn.dt_bias"] = (q + "linear_attn.dt_bias", None)
+                m[p + "linear_attn.A_log"] = (q + "linear_attn.A_log", None)
+                m[p + "linear_attn.norm.weight"] = (q + "linear_attn.norm", None)
+                if self.cfg.is_clover:
+                    m[p + "linear_attn.conv1d_right.weight"] = (q + "linear_attn.conv1d_right", "conv")
+                    m[p + "linear_attn.block_attn_log_scale"] = (q + "linear_attn.block_attn_log_scale", None)
+                    m[p + "linear_attn.block_attn_gate"] = (q + "linear_attn.block_attn_gate", None)
+            m[p + "mlp.gate.weight"] = (q + "mlp.gate.weight", None)
+            for n in ("gate_proj", "up_proj", "down_proj"):
+                m[p + f"mlp.shared_expert.{n}.weight"] = (q + f"mlp.shared_{n}.weight", None)
+            m[p + "mlp.shared_expert_gate.weight"] = (q + "mlp.shared_expert_gate.weight", None)
+        return m
+
+    def load_hf_state_dict(self, tensors: dict[str, torch.Tensor], strict: bool = True) -> None:
+        """Load HF-named tensors (prefix and expert layout already normalised by clover_gguf.checkpoint)."""
+        params = dict(self.named_parameters())
+        consumed = set()
+        with torch.no_grad():
+            for hf_name, (ours, note) in self.hf_name_map().items():
+                if hf_name not in tensors:
+                    raise UserError(f"checkpoint lacks tensor {hf_name}")
+                t = tensors[hf_name]
+                if note == "conv":
+                    t = t.reshape(t.shape[0], t.shape[-1])
+                _copy_checked(params[ours], t, hf_name)
+                consumed.add(hf_name)
+            for i, layer in enumerate(self.layers):
+                for n in ("gate_proj", "up_proj", "down_proj"):
+                    hf_name = f"model.layers.{i}.mlp.experts.{n}"
+                    if hf_name not in tensors:
+                        raise UserError(f"checkpoint lacks experts {hf_name}")
+                    _copy_checked(getattr(layer.mlp, n), tensors[hf_name], hf_name)
+                    consumed.add(hf_name)
+        unused = sorted(set(tensors) - consumed)
+        if strict and unused:
+            raise UserError(f"{len(unused)} tensor(s) nobody consumed: {', '.join(unused[:5])}")
+
+    def hf_state_dict(self, experts: str = "per-expert") -> dict[str, torch.Tensor]:
+        """Our weights under HF names, experts per expert (`mlp.experts.{e}.gate_proj.weight`) or fused."""
+        params = dict(self.named_parameters())
+        out: dict[str, torch.Tensor] = {}
+        for hf_name, (ours, note) in self.hf_name_map().items():
+            t = params[ours].detach()
+            out[hf_name] = t.unsqueeze(1) if note == "conv" else t
+        for i, layer in enumerate(self.layers):
+            g, u, d = (getattr(layer.mlp, n).detach() for n in ("gate_proj", "up_proj", "down_proj"))
+            p = f"model.layers.{i}.mlp.experts."
+            if experts == "fused":
+                out[p + "gate_up_proj"] = torch.cat([g, u], dim=1)  # [E, 2I, H], gate rows first
+                out[p + "down_proj"] = d
+            else:
+                for e in range(self.cfg.num_experts):
+                    out[p + f"{e}.gate_proj.weight"] = g[e]
+                    out[p + f"{e}.up_proj.weight"] = u[e]
+                    out[p + f"{e}.down_proj.weight"] = d[e]
+        return {k: v.contiguous() for k, v in out.items()}
+
+
+def _copy_checked(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
+    if tuple(param.shape) != tuple(value.shape):
+        raise UserError(f"tensor {name} has shape {tuple(value.shape)}, config.json implies {tuple(param.shape)}")
+    param.copy_(value.to(param.dtype))
+
+
+def _as_ids(ids: torch.Tensor | Iterable[int]) -> torch.Tensor:
+    if isinstance(ids, torch.Tensor):
+        return ids.long()
+    return torch.tensor(list(ids), dtype=torch.long)
+
+
+def save_config(path: Path, cfg: CloverConfig) -> None:
+    (Path(path) / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=1) + "\n")
