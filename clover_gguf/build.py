@@ -144,22 +144,27 @@ def _feed(h: "hashlib._Hash", tag: str, data: bytes) -> None:
     h.update(tag.encode() + b"\0" + str(len(data)).encode() + b"\0" + data)
 
 
-def patch_hash(patches: Sequence[Path] | None = None) -> str:
-    """sha256 over the bytes of every patch, in order. Identifies "the current patches" in stamps and doctor()."""
+def _patch_bytes(p: Path | bytes) -> bytes:
+    return p if isinstance(p, bytes) else Path(p).read_bytes()
+
+
+def patch_hash(patches: Sequence[Path | bytes] | None = None) -> str:
+    """sha256 over the bytes of every patch, in order. Identifies "the current patches" in stamps and doctor().
+    Items are patch files or their contents."""
     patches = patch_files() if patches is None else patches
     h = hashlib.sha256()
     for p in patches:
-        _feed(h, "patch", Path(p).read_bytes())
+        _feed(h, "patch", _patch_bytes(p))
     return h.hexdigest()
 
 
-def build_hash(source_id: str, patches: Sequence[Path], backend: str, options: Sequence[str]) -> str:
-    """sha256 over everything that decides what a build contains."""
+def build_hash(source_id: str, patches: Sequence[Path | bytes], backend: str, options: Sequence[str]) -> str:
+    """sha256 over everything that decides what a build contains (patches: files or their contents, in order)."""
     h = hashlib.sha256()
     _feed(h, "recipe", str(RECIPE_VERSION).encode())
     _feed(h, "source", source_id.encode())
     for p in patches:
-        _feed(h, "patch", Path(p).read_bytes())
+        _feed(h, "patch", _patch_bytes(p))
     _feed(h, "backend", backend.encode())
     for opt in options:
         _feed(h, "option", opt.encode())
@@ -460,7 +465,7 @@ def run_logged(cmd: Sequence[str], log_path: Path, what: str, cwd: Path | None =
             proc.wait()
             raise
         finally:
-            if bar is not None:
+            if hasattr(bar, "close"):
                 bar.close()
     if rc != 0:
         text = Path(log_path).read_text(encoding="utf-8", errors="replace")
@@ -479,6 +484,13 @@ def _progress(bar, line: str, what: str):
         if m:
             done, total = int(m.group(1)), 100
     if total is None:
+        return bar
+    if not sys.stderr.isatty():
+        # logs and pipes: one plain line per 10 %, not a redrawn bar
+        decile = done * 10 // max(total, 1)
+        if bar is None or decile > bar:
+            print(f"{what}: {done}/{total}", file=sys.stderr, flush=True)
+            return decile
         return bar
     if bar is None:
         from tqdm import tqdm
@@ -615,7 +627,9 @@ def build_llama(backend: str = "cpu", jobs: int | None = None, source: Path | st
     """Build (or find in the cache) the patched llama.cpp for `backend` and return where it is installed."""
     t0 = time.monotonic()
     options = cmake_options(backend)
+    # read the patches once: the hash, the stamp and the applied content must agree even if a file changes meanwhile
     patches = patch_files()
+    patch_data = [p.read_bytes() for p in patches]
     if jobs is not None and jobs < 1:
         raise UserError(f"jobs must be at least 1, got {jobs}")
     jobs = jobs or os.cpu_count() or 1
@@ -628,15 +642,16 @@ def build_llama(backend: str = "cpu", jobs: int | None = None, source: Path | st
             raise UserError(f"--source is not a folder: {source}")
         source_id = f"git:{source_commit(source)}"
     else:
-        sdist = fetch_sdist(root, quiet=quiet)
-        source_id = f"sdist:{SDIST_SHA256}"
+        source_id = f"sdist:{SDIST_SHA256}"  # the sdist itself is fetched (and verified) only if a build is needed
 
-    digest = build_hash(source_id, patches, backend, options)
+    digest = build_hash(source_id, patch_data, backend, options)
     final = Path(prefix).expanduser().resolve() if prefix is not None else root / f"llama-{digest[:16]}"
 
     if is_complete(final, digest):
         return _info_from_stamp(final, read_stamp(final) or {}, cached=True, seconds=time.monotonic() - t0)
 
+    if final.exists() and not final.is_dir():
+        raise UserError(f"{final} exists and is not a folder")
     if final.exists() and any(final.iterdir()) and read_stamp(final) is None:
         raise UserError(f"{final} exists and is not a clover-gguf llama.cpp build; choose an empty or new folder")
 
@@ -645,6 +660,8 @@ def build_llama(backend: str = "cpu", jobs: int | None = None, source: Path | st
         if is_complete(final, digest):  # another process finished it while we waited
             return _info_from_stamp(final, read_stamp(final) or {}, cached=True, seconds=time.monotonic() - t0)
         _check_tools(backend)
+        if source is None:
+            sdist = fetch_sdist(root, quiet=quiet)
         final.parent.mkdir(parents=True, exist_ok=True)
         free = shutil.disk_usage(final.parent).free
         if free < BUILD_DISK_BYTES:
@@ -669,7 +686,11 @@ def build_llama(backend: str = "cpu", jobs: int | None = None, source: Path | st
                 extract_llama_source(sdist, src)
             else:
                 copy_source_tree(Path(source), src)  # type: ignore[arg-type]
-            apply_patches(src, patches)
+            snapshot = work / "patches"
+            snapshot.mkdir()
+            for p, data in zip(patches, patch_data):
+                (snapshot / p.name).write_bytes(data)
+            apply_patches(src, [snapshot / p.name for p in patches])
             built_bin = configure_and_build(src, work / "build", backend, options, jobs, log_path, quiet=quiet)
             stage = work / "install"
             stage_install(built_bin, stage)
@@ -677,7 +698,7 @@ def build_llama(backend: str = "cpu", jobs: int | None = None, source: Path | st
             stamp = {
                 "complete": True,
                 "build_hash": digest,
-                "patch_hash": patch_hash(patches),
+                "patch_hash": patch_hash(patch_data),
                 "patches": [p.name for p in patches],
                 "backend": backend,
                 "source": source_id,

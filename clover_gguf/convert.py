@@ -15,7 +15,7 @@ from gguf import GGUFWriter, quants
 from clover_gguf.checkpoint import Checkpoint
 from clover_gguf.config import CloverConfig, GenerationDefaults
 from clover_gguf.errors import UserError
-from clover_gguf.fsutil import atomic_output, check_free_disk
+from clover_gguf.fsutil import atomic_output, check_free_disk, check_writable_dir
 from clover_gguf.tensor_map import (EXPERT_KINDS, FUSED_RE, MTP_LAYER_RE, PER_EXPERT_RE, REORDER_ONLY, TRANSFORMS,
                                     TensorRule, expert_shape, match_rule)
 from clover_gguf.vocab import Vocab, load_vocab
@@ -321,6 +321,7 @@ def convert(src: Path, out: Path, outtype: str = "bf16", skip_unknown: bool = Fa
             return ConvertResult(None, len(plan.tensors), plan.nbytes, plan.notices, plan.skipped_unknown, plan)
         if out.exists() and out.is_dir():
             raise UserError(f"output is a folder: {out}")
+        check_writable_dir(out)
         check_free_disk(out, plan.nbytes + 16 * 2**20)
         n_blocks = max(int(t.name.split(".")[1]) for t in plan.tensors if t.name.startswith("blk.")) + 1
         with atomic_output(out) as tmp:

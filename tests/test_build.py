@@ -267,10 +267,12 @@ def test_cache_hit_skips_work(env, fake_source, monkeypatch):
     assert stamp["backend"] == "cpu" and stamp["patch_hash"] == build.patch_hash() and stamp["complete"] is True
     assert not list(env["cache"].glob(".work-*"))  # the temporary tree is gone
 
+    monkeypatch.setenv(build.ENV_SDIST, str(env["tmp"] / "gone.tar.gz"))  # a cache hit needs no source at all
     second = build.build_llama("cpu", jobs=1, quiet=True)
     assert calls == ["cpu"]  # nothing rebuilt
     assert second.cached is True and second.prefix == first.prefix and second.build_hash == first.build_hash
 
+    monkeypatch.setenv(build.ENV_SDIST, str(fake_source))
     other = build.build_llama("vulkan", jobs=1, quiet=True)
     assert calls == ["cpu", "vulkan"] and other.prefix != first.prefix
 
