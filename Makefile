@@ -1,0 +1,26 @@
+# clover-gguf developer targets. PY is the project's virtual environment when it exists.
+PY ?= $(shell test -x .venv/bin/python && echo .venv/bin/python || echo python3)
+DEMO_DIR ?= out/demo
+
+.PHONY: venv test demo llama clean
+
+venv:
+	python3 -m venv .venv
+	.venv/bin/python -m pip install -q --upgrade pip
+	.venv/bin/python -m pip install -q -e '.[test]'
+
+# The tests. The llama.cpp parity tests need the patched library: `make llama` builds it once (cached).
+test: llama
+	$(PY) -m pytest -q
+
+llama:
+	$(PY) -m clover_gguf build-llama --quiet
+
+# The main job on the bundled default model; it grows as the pieces land.
+demo:
+	mkdir -p $(DEMO_DIR)
+	$(PY) -m clover_gguf convert clover_gguf/assets/tiny-clover -o $(DEMO_DIR)/tiny-clover-f32.gguf --outtype f32
+	$(PY) -m clover_gguf info $(DEMO_DIR)/tiny-clover-f32.gguf
+
+clean:
+	rm -rf out .pytest_cache
