@@ -325,12 +325,12 @@ def convert(src: Path, out: Path, outtype: str = "bf16", skip_unknown: bool = Fa
         check_free_disk(out, plan.nbytes + 16 * 2**20)
         n_blocks = max(int(t.name.split(".")[1]) for t in plan.tensors if t.name.startswith("blk.")) + 1
         with atomic_output(out) as tmp:
-            _write(tmp, plan, vocab, gen, n_blocks, src.name, quiet)
+            _write(tmp, plan, vocab, gen, n_blocks, src.name, quiet, after_tensor=ck.drop_resident_pages)
     return ConvertResult(out, len(plan.tensors), plan.nbytes, plan.notices, plan.skipped_unknown, plan)
 
 
 def _write(path: Path, plan: ConversionPlan, vocab: Vocab, gen: GenerationDefaults, n_blocks: int, name: str,
-           quiet: bool) -> None:
+           quiet: bool, after_tensor: Callable[[], None] = lambda: None) -> None:
     from tqdm import tqdm
 
     w = GGUFWriter(path=None, arch=ARCH)
@@ -354,5 +354,6 @@ def _write(path: Path, plan: ConversionPlan, vocab: Vocab, gen: GenerationDefaul
                 w.write_tensor_data(np.ascontiguousarray(data))
                 bar.update(t.nbytes)
                 del data
+                after_tensor()
     finally:
         w.close()

@@ -1,0 +1,144 @@
+"""Converter throughput and memory, against `cp` and llama.cpp's convert_hf_to_gguf.py, in one run.
+
+    python bench/convert.py [--workdir out/bench-convert] [--preset large] [--keep]
+
+Makes a `make_tiny --preset large` BF16 Clover checkpoint (over 2 GB) and its plain Qwen3.5-MoE twin, then times
+(each as its own process, peak RSS from wait4):
+  cp         the Clover shards copied to another folder
+  ours       clover-gguf convert, bf16 -> bf16, on the Clover checkpoint
+  ours-qwen  clover-gguf convert on the plain twin
+  upstream   convert_hf_to_gguf.py from the pinned sdist (bf16) on the plain twin
+Targets (issue 3): peak RSS under 1 GiB; ours >= 0.5x the speed of cp; faster than convert_hf_to_gguf.py.
+The page cache is warmed by a first read of every file so that all runs read from memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from clover_gguf.testing.make_tiny import make_tiny  # noqa: E402
+
+UPSTREAM_WRAPPER = """
+import sys
+sys.path.insert(0, {gguf_py!r})
+sys.path.insert(0, {src!r})
+import conversion.base as base
+# our tokenizer is new to llama.cpp's pre-tokenizer hash table; it uses Qwen3.5's regex, so name it
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen35"
+import convert_hf_to_gguf
+sys.argv = ["convert_hf_to_gguf.py"] + {args!r}
+convert_hf_to_gguf.main()
+"""
+
+
+# Peak RSS must be read in a small launcher: a child forked straight from this (large) process would report this
+# process's resident size as its own high-water mark, since Linux keeps it across fork and exec.
+LAUNCHER = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL); "
+            "print('maxrss', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); "
+            "sys.exit(r.returncode)")
+
+
+def run_measured(cmd: list[str], env: dict | None = None) -> tuple[float, int]:
+    """-> (wall seconds, peak RSS bytes) of one command."""
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, "-c", LAUNCHER, *cmd], env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if p.returncode != 0:
+        raise SystemExit(f"failed: {' '.join(cmd)}\n{p.stderr[-2000:]}")
+    rss_kib = int([ln for ln in p.stderr.splitlines() if ln.startswith("maxrss ")][-1].split()[1])
+    return wall, rss_kib * 1024
+
+
+def warm(folder: Path) -> int:
+    total = 0
+    for f in sorted(folder.iterdir()):
+        if f.is_file():
+            with open(f, "rb") as fh:
+                while chunk := fh.read(64 << 20):
+                    total += len(chunk)
+    return total
+
+
+def upstream_source(cache: Path) -> Path:
+    """convert_hf_to_gguf.py, conversion/ and gguf-py/ from the pinned sdist (downloaded and verified by build)."""
+    from clover_gguf import build
+
+    dest = cache / "upstream-convert"
+    if (dest / "convert_hf_to_gguf.py").is_file():
+        return dest
+    tarball = build.fetch_sdist() if hasattr(build, "fetch_sdist") else Path(os.environ["CLOVER_GGUF_SDIST"])
+    prefix = f"llama_cpp_python-0.3.36/vendor/llama.cpp/"
+    with tarfile.open(tarball) as tar:
+        members = [m for m in tar.getmembers() if m.name.startswith(prefix) and
+                   (m.name[len(prefix):] == "convert_hf_to_gguf.py" or
+                    m.name[len(prefix):].startswith(("conversion/", "gguf-py/")))]
+        for m in members:
+            m.name = m.name[len(prefix):]
+        tar.extractall(dest, members=members, filter="data")
+    return dest
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workdir", type=Path, default=ROOT / "out" / "bench-convert")
+    ap.add_argument("--preset", default="large")
+    ap.add_argument("--keep", action="store_true", help="keep the checkpoints for another run")
+    a = ap.parse_args()
+    wd = a.workdir
+    wd.mkdir(parents=True, exist_ok=True)
+    clover, plain = wd / "clover", wd / "plain"
+    for path, plain_qwen in ((clover, False), (plain, True)):
+        if not (path / "config.json").is_file():
+            print(f"making {path} ({a.preset}, bf16) ...", flush=True)
+            make_tiny(path, seed=0, preset=a.preset, dtype="bf16", plain_qwen=plain_qwen, shard_size=1 << 30)
+    size = sum(f.stat().st_size for f in clover.glob("*.safetensors"))
+    print(f"checkpoint: {size / 1e9:.2f} GB of safetensors", flush=True)
+    src_up = upstream_source(wd)
+
+    results = {}
+    warm(clover)
+    copy_dir = wd / "cp-target"
+    shutil.rmtree(copy_dir, ignore_errors=True)
+    copy_dir.mkdir()
+    results["cp"] = run_measured(["cp", *map(str, sorted(clover.glob("*.safetensors"))), str(copy_dir)])
+    shutil.rmtree(copy_dir)
+    py = sys.executable
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for name, src in (("ours", clover), ("ours-qwen", plain)):
+        warm(src)
+        out = wd / f"{name}.gguf"
+        results[name] = run_measured([py, "-m", "clover_gguf", "convert", str(src), "-o", str(out), "--outtype", "bf16",
+                                      "--quiet"], env)
+        out.unlink()
+    warm(plain)
+    out = wd / "upstream.gguf"
+    wrapper = UPSTREAM_WRAPPER.format(gguf_py=str(src_up / "gguf-py"), src=str(src_up),
+                                      args=[str(plain), "--outfile", str(out), "--outtype", "bf16", "--no-mtp"])
+    results["upstream"] = run_measured([py, "-c", wrapper])
+    out.unlink()
+
+    print(f"\n{'run':<10} {'seconds':>8} {'GB/s':>7} {'peak RSS MiB':>13} {'speed vs cp':>12}")
+    for name, (wall, rss) in results.items():
+        print(f"{name:<10} {wall:8.2f} {size / wall / 1e9:7.2f} {rss / 2**20:13.0f} "
+              f"{results['cp'][0] / wall:12.2f}")
+    ours, up = results["ours-qwen"][0], results["upstream"][0]
+    print(f"\nours (plain twin) vs convert_hf_to_gguf.py: {up / ours:.2f}x faster")
+    print(f"ours peak RSS: {results['ours'][1] / 2**30:.3f} GiB (target < 1 GiB)")
+    print(f"ours speed / cp speed: {results['cp'][0] / results['ours'][0]:.2f} (target >= 0.5)")
+    if not a.keep:
+        shutil.rmtree(clover)
+        shutil.rmtree(plain)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,201 @@
+"""A llama.cpp context on a Clover GGUF through llama-cpp-python's low-level binding.
+
+The binding loads libllama from $LLAMA_CPP_LIB_PATH; `load_binding()` points it at the patched build first
+(`clover-gguf build-llama`). Block mode follows docs/llama-cpp-patch.md: copy the sequence, decode the block
+non-causally on the copy with logits for every block token, drop the copy — the committed sequence never changes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from clover_gguf.errors import UserError
+
+GGML_TYPE_F32 = 0
+
+
+def load_binding() -> Any:
+    """Import llama_cpp bound to the patched library; one clear error when either is missing."""
+    if not os.environ.get("LLAMA_CPP_LIB_PATH"):
+        from clover_gguf.build import find_library
+
+        info = find_library()
+        if info is None:
+            raise UserError("no patched llama.cpp library found: run `clover-gguf build-llama` (or `make llama`)")
+        os.environ["LLAMA_CPP_LIB_PATH"] = str(info.lib_dir)
+    try:
+        import llama_cpp
+    except ImportError:
+        raise UserError("the llama-cpp-python binding is not installed: `clover-gguf build-llama` installs it") from None
+    except (OSError, RuntimeError) as e:
+        raise UserError(f"cannot load libllama from {os.environ['LLAMA_CPP_LIB_PATH']}: {e}") from None
+    return llama_cpp
+
+
+def _kv_overrides(L: Any, overrides: dict[str, bool | int | float]) -> Any:
+    arr = (L.llama_model_kv_override * (len(overrides) + 1))()
+    for i, (key, val) in enumerate(overrides.items()):
+        arr[i].key = key.encode()
+        if isinstance(val, bool):
+            arr[i].tag, arr[i].value.val_bool = L.LLAMA_KV_OVERRIDE_TYPE_BOOL, val
+        elif isinstance(val, int):
+            arr[i].tag, arr[i].value.val_i64 = L.LLAMA_KV_OVERRIDE_TYPE_INT, val
+        else:
+            arr[i].tag, arr[i].value.val_f64 = L.LLAMA_KV_OVERRIDE_TYPE_FLOAT, float(val)
+    arr[len(overrides)].key = b""  # terminator
+    return arr
+
+
+class LlamaContext:
+    """One model and one context: causal decoding on sequence 0, block passes on scratch sequence 1.
+
+    exact=True turns off flash attention and keeps K/V in F32, the settings parity with the reference needs
+    (CPU flash attention and an F16 cache alone differ by about 3e-4)."""
+
+    def __init__(self, gguf: str | Path, n_ctx: int = 4096, n_ubatch: int = 512, n_batch: int | None = None,
+                 n_seq_max: int = 2,
+                 overrides: dict[str, bool | int | float] | None = None, n_rs_seq: int = 0, exact: bool = False,
+                 n_threads: int | None = None, n_gpu_layers: int = 0):
+        L = self.L = load_binding()
+        path = Path(gguf)
+        if not path.is_file():
+            raise UserError(f"no such model file: {path}")
+        L.llama_backend_init()
+        L.llama_log_set(_quiet_log(L), ctypes.c_void_p())
+        mp = L.llama_model_default_params()
+        mp.n_gpu_layers = n_gpu_layers
+        self._overrides = _kv_overrides(L, overrides) if overrides else None
+        if self._overrides is not None:
+            mp.kv_overrides = ctypes.cast(self._overrides, ctypes.POINTER(L.llama_model_kv_override))
+        self.model = L.llama_model_load_from_file(str(path).encode(), mp)
+        if not self.model:
+            raise UserError(f"llama.cpp could not load {path} (not a Clover GGUF, or the library is not patched)")
+        cp = L.llama_context_default_params()
+        cp.n_ctx = n_ctx
+        cp.n_batch = max(n_batch or n_ctx, n_ubatch)  # tokens one decode call may take
+        cp.n_ubatch = max(n_ubatch, 1)  # a block must fit in one ubatch
+        cp.n_seq_max = n_seq_max
+        cp.n_rs_seq = n_rs_seq
+        cp.kv_unified = True  # seq_cp of the KV cache is then metadata only
+        threads = n_threads or max(1, min(8, os.cpu_count() or 1))
+        cp.n_threads = cp.n_threads_batch = threads
+        if exact:
+            cp.flash_attn_type = 0
+            cp.type_k = cp.type_v = GGML_TYPE_F32
+        self.ctx = L.llama_init_from_model(self.model, cp)
+        if not self.ctx:
+            L.llama_model_free(self.model)
+            raise UserError("llama.cpp could not create a context (too little memory for n_ctx?)")
+        self.vocab = L.llama_model_get_vocab(self.model)
+        self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
+        self.n_ctx = L.llama_n_ctx(self.ctx)
+        self.mem = L.llama_get_memory(self.ctx)
+
+    # ---- metadata ---------------------------------------------------------------------------------------
+    def meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(4096)
+        n = self.L.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", "replace") if n >= 0 else None
+
+    # ---- decoding ---------------------------------------------------------------------------------------
+    def decode(self, ids: Sequence[int], pos0: int, seq: int = 0, logits: bool | Sequence[bool] = True,
+               extra: Sequence[tuple[Sequence[int], int, int]] = ()) -> np.ndarray:
+        """Decode `ids` at positions pos0.. on `seq` (plus (ids, pos0, seq) parts in the same batch) ->
+        logits [n_out, V] for the tokens that asked for them (all by default)."""
+        L = self.L
+        parts = [(ids, pos0, seq), *extra]
+        n = sum(len(p[0]) for p in parts)
+        want = [bool(logits)] * len(ids) if isinstance(logits, bool) else list(logits)
+        want += [True] * (n - len(want))
+        batch = L.llama_batch_init(n, 0, 1)
+        try:
+            i = 0
+            for p_ids, p_pos0, p_seq in parts:
+                for j, t in enumerate(p_ids):
+                    batch.token[i], batch.pos[i], batch.n_seq_id[i] = int(t), p_pos0 + j, 1
+                    batch.seq_id[i][0] = p_seq
+                    batch.logits[i] = want[i]
+                    i += 1
+            batch.n_tokens = n
+            rc = L.llama_decode(self.ctx, batch)
+            if rc != 0:
+                raise RuntimeError(f"llama_decode returned {rc}")
+            rows = [i for i in range(n) if want[i]]
+            out = np.empty((len(rows), self.n_vocab), dtype=np.float32)
+            for k, i in enumerate(rows):
+                out[k] = np.ctypeslib.as_array(L.llama_get_logits_ith(self.ctx, i), shape=(self.n_vocab,))
+            return out
+        finally:
+            L.llama_batch_free(batch)
+
+    def block(self, block_ids: Sequence[int], n_past: int, seq: int = 0, scratch: int = 1) -> np.ndarray:
+        """Block-mode logits [B, V] for `block_ids` after the n_past tokens of `seq`, which is left untouched."""
+        L = self.L
+        L.llama_memory_seq_cp(self.mem, seq, scratch, -1, -1)
+        L.llama_set_causal_attn(self.ctx, False)
+        try:
+            return self.decode(block_ids, n_past, seq=scratch)
+        finally:
+            L.llama_set_causal_attn(self.ctx, True)
+            L.llama_memory_seq_rm(self.mem, scratch, -1, -1)
+
+    def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> bool:
+        return bool(self.L.llama_memory_seq_rm(self.mem, seq, p0, p1))
+
+    def seq_cp(self, src: int, dst: int) -> None:
+        self.L.llama_memory_seq_cp(self.mem, src, dst, -1, -1)
+
+    def clear(self) -> None:
+        self.L.llama_memory_clear(self.mem, True)
+
+    # ---- tokenizer --------------------------------------------------------------------------------------
+    def tokenize(self, text: str, special: bool = True) -> list[int]:
+        data = text.encode("utf-8")
+        cap = len(data) + 16
+        buf = (self.L.llama_token * cap)()
+        n = self.L.llama_tokenize(self.vocab, data, len(data), buf, cap, False, special)
+        if n < 0:
+            cap = -n
+            buf = (self.L.llama_token * cap)()
+            n = self.L.llama_tokenize(self.vocab, data, len(data), buf, cap, False, special)
+        return list(buf[:n])
+
+    def token_to_piece(self, token: int, special: bool = False) -> bytes:
+        buf = ctypes.create_string_buffer(256)
+        n = self.L.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+        return buf.raw[:n] if n >= 0 else b""
+
+    def close(self) -> None:
+        if getattr(self, "ctx", None):
+            self.L.llama_free(self.ctx)
+            self.ctx = None
+        if getattr(self, "model", None):
+            self.L.llama_model_free(self.model)
+            self.model = None
+
+    def __enter__(self) -> "LlamaContext":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _silent(level, text, user_data):
+    """llama.cpp's log goes nowhere unless CLOVER_GGUF_LLAMA_LOG is set."""
+    if os.environ.get("CLOVER_GGUF_LLAMA_LOG"):
+        os.write(2, text)
+
+
+_LOG_CALLBACK = None  # kept alive for as long as the library may call it
+
+
+def _quiet_log(L: Any) -> Any:
+    global _LOG_CALLBACK
+    if _LOG_CALLBACK is None:
+        _LOG_CALLBACK = L.llama_log_callback(_silent)
+    return _LOG_CALLBACK
