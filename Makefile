@@ -13,8 +13,9 @@ venv:
 test: llama
 	$(PY) -m pytest -q
 
+BACKEND ?= cpu
 llama:
-	$(PY) -m clover_gguf build-llama --quiet
+	$(PY) -m clover_gguf build-llama --backend $(BACKEND) $(if $(JOBS),--jobs $(JOBS)) --quiet
 
 # The main job on the bundled default model; it grows as the pieces land.
 demo:

@@ -75,6 +75,118 @@ def info(
     typer.echo(json.dumps(data) if as_json else format_info(data))
 
 
+@app.command("build-llama")
+def build_llama(
+    backend: Backend = typer.Option(Backend.cpu, "--backend", help="ggml backend to build"),
+    jobs: Optional[int] = typer.Option(None, "--jobs", "-j", help="parallel compile jobs (default: all cores)"),
+    source: Optional[Path] = typer.Option(None, "--source", help="an upstream llama.cpp checkout of 0c1e57098"),
+    prefix: Optional[Path] = typer.Option(None, "--prefix", help="install here instead of the user cache"),
+    binding: bool = typer.Option(True, "--binding/--no-binding", help="install llama-cpp-python's binding too"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress output"),
+) -> None:
+    """Download, verify, patch and build llama.cpp with the clover architecture (cached)."""
+    from clover_gguf import build
+
+    info = build.build_llama(backend.value, jobs=jobs, source=source, prefix=prefix, quiet=quiet)
+    if binding:
+        build.install_binding(info, quiet=quiet)
+    state = "cached" if info.cached else f"built in {info.seconds:.0f} s"
+    typer.echo(f"llama.cpp ({info.backend}) {state}: {info.bin_dir}")
+    typer.echo(f"export LLAMA_CPP_LIB_PATH={info.lib_dir}")
+
+
+@app.command()
+def doctor(as_json: bool = typer.Option(False, "--json", help="print one JSON object")) -> None:
+    """The llama.cpp library clover-gguf would use, its backend and patch hash, and what is missing."""
+    from clover_gguf import build
+
+    d = build.doctor()
+    if as_json:
+        typer.echo(json.dumps(d))
+    else:
+        for key in ("library_path", "bin_dir", "backend", "patch_hash", "binding_version", "cache_dir"):
+            typer.echo(f"{key:<16} {d.get(key)}")
+        for w in d.get("warnings", []):
+            typer.echo(f"warning: {w}")
+        for m in d.get("missing", []):
+            typer.echo(f"missing: {m}")
+        typer.echo("ok" if d["ok"] else "not ready")
+    if not d["ok"]:
+        raise typer.Exit(2)
+
+
+class Mode(str, Enum):
+    ar = "ar"
+    diffusion = "diffusion"
+    draft_self = "draft-self"
+
+
+class Accept(str, Enum):
+    exact = "exact"
+    threshold = "threshold"
+
+
+class Rollback(str, Enum):
+    redecode = "redecode"
+    snapshot = "snapshot"
+
+
+@app.command()
+def generate(
+    model: Path = typer.Argument(..., help="a Clover GGUF"),
+    prompt: str = typer.Option(..., "-p", "--prompt", help="the user message"),
+    mode: Mode = typer.Option(Mode.draft_self, "--mode", help="ar, diffusion (block decoding) or draft-self"),
+    max_new_tokens: int = typer.Option(512, "--max-new-tokens", "-n", min=1),
+    block_size: Optional[int] = typer.Option(None, "--block-size", min=1, help="default: the GGUF's (32)"),
+    threshold: Optional[float] = typer.Option(None, "--threshold", min=0.0, max=1.0, help="default: the GGUF's"),
+    accept: Accept = typer.Option(Accept.exact, "--accept", help="draft-self acceptance rule"),
+    temp: float = typer.Option(0.0, "--temp", min=0.0, help="0 = greedy"),
+    top_p: float = typer.Option(1.0, "--top-p", min=0.0, max=1.0),
+    top_k: int = typer.Option(0, "--top-k", min=0),
+    seed: Optional[int] = typer.Option(None, "--seed"),
+    think: bool = typer.Option(True, "--think/--no-think", help="let the model think first"),
+    ctx: Optional[int] = typer.Option(None, "--ctx", help="context size (default: enough for the request)"),
+    rollback: Rollback = typer.Option(Rollback.redecode, "--rollback", help="draft-self rollback strategy"),
+    stats: bool = typer.Option(False, "--stats", help="print decoding stats to stderr"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object: text, thinking, stats"),
+) -> None:
+    """Answer one prompt, streaming the answer as tokens are accepted."""
+    from clover_gguf.runtime import CloverRuntime, split_thinking
+
+    with CloverRuntime(model, n_ctx=ctx, rollback=rollback.value) as rt:
+        kw = dict(mode=mode.value, max_new_tokens=max_new_tokens, block_size=block_size, threshold=threshold,
+                  accept=accept.value, temp=temp, top_p=top_p, top_k=top_k, seed=seed, think=think)
+        if as_json:
+            ans = rt.generate(prompt, **kw)
+            typer.echo(json.dumps(ans.to_json()))
+            return
+        raw, run = "", None
+        for text, run in rt.stream(prompt, **kw):
+            raw += text
+            typer.echo(text, nl=False)
+        typer.echo("")
+        if stats and run is not None:
+            typer.echo(json.dumps(run.__dict__), err=True)
+
+
+@app.command()
+def chat(
+    model: Path = typer.Argument(..., help="a Clover GGUF"),
+    mode: Mode = typer.Option(Mode.draft_self, "--mode"),
+    max_new_tokens: int = typer.Option(1024, "--max-new-tokens", "-n", min=1),
+    think: bool = typer.Option(True, "--think/--no-think"),
+    show_thinking: bool = typer.Option(True, "--show-thinking/--hide-thinking", help="thinking dimmed, or hidden"),
+    temp: float = typer.Option(0.0, "--temp", min=0.0),
+    seed: Optional[int] = typer.Option(None, "--seed"),
+    ctx: Optional[int] = typer.Option(None, "--ctx"),
+) -> None:
+    """Chat in the terminal: /reset, /mode ar|diffusion|draft-self, /stats, /quit; Ctrl-C stops an answer."""
+    from clover_gguf.chat import ChatSession
+
+    ChatSession(model, mode=mode.value, max_new_tokens=max_new_tokens, think=think, show_thinking=show_thinking,
+                temp=temp, seed=seed, n_ctx=ctx).loop()
+
+
 def main() -> None:
     import click
 

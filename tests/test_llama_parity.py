@@ -1,0 +1,322 @@
+"""The patched llama.cpp (clover architecture) against clover_gguf.reference and transformers, through
+llama-cpp-python. Runs in CI on the build `make llama` made: a missing library is a failure, never a skip.
+
+Parity settings: flash attention off and an F32 KV cache (CPU flash attention / F16 K/V give ~3e-4 on their own).
+Relative error is ||d|| / ||ref|| over the whole logits array.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from clover_gguf.llama_context import LlamaContext, load_binding
+
+TOL = 1e-4
+
+load_binding()  # raises (fails the module) when the patched library or the binding is missing
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def _convert(ckpt: Path, out: Path) -> Path:
+    subprocess.run([sys.executable, "-m", "clover_gguf", "convert", str(ckpt), "-o", str(out), "--outtype", "f32"],
+                   check=True, capture_output=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def clover_files(make_checkpoint, tmp_path_factory):
+    ckpt = make_checkpoint(seed=1)
+    return ckpt, _convert(ckpt, tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+
+
+@pytest.fixture(scope="module")
+def plain_files(make_checkpoint, tmp_path_factory):
+    ckpt = make_checkpoint(seed=2, plain_qwen=True)
+    return ckpt, _convert(ckpt, tmp_path_factory.mktemp("gguf") / "plain.gguf")
+
+
+@pytest.fixture(scope="module")
+def ref(clover_files):
+    from clover_gguf.reference import CloverModel
+
+    return CloverModel.from_pretrained(clover_files[0], dtype=torch.float64)
+
+
+def _runner(gguf: Path, **kw) -> LlamaContext:
+    kw.setdefault("n_ctx", 512)
+    kw.setdefault("n_ubatch", 512)
+    return LlamaContext(gguf, exact=True, n_threads=2, **kw)
+
+
+def _ids(seed: int, n: int, vocab: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, vocab, size=n).tolist()
+
+
+@pytest.fixture(scope="module")
+def seqs(ref):
+    v = ref.cfg.vocab_size
+    return dict(prefix=_ids(10, 23, v), block=_ids(11, ref.cfg.block_size, v), block2=_ids(12, ref.cfg.block_size, v),
+                nxt=_ids(13, 5, v))
+
+
+def test_causal_parity(clover_files, ref, seqs):
+    prefix, nxt = seqs["prefix"], seqs["nxt"]
+    with torch.no_grad():
+        want = ref(torch.tensor(prefix + nxt)).numpy()
+    r = _runner(clover_files[1])
+    try:
+        got = r.decode(prefix, 0, 0)
+        assert rel_err(got, want[: len(prefix)]) <= TOL
+        # token by token continues the same state
+        for i, t in enumerate(nxt):
+            assert rel_err(r.decode([t], len(prefix) + i, 0), want[len(prefix) + i: len(prefix) + i + 1]) <= TOL
+    finally:
+        r.close()
+
+
+@pytest.mark.parametrize("n_block", [32, 5, 1])
+def test_block_parity_and_prefix_untouched(clover_files, ref, seqs, n_block):
+    prefix, block, nxt = seqs["prefix"], seqs["block"][:n_block], seqs["nxt"]
+    with torch.no_grad():
+        want_block = ref.block_logits(prefix, block).numpy()  # coreset as config.json says (on)
+        want_next = ref(torch.tensor(prefix + nxt)).numpy()[len(prefix):]
+        causal_block = ref(torch.tensor(prefix + block)).numpy()[len(prefix):]
+    assert rel_err(causal_block, want_block) > 1e-2  # block mode really differs from causal mode
+    r = _runner(clover_files[1])
+    try:
+        r.decode(prefix, 0, 0)
+        assert rel_err(r.block(block, len(prefix)), want_block) <= TOL
+        # seq 0 never saw the block
+        assert rel_err(r.decode(nxt, len(prefix), 0), want_next) <= TOL
+    finally:
+        r.close()
+
+
+@pytest.mark.parametrize("overrides,coreset", [
+    ({"clover.moe_block_coreset.enabled": False}, False),
+    ({"clover.moe_block_coreset.top_p": 0.5}, 0.5),
+    ({"clover.moe_block_coreset.top_p": 1.0}, 1.0),
+], ids=["off", "top_p-0.5", "top_p-1.0"])
+def test_block_coreset_overrides(clover_files, ref, seqs, overrides, coreset):
+    prefix, block = seqs["prefix"], seqs["block"]
+    with torch.no_grad():
+        want = ref.block_logits(prefix, block, coreset=coreset).numpy()
+        default = ref.block_logits(prefix, block).numpy()
+    if coreset is not False and coreset < 1.0:
+        assert rel_err(want, default) > 1e-3  # the override matters for this block
+    r = _runner(clover_files[1], overrides=overrides)
+    try:
+        r.decode(prefix, 0, 0)
+        assert rel_err(r.block(block, len(prefix)), want) <= TOL
+    finally:
+        r.close()
+
+
+def test_block_coreset_off_equals_top_p_one(ref, seqs):
+    prefix, block = seqs["prefix"], seqs["block"]
+    with torch.no_grad():
+        a = ref.block_logits(prefix, block, coreset=False).numpy()
+        b = ref.block_logits(prefix, block, coreset=1.0).numpy()
+    assert rel_err(a, b) <= 1e-12
+
+
+def test_two_blocks_in_one_ubatch(clover_files, ref, seqs):
+    """Blocks of equal length on two scratch sequences decoded in one batch: each gets its own coreset."""
+    prefix, b1, b2 = seqs["prefix"], seqs["block"], seqs["block2"]
+    with torch.no_grad():
+        w1 = ref.block_logits(prefix, b1).numpy()
+        w2 = ref.block_logits(prefix, b2).numpy()
+    r = _runner(clover_files[1], n_seq_max=3)
+    L = r.L
+    try:
+        r.decode(prefix, 0, 0)
+        r.seq_cp(0, 1)
+        r.seq_cp(0, 2)
+        L.llama_set_causal_attn(r.ctx, False)
+        got = r.decode(b1, len(prefix), 1, extra=[(b2, len(prefix), 2)])
+        L.llama_set_causal_attn(r.ctx, True)
+        r.seq_rm(1)
+        r.seq_rm(2)
+        assert rel_err(got[: len(b1)], w1) <= TOL
+        assert rel_err(got[len(b1):], w2) <= TOL
+    finally:
+        r.close()
+
+
+def test_block_with_rs_rollback_snapshots(clover_files, ref, seqs):
+    """n_rs_seq > 0 takes the fused snapshot path of the delta rule; block mode must not depend on it."""
+    prefix, block, nxt = seqs["prefix"], seqs["block"], seqs["nxt"]
+    with torch.no_grad():
+        want = ref.block_logits(prefix, block).numpy()
+        want_next = ref(torch.tensor(prefix + nxt)).numpy()[len(prefix):]
+    r = _runner(clover_files[1], n_rs_seq=4)
+    try:
+        r.decode(prefix, 0, 0)
+        assert rel_err(r.block(block, len(prefix)), want) <= TOL
+        assert rel_err(r.decode(nxt, len(prefix), 0), want_next) <= TOL
+    finally:
+        r.close()
+
+
+def test_plain_qwen_causal_parity(plain_files):
+    from clover_gguf.reference import CloverModel
+
+    ckpt, gguf = plain_files
+    model = CloverModel.from_pretrained(ckpt, dtype=torch.float64)
+    ids = _ids(20, 19, model.cfg.vocab_size)
+    with torch.no_grad():
+        want = model(torch.tensor(ids)).numpy()
+    r = _runner(gguf)
+    try:
+        assert rel_err(r.decode(ids, 0, 0), want) <= TOL
+    finally:
+        r.close()
+
+
+def test_plain_qwen_block_mode_aborts_clearly(plain_files):
+    """A GGUF without the block-mode tensors refuses a non-causal decode (an abort with a message, not garbage)."""
+    code = textwrap.dedent(f"""
+        from clover_gguf.llama_context import LlamaContext
+        r = LlamaContext({str(plain_files[1])!r}, n_ctx=256, n_ubatch=256)
+        r.decode([1, 2, 3], 0, 0)
+        r.block([4, 5, 6], 3)
+        print("BLOCK DECODED")
+    """)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0
+    assert "BLOCK DECODED" not in p.stdout
+    assert "clover.block_mode" in p.stderr
+
+
+def test_long_prompt_over_several_ubatches_and_pieces(clover_files, ref):
+    ids = _ids(30, 70, ref.cfg.vocab_size)
+    with torch.no_grad():
+        want = ref(torch.tensor(ids)).numpy()
+    r = _runner(clover_files[1], n_ubatch=16)  # 70 tokens = 5 ubatches
+    try:
+        assert rel_err(r.decode(ids, 0, 0), want) <= TOL
+        r.clear()
+        got = [r.decode(ids[a:b], a, 0) for a, b in ((0, 9), (9, 40), (40, 41), (41, 70))]
+        assert rel_err(np.concatenate(got), want) <= TOL
+    finally:
+        r.close()
+
+
+def test_transformers_checkpoint_gives_transformers_logits(plain_files):
+    from transformers import Qwen3_5MoeForCausalLM
+
+    ckpt, gguf = plain_files
+    hf = Qwen3_5MoeForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    ids = _ids(21, 40, hf.config.vocab_size)
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0].numpy()
+    r = _runner(gguf)
+    try:
+        assert rel_err(r.decode(ids, 0, 0), want) <= TOL
+    finally:
+        r.close()
+
+
+CORPUS = [
+    "Hello world! It's what we'll do; they're here, I'm sure you've seen it.",
+    "Count from 3 to 19: 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19",
+    "What is 123456 + 7890?  The answer is 131346.\n\n\tTabs\tand   spaces   ",
+    "<|im_start|>user\nReverse: abc def<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nfed cba<|im_end|>",
+    "Ünïcödé: naïve café, 東京, Привет, emoji 🙂 and symbols ~!@#$%^&*()_+{}|:\"<>?",
+    "key -> value; apple -> red\r\nsky -> blue\n\n\n",
+]
+
+
+def test_gguf_vocabulary_tokenizes_like_hf(clover_files):
+    from transformers import AutoTokenizer
+
+    ckpt, gguf = clover_files
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    r = _runner(gguf)
+    try:
+        for text in CORPUS:
+            assert r.tokenize(text, special=True) == tok.encode(text, add_special_tokens=False), text
+            ids = tok.encode(text, add_special_tokens=False)
+            assert b"".join(r.token_to_piece(t, special=True) for t in ids).decode("utf-8") == text
+    finally:
+        r.close()
+
+
+def test_patches_apply_to_a_fresh_pinned_tree(tmp_path):
+    from clover_gguf import build
+
+    tree = build.extract_llama_source(build.fetch_sdist(quiet=True), tmp_path / "llama.cpp")
+    build.apply_patches(tree, build.patch_files())
+    assert (tree / "src" / "models" / "clover.cpp").is_file()
+    assert "LLM_ARCH_CLOVER" in (tree / "src" / "llama-arch.h").read_text()
+
+
+def _bin(name: str) -> Path:
+    from clover_gguf.build import find_library
+
+    info = find_library()
+    assert info is not None, "no patched build: run `make llama`"
+    path = info.bin_dir / name
+    assert path.is_file(), f"{name} was not built"
+    return path
+
+
+def test_llama_cli_runs_causal_with_chat_template(clover_files):
+    p = subprocess.run([str(_bin("llama-cli")), "-m", str(clover_files[1]), "-p", "Count from 3 to 9.", "-n", "8",
+                        "-st", "--temp", "0", "-t", "2", "-c", "256", "--no-warmup"],
+                       capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "> Count from 3 to 9." in p.stdout  # a chat turn (the template applied), not a raw completion
+    assert "Generation:" in p.stdout  # tokens were generated
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_llama_server_serves_chat_completions(clover_files):
+    port = _free_port()
+    server = subprocess.Popen([str(_bin("llama-server")), "-m", str(clover_files[1]), "--host", "127.0.0.1",
+                               "--port", str(port), "-c", "256", "-t", "2", "--jinja", "--no-warmup"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            assert server.poll() is None, server.stderr.read().decode()[-2000:]
+            assert time.monotonic() < deadline, "llama-server did not become healthy"
+            time.sleep(0.5)
+        body = json.dumps({"messages": [{"role": "user", "content": "Count from 3 to 9."}], "max_tokens": 8,
+                           "temperature": 0}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            out = json.loads(resp.read())
+        assert out["choices"][0]["message"]["role"] == "assistant"
+        assert out["usage"]["completion_tokens"] >= 1
+        assert out["usage"]["prompt_tokens"] > 10  # the chat template wrapped the message
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
