@@ -75,6 +75,65 @@ def info(
     typer.echo(json.dumps(data) if as_json else format_info(data))
 
 
+@app.command()
+def quantize(
+    src: Optional[Path] = typer.Argument(None, help="input Clover GGUF (F32, F16 or BF16)"),
+    out: Optional[Path] = typer.Argument(None, help="output GGUF"),
+    qtype: str = typer.Option(..., "--type", "-t", help="Q4_0, Q4_K_M, Q8_0, Q3_K_S, Q3_K_M, IQ4_XS, Q6_K or any "
+                              "llama.cpp ftype"),
+    recipe: Optional[Path] = typer.Option(None, "--recipe", help="recipe TOML (default: quant_recipes/<type>.toml)"),
+    imatrix: Optional[Path] = typer.Option(None, "--imatrix", help="importance matrix GGUF (clover-gguf imatrix)"),
+    threads: Optional[int] = typer.Option(None, "--threads", help="quantizer threads (default: all cores)"),
+    plan_only: bool = typer.Option(False, "--plan", help="print the per-tensor types and predicted size; write nothing"),
+    config: Optional[Path] = typer.Option(None, "--config", help="with --plan: plan from a config.json alone"),
+    force: bool = typer.Option(False, "--force", help="overwrite OUT"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Quantize a Clover GGUF with llama.cpp's quantizer and a recipe from quant_recipes/."""
+    from clover_gguf import quantize as q
+
+    if plan_only:
+        if out is not None:
+            raise UserError("--plan writes nothing: give IN.gguf or --config, not OUT")
+        p = q.plan(qtype, src=src, config=config, recipe_file=recipe, imatrix=imatrix)
+        typer.echo(json.dumps(p.to_json()) if as_json else p.format())
+        return
+    if config is not None:
+        raise UserError("--config only goes with --plan")
+    if src is None or out is None:
+        raise UserError("quantize needs IN.gguf and OUT.gguf (or --plan)")
+    res = q.quantize(src, out, qtype, recipe_file=recipe, imatrix=imatrix, threads=threads, force=force,
+                     quiet=quiet or as_json)
+    if as_json:
+        typer.echo(json.dumps({"out": str(res.out), "size_bytes": res.size_bytes, "seconds": round(res.seconds, 3),
+                               "type": res.plan.ftype, "recipe": res.plan.recipe.name,
+                               "tensors_by_type": {k: v[0] for k, v in res.plan.by_type().items()}}))
+    else:
+        typer.echo(f"wrote {res.out}: {res.plan.ftype} ({res.plan.recipe.name}), {res.size_bytes / 2**30:.3f} GiB "
+                   f"in {res.seconds:.1f} s")
+
+
+@app.command()
+def imatrix(
+    model: Path = typer.Argument(..., help="a Clover GGUF (F32/F16/BF16 preferred)"),
+    text: Path = typer.Option(..., "--text", help="calibration text file (at least 2 x --ctx tokens)"),
+    out: Path = typer.Option(..., "-o", "--out", help="output imatrix GGUF"),
+    ctx: int = typer.Option(512, "--ctx", help="tokens per chunk"),
+    chunks: Optional[int] = typer.Option(None, "--chunks", help="at most this many chunks"),
+    threads: Optional[int] = typer.Option(None, "--threads"),
+    gpu_layers: int = typer.Option(0, "--gpu-layers", "-ngl", help="layers to offload (GPU builds)"),
+    force: bool = typer.Option(False, "--force", help="overwrite OUT"),
+    quiet: bool = typer.Option(False, "--quiet", "-q"),
+) -> None:
+    """Importance matrix through the patched llama-imatrix, for IQ types and importance-weighted K-quants."""
+    from clover_gguf.quantize import imatrix as run
+
+    path = run(model, text, out, threads=threads, ctx=ctx, chunks=chunks, force=force, quiet=quiet,
+               gpu_layers=gpu_layers)
+    typer.echo(f"wrote {path}")
+
+
 @app.command("build-llama")
 def build_llama(
     backend: Backend = typer.Option(Backend.cpu, "--backend", help="ggml backend to build"),

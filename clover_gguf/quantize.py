@@ -1,0 +1,585 @@
+"""Quantize a Clover GGUF with llama.cpp's own quantizer (llama_model_quantize in the patched library).
+
+    quantize(IN, OUT, "Q4_K_M")          recipe rules -> tensor-type overrides, progress from llama.cpp's log
+    plan("Q4_K_M", src=IN)               per-tensor types and the predicted size (llama.cpp dry run)
+    plan("Q4_K_M", config=config.json)   the same on a header-only skeleton of the model (no weights needed)
+    imatrix(MODEL, TEXT, OUT)            the patched llama-imatrix, for IQ types and importance-weighted K-quants
+
+Every per-tensor decision is llama.cpp's: we only pass the recipe's overrides and read back what its log says.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+from gguf import GGUFReader
+from gguf.constants import GGML_QUANT_SIZES
+
+from clover_gguf.errors import UserError
+from clover_gguf.fsutil import atomic_output, check_free_disk, check_writable_dir
+from clover_gguf.recipes import FTYPES, NEEDS_IMATRIX, Recipe, check_rules, recipe_for
+
+GGUF_MAGIC = b"GGUF"
+RECIPE_KEY = "clover.quant.recipe"
+# sizes of the published files of Clover-35B-A3B-Preview, GiB (docs/quantization.md)
+OFFICIAL_GIB = {"Q4_0": 18.24, "Q4_K_M": 21.42, "Q8_0": 35.26}
+COMMUNITY_GIB = {"Q3_K_S": 14.14, "Q3_K_M": 15.62, "IQ4_XS": 17.64, "Q4_K_M": 19.72, "Q6_K": 26.56, "Q8_0": 34.37}
+UNQUANTIZED = {QT.F32, QT.F16, QT.BF16}
+
+
+def tensor_bytes(qtype: QT, shape: tuple[int, ...]) -> int:
+    """Bytes of a tensor of numpy-order `shape` stored as qtype (rows along the last axis)."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    n = int(np.prod(shape))
+    return n // block * size
+
+
+def _pad(n: int, align: int) -> int:
+    return (n + align - 1) // align * align
+
+
+# ---- the input file ----------------------------------------------------------------------------------------------
+@dataclass
+class GGUFHeader:
+    path: Path
+    arch: str | None
+    tensors: dict[str, tuple[tuple[int, ...], QT]]  # name -> (numpy-order shape, type), in file order
+    data_offset: int
+    alignment: int
+    file_type: int | None
+    keys: set[str] = field(default_factory=set)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.tensors)
+
+
+# GGUF value types: fixed sizes (STRING = 8, ARRAY = 9 are variable)
+_GGUF_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_KEEP = {"general.architecture", "general.alignment", "general.file_type"}
+
+
+def read_header(path: Path) -> GGUFHeader:
+    """The metadata we need and every tensor info, read without materialising the (large) tokenizer arrays."""
+    import mmap
+    import struct
+
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"no such file: {path}")
+    with open(path, "rb") as f:
+        if f.read(4) != GGUF_MAGIC:
+            raise UserError(f"{path} is not a GGUF file")
+        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        pos = 4
+
+        def take(fmt: str):
+            nonlocal pos
+            v = struct.unpack_from("<" + fmt, m, pos)
+            pos += struct.calcsize("<" + fmt)
+            return v[0]
+
+        def string() -> str:
+            nonlocal pos
+            n = take("Q")
+            v = m[pos:pos + n].decode("utf-8", "replace")
+            pos += n
+            return v
+
+        def skip(vtype: int) -> None:
+            nonlocal pos
+            if vtype == 8:
+                n = take("Q")
+                pos += n
+            elif vtype == 9:
+                sub, n = take("I"), take("Q")
+                if sub == 8:
+                    for _ in range(n):
+                        k = take("Q")
+                        pos += k
+                elif sub == 9:
+                    for _ in range(n):
+                        skip(9)
+                else:
+                    pos += _GGUF_SIZES[sub] * n
+            else:
+                pos += _GGUF_SIZES[vtype]
+
+        version = take("I")
+        if version < 2:
+            raise UserError(f"{path}: GGUF version {version} is too old")
+        n_tensors, n_kv = take("Q"), take("Q")
+        kv: dict[str, object] = {}
+        keys: set[str] = set()
+        for _ in range(n_kv):
+            key, vtype = string(), take("I")
+            keys.add(key)
+            if key in _KEEP and vtype == 8:
+                kv[key] = string()
+            elif key in _KEEP and vtype in (4, 5):
+                kv[key] = take("I" if vtype == 4 else "i")
+            else:
+                skip(vtype)
+        tensors = {}
+        for _ in range(n_tensors):
+            name, nd = string(), take("I")
+            ne = [take("Q") for _ in range(nd)]
+            tensors[name] = (tuple(reversed(ne)), QT(take("I")))
+            take("Q")  # offset
+        align = int(kv.get("general.alignment") or 32)
+        data_offset = _pad(pos, align)
+    except (struct.error, ValueError, KeyError, IndexError) as e:
+        raise UserError(f"{path}: damaged GGUF header ({e})") from None
+    finally:
+        m.close()
+    return GGUFHeader(path, kv.get("general.architecture"), tensors, data_offset, align, kv.get("general.file_type"),
+                      keys)
+
+
+def _added_kv_bytes(h: GGUFHeader, kvs: list[tuple[str, str | int]]) -> int:
+    """Header bytes llama.cpp adds: general.quantization_version, general.file_type and our overrides (INT -> u32)."""
+    added = [("general.quantization_version", 0), ("general.file_type", 0), *kvs]
+    n = 0
+    for key, val in added:
+        if key in h.keys:
+            continue
+        n += 8 + len(key.encode()) + 4 + (4 if isinstance(val, int) else 8 + len(str(val).encode()[:127]))
+    return n
+
+
+def check_clover(h: GGUFHeader) -> None:
+    if h.arch != "clover":
+        raise UserError(f"{h.path} is not a Clover GGUF (general.architecture = {h.arch!r}); "
+                        "convert the checkpoint with `clover-gguf convert` first")
+
+
+# ---- the plan --------------------------------------------------------------------------------------------------
+@dataclass
+class TensorPlan:
+    name: str
+    shape: tuple[int, ...]  # numpy order
+    src_type: QT
+    type: QT
+    bytes: int
+
+
+@dataclass
+class QuantPlan:
+    ftype: str
+    recipe: Recipe
+    tensors: list[TensorPlan]
+    header_bytes: int  # metadata + tensor infos of the output (the input's plus the keys llama.cpp adds)
+    alignment: int
+    notes: list[str] = field(default_factory=list)
+    source: str = ""
+
+    @property
+    def size_bytes(self) -> int:
+        return _pad(self.header_bytes, self.alignment) + sum(_pad(t.bytes, self.alignment) for t in self.tensors)
+
+    @property
+    def size_gib(self) -> float:
+        return self.size_bytes / 2**30
+
+    def by_type(self) -> dict[str, tuple[int, int]]:
+        out: dict[str, tuple[int, int]] = {}
+        for t in self.tensors:
+            n, b = out.get(t.type.name, (0, 0))
+            out[t.type.name] = (n + 1, b + t.bytes)
+        return out
+
+    def to_json(self) -> dict:
+        return {"type": self.ftype, "recipe": self.recipe.name, "recipe_file": self.recipe.source,
+                "source": self.source, "size_bytes": self.size_bytes, "size_gib": round(self.size_gib, 4),
+                "official_gib": OFFICIAL_GIB.get(self.ftype), "community_gib": COMMUNITY_GIB.get(self.ftype),
+                "notes": self.notes,
+                "tensors": [{"name": t.name, "type": t.type.name, "bytes": t.bytes, "shape": list(t.shape),
+                             "src_type": t.src_type.name} for t in self.tensors]}
+
+    def format(self) -> str:
+        lines = [f"{'tensor':<44} {'src':<6} {'type':<7} {'shape':<22} {'MiB':>10}"]
+        for t in self.tensors:
+            lines.append(f"{t.name:<44} {t.src_type.name:<6} {t.type.name:<7} {str(list(t.shape)):<22} "
+                         f"{t.bytes / 2**20:10.3f}")
+        lines.append("")
+        for name, (n, b) in sorted(self.by_type().items(), key=lambda kv: -kv[1][1]):
+            lines.append(f"  {name:<7} {n:5d} tensors {b / 2**30:9.3f} GiB")
+        lines.append(f"{self.ftype} ({self.recipe.name}): {self.size_bytes} bytes = {self.size_gib:.3f} GiB predicted")
+        if self.ftype in COMMUNITY_GIB:
+            c = COMMUNITY_GIB[self.ftype]
+            lines.append(f"  community {self.ftype} of Clover-35B-A3B: {c:.2f} GiB "
+                         f"(ours {100 * (self.size_gib / c - 1):+.2f}% if this is that model)")
+        if self.ftype in OFFICIAL_GIB:
+            o = OFFICIAL_GIB[self.ftype]
+            lines.append(f"  official  {self.ftype} of Clover-35B-A3B: {o:.2f} GiB "
+                         f"(ours {100 * (self.size_gib / o - 1):+.2f}% if this is that model)")
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+# ---- llama.cpp's log ------------------------------------------------------------------------------------------
+HEAD_RE = re.compile(r"\[\s*(\d+)/\s*(\d+)\]\s+(\S+)\s+-\s+\[[^\]]*\],\s+type\s*=\s*(\w+),")
+CONVERT_RE = re.compile(r"converting to (\w+)")
+SIZE_RE = re.compile(r"size\s*=\s*([\d.]+) MiB(?:\s*->\s*([\d.]+) MiB)?(?:\s*\((\w+)\))?")
+FAIL_RE = re.compile(r"failed to quantize: (.*)")
+
+
+def _qt(ggml_name: str) -> QT:
+    return QT[ggml_name.upper()]
+
+
+class LogParser:
+    """Reassembles llama.cpp's log into lines and turns the per-tensor lines into (name, target type) events."""
+
+    def __init__(self, on_tensor: Callable[[str, QT | None], None], echo: bool = False):
+        self.buf = ""
+        self.on_tensor = on_tensor
+        self.echo = echo
+        self.current: str | None = None
+        self.target: QT | None = None
+        self.lines: list[str] = []  # warnings and errors, for error messages
+        self.failure: str | None = None
+
+    def feed(self, level: int, text: str) -> None:
+        if self.echo:
+            sys.stderr.write(text)
+        self.buf += text
+        while "\n" in self.buf:
+            line, self.buf = self.buf.split("\n", 1)
+            self._line(line, level)
+
+    def _line(self, line: str, level: int) -> None:
+        if m := HEAD_RE.search(line):
+            self.current, self.target = m[3], None
+            line = line[m.end():]
+        if self.current is not None:
+            if m := CONVERT_RE.search(line):
+                self.target = _qt(m[1])
+            if m := SIZE_RE.search(line):
+                target = _qt(m[3]) if m[3] else self.target
+                name, self.current, self.target = self.current, None, None
+                self.on_tensor(name, target)
+                return
+        if m := FAIL_RE.search(line):
+            self.failure = m[1].strip()
+        if line.strip() and level >= 3:  # warnings, errors
+            self.lines.append(line.strip())
+
+
+@dataclass
+class _Run:
+    types: dict[str, QT | None]  # name -> target type reported by llama.cpp (None: kept)
+    log: LogParser
+    kvs: list[tuple[str, str | int]]
+
+
+def _binding() -> Any:
+    from clover_gguf.llama_context import load_binding
+
+    L = load_binding()
+    for name, value in FTYPES.items():
+        const = "LLAMA_FTYPE_ALL_F32" if name == "F32" else f"LLAMA_FTYPE_MOSTLY_{name}"
+        if getattr(L, const, value) != value:
+            raise UserError(f"the llama-cpp-python binding's {const} is {getattr(L, const)}, expected {value}")
+    return L
+
+
+def load_imatrix(path: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """An imatrix GGUF (llama-imatrix) -> ({tensor name: mean squared activation per column [and expert]}, meta).
+
+    Same normalisation as llama.cpp's tools/quantize: in_sum2 / counts per expert; an expert never hit gets ones."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"no such imatrix file: {path}")
+    with open(path, "rb") as f:
+        if f.read(4) != GGUF_MAGIC:
+            raise UserError(f"{path} is not an imatrix GGUF (make one with `clover-gguf imatrix`)")
+    r = GGUFReader(path)
+    keys = {k: r.fields[k].contents() for k in ("imatrix.datasets", "imatrix.chunk_count", "imatrix.chunk_size")
+            if k in r.fields}
+    if len(keys) < 3:
+        raise UserError(f"{path}: missing imatrix metadata (imatrix.datasets / chunk_count / chunk_size)")
+    sums, counts = {}, {}
+    for t in r.tensors:
+        if t.name.endswith(".in_sum2"):
+            sums[t.name[:-len(".in_sum2")]] = np.asarray(t.data, dtype=np.float32).reshape(-1)
+        elif t.name.endswith(".counts"):
+            counts[t.name[:-len(".counts")]] = np.asarray(t.data, dtype=np.float32).reshape(-1)
+    if not sums:
+        raise UserError(f"{path}: no imatrix entries")
+    out = {}
+    for name, s in sums.items():
+        if name not in counts:
+            raise UserError(f"{path}: {name} has sums but no counts")
+        c = np.rint(counts[name]).astype(np.float32)
+        per = s.reshape(len(c), -1)
+        e = np.where(c[:, None] > 0, per / np.maximum(c, 1)[:, None], np.float32(1.0)).astype(np.float32)
+        out[name] = np.ascontiguousarray(e.reshape(-1))
+    return out, keys
+
+
+def _run_llama(src: Path, dst: Path | None, recipe: Recipe, names: list[str], dry_run: bool, threads: int | None,
+               imatrix: tuple[dict[str, np.ndarray], dict[str, Any], Path] | None,
+               on_tensor: Callable[[str, QT | None], None] = lambda n, t: None, echo: bool = False) -> _Run:
+    L = _binding()
+    from clover_gguf.llama_context import _quiet_log
+
+    L.llama_backend_init()
+    p = L.llama_model_quantize_default_params()
+    p.ftype = FTYPES[recipe.ftype]
+    p.nthread = int(threads or 0)
+    p.dry_run = dry_run
+    keep: list[Any] = []  # every buffer llama.cpp reads through a pointer, alive until the call returns
+
+    overrides = recipe.overrides(names)
+    tt = (L.llama_model_tensor_override * (len(overrides) + 1))()
+    for i, (pattern, qtype) in enumerate(overrides):
+        b = ctypes.c_char_p(pattern.encode())
+        keep.append(b)
+        tt[i].pattern, tt[i].type = b.value, int(qtype)
+    tt[len(overrides)].pattern, tt[len(overrides)].type = None, 0
+    p.tt_overrides = ctypes.cast(tt, ctypes.POINTER(L.llama_model_tensor_override))
+
+    kvs: list[tuple[str, str | int]] = [(RECIPE_KEY, recipe.stamp())]
+    if imatrix is not None:
+        data, meta, ipath = imatrix
+        arr = (L.llama_model_imatrix_data * (len(data) + 1))()
+        for i, (name, values) in enumerate(data.items()):
+            arr[i].name = name.encode()
+            arr[i].data = values.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+            arr[i].size = values.size
+        arr[len(data)].name = None
+        keep += [arr, data]
+        p.imatrix = ctypes.cast(arr, ctypes.POINTER(L.llama_model_imatrix_data))
+        kvs += [("quantize.imatrix.file", str(ipath)[-127:]), ("quantize.imatrix.entries_count", len(data)),
+                ("quantize.imatrix.chunks_count", int(meta["imatrix.chunk_count"]))]
+        ds = meta.get("imatrix.datasets") or []
+        if ds:
+            kvs.append(("quantize.imatrix.dataset", str(ds[0])[:127]))
+    kv = (L.llama_model_kv_override * (len(kvs) + 1))()
+    for i, (key, val) in enumerate(kvs):
+        kv[i].key = key.encode()
+        if isinstance(val, int):
+            kv[i].tag, kv[i].value.val_i64 = L.LLAMA_KV_OVERRIDE_TYPE_INT, val
+        else:
+            kv[i].tag, kv[i].value.val_str = L.LLAMA_KV_OVERRIDE_TYPE_STR, val.encode()[:127]
+    kv[len(kvs)].key = b""
+    p.kv_overrides = ctypes.cast(kv, ctypes.POINTER(L.llama_model_kv_override))
+    keep += [tt, kv]
+
+    types: dict[str, QT | None] = {}
+
+    def tensor_done(name: str, target: QT | None) -> None:
+        types[name] = target
+        on_tensor(name, target)
+
+    parser = LogParser(tensor_done, echo=echo)
+
+    def cb(level, text, user_data):
+        try:
+            parser.feed(int(level), text.decode("utf-8", "replace"))
+        except Exception as e:  # noqa: BLE001 - never let an exception cross into C
+            parser.lines.append(f"log parser: {e}")
+
+    callback = L.llama_log_callback(cb)
+    L.llama_log_set(callback, ctypes.c_void_p())
+    try:
+        out = str(dst) if dst is not None else os.devnull
+        rc = L.llama_model_quantize(str(src).encode(), out.encode(), ctypes.byref(p))
+    finally:
+        L.llama_log_set(_quiet_log(L), ctypes.c_void_p())
+    if rc != 0:
+        why = parser.failure or (parser.lines[-1] if parser.lines else "unknown error")
+        raise UserError(f"llama.cpp could not quantize {src}: {why}")
+    return _Run(types, parser, kvs)
+
+
+def _make_plan(h: GGUFHeader, recipe: Recipe, run: _Run, source: str) -> QuantPlan:
+    missing = [n for n in h.names if n not in run.types]
+    if missing:
+        raise RuntimeError(f"llama.cpp's log did not report {len(missing)} tensor(s), e.g. {missing[0]}")
+    tensors = []
+    for name, (shape, src_type) in h.tensors.items():
+        qt = run.types[name] or src_type
+        tensors.append(TensorPlan(name, shape, src_type, qt, tensor_bytes(qt, shape)))
+    notes = []
+    # a rule llama.cpp did not apply (a tensor it never quantizes, kept in its source type) is worth saying
+    claimed: set[str] = set()
+    for pattern, qtype in recipe.overrides(h.names):
+        rx = re.compile(pattern)
+        for t in tensors:
+            if t.name in claimed or not rx.search(t.name):
+                continue
+            claimed.add(t.name)
+            if t.type != qtype:
+                notes.append(f"rule {pattern!r} -> {qtype.name}: {t.name} is {t.type.name} "
+                             f"(llama.cpp {'never quantizes it' if t.type == t.src_type else 'fell back'})")
+    header = h.data_offset + _added_kv_bytes(h, run.kvs)
+    return QuantPlan(recipe.ftype, recipe, tensors, header, h.alignment, _dedupe(notes), source)
+
+
+def _dedupe(notes: list[str], limit: int = 12) -> list[str]:
+    if len(notes) <= limit:
+        return notes
+    return notes[:limit] + [f"... and {len(notes) - limit} more such notes"]
+
+
+def _check_source_types(h: GGUFHeader) -> None:
+    quantized = sorted({qt.name for _, qt in h.tensors.values() if qt not in UNQUANTIZED})
+    if quantized:
+        raise UserError(f"{h.path} is already quantized ({', '.join(quantized)} tensors): quantize from an F32, F16 "
+                        "or BF16 GGUF (`clover-gguf convert --outtype bf16`)")
+
+
+def _prepare(src: Path, type_name: str, recipe_file: Path | None) -> tuple[GGUFHeader, Recipe]:
+    recipe = recipe_for(type_name, recipe_file)
+    h = read_header(src)
+    check_clover(h)
+    check_rules(recipe, h.names)
+    return h, recipe
+
+
+# ---- public functions ------------------------------------------------------------------------------------------
+def plan(type_name: str, src: Path | None = None, config: Path | None = None, recipe_file: Path | None = None,
+         imatrix: Path | None = None) -> QuantPlan:
+    """The per-tensor types and predicted size of quantizing `src` (a GGUF) or, from `config` alone, a model of
+    that shape (BF16 weights, as `clover-gguf convert` writes them), without quantizing anything."""
+    if (src is None) == (config is None):
+        raise UserError("give either a GGUF file or --config config.json")
+    if src is not None:
+        h, recipe = _prepare(Path(src), type_name, recipe_file)
+        im = _imatrix_arg(imatrix)
+        run = _run_llama(Path(src), None, recipe, h.names, True, None, im)
+        return _make_plan(h, recipe, run, str(src))
+    from clover_gguf.skeleton import write_skeleton
+
+    with tempfile.TemporaryDirectory(prefix="clover-skeleton-") as tmp:
+        path = Path(tmp) / "skeleton.gguf"
+        write_skeleton(Path(config), path)
+        h, recipe = _prepare(path, type_name, recipe_file)
+        run = _run_llama(path, None, recipe, h.names, True, None, _imatrix_arg(imatrix))
+        qp = _make_plan(h, recipe, run, f"{config} (header-only skeleton, BF16 weights)")
+    qp.notes.append("planned from config.json: tokenizer metadata (a few MB) is not counted")
+    return qp
+
+
+def _imatrix_arg(imatrix: Path | None):
+    if imatrix is None:
+        return None
+    data, meta = load_imatrix(Path(imatrix))
+    return data, meta, Path(imatrix)
+
+
+@dataclass
+class QuantizeResult:
+    out: Path
+    plan: QuantPlan
+    size_bytes: int
+    seconds: float
+
+
+def quantize(src: Path, out: Path, type_name: str, recipe_file: Path | None = None, imatrix: Path | None = None,
+             threads: int | None = None, force: bool = False, quiet: bool = False,
+             log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr)) -> QuantizeResult:
+    """Quantize the Clover GGUF `src` to `out` with llama.cpp; the file appears whole or not at all."""
+    import time
+
+    from tqdm import tqdm
+
+    src, out = Path(src), Path(out)
+    h, recipe = _prepare(src, type_name, recipe_file)
+    _check_source_types(h)
+    if out.exists() and out.is_dir():
+        raise UserError(f"output is a folder: {out}")
+    if out.exists() and not force:
+        raise UserError(f"{out} exists (--force overwrites it)")
+    with contextlib.suppress(OSError):
+        if out.exists() and out.samefile(src):
+            raise UserError("the output would overwrite the input")
+    if recipe.ftype in NEEDS_IMATRIX and imatrix is None:
+        raise UserError(f"{recipe.ftype} needs an importance matrix: make one with `clover-gguf imatrix` "
+                        "and pass --imatrix FILE")
+    check_writable_dir(out)
+    src_bytes = sum(tensor_bytes(qt, shape) for shape, qt in h.tensors.values())
+    check_free_disk(out, src_bytes // 2 + h.data_offset)
+    im = _imatrix_arg(imatrix)
+    if im is not None and not quiet:
+        log(f"imatrix: {len(im[0])} entries from {imatrix}")
+    t0 = time.perf_counter()
+    with tqdm(total=src_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc=f"quantize {recipe.ftype}",
+              disable=quiet, dynamic_ncols=True) as bar:
+        def advance(name: str, target: QT | None) -> None:
+            shape, qt = h.tensors.get(name, ((0,), QT.F32))
+            bar.update(tensor_bytes(qt, shape))
+            bar.set_postfix_str(name, refresh=False)
+
+        with atomic_output(out) as tmp:
+            run = _run_llama(src, tmp, recipe, h.names, False, threads, im, advance,
+                             echo=bool(os.environ.get("CLOVER_GGUF_LLAMA_LOG")))
+    seconds = time.perf_counter() - t0
+    qp = _make_plan(h, recipe, run, str(src))
+    return QuantizeResult(out, qp, out.stat().st_size, seconds)
+
+
+# ---- imatrix ---------------------------------------------------------------------------------------------------
+def llama_tool(name: str) -> Path:
+    """A tool of the patched build: next to $LLAMA_CPP_LIB_PATH's library, else in find_library()'s bin dir."""
+    exe = name + (".exe" if sys.platform == "win32" else "")
+    lib = os.environ.get("LLAMA_CPP_LIB_PATH")
+    candidates = [Path(lib) / exe] if lib else []
+    if not candidates:
+        from clover_gguf.build import find_library
+
+        info = find_library()
+        if info is not None:
+            candidates.append(info.tool(name))
+    for c in candidates:
+        if c.is_file() and os.access(c, os.X_OK):
+            return c
+    where = ", ".join(str(c) for c in candidates) or "no patched build found"
+    raise UserError(f"{name} not found ({where}): run `clover-gguf build-llama`")
+
+
+def imatrix(model: Path, text: Path, out: Path, threads: int | None = None, ctx: int = 512,
+            chunks: int | None = None, force: bool = False, quiet: bool = False, gpu_layers: int = 0) -> Path:
+    """Importance matrix of `model` over the text file `text`, written by the patched llama-imatrix as GGUF."""
+    model, text, out = Path(model), Path(text), Path(out)
+    h = read_header(model)
+    check_clover(h)
+    if not text.is_file():
+        raise UserError(f"no such text file: {text}")
+    if out.exists() and not force:
+        raise UserError(f"{out} exists (--force overwrites it)")
+    tool = llama_tool("llama-imatrix")
+    with atomic_output(out) as tmp:
+        cmd = [str(tool), "-m", str(model), "-f", str(text), "-o", str(tmp), "--output-format", "gguf",
+               "-c", str(ctx), "--no-ppl", "-ngl", str(gpu_layers)]
+        if threads:
+            cmd += ["-t", str(threads)]
+        if chunks:
+            cmd += ["--chunks", str(chunks)]
+        env = dict(os.environ)
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(tool.parent), env.get("LD_LIBRARY_PATH")]))
+        p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           errors="replace")
+        if not quiet:
+            for line in p.stdout.splitlines():
+                if "compute_imatrix" in line or "save_imatrix" in line or line.startswith("["):
+                    print(line, file=sys.stderr)
+        if p.returncode != 0 or not tmp.is_file():
+            err = [ln for ln in p.stdout.splitlines() if "error" in ln.lower() or "not enough" in ln.lower()]
+            why = err[-1].strip() if err else (p.stdout.strip().splitlines() or ["no output"])[-1]
+            raise UserError(f"llama-imatrix failed on {model}: {why}")
+    return out
