@@ -17,14 +17,15 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import subprocess
 import sys
 import tarfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from measure import run_measured, warm  # noqa: E402
 
 from clover_gguf.testing.make_tiny import make_tiny  # noqa: E402
 
@@ -41,33 +42,6 @@ convert_hf_to_gguf.main()
 """
 
 
-# Peak RSS must be read in a small launcher: a child forked straight from this (large) process would report this
-# process's resident size as its own high-water mark, since Linux keeps it across fork and exec.
-LAUNCHER = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL); "
-            "print('maxrss', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); "
-            "sys.exit(r.returncode)")
-
-
-def run_measured(cmd: list[str], env: dict | None = None) -> tuple[float, int]:
-    """-> (wall seconds, peak RSS bytes) of one command."""
-    t0 = time.perf_counter()
-    p = subprocess.run([sys.executable, "-c", LAUNCHER, *cmd], env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    if p.returncode != 0:
-        raise SystemExit(f"failed: {' '.join(cmd)}\n{p.stderr[-2000:]}")
-    rss_kib = int([ln for ln in p.stderr.splitlines() if ln.startswith("maxrss ")][-1].split()[1])
-    return wall, rss_kib * 1024
-
-
-def warm(folder: Path) -> int:
-    total = 0
-    for f in sorted(folder.iterdir()):
-        if f.is_file():
-            with open(f, "rb") as fh:
-                while chunk := fh.read(64 << 20):
-                    total += len(chunk)
-    return total
-
 
 def upstream_source(cache: Path) -> Path:
     """convert_hf_to_gguf.py, conversion/ and gguf-py/ from the pinned sdist (downloaded and verified by build)."""
@@ -76,8 +50,8 @@ def upstream_source(cache: Path) -> Path:
     dest = cache / "upstream-convert"
     if (dest / "convert_hf_to_gguf.py").is_file():
         return dest
-    tarball = build.fetch_sdist() if hasattr(build, "fetch_sdist") else Path(os.environ["CLOVER_GGUF_SDIST"])
-    prefix = f"llama_cpp_python-0.3.36/vendor/llama.cpp/"
+    tarball = build.fetch_sdist(quiet=True)
+    prefix = "llama_cpp_python-0.3.36/vendor/llama.cpp/"
     with tarfile.open(tarball) as tar:
         members = [m for m in tar.getmembers() if m.name.startswith(prefix) and
                    (m.name[len(prefix):] == "convert_hf_to_gguf.py" or

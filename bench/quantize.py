@@ -18,35 +18,17 @@ import argparse
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-LAUNCHER = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL, "
-            "stderr=subprocess.DEVNULL); "
-            "print('maxrss', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); "
-            "sys.exit(r.returncode)")
+from measure import run_measured, warm  # noqa: E402
+
 
 OURS = ("import sys; from clover_gguf.quantize import quantize; "
         "quantize(sys.argv[1], sys.argv[2], sys.argv[3], threads=int(sys.argv[4]), force=True, quiet=True)")
-
-
-def run_measured(cmd: list[str], env: dict) -> tuple[float, int]:
-    t0 = time.perf_counter()
-    p = subprocess.run([sys.executable, "-c", LAUNCHER, *cmd], env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    if p.returncode != 0:
-        raise SystemExit(f"failed: {' '.join(cmd)}\n{p.stderr[-2000:]}")
-    rss_kib = int([ln for ln in p.stderr.splitlines() if ln.startswith("maxrss ")][-1].split()[1])
-    return wall, rss_kib * 1024
-
-
-def warm(path: Path) -> None:
-    with open(path, "rb") as f:
-        while f.read(64 << 20):
-            pass
 
 
 def main() -> None:

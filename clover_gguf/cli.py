@@ -210,7 +210,7 @@ def generate(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object: text, thinking, stats"),
 ) -> None:
     """Answer one prompt, streaming the answer as tokens are accepted."""
-    from clover_gguf.runtime import CloverRuntime, split_thinking
+    from clover_gguf.runtime import CloverRuntime
 
     with CloverRuntime(model, n_ctx=ctx, rollback=rollback.value) as rt:
         kw = dict(mode=mode.value, max_new_tokens=max_new_tokens, block_size=block_size, threshold=threshold,

@@ -20,21 +20,26 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from clover_gguf.config import GenerationDefaults
+
 Processor = Callable[[Sequence[int], np.ndarray], np.ndarray]
 Sampler = Callable[[np.ndarray], int]
 
 
+_CARD = GenerationDefaults()  # the model card's values live in one place: config.GenerationDefaults
+
+
 @dataclass(frozen=True)
 class Controls:
-    presence_penalty: float = 0.9
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.05
-    length_penalty: float = 10.0
-    length_penalty_start: int = 8192
-    length_penalty_ramp: int = 8192
-    think_end_bias: float = 10.0
-    think_end_bias_start: int = 4096
-    think_end_bias_ramp: int = 4096
+    presence_penalty: float = _CARD.presence_penalty
+    frequency_penalty: float = _CARD.frequency_penalty
+    repetition_penalty: float = _CARD.repetition_penalty
+    length_penalty: float = _CARD.length_penalty
+    length_penalty_start: int = _CARD.length_penalty_start
+    length_penalty_ramp: int = _CARD.length_penalty_ramp
+    think_end_bias: float = _CARD.think_end_bias
+    think_end_bias_start: int = _CARD.think_end_bias_start
+    think_end_bias_ramp: int = _CARD.think_end_bias_ramp
 
     GGUF_KEYS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "length_penalty",
                  "length_penalty_start", "length_penalty_ramp", "think_end_bias", "think_end_bias_start",

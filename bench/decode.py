@@ -1,0 +1,128 @@
+"""Decoding speed on the patched llama.cpp, as ratios measured in one run.
+
+    python bench/decode.py [--model clover_gguf/assets/tiny-clover] [--prompts 16] [--workdir out/bench-decode]
+
+1. On the bundled trained model (converted to F32 GGUF): tokens/s and forward passes per token of ar, diffusion and
+   draft-self (both rollback strategies) over the first N eval prompts, greedy; ratios to ar.
+   Target (issue 7): diffusion and draft-self >= 1.5x ar tokens/s.
+2. On a random `small` model: the wall time of one 32-token block pass relative to one AR step, coreset on and off,
+   and the distinct experts a block pass touches per MoE layer (from the reference model's routing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from clover_gguf.convert import convert  # noqa: E402
+from clover_gguf.runtime import CloverRuntime  # noqa: E402
+
+
+def bench_modes(gguf: Path, prompts: list[str], max_new: int) -> None:
+    rows = {}
+    for mode, rollback in (("ar", "redecode"), ("diffusion", "redecode"), ("draft-self", "redecode"),
+                           ("draft-self", "snapshot")):
+        rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        with CloverRuntime(gguf, n_ctx=1024, rollback=rollback, n_threads=2) as rt:
+            rt.generate(prompts[0], mode=mode, max_new_tokens=8)  # warm-up
+            toks = passes = extra = 0
+            t0 = time.perf_counter()
+            for p in prompts:
+                a = rt.generate(p, mode=mode, max_new_tokens=max_new)
+                toks += a.stats.generated_tokens
+                passes += a.stats.forward_passes
+                extra += a.stats.rollback_passes
+            dt = time.perf_counter() - t0
+        rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        name = mode if mode != "draft-self" else f"draft-self/{rollback}"
+        rows[name] = dict(tokens=toks, seconds=dt, tps=toks / dt, passes_per_token=passes / max(toks, 1),
+                          rollback_passes=extra, peak_rss_growth_mib=(rss1 - rss0) / 1024)
+    base = rows["ar"]["tps"]
+    print(f"\n{'mode':<22} {'tokens':>7} {'tok/s':>8} {'x ar':>6} {'passes/tok':>11} {'rollback passes':>16}")
+    for name, r in rows.items():
+        print(f"{name:<22} {r['tokens']:>7} {r['tps']:8.1f} {r['tps'] / base:6.2f} {r['passes_per_token']:11.3f} "
+              f"{r['rollback_passes']:>16}")
+    print(json.dumps({k: round(v["tps"] / base, 3) for k, v in rows.items()}))
+
+
+def bench_block_cost(workdir: Path) -> None:
+    import torch
+
+    from clover_gguf.llama_context import LlamaContext
+    from clover_gguf.reference import CloverModel
+    from clover_gguf.testing.make_tiny import make_tiny
+
+    ckpt = workdir / "small"
+    if not (ckpt / "config.json").is_file():
+        make_tiny(ckpt, seed=0, preset="small")
+    gguf = workdir / "small.gguf"
+    if not gguf.is_file():
+        convert(ckpt, gguf, outtype="f32", quiet=True)
+    rng = np.random.default_rng(0)
+    prefix = rng.integers(0, 300, size=64).tolist()
+    block = rng.integers(0, 300, size=32).tolist()
+    reps = 20
+    print(f"\nsmall random model: one 32-token block pass vs one AR step ({reps} reps each)")
+    for coreset in (True, False):
+        with LlamaContext(gguf, n_ctx=512, overrides={"clover.moe_block_coreset.enabled": coreset},
+                          n_threads=2) as ctx:
+            ctx.decode(prefix, 0, 0, logits=False)
+            t0 = time.perf_counter()
+            for i in range(reps):
+                ctx.decode([block[i]], len(prefix), 1, logits=True)  # one AR step on a scratch sequence
+                ctx.seq_rm(1)
+            ar = (time.perf_counter() - t0) / reps
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                ctx.block(block, len(prefix))
+            blk = (time.perf_counter() - t0) / reps
+        print(f"  coreset {'on ' if coreset else 'off'}: block pass {blk * 1e3:7.2f} ms, AR step {ar * 1e3:6.2f} ms, "
+              f"ratio {blk / ar:5.2f} (32 tokens per block pass)")
+    model = CloverModel.from_pretrained(ckpt)
+    with torch.no_grad():
+        _, st = model.prefill(prefix)
+        h = model.embed_tokens[torch.tensor([block])]
+        for name, top_p in (("on", model.cfg.moe_block_coreset_top_p), ("off", None)):
+            touched = []
+            x = h
+            for layer, ls in zip(model.layers, st.layers):
+                from clover_gguf.reference import zero_centred_rms_norm
+
+                y = zero_centred_rms_norm(x, layer.input_layernorm, model.cfg.rms_norm_eps)
+                mixed, _ = (layer.self_attn(y, ls, st.n_past, True) if layer.full_attention
+                            else layer.linear_attn(y, ls, True))
+                x = x + mixed
+                z = zero_centred_rms_norm(x, layer.post_attention_layernorm, model.cfg.rms_norm_eps)
+                idx, _ = layer.mlp.route(z, top_p)
+                touched.append(int(idx.unique().numel()))
+                x = x + layer.mlp(z, top_p)
+            print(f"  coreset {name:<3}: distinct experts per layer per block pass {touched} "
+                  f"(mean {np.mean(touched):.1f} of {model.cfg.num_experts})")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=ROOT / "clover_gguf" / "assets" / "tiny-clover")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--workdir", type=Path, default=ROOT / "out" / "bench-decode")
+    a = ap.parse_args()
+    a.workdir.mkdir(parents=True, exist_ok=True)
+    gguf = a.workdir / "tiny-clover-f32.gguf"
+    convert(a.model, gguf, outtype="f32", quiet=True)
+    evals = [json.loads(line) for line in (a.model / "eval.jsonl").read_text().splitlines() if line.strip()]
+    bench_modes(gguf, [e["prompt"] for e in evals[:a.prompts]], a.max_new_tokens)
+    bench_block_cost(a.workdir)
+
+
+if __name__ == "__main__":
+    main()
