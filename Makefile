@@ -17,11 +17,17 @@ BACKEND ?= cpu
 llama:
 	$(PY) -m clover_gguf build-llama --backend $(BACKEND) $(if $(JOBS),--jobs $(JOBS)) --quiet
 
-# The main job on the bundled default model; it grows as the pieces land.
-demo:
+# The main job on the bundled default model: convert, quantize, answer a few prompts in each mode with stats.
+DEMO_PROMPTS ?= "Count from 12 to 17." "What is 34 + 58?" "Reverse: c l o v e r"
+demo: llama
 	mkdir -p $(DEMO_DIR)
-	$(PY) -m clover_gguf convert clover_gguf/assets/tiny-clover -o $(DEMO_DIR)/tiny-clover-f32.gguf --outtype f32
-	$(PY) -m clover_gguf info $(DEMO_DIR)/tiny-clover-f32.gguf
+	$(PY) -m clover_gguf convert clover_gguf/assets/tiny-clover -o $(DEMO_DIR)/tiny-clover-f32.gguf --outtype f32 --quiet
+	$(PY) -m clover_gguf quantize $(DEMO_DIR)/tiny-clover-f32.gguf $(DEMO_DIR)/tiny-clover-q8_0.gguf --type Q8_0 --force --quiet
+	$(PY) -m clover_gguf info $(DEMO_DIR)/tiny-clover-q8_0.gguf
+	@for mode in ar diffusion draft-self; do for p in $(DEMO_PROMPTS); do \
+		echo "== $$mode: $$p"; \
+		$(PY) -m clover_gguf generate $(DEMO_DIR)/tiny-clover-q8_0.gguf -p "$$p" --mode $$mode --stats || exit 1; \
+	done; done
 
 clean:
 	rm -rf out .pytest_cache

@@ -246,6 +246,27 @@ def chat(
                 temp=temp, seed=seed, n_ctx=ctx).loop()
 
 
+@app.command()
+def serve(
+    model: Path = typer.Argument(..., help="a Clover GGUF"),
+    host: str = typer.Option("127.0.0.1", "--host", help="bind address (loopback by default)"),
+    port: int = typer.Option(8080, "--port", min=0, max=65535),
+    mode: Mode = typer.Option(Mode.draft_self, "--mode", help="default mode; a request may set its own `mode`"),
+    ctx: Optional[int] = typer.Option(None, "--ctx", min=16, help="context per slot (default: min(8192, model's))"),
+    parallel: int = typer.Option(1, "--parallel", min=1, help="slots: independent contexts serving requests at once"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="CLOVER_GGUF_API_KEY",
+                                          help="require Authorization: Bearer KEY (also from $CLOVER_GGUF_API_KEY)"),
+    rollback: Rollback = typer.Option(Rollback.redecode, "--rollback", help="draft-self rollback strategy"),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="CPU threads per slot"),
+    gpu_layers: int = typer.Option(0, "--gpu-layers", "-ngl", help="layers to offload (GPU builds)"),
+) -> None:
+    """An OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models, /health."""
+    from clover_gguf.server import serve as run
+
+    run(model, host=host, port=port, mode=mode.value, ctx=ctx, parallel=parallel, api_key=api_key,
+        rollback=rollback.value, n_threads=threads, n_gpu_layers=gpu_layers)
+
+
 def main() -> None:
     import click
 

@@ -5,9 +5,11 @@ Rollback strategies for draft-self (rejected draft tokens must leave no trace in
 - "redecode": before each commit the sequence is copied to a backup sequence (KV metadata only with a unified cache;
   the recurrent state is copied on write, one state per sequence: about 63 MiB on the 35B shape); a rejection
   restores the backup and re-decodes the kept tokens (one extra causal pass over them).
-- "snapshot": llama.cpp keeps n_rs_seq = block_size + 1 recurrent-state snapshots (about 63 MiB each on the 35B
-  shape, so about 2 GiB) and rolls back by removing the tail positions; the rolled-back state is applied by
-  re-decoding the one token before the cut, because a pending rollback would not survive a sequence copy.
+- "snapshot": llama.cpp also keeps n_rs_seq = block_size + 1 recurrent-state snapshots (about 63 MiB each on the
+  35B shape, so about 2 GiB) and rolls back by removing the tail positions. Measured here: a pending snapshot
+  rollback does not survive a sequence copy (a block pass right after it sees the un-rolled-back state), and no
+  snapshot holds the state from before a ubatch's first token. So the cut is made one token deeper and that token is
+  re-decoded (one 1-token pass); when that would reach the commit's first token, the backup path above is used.
 bench/decode.py measures both.
 """
 
@@ -55,9 +57,8 @@ class LlamaBackend:
         self._last_commit = 0
 
     def commit(self, ids: Sequence[int]) -> np.ndarray:
-        if self.rollback_strategy == "redecode":
-            self.ctx.seq_rm(SEQ_BACKUP)
-            self.ctx.seq_cp(SEQ_MAIN, SEQ_BACKUP)
+        self.ctx.seq_rm(SEQ_BACKUP)  # both strategies keep the backup for rollbacks no snapshot covers
+        self.ctx.seq_cp(SEQ_MAIN, SEQ_BACKUP)
         logits = self.ctx.decode(ids, self.n_past, SEQ_MAIN)  # [len(ids), V]
         self._ids += [int(t) for t in ids]
         self._last_commit = len(ids)
@@ -79,26 +80,23 @@ class LlamaBackend:
         if n > self._last_commit:
             raise ValueError("rollback reaches past the latest commit")
         keep_total = self.n_past - n
-        if self.rollback_strategy == "redecode":
-            kept = self._ids[self.n_past - self._last_commit:keep_total]
+        if self.rollback_strategy == "snapshot" and n <= self._last_commit - 2:
+            # cut one token deeper and re-decode it, so the snapshot is applied before any sequence copy
+            cut = keep_total - 1
+            if not self.ctx.seq_rm(SEQ_MAIN, cut, -1):
+                raise RuntimeError("llama.cpp refused the snapshot rollback (n_rs_seq too small?)")
+            self.ctx.decode([self._ids[cut]], cut, SEQ_MAIN, logits=False)
+            self._ids = self._ids[:keep_total]
+        else:  # back to the copy taken before the commit, then re-decode what is kept of it
+            start = self.n_past - self._last_commit
+            kept = self._ids[start:keep_total]
             self.ctx.seq_rm(SEQ_MAIN)
             self.ctx.seq_cp(SEQ_BACKUP, SEQ_MAIN)
-            self._ids = self._ids[:self.n_past - self._last_commit]
+            self._ids = self._ids[:start]
             if kept:
-                self.ctx.decode(kept, self.n_past, SEQ_MAIN, logits=False)
-                self.extra_passes += 1
+                self.ctx.decode(kept, start, SEQ_MAIN, logits=False)
                 self._ids += kept
-        else:
-            if n < self._last_commit:
-                # cut one token more and re-decode it, so the snapshot is applied before any sequence copy
-                cut = keep_total - 1
-                if not self.ctx.seq_rm(SEQ_MAIN, cut, -1):
-                    raise RuntimeError("llama.cpp refused the rollback (n_rs_seq too small?)")
-                self.ctx.decode([self._ids[cut]], cut, SEQ_MAIN, logits=False)
-                self.extra_passes += 1
-            elif not self.ctx.seq_rm(SEQ_MAIN, keep_total, -1):  # the whole commit: only when the answer ends
-                raise RuntimeError("llama.cpp refused the rollback (n_rs_seq too small?)")
-            self._ids = self._ids[:keep_total]
+        self.extra_passes += 1
         self._last_commit = 0
 
 

@@ -1,0 +1,400 @@
+"""Clover's decoding loops, written once for every backend: causal ("ar"), block diffusion ("diffusion") and
+self-speculative decoding ("draft-self").
+
+A backend (the PyTorch reference here, the patched llama.cpp later) only evaluates the model; everything that
+decides tokens lives in this module and works on numpy logits. `generate` yields chunks as they resolve, in the
+style of mlx-lm's generate_step; `generate_all` collects them.
+
+Conventions
+-----------
+* Logits are numpy float arrays over the vocabulary, `[V]` for one position, `[T, V]` for several.
+* "Causal logits at position i" predict the token at position i + 1. The first token after a committed prefix is
+  predicted by the prefix's *last* logits (what `prefill` / `commit` returned last).
+* A sampler turns processed logits `[T, V]` into tokens `[T]`; the default is greedy: argmax, lowest index on
+  ties (numpy's argmax). The confidence of a position is the softmax probability of the token the sampler chose.
+* A logits processor is `(tokens_so_far, logits[V]) -> logits[V]`; `tokens_so_far` holds the tokens generated so
+  far in this answer (not the prompt), which for a block position means the committed answer tokens plus the
+  resolved tokens before it in the block. Processors run before sampling and before confidences are taken, in
+  every mode, also on the verification logits of draft-self.
+* End tokens (`backend.eos_ids`) end the answer and are never yielded.
+* Forward passes count every model evaluation the decoder asks for, the prompt's prefill included: one per
+  `prefill`, `commit` and `block_logits` call. AR decoding therefore takes one pass per token, the end token
+  included (n answer tokens + 1 passes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+Sampler = Callable[[np.ndarray], np.ndarray]
+LogitsProcessor = Callable[[np.ndarray, np.ndarray], np.ndarray]
+MODES = ("ar", "diffusion", "draft-self")
+ACCEPT_MODES = ("exact", "threshold")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The backend interface
+# ---------------------------------------------------------------------------------------------------------------
+@runtime_checkable
+class Backend(Protocol):
+    """What a model runtime provides to the decoders. One sequence; state is a committed causal prefix.
+
+    Attributes
+      mask_token_id  the token id that marks an unresolved block position (config.json `mask_token_id`)
+      eos_ids        the end tokens (generation_config.json `eos_token_id`: <|im_end|>, <|endoftext|>)
+      block_size     tokens per diffusion block (config.json `block_size`, 32 for Clover)
+      n_past         number of committed tokens (the length of the causal prefix held in the caches)
+
+    Methods (all logits are numpy arrays over the full vocabulary; nothing here samples)
+      reset()                      forget every committed token (n_past becomes 0).
+      prefill(ids) -> [V]          causal pass over `ids` after the committed prefix; commits them; returns the
+                                   logits at the last of them (they predict the next token). One forward pass.
+      commit(ids) -> [len(ids), V] the same causal pass, returning the logits at every position of `ids`
+                                   (row i predicts the token after ids[i]). Used to commit a finished block and
+                                   to verify a draft. One forward pass.
+      block_logits(block) -> [B, V] block mode (architecture.md section 3) over the committed prefix for the B
+                                   tokens of `block` (mask tokens where unresolved): bidirectional inside the
+                                   block, right convolution, intra-block softmax, coreset routing. Commits
+                                   NOTHING: the prefix state is exactly as before. One forward pass.
+      rollback(n)                  forget the last n committed tokens (n <= n_past; only ever the tokens of the
+                                   latest commit, which is all draft-self needs). The state must equal the one
+                                   a causal pass over the kept tokens would give. Not counted as a pass.
+    """
+
+    mask_token_id: int
+    eos_ids: frozenset[int]
+    block_size: int
+
+    @property
+    def n_past(self) -> int: ...
+
+    def reset(self) -> None: ...
+
+    def prefill(self, ids: Sequence[int]) -> np.ndarray: ...
+
+    def commit(self, ids: Sequence[int]) -> np.ndarray: ...
+
+    def block_logits(self, block: Sequence[int]) -> np.ndarray: ...
+
+    def rollback(self, n: int) -> None: ...
+
+
+class ReferenceBackend:
+    """The Backend over clover_gguf.reference.CloverModel. Its PrefixState is immutable, so rollback just returns
+    to the state before the latest commit and re-runs the kept tokens (backend work, not a counted pass)."""
+
+    def __init__(self, model: Any, eos_ids: Sequence[int] | None = None, coreset: bool | float | None = None):
+        import torch
+
+        self.torch = torch
+        self.model = model
+        cfg = model.cfg
+        if cfg.mask_token_id is None:
+            raise ValueError("the checkpoint has no mask_token_id: block mode is unavailable")
+        self.mask_token_id = int(cfg.mask_token_id)
+        eos = eos_ids if eos_ids is not None else cfg.eos_token_id
+        self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        self.block_size = int(cfg.block_size)
+        self.coreset = coreset
+        self.reset()
+
+    @property
+    def n_past(self) -> int:
+        return len(self._ids)
+
+    def reset(self) -> None:
+        self._ids: list[int] = []
+        self._state = self.model.empty_state()
+        self._before_last: tuple[Any, int] | None = None  # (state, n_past) before the latest commit
+
+    def _run(self, ids: Sequence[int], state: Any, block: bool = False):
+        torch = self.torch
+        with torch.no_grad():
+            x = torch.tensor([list(ids)], dtype=torch.long)
+            logits, new = self.model.run(x, state, block=block, coreset=self.coreset if block else None)
+        return logits[0].numpy(), new
+
+    def commit(self, ids: Sequence[int]) -> np.ndarray:
+        if not len(ids):
+            raise ValueError("commit needs at least one token")
+        self._before_last = (self._state, len(self._ids))
+        logits, self._state = self._run(ids, self._state)
+        self._ids.extend(int(t) for t in ids)
+        return logits
+
+    def prefill(self, ids: Sequence[int]) -> np.ndarray:
+        return self.commit(ids)[-1]
+
+    def block_logits(self, block: Sequence[int]) -> np.ndarray:
+        logits, _ = self._run(block, self._state, block=True)  # the new state is thrown away
+        return logits
+
+    def rollback(self, n: int) -> None:
+        if n <= 0:
+            return
+        if self._before_last is None or len(self._ids) - n < self._before_last[1]:
+            raise ValueError("rollback reaches past the latest commit")
+        state, n0 = self._before_last
+        keep = self._ids[n0:len(self._ids) - n]
+        self._ids = self._ids[:n0]
+        self._state = state
+        if keep:
+            _, self._state = self._run(keep, state)
+            self._ids.extend(keep)
+        self._before_last = None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sampling helpers
+# ---------------------------------------------------------------------------------------------------------------
+def greedy(logits: np.ndarray) -> np.ndarray:
+    """[T, V] -> [T]: argmax, the lowest index on ties."""
+    return np.argmax(logits, axis=-1)
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    z = logits - logits.max(-1, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(-1, keepdims=True)
+
+
+def _process(processors: Sequence[LogitsProcessor], history: Sequence[Sequence[int]], logits: np.ndarray
+             ) -> np.ndarray:
+    """Apply the processors row by row; history[i] = tokens_so_far for row i. logits [T, V] -> [T, V]."""
+    logits = np.asarray(logits, dtype=np.float64)
+    if not processors:
+        return logits
+    out = logits.copy()
+    for i in range(out.shape[0]):
+        toks = np.asarray(history[i], dtype=np.int64)
+        for p in processors:
+            out[i] = p(toks, out[i])
+    return out
+
+
+def _pick(logits: np.ndarray, sampler: Sampler) -> tuple[np.ndarray, np.ndarray]:
+    """processed logits [T, V] -> (tokens [T], confidence [T] = probability of the chosen token)."""
+    tok = np.asarray(sampler(logits), dtype=np.int64).reshape(-1)
+    conf = softmax(logits)[np.arange(len(tok)), tok]
+    return tok, conf
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Results
+# ---------------------------------------------------------------------------------------------------------------
+@dataclass
+class GenerationStats:
+    mode: str
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    forward_passes: int = 0  # every prefill / commit / block_logits call, the prompt's included
+    block_passes: int = 0  # the block_logits calls among them
+    drafted_tokens: int = 0  # draft-self: draft tokens offered for verification
+    accepted_tokens: int = 0  # draft-self: draft tokens the causal pass accepted
+    finish_reason: str | None = None  # "stop" (end token) or "length"
+
+    @property
+    def tokens_per_pass(self) -> float:
+        return self.generated_tokens / self.forward_passes if self.forward_passes else 0.0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else None
+
+
+@dataclass
+class Chunk:
+    """Tokens resolved since the previous chunk (never an end token) and the running stats of this run."""
+
+    tokens: list[int]
+    stats: GenerationStats
+    finished: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The shared block-resolving loop
+# ---------------------------------------------------------------------------------------------------------------
+def _first_end(block: list[int], resolved: list[bool], eos: frozenset[int]) -> int | None:
+    """Index of the first end token if every position up to it is resolved, else None."""
+    for i, (t, r) in enumerate(zip(block, resolved)):
+        if not r:
+            return None
+        if t in eos:
+            return i
+    return None
+
+
+def resolve_block(backend: Backend, block: list[int], resolved: list[bool], generated: Sequence[int],
+                  threshold: float, sampler: Sampler, processors: Sequence[LogitsProcessor],
+                  stats: GenerationStats) -> int:
+    """Fill the masked positions of `block` in place by block-mode passes (the card's LowConfidence rule).
+
+    Each pass fills every masked position whose confidence exceeds `threshold`, or, if none does, the single most
+    confident masked position (the lowest index on ties). Stops when every position is resolved, or when an end
+    token is resolved with every position before it resolved (what follows it is never used).
+    -> the number of positions that matter: index of the first end token + 1, or len(block).
+    """
+    while True:
+        end = _first_end(block, resolved, backend.eos_ids)
+        if end is not None:
+            return end + 1
+        if all(resolved):
+            return len(block)
+        logits = backend.block_logits(block)  # [B, V], commits nothing
+        stats.forward_passes += 1
+        stats.block_passes += 1
+        masked = [i for i, r in enumerate(resolved) if not r]
+        history = [list(generated) + [block[j] for j in range(i) if resolved[j]] for i in masked]
+        tok, conf = _pick(_process(processors, history, logits[masked]), sampler)  # [M], [M]
+        fill = [m for m, c in zip(range(len(masked)), conf) if c > threshold]
+        if not fill:
+            fill = [int(np.argmax(conf))]
+        for m in fill:
+            block[masked[m]], resolved[masked[m]] = int(tok[m]), True
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The generators
+# ---------------------------------------------------------------------------------------------------------------
+def generate(backend: Backend, prompt_ids: Sequence[int], mode: str = "diffusion", max_new_tokens: int = 256,
+             block_size: int | None = None, threshold: float = 0.95, accept: str = "exact",
+             sampler: Sampler | None = None, logits_processors: Sequence[LogitsProcessor] = (),
+             reset: bool = True) -> Iterator[Chunk]:
+    """Decode an answer after `prompt_ids`, yielding Chunks as tokens resolve; the last one has finished=True.
+
+    mode "ar": one causal pass per token. "diffusion": blocks of `block_size` positions start all-mask and are
+    resolved by block passes (resolve_block); a finished block is committed by one causal pass; an end token ends
+    the answer. "draft-self": block passes draft, one causal pass verifies (see _draft_self).
+    threshold: the confidence a block position must exceed to be filled in a pass (and, with accept="threshold",
+    the causal probability a draft token needs to be kept). reset=False continues after the committed prefix.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+    if accept not in ACCEPT_MODES:
+        raise ValueError(f"accept must be one of {ACCEPT_MODES}, not {accept!r}")
+    if not len(prompt_ids):
+        raise ValueError("the prompt is empty")
+    sampler = sampler or greedy
+    block_size = int(block_size or backend.block_size)
+    stats = GenerationStats(mode=mode, prompt_tokens=len(prompt_ids))
+    if reset:
+        backend.reset()
+    if mode == "ar":
+        gen = _ar(backend, prompt_ids, max_new_tokens, sampler, logits_processors, stats)
+    elif mode == "diffusion":
+        gen = _diffusion(backend, prompt_ids, max_new_tokens, block_size, threshold, sampler, logits_processors,
+                         stats)
+    else:
+        gen = _draft_self(backend, prompt_ids, max_new_tokens, block_size, threshold, accept, sampler,
+                          logits_processors, stats)
+    yield from gen
+
+
+def generate_all(backend: Backend, prompt_ids: Sequence[int], **kwargs) -> tuple[list[int], GenerationStats]:
+    """Run `generate` to the end -> (answer tokens without the end token, stats)."""
+    tokens: list[int] = []
+    stats = None
+    for chunk in generate(backend, prompt_ids, **kwargs):
+        tokens += chunk.tokens
+        stats = chunk.stats
+    return tokens, stats
+
+
+def _emit(tokens: list[int], out: list[int], max_new: int, stats: GenerationStats) -> tuple[list[int], bool]:
+    """Append tokens (cut at max_new) -> (what was appended, whether the length limit is reached)."""
+    take = tokens[:max(0, max_new - len(out))]
+    out += take
+    stats.generated_tokens = len(out)
+    return take, len(out) >= max_new
+
+
+def _finish(stats: GenerationStats, tokens: list[int], reason: str) -> Chunk:
+    stats.finish_reason = reason
+    return Chunk(tokens, stats, finished=True)
+
+
+def _ar(backend, prompt_ids, max_new, sampler, processors, stats) -> Iterator[Chunk]:
+    logits = backend.prefill(prompt_ids)  # [V], predicts the first answer token
+    stats.forward_passes += 1
+    out: list[int] = []
+    while True:
+        tok, _ = _pick(_process(processors, [out], logits[None]), sampler)
+        t = int(tok[0])
+        if t in backend.eos_ids:
+            yield _finish(stats, [], "stop")
+            return
+        took, full = _emit([t], out, max_new, stats)
+        if full:
+            yield _finish(stats, took, "length")
+            return
+        yield Chunk(took, stats)
+        logits = backend.commit([t])[-1]
+        stats.forward_passes += 1
+
+
+def _diffusion(backend, prompt_ids, max_new, block_size, threshold, sampler, processors, stats) -> Iterator[Chunk]:
+    backend.prefill(prompt_ids)  # commits the prompt; its logits are not used (blocks start all-mask)
+    stats.forward_passes += 1
+    out: list[int] = []
+    while True:
+        block, resolved = [backend.mask_token_id] * block_size, [False] * block_size
+        n = resolve_block(backend, block, resolved, out, threshold, sampler, processors, stats)
+        ended = block[n - 1] in backend.eos_ids
+        body = block[:n - 1] if ended else block
+        took, full = _emit(body, out, max_new, stats)
+        if ended and len(took) == len(body):
+            yield _finish(stats, took, "stop")
+            return
+        if full:
+            yield _finish(stats, took, "length")
+            return
+        yield Chunk(took, stats)
+        backend.commit(block)  # one causal pass makes the block part of the prefix
+        stats.forward_passes += 1
+
+
+def _draft_self(backend, prompt_ids, max_new, block_size, threshold, accept, sampler, processors, stats
+                ) -> Iterator[Chunk]:
+    eos, out = backend.eos_ids, []
+    last = backend.prefill(prompt_ids)  # [V]: causal logits predicting the first answer token
+    stats.forward_passes += 1
+    pending = int(_pick(_process(processors, [out], last[None]), sampler)[0][0])  # causal choice, not committed
+    while pending not in eos:
+        # draft: the block's first position is the pending causal token, the rest start masked
+        block = [pending] + [backend.mask_token_id] * (block_size - 1)  # [B]
+        resolved = [True] + [False] * (block_size - 1)
+        d = resolve_block(backend, block, resolved, out, threshold, sampler, processors, stats)
+        draft = block[:d]  # [D]: draft[0] = pending, draft[1:] proposed; ends at the first end token if any
+        # verify: one causal pass commits all D tokens; ver[i] predicts the token after draft[i]
+        ver = backend.commit(draft)  # [D, V]
+        stats.forward_passes += 1
+        history = [out + draft[:i + 1] for i in range(d)]  # tokens_so_far for the token after draft[i]
+        causal = _process(processors, history, ver)  # [D, V]
+        target, _ = _pick(causal, sampler)  # [D]: target[i] = causal choice for position i + 1
+        if accept == "exact":
+            ok = [draft[i + 1] == int(target[i]) for i in range(d - 1)]  # [D-1]
+        else:
+            prob = softmax(causal)
+            ok = [prob[i, draft[i + 1]] >= threshold for i in range(d - 1)]
+        n_ok = next((i for i, good in enumerate(ok) if not good), d - 1)  # accepted draft tokens
+        keep = 1 + n_ok  # [pending] + accepted proposals
+        kept = draft[:keep]
+        ended = kept[-1] in eos  # an accepted end token (verified as the causal choice) ends the answer
+        backend.rollback(d - keep + ended)  # forget the rejected suffix (and an accepted end token)
+        stats.drafted_tokens += d - 1
+        stats.accepted_tokens += n_ok
+        if ended:
+            took, _ = _emit(kept[:-1], out, max_new, stats)
+            yield _finish(stats, took, "stop" if len(took) == keep - 1 else "length")
+            return
+        took, full = _emit(kept, out, max_new, stats)
+        if full:
+            yield _finish(stats, took, "length")
+            return
+        yield Chunk(took, stats)
+        pending = int(target[keep - 1])  # causal choice after the kept tokens: the correction or the bonus
+    yield _finish(stats, [], "stop")

@@ -1,0 +1,738 @@
+"""`clover-gguf serve`: an OpenAI-compatible HTTP server on a Clover GGUF, decoding with draft-self, diffusion or AR.
+
+Endpoints (docs/serve.md has the fields): POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
+GET /health. Built on FastAPI (Starlette) and served by uvicorn.
+
+Concurrency: the app holds `parallel` independent CloverRuntimes ("slots"), each its own llama.cpp model and context.
+A request waits in a FIFO queue for a free slot, and its whole decode runs on one worker thread with that slot to
+itself, so requests never share decoding state. The worker hands the slot back only when it has stopped touching
+the runtime, also when the client went away: a disconnect sets a cancel flag that the worker checks between
+chunks. Text processing (reasoning split, stop strings) happens on the worker too, so the decode stops right where a
+stop string appears and the stats describe exactly the work done.
+"""
+
+# no `from __future__ import annotations`: FastAPI reads the route signatures, whose types are local to create_app
+import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
+import hmac
+import ipaddress
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable, Literal, Sequence, Union
+
+from clover_gguf.errors import UserError
+
+log = logging.getLogger("clover_gguf.server")
+
+MODES = ("ar", "diffusion", "draft-self")
+OPEN_TAG, CLOSE_TAG = "<think>", "</think>"
+MAX_STOP = 16
+POLL_S = 0.25  # how often a waiting request checks whether its client is still there
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Streamed text -> reasoning / content deltas, stop strings
+# ---------------------------------------------------------------------------------------------------------------
+class _Trim:
+    """Streams text with the leading and trailing whitespace of the whole removed (like str.strip on the join)."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self.started = not enabled
+        self.pending = ""
+
+    def feed(self, s: str) -> str:
+        if not self.enabled:
+            return s
+        if not self.started:
+            s = s.lstrip()
+            if not s:
+                return ""
+            self.started = True
+        s = self.pending + s
+        kept = s.rstrip()
+        self.pending = s[len(kept):]
+        return kept
+
+
+def _partial_suffix(text: str, needles: Sequence[str]) -> int:
+    """Length of the longest end of `text` that is the beginning (not the whole) of one of `needles`."""
+    best = 0
+    for n in needles:
+        for k in range(min(len(n) - 1, len(text)), best, -1):
+            if text.endswith(n[:k]):
+                best = k
+                break
+    return best
+
+
+class OutputParser:
+    """Turns streamed raw model text into (reasoning delta, content delta) pairs.
+
+    reasoning=True (chat): text inside <think>...</think> goes to reasoning, the rest to content, tags removed,
+    each channel stripped of leading/trailing whitespace; `thinking` says whether the prompt left a <think> open.
+    Stop strings are matched in the content only and cut it (the stop string itself is not returned).
+    reasoning=False (completions): the raw text as it comes, stop strings matched in it.
+    Text that could be the start of a tag or a stop string is held back until it is decided."""
+
+    def __init__(self, reasoning: bool = True, thinking: bool = False, stop: Sequence[str] = ()):
+        self.reasoning = reasoning
+        self.inside = reasoning and thinking
+        self.stop = [s for s in stop if s]
+        self.stopped = False
+        self.matched: str | None = None
+        self._buf = ""  # raw text held back as a possible partial tag
+        self._held = ""  # content held back as a possible partial stop string
+        self._trim_r, self._trim_c = _Trim(reasoning), _Trim(reasoning)
+        self._out_r: list[str] = []
+        self._out_c: list[str] = []
+
+    def feed(self, text: str) -> tuple[str, str]:
+        if not self.stopped:
+            if not self.reasoning:
+                self._content(text)
+            else:
+                self._buf += text
+                self._split(final=False)
+        return self._take()
+
+    def close(self) -> tuple[str, str]:
+        """End of the answer: release everything held back (partial tags are plain text after all)."""
+        if not self.stopped:
+            if self.reasoning:
+                self._split(final=True)
+            if not self.stopped and self._held:
+                self._out_c.append(self._trim_c.feed(self._held))
+                self._held = ""
+        return self._take()
+
+    def _take(self) -> tuple[str, str]:
+        r, c = "".join(self._out_r), "".join(self._out_c)
+        self._out_r.clear()
+        self._out_c.clear()
+        return r, c
+
+    def _split(self, final: bool) -> None:
+        while self._buf and not self.stopped:
+            hits = [(i, t) for t in (OPEN_TAG, CLOSE_TAG) if (i := self._buf.find(t)) >= 0]
+            if not hits:
+                keep = 0 if final else _partial_suffix(self._buf, (OPEN_TAG, CLOSE_TAG))
+                self._route(self._buf[:len(self._buf) - keep])
+                self._buf = self._buf[len(self._buf) - keep:]
+                return
+            i, tag = min(hits)
+            self._route(self._buf[:i])
+            self.inside = tag == OPEN_TAG
+            self._buf = self._buf[i + len(tag):]
+
+    def _route(self, s: str) -> None:
+        if not s:
+            return
+        if self.inside:
+            self._out_r.append(self._trim_r.feed(s))
+        else:
+            self._content(s)
+
+    def _content(self, s: str) -> None:
+        if not self.stop:
+            self._out_c.append(self._trim_c.feed(s))
+            return
+        self._held += s
+        hits = [(i, st) for st in self.stop if (i := self._held.find(st)) >= 0]
+        if hits:
+            i, st = min(hits)
+            self._out_c.append(self._trim_c.feed(self._held[:i]))
+            self._held, self.stopped, self.matched = "", True, st
+            return
+        keep = _partial_suffix(self._held, self.stop)
+        self._out_c.append(self._trim_c.feed(self._held[:len(self._held) - keep]))
+        self._held = self._held[len(self._held) - keep:]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Slots and jobs: the model work, on worker threads
+# ---------------------------------------------------------------------------------------------------------------
+@dataclass
+class Plan:
+    """One request, as the worker runs it."""
+
+    prompt: str | None = None  # raw prompt (completions) ...
+    messages: list[dict[str, str]] | None = None  # ... or chat messages, rendered with the GGUF's template
+    mode: str = "draft-self"
+    max_tokens: int | None = None  # None: as many as the context allows
+    block_size: int | None = None
+    threshold: float | None = None
+    accept: str = "exact"
+    temp: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    think: bool = True
+    stop: list[str] = field(default_factory=list)
+    controls: dict[str, float] = field(default_factory=dict)  # overrides of the GGUF's generation controls
+
+
+class ClientGone(Exception):
+    """The client disconnected while its request waited."""
+
+
+class Job:
+    """One request on one slot. The worker thread emits events into an asyncio queue:
+    ("started", prompt_tokens), ("delta", reasoning, content), ("done", finish_reason, stats, usage),
+    ("error", http_status, message). `cancel()` (any thread) makes the worker stop at the next chunk."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.events: asyncio.Queue = asyncio.Queue()
+        self._cancel = threading.Event()
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def emit(self, *event: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the loop is closed (server shutting down): nobody is listening
+            pass
+
+
+def _run_job(rt: Any, job: Job, plan: Plan) -> None:
+    """The worker: everything that touches the runtime happens here, on one thread, with the slot held."""
+    try:
+        _decode(rt, job, plan)
+    except UserError as e:
+        job.emit("error", 400, str(e))
+    except Exception as e:  # a bug or a llama.cpp failure: the request fails, the server keeps serving
+        log.exception("request failed")
+        job.emit("error", 500, f"internal error: {type(e).__name__}: {e}")
+
+
+def _decode(rt: Any, job: Job, plan: Plan) -> None:
+    if plan.messages is not None:
+        try:
+            prompt = rt.render(plan.messages, think=plan.think)
+        except Exception as e:  # the template refused the conversation (jinja raise_exception, bad roles)
+            raise UserError(f"the chat template cannot render these messages: {e}") from None
+    else:
+        prompt = plan.prompt or ""
+    ids = rt.ctx.tokenize(prompt, special=True)
+    if not ids:
+        raise UserError("the prompt is empty")
+    block_size = int(plan.block_size or rt.block_size)
+    limit = min(rt.context_length, rt.n_ctx)
+    room = block_size - 1 if plan.mode != "ar" else 0
+    max_new = plan.max_tokens if plan.max_tokens is not None else max(1, limit - len(ids) - room)
+    rt.check_request(len(ids), max_new, plan.mode, block_size)
+    job.emit("started", len(ids))
+
+    think_id, think_end_id = rt.think_id, rt.think_end_id
+    thinking = bool(think_id is not None and think_id in ids[-4:]
+                    and think_end_id not in ids[len(ids) - 1 - ids[::-1].index(think_id):])
+    parser = OutputParser(reasoning=plan.messages is not None, thinking=thinking, stop=plan.stop)
+    controls = dataclasses.replace(rt.controls, **plan.controls) if plan.controls else None
+    gen = rt.stream([{"role": "user", "content": prompt}], raw_prompt=True, mode=plan.mode, max_new_tokens=max_new,
+                    block_size=block_size, threshold=plan.threshold, accept=plan.accept, temp=plan.temp,
+                    top_p=plan.top_p, top_k=plan.top_k, seed=plan.seed, controls=controls)
+    stats = None
+    finish = "cancelled"
+    try:
+        for text, stats in gen:
+            if job.cancelled:
+                break
+            r, c = parser.feed(text)
+            if r or c:
+                job.emit("delta", r, c)
+            if parser.stopped:
+                finish = "stop"
+                break
+        else:
+            finish = "length" if stats is not None and stats.finish_reason == "length" else "stop"
+            r, c = parser.close()
+            if r or c:
+                job.emit("delta", r, c)
+    finally:
+        gen.close()
+    st = asdict(stats) if stats is not None else {"mode": plan.mode, "prompt_tokens": len(ids),
+                                                   "generated_tokens": 0}
+    if parser.matched is not None:
+        st["stop_string"] = parser.matched
+    n_gen = int(st.get("generated_tokens", 0))
+    usage = {"prompt_tokens": len(ids), "completion_tokens": n_gen, "total_tokens": len(ids) + n_gen}
+    job.emit("done", finish, st, usage)
+
+
+class Pool:
+    """`parallel` runtimes, each used by one request at a time; requests queue FIFO for a free one."""
+
+    def __init__(self, runtimes: list[Any]):
+        self.runtimes = runtimes
+        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=len(runtimes),
+                                                              thread_name_prefix="clover-slot")
+        self._free: asyncio.Queue | None = None
+        self.waiting = 0
+        self.jobs: set[Job] = set()
+
+    def _queue(self) -> asyncio.Queue:
+        if self._free is None:
+            self._free = asyncio.Queue()
+            for rt in self.runtimes:
+                self._free.put_nowait(rt)
+        return self._free
+
+    @property
+    def idle(self) -> int:
+        return self._queue().qsize()
+
+    def release(self, rt: Any) -> None:
+        self._queue().put_nowait(rt)
+
+    async def acquire(self) -> Any:
+        self.waiting += 1
+        try:
+            return await self._queue().get()
+        finally:
+            self.waiting -= 1
+
+    def start(self, rt: Any, plan: Plan) -> Job:
+        """Run `plan` on `rt` (acquired) on a worker; the slot comes back when the worker is done with it."""
+        loop = asyncio.get_running_loop()
+        job = Job(loop)
+        free = self._queue()
+        self.jobs.add(job)
+
+        def work() -> None:
+            try:
+                _run_job(rt, job, plan)
+            finally:
+                def give_back() -> None:
+                    self.jobs.discard(job)
+                    free.put_nowait(rt)
+
+                try:
+                    loop.call_soon_threadsafe(give_back)
+                except RuntimeError:
+                    pass
+
+        try:
+            self.executor.submit(work)
+        except BaseException:
+            self.jobs.discard(job)
+            free.put_nowait(rt)
+            raise
+        return job
+
+    def close(self) -> None:
+        for job in list(self.jobs):
+            job.cancel()
+        self.executor.shutdown(wait=True)
+        for rt in self.runtimes:
+            with contextlib.suppress(Exception):
+                rt.close()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The HTTP API
+# ---------------------------------------------------------------------------------------------------------------
+def _models():
+    """Pydantic request models (built lazily so importing this module does not need the serve extra)."""
+    from pydantic import BaseModel, ConfigDict, Field
+
+    class TextPart(BaseModel):
+        model_config = ConfigDict(extra="ignore")
+        type: str
+        text: str | None = None
+
+    class Message(BaseModel):
+        model_config = ConfigDict(extra="ignore")
+        role: Literal["system", "developer", "user", "assistant", "tool"]
+        content: Union[str, list[TextPart], None] = None
+
+    class StreamOptions(BaseModel):
+        model_config = ConfigDict(extra="ignore")
+        include_usage: bool = False
+
+    class Common(BaseModel):
+        """Fields both endpoints take; unknown fields are ignored. `mode` ... `threshold` are Clover extras."""
+
+        model_config = ConfigDict(extra="ignore")
+        model: str | None = None
+        stream: bool = False
+        stream_options: StreamOptions | None = None
+        max_tokens: int | None = Field(None, ge=1)
+        temperature: float | None = Field(None, ge=0.0, le=2.0)
+        top_p: float | None = Field(None, gt=0.0, le=1.0)
+        top_k: int | None = Field(None, ge=0)
+        seed: int | None = None
+        stop: Union[str, list[str], None] = None
+        n: int = Field(1, ge=1)
+        logprobs: Any = None
+        presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+        frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+        repetition_penalty: float | None = Field(None, gt=0.0)
+        mode: Literal["ar", "diffusion", "draft-self"] | None = None
+        block_size: int | None = Field(None, ge=1, le=256)
+        threshold: float | None = Field(None, ge=0.0, le=1.0)
+        accept: Literal["exact", "threshold"] | None = None
+
+    class ChatRequest(Common):
+        messages: list[Message] = Field(..., min_length=1)
+        max_completion_tokens: int | None = Field(None, ge=1)
+        think: bool | None = None
+        chat_template_kwargs: dict[str, Any] | None = None
+        reasoning_effort: str | None = None
+
+    class CompletionRequest(Common):
+        prompt: Union[str, list[str]]
+        echo: bool = False
+        suffix: str | None = None
+
+    return ChatRequest, CompletionRequest
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+
+def _error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def _is_loopback(host: str) -> bool:
+    if host in ("localhost", ""):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def create_app(model: str | Path | Callable[[], Any], mode: str = "draft-self", api_key: str | None = None,
+               parallel: int = 1, ctx: int | None = None, model_id: str | None = None,
+               runtime_kwargs: dict[str, Any] | None = None):
+    """-> a FastAPI (ASGI) app serving `model`: a GGUF path, or a factory returning a CloverRuntime-like object
+    (called `parallel` times). The runtimes are loaded here, so a bad model fails before any socket is opened.
+    runtime_kwargs go to CloverRuntime (rollback, exact, n_threads, n_gpu_layers, ...)."""
+    from fastapi import Depends, FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, StreamingResponse
+    from starlette.background import BackgroundTask
+
+    ChatRequest, CompletionRequest = _models()
+    if mode not in MODES:
+        raise UserError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
+    if parallel < 1:
+        raise UserError("--parallel must be at least 1")
+    if ctx is not None and ctx < 16:
+        raise UserError("--ctx must be at least 16")
+
+    if callable(model) and not isinstance(model, (str, Path)):
+        factory = model
+        name = model_id or "clover"
+    else:
+        from clover_gguf.runtime import CloverRuntime
+
+        path = Path(model)
+        kw = dict(runtime_kwargs or {})
+        if parallel > 1 and kw.get("n_threads") is None:  # share the cores between the slots
+            kw["n_threads"] = max(1, min(8, os.cpu_count() or 1) // parallel)
+
+        def factory() -> Any:
+            return CloverRuntime(path, n_ctx=ctx, **kw)
+
+        name = model_id or path.stem
+    runtimes: list[Any] = []
+    try:
+        for _ in range(parallel):
+            runtimes.append(factory())
+    except BaseException:
+        for rt in runtimes:
+            rt.close()
+        raise
+    first = runtimes[0]
+    if mode != "ar" and not getattr(first, "block_mode", True):
+        for rt in runtimes:
+            rt.close()
+        raise UserError(f"the model has no Clover block-mode tensors, so --mode {mode} cannot run: use --mode ar")
+    pool = Pool(runtimes)
+    created = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        pool.close()
+
+    app = FastAPI(title="clover-gguf", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.pool = pool
+    app.state.model_id = name
+    app.state.default_mode = mode
+
+    # ---- errors in OpenAI's shape ------------------------------------------------------------------------
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+        return JSONResponse(_error_body(exc.message, exc.type, exc.param, exc.code), status_code=exc.status,
+                            headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        bad_json = [e for e in errors if e.get("type") == "json_invalid"
+                    or (tuple(e.get("loc", ())) == ("body",) and e.get("type") in ("model_attributes_type", "missing"))]
+        if bad_json:  # not a JSON object at all: 400; fields that fail validation: 422
+            e = bad_json[0]
+            why = (e.get("ctx") or {}).get("error") or e.get("msg", "")
+            return JSONResponse(_error_body(f"the body must be a JSON object: {why}", "invalid_request_error"),
+                                status_code=400)
+        parts = []
+        for e in errors:
+            loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+            parts.append(f"{loc or 'body'}: {e.get('msg')}")
+        first_param = ".".join(str(x) for x in errors[0].get("loc", ()) if x != "body") if errors else None
+        body = _error_body("invalid request: " + "; ".join(parts), "invalid_request_error", first_param or None)
+        body["detail"] = [{k: v for k, v in e.items() if k in ("loc", "msg", "type")} for e in errors]
+        return JSONResponse(body, status_code=422)
+
+    async def auth(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        token = given[7:].strip() if given[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
+        if not hmac.compare_digest(token.encode(), api_key.encode()):
+            raise APIError(401, "missing or wrong API key (send Authorization: Bearer KEY)", "authentication_error",
+                           code="invalid_api_key")
+
+    # ---- helpers ---------------------------------------------------------------------------------------------
+    class Watch:
+        """Awaits things for one request, giving up (ClientGone) once its client has disconnected; checks at least
+        every POLL_S, also while events keep arriving. A result that arrives after giving up goes to `orphan`
+        (so an acquired slot is handed back, never lost)."""
+
+        def __init__(self, request: Request):
+            self.request = request
+            self.checked = time.monotonic()
+
+        async def gone(self) -> bool:
+            self.checked = time.monotonic()
+            return await self.request.is_disconnected()
+
+        async def __call__(self, aw, orphan: Callable[[Any], None] | None = None) -> Any:
+            task = asyncio.ensure_future(aw)
+            try:
+                while True:
+                    left = max(0.0, POLL_S - (time.monotonic() - self.checked))
+                    done, _ = await asyncio.wait({task}, timeout=left)
+                    if time.monotonic() - self.checked >= POLL_S and await self.gone():
+                        raise ClientGone()
+                    if done:
+                        return task.result()
+            except BaseException:
+                if not task.done():
+                    task.cancel()
+                    with contextlib.suppress(BaseException):
+                        await task
+                if orphan is not None and task.done() and not task.cancelled() and task.exception() is None:
+                    orphan(task.result())
+                raise
+
+    def plan_from(req, chat: bool) -> Plan:
+        if req.n != 1:
+            raise APIError(400, "only n=1 is supported", param="n")
+        if req.logprobs:
+            raise APIError(400, "logprobs are not supported", param="logprobs")
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if len(stop) > MAX_STOP:
+            raise APIError(400, f"at most {MAX_STOP} stop strings", param="stop")
+        controls = {k: v for k, v in (("presence_penalty", req.presence_penalty),
+                                      ("frequency_penalty", req.frequency_penalty),
+                                      ("repetition_penalty", req.repetition_penalty)) if v is not None}
+        p = Plan(mode=req.mode or mode, block_size=req.block_size, threshold=req.threshold,
+                 accept=req.accept or "exact", temp=req.temperature or 0.0,
+                 top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, seed=req.seed, stop=stop,
+                 controls=controls, max_tokens=req.max_tokens)
+        if chat:
+            msgs = []
+            for i, m in enumerate(req.messages):
+                if isinstance(m.content, list):
+                    if any(part.type != "text" for part in m.content):
+                        raise APIError(400, "only text content parts are supported", param=f"messages.{i}.content")
+                    text = "".join(part.text or "" for part in m.content)
+                else:
+                    text = m.content or ""
+                msgs.append({"role": m.role, "content": text})
+            p.messages = msgs
+            if req.max_completion_tokens is not None:
+                p.max_tokens = req.max_completion_tokens
+            think = True
+            if req.reasoning_effort is not None and req.reasoning_effort.lower() == "none":
+                think = False
+            kw = req.chat_template_kwargs or {}
+            if "enable_thinking" in kw:
+                think = bool(kw["enable_thinking"])
+            if req.think is not None:
+                think = req.think
+            p.think = think
+        else:
+            if req.echo:
+                raise APIError(400, "echo is not supported", param="echo")
+            if req.suffix:
+                raise APIError(400, "suffix is not supported", param="suffix")
+            prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+            if len(prompts) != 1:
+                raise APIError(400, "give exactly one prompt", param="prompt")
+            p.prompt = prompts[0]
+        return p
+
+    async def start(watch: Watch, plan: Plan) -> tuple[Job, int]:
+        """Wait for a slot, start the decode, wait until the request passed its checks -> (job, prompt tokens).
+        Raises APIError for a refused request, ClientGone if the client left while waiting."""
+        rt = await watch(pool.acquire(), orphan=pool.release)
+        job = pool.start(rt, plan)
+        try:
+            ev = await watch(job.events.get())
+        except BaseException:
+            job.cancel()
+            raise
+        if ev[0] == "error":
+            raise APIError(ev[1], ev[2], "invalid_request_error" if ev[1] < 500 else "server_error")
+        return job, ev[1]
+
+    async def run(request: Request, plan: Plan, chat: bool, stream: bool, include_usage: bool):
+        watch = Watch(request)
+        try:
+            job, _ = await start(watch, plan)
+        except ClientGone:
+            return JSONResponse(_error_body("client disconnected", "client_gone"), status_code=499)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        now = int(time.time())
+        if stream:
+            agen = _sse(job, rid, now, chat, include_usage)
+            return StreamingResponse(agen, media_type="text/event-stream", background=BackgroundTask(job.cancel),
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        reasoning, content = [], []
+        try:
+            while True:
+                ev = await watch(job.events.get())
+                if ev[0] == "delta":
+                    reasoning.append(ev[1])
+                    content.append(ev[2])
+                elif ev[0] == "done":
+                    break
+                else:
+                    raise APIError(ev[1], ev[2], "server_error")
+        except ClientGone:
+            job.cancel()
+            return JSONResponse(_error_body("client disconnected", "client_gone"), status_code=499)
+        except BaseException:
+            job.cancel()
+            raise
+        _, finish, stats, usage = ev
+        if chat:
+            msg = {"role": "assistant", "content": "".join(content), "reasoning_content": "".join(reasoning)}
+            choice = {"index": 0, "message": msg, "logprobs": None, "finish_reason": finish}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": "".join(content), "logprobs": None, "finish_reason": finish}
+            obj = "text_completion"
+        body = {"id": rid, "object": obj, "created": now, "model": name, "choices": [choice], "usage": usage,
+                "clover_stats": stats}
+        return JSONResponse(body, headers={"X-Clover-Stats": json.dumps(stats, separators=(",", ":"))})
+
+    async def _sse(job: Job, rid: str, now: int, chat: bool, include_usage: bool) -> AsyncIterator[str]:
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(delta: dict | None, finish: str | None = None, **extra) -> str:
+            if chat:
+                choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None,
+                                                     "finish_reason": finish}]
+            else:
+                choices = [] if delta is None else [{"index": 0, "text": delta.get("content", ""), "logprobs": None,
+                                                     "finish_reason": finish}]
+            body = {"id": rid, "object": obj, "created": now, "model": name, "choices": choices, **extra}
+            return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+        try:
+            if chat:
+                yield chunk({"role": "assistant", "content": ""})
+            while True:
+                ev = await job.events.get()
+                if ev[0] == "delta":
+                    if ev[1] and chat:
+                        yield chunk({"reasoning_content": ev[1]})
+                    if ev[2]:
+                        yield chunk({"content": ev[2]})
+                elif ev[0] == "done":
+                    _, finish, stats, usage = ev
+                    if include_usage:
+                        yield chunk({}, finish, clover_stats=stats)
+                        yield chunk(None, usage=usage)
+                    else:
+                        yield chunk({}, finish, usage=usage, clover_stats=stats)
+                    break
+                else:
+                    err = _error_body(ev[2], "server_error" if ev[1] >= 500 else "invalid_request_error")
+                    yield f"data: {json.dumps(err)}\n\n"
+                    break
+            yield "data: [DONE]\n\n"
+        finally:
+            job.cancel()  # a no-op after "done"; on a disconnect the worker stops at its next chunk
+
+    # ---- routes ----------------------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": name, "slots_total": len(pool.runtimes), "slots_idle": pool.idle,
+                "requests_waiting": pool.waiting}
+
+    @app.get("/v1/models", dependencies=[Depends(auth)])
+    async def models():
+        meta = getattr(first, "meta", {}) or {}
+        return {"object": "list", "data": [{
+            "id": name, "object": "model", "created": created, "owned_by": "clover-gguf",
+            "meta": {"context_length": min(getattr(first, "context_length", 0) or 0, getattr(first, "n_ctx", 0) or 0),
+                     "block_mode": bool(getattr(first, "block_mode", False)), "default_mode": mode,
+                     "block_size": getattr(first, "block_size", None), "parallel": len(pool.runtimes),
+                     "architecture": meta.get("general.architecture")}}]}
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(auth)])
+    async def chat_completions(req: ChatRequest, request: Request):
+        return await run(request, plan_from(req, chat=True), chat=True, stream=req.stream,
+                         include_usage=bool(req.stream_options and req.stream_options.include_usage))
+
+    @app.post("/v1/completions", dependencies=[Depends(auth)])
+    async def completions(req: CompletionRequest, request: Request):
+        return await run(request, plan_from(req, chat=False), chat=False, stream=req.stream,
+                         include_usage=bool(req.stream_options and req.stream_options.include_usage))
+
+    return app
+
+
+def serve(model: str | Path, host: str = "127.0.0.1", port: int = 8080, mode: str = "draft-self",
+          ctx: int | None = None, parallel: int = 1, api_key: str | None = None, model_id: str | None = None,
+          log_level: str = "info", **runtime_kwargs) -> None:
+    """Load the model and serve it with uvicorn until interrupted."""
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn
+    except ImportError:
+        raise UserError("serving needs the serve extra: pip install 'clover-gguf[serve]'") from None
+    if not 0 <= port <= 65535:
+        raise UserError(f"port {port} is out of range")
+    if not _is_loopback(host) and api_key is None:
+        log.warning("serving on %s without --api-key: anyone who can reach this address can use the model", host)
+    app = create_app(model, mode=mode, api_key=api_key, parallel=parallel, ctx=ctx, model_id=model_id,
+                     runtime_kwargs=runtime_kwargs)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

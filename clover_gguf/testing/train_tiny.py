@@ -1,0 +1,507 @@
+"""Train the tiny Clover that the demo and the tests use, on the reference model, on CPU.
+
+    python -m clover_gguf.testing.train_tiny OUT [--steps N] [--seed S] [--threads T] [--resume]
+    python -m clover_gguf.testing.train_tiny OUT --eval-only [--mode ar|diffusion|draft-self] [--limit N]
+
+Synthetic chat tasks with checkable answers (counting, addition, reversing/copying letters, key -> value
+recall), every answer behind the same short thinking span, tokenized with a small byte-level BPE trained here.
+
+Objective per step (two micro-batches):
+  * causal next-token loss on the assistant turn (thinking, answer, <|im_end|>);
+  * block-diffusion loss, BD3-LM / SDAR style: a clean prefix (prompt + part of the answer) is run causally, then
+    one block of `block_size` tokens follows in *block mode* (spec section 3: right convolution, intra-block
+    softmax, bidirectional attention, coreset routing) with a random share t ~ U(0, 1) of its positions replaced
+    by the mask token; cross-entropy on the masked positions. Block positions past the answer's end hold
+    <|endoftext|>, so the model learns to fill the tail of a last block with end tokens.
+
+The reference model takes one prefix length per batch, so each micro-batch holds sequences whose block starts at
+the same position: either all blocks start right at the answer (same prompt length), or at one shared position
+inside the answers. Data and masks come from generators seeded by (seed, step), so --resume continues exactly.
+OUT/train_state.pt holds model + optimizer every --save-every steps; the finished checkpoint is written to OUT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+THINK = "<think>\nLet me work it out.\n</think>\n\n"  # the fixed thinking span before every answer
+WORDS = ["apple", "sky", "cat", "dog", "tree", "moon", "fish", "star", "rock", "lamp", "cup", "book", "rain",
+         "leaf", "ship", "bird", "door", "milk", "sand", "king"]
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+TASKS = ("count", "add", "reverse", "copy", "recall")
+HOLDOUT_MOD = 16  # prompts whose crc32 % HOLDOUT_MOD == 0 are held out (never trained on)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tasks
+# ---------------------------------------------------------------------------------------------------------------
+def make_task(rng: random.Random, task: str) -> tuple[str, str]:
+    """-> (user prompt, answer text after the thinking span)."""
+    if task == "count":
+        a = rng.randint(0, 95)
+        b = a + rng.randint(2, 7)
+        return f"Count from {a} to {b}.", " ".join(str(i) for i in range(a, b + 1))
+    if task == "add":
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        return f"What is {a} + {b}?", f"{a} + {b} = {a + b}"
+    if task in ("reverse", "copy"):
+        s = [rng.choice(LETTERS) for _ in range(rng.randint(3, 6))]
+        out = s[::-1] if task == "reverse" else s
+        return f"{task.capitalize()}: {' '.join(s)}", " ".join(out)
+    if task == "recall":
+        keys = rng.sample(WORDS, rng.randint(2, 4))
+        vals = [rng.randint(0, 9) for _ in keys]
+        q = rng.randrange(len(keys))
+        pairs = ", ".join(f"{k}={v}" for k, v in zip(keys, vals))
+        return f"Keys: {pairs}. What is {keys[q]}?", f"{keys[q]} = {vals[q]}"
+    raise ValueError(task)
+
+
+def is_held_out(prompt: str) -> bool:
+    return zlib.crc32(prompt.encode()) % HOLDOUT_MOD == 0
+
+
+def chat_prompt(user: str) -> str:
+    """The chat template (clover_gguf.testing.tokenizer.CHAT_TEMPLATE) with add_generation_prompt."""
+    return f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def strip_thinking(text: str) -> str:
+    return text.split("</think>", 1)[-1].strip()
+
+
+def make_eval_set(n_per_task: int = 30, seed: int = 12345) -> list[dict]:
+    rng, out, seen = random.Random(seed), [], set()
+    for task in TASKS:
+        n = 0
+        while n < n_per_task:
+            p, a = make_task(rng, task)
+            if is_held_out(p) and p not in seen:
+                seen.add(p)
+                out.append({"prompt": p, "answer": a})
+                n += 1
+    return out
+
+
+def bpe_corpus(n: int = 1500, seed: int = 7) -> str:
+    rng = random.Random(seed)
+    texts = []
+    for i in range(n):
+        p, a = make_task(rng, TASKS[i % len(TASKS)])
+        texts.append(chat_prompt(p) + THINK + a + "<|im_end|>\n")
+    return "".join(texts)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Model setup
+# ---------------------------------------------------------------------------------------------------------------
+SHAPE = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+             linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+             shared_expert_intermediate_size=64)
+
+
+def make_config(special: dict[str, int], vocab_size: int):
+    from clover_gguf.config import CloverConfig
+
+    n = SHAPE["num_hidden_layers"]
+    d = dict(SHAPE, vocab_size=vocab_size, model_type="clover",
+             layer_types=["full_attention" if (i + 1) % 2 == 0 else "linear_attention" for i in range(n)],
+             full_attention_interval=2,  # two attention layers of four: copying and recall are learnt much faster
+             rope_parameters={"rope_theta": 10_000.0, "partial_rotary_factor": 0.5}, tie_word_embeddings=False,
+             max_position_embeddings=4096, eos_token_id=[special["<|im_end|>"], special["<|endoftext|>"]],
+             pad_token_id=special["<|endoftext|>"], mask_token_id=special["<|mask|>"], block_size=32,
+             linear_conv_right_kernel_dim=4, moe_block_coreset_enabled=True, moe_block_coreset_top_p=0.9)
+    return CloverConfig.from_dict(d)
+
+
+def init_model(cfg, seed: int):
+    """Random weights from make_tiny's init table (same scales), loaded into the reference model."""
+    import torch
+
+    from clover_gguf.reference import CloverModel
+    from clover_gguf.testing.make_tiny import checkpoint_tensors, generate
+
+    tensors = {}
+    for name, shape, init in checkpoint_tensors(cfg):
+        tensors[name] = torch.from_numpy(generate(name, shape, init, seed))
+    for i in range(cfg.num_hidden_layers):  # per-expert -> stacked, as clover_gguf.checkpoint does
+        p = f"model.layers.{i}.mlp.experts."
+        for n in ("gate_proj", "up_proj", "down_proj"):
+            tensors[p + n] = torch.stack([tensors.pop(f"{p}{e}.{n}.weight") for e in range(cfg.num_experts)])
+    model = CloverModel(cfg)
+    model.load_hf_state_dict(tensors)
+    return model
+
+
+def save_checkpoint(model, out: Path) -> None:
+    from clover_gguf.config import GenerationDefaults
+    from clover_gguf.testing.make_tiny import write_safetensors
+
+    cfg = model.cfg
+    tensors = [(k, "F32", tuple(v.shape), v.float().numpy()) for k, v in model.hf_state_dict().items()]
+    write_safetensors(out / "model.safetensors", tensors)
+    (out / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=1) + "\n")
+    gen = {**GenerationDefaults().to_hf(), "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id,
+           "do_sample": False}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=1) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Training-time fast path: the same functions as the reference, computed in parallel (checked in tests)
+# ---------------------------------------------------------------------------------------------------------------
+def parallel_delta_rule(q, k, v, g, beta, s0):
+    """The gated delta rule of the reference loop, all T tokens at once.
+
+    q, k [N, T, H, dk] (q already scaled), v [N, T, H, dv], g, beta [N, T, H], s0 [N, H, dk, dv]
+    -> (o [N, T, H, dv], final state [N, H, dk, dv]).
+    With G_t = sum_{i<=t} g_i and the per-token update delta_t = beta_t (v_t - (e^{g_t} S_{t-1})^T k_t):
+      (I + L) Delta = beta V - beta e^{G} K S0,  L[t, j] = beta_t e^{G_t - G_j} k_t.k_j  (j < t)
+      o_t = e^{G_t} q_t^T S0 + sum_{j<=t} e^{G_t - G_j} (q_t.k_j) delta_j
+      S_T = e^{G_T} S0 + sum_j e^{G_T - G_j} k_j delta_j^T
+    """
+    import torch
+
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # [N, H, T, d]
+    g, beta = g.transpose(1, 2), beta.transpose(1, 2)  # [N, H, T]
+    t = q.shape[2]
+    G = g.cumsum(-1)
+    tri = torch.ones(t, t, dtype=torch.bool).tril()
+    diff = (G[..., :, None] - G[..., None, :]).masked_fill(~tri, float("-inf"))
+    decay = diff.exp()  # [N, H, T, T], e^{G_t - G_j} for j <= t else 0
+    eG = G.exp()[..., None]  # [N, H, T, 1]
+    L = (beta[..., None] * decay * (k @ k.transpose(-1, -2))).tril(-1)
+    rhs = beta[..., None] * (v - eG * (k @ s0))
+    eye = torch.eye(t, dtype=q.dtype)
+    delta = torch.linalg.solve_triangular(eye + L, rhs, upper=False, unitriangular=True)  # [N, H, T, dv]
+    o = eG * (q @ s0) + (decay * (q @ k.transpose(-1, -2))) @ delta
+    w = (G[..., -1:] - G).exp()[..., None]  # [N, H, T, 1]
+    s = G[..., -1].exp()[..., None, None] * s0 + (k * w).transpose(-1, -2) @ delta
+    return o.transpose(1, 2), s
+
+
+def _fast_gdn_forward(self, x, st, block):
+    """reference.GatedDeltaNet.forward with the token loop replaced by parallel_delta_rule."""
+    import torch
+    import torch.nn.functional as F
+
+    from clover_gguf.reference import LayerState, l2norm
+
+    cfg = self.cfg
+    n, t, _ = x.shape
+    hk, hv, dk, dv, kconv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                             cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim)
+    mixed = self.in_proj_qkv(x)
+    past = st.conv if st.conv is not None else mixed.new_zeros(n, kconv - 1, cfg.conv_dim)
+    xs = torch.cat([past, mixed], dim=1)
+    conv = sum(self.conv1d[:, j] * xs[:, j:j + t] for j in range(kconv))
+    if block:
+        kr = cfg.right_kernel
+        padded = torch.cat([mixed, mixed.new_zeros(n, kr, cfg.conv_dim)], dim=1)
+        conv = conv + sum(self.conv1d_right[:, j - 1] * padded[:, j:j + t] for j in range(1, kr + 1))
+    u = F.silu(conv)
+    q, k, v = torch.split(u, [cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
+    rep = hv // hk
+    q = l2norm(q.reshape(n, t, hk, dk)).repeat_interleave(rep, dim=2)
+    k = l2norm(k.reshape(n, t, hk, dk)).repeat_interleave(rep, dim=2)
+    v = v.reshape(n, t, hv, dv)
+    beta = torch.sigmoid(self.in_proj_b(x))
+    g = -torch.exp(self.A_log) * F.softplus(self.in_proj_a(x) + self.dt_bias)
+    s0 = st.ssm if st.ssm is not None else x.new_zeros(n, hv, dk, dv)
+    o, s = parallel_delta_rule(q / math.sqrt(dk), k, v, g, beta, s0)
+    if block:
+        tau = torch.exp(self.block_attn_log_scale)
+        scores = torch.einsum("nthd,nshd->nhts", q, k) * tau[None, :, None, None]
+        o_sm = torch.einsum("nhts,nshv->nthv", scores.softmax(-1), v)
+        o = o + torch.sigmoid(self.block_attn_gate)[None, None, :, None] * o_sm
+    z = self.in_proj_z(x).reshape(n, t, hv, dv)
+    y = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps) * self.norm * F.silu(z)
+    new_state = LayerState(conv=xs[:, -(kconv - 1):] if kconv > 1 else xs[:, :0], ssm=s)
+    return self.out_proj(y.reshape(n, t, cfg.value_dim)), new_state
+
+
+def _fast_moe_forward(self, x, coreset_top_p):
+    """reference.SparseMoe.forward with all experts in one einsum (the reference also weights every expert's
+    output by its routing weight, zero where not chosen)."""
+    import torch
+    import torch.nn.functional as F
+
+    idx, w = self.route(x, coreset_top_p)
+    dense = torch.zeros(*x.shape[:-1], self.cfg.num_experts, dtype=x.dtype).scatter_add(-1, idx, w)  # [N, T, E]
+    hid = F.silu(torch.einsum("nth,eih->ntei", x, self.gate_proj)) * torch.einsum("nth,eih->ntei", x, self.up_proj)
+    out = torch.einsum("ntei,ehi,nte->nth", hid, self.down_proj, dense)
+    shared = self.shared_down_proj(F.silu(self.shared_gate_proj(x)) * self.shared_up_proj(x))
+    return out + torch.sigmoid(self.shared_expert_gate(x)) * shared
+
+
+class fast_path:
+    """Context manager: the reference model's GDN and MoE layers use the parallel forms above."""
+
+    def __enter__(self):
+        from clover_gguf import reference
+
+        self.saved = reference.GatedDeltaNet.forward, reference.SparseMoe.forward
+        reference.GatedDeltaNet.forward, reference.SparseMoe.forward = _fast_gdn_forward, _fast_moe_forward
+        return self
+
+    def __exit__(self, *exc):
+        from clover_gguf import reference
+
+        reference.GatedDeltaNet.forward, reference.SparseMoe.forward = self.saved
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Batches
+# ---------------------------------------------------------------------------------------------------------------
+@dataclass
+class Example:
+    prompt: list[int]
+    answer: list[int]  # thinking + answer + <|im_end|>
+
+
+class Data:
+    def __init__(self, tok, special: dict[str, int]):
+        self.tok, self.special = tok, special
+        self.cache: dict[str, Example] = {}
+
+    def example(self, rng: random.Random) -> Example:
+        while True:
+            p, a = make_task(rng, rng.choice(TASKS))
+            if not is_held_out(p):
+                break
+        if p not in self.cache:
+            self.cache[p] = Example(self.tok.encode(chat_prompt(p)).ids, self.tok.encode(THINK + a + "<|im_end|>").ids)
+        return self.cache[p]
+
+    def micro_batch(self, rng: random.Random, n: int, block: int, boundary_share: float = 0.0
+                    ) -> tuple[list[Example], int]:
+        """n examples whose block starts at one shared position P -> (examples, P)."""
+        anchor = self.example(rng)
+        lp = len(anchor.prompt)
+        r = rng.random()
+        if r < boundary_share and len(anchor.answer) > block:  # the second block of a long answer
+            pos = lp + block
+            fits = lambda e: len(e.prompt) == lp and len(e.answer) > block  # noqa: E731
+        elif r < 0.5:  # block at the answer start: same prompt length
+            fits = lambda e: len(e.prompt) == lp  # noqa: E731
+            pos = lp
+        else:  # block somewhere inside the answers
+            pos = lp + rng.randrange(len(anchor.answer))
+            fits = lambda e: len(e.prompt) <= pos < len(e.prompt) + len(e.answer)  # noqa: E731
+        out = [anchor]
+        for _ in range(4000):
+            if len(out) == n:
+                break
+            e = self.example(rng)
+            if fits(e):
+                out.append(e)
+        return out, pos
+
+
+def tensors_for(batch: list[Example], pos: int, block: int, special: dict[str, int], gen):
+    """-> ids [N, T], causal targets [N, T] (-100 = no loss), noisy block [N, B], block targets [N, B]."""
+    import torch
+
+    pad, mask = special["<|endoftext|>"], special["<|mask|>"]
+    seqs = [e.prompt + e.answer for e in batch]
+    t = max(max(len(s) for s in seqs), pos + block)
+    ids = torch.full((len(batch), t), pad, dtype=torch.long)
+    tgt = torch.full((len(batch), t), -100, dtype=torch.long)
+    for i, (e, s) in enumerate(zip(batch, seqs)):
+        ids[i, :len(s)] = torch.tensor(s)
+        lp = len(e.prompt)
+        tgt[i, lp - 1:len(s) - 1] = torch.tensor(e.answer)  # logits at j predict token j+1
+    clean = ids[:, pos:pos + block]
+    rate = torch.rand(len(batch), 1, generator=gen)
+    masked = torch.rand(len(batch), block, generator=gen) < rate
+    masked[torch.arange(len(batch)), torch.randint(0, block, (len(batch),), generator=gen)] = True
+    noisy = torch.where(masked, torch.full_like(clean, mask), clean)
+    btgt = torch.where(masked, clean, torch.full_like(clean, -100))
+    return ids, tgt, noisy, btgt
+
+
+def step_loss(model, batch, pos, block, special, gen):
+    import torch.nn.functional as F
+    import torch
+
+    ids, tgt, noisy, btgt = tensors_for(batch, pos, block, special, gen)
+    logits_a, state = model.run(ids[:, :pos])
+    logits_b, _ = model.run(ids[:, pos:], state)
+    logits = torch.cat([logits_a, logits_b], dim=1)
+    causal = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), ignore_index=-100)
+    blogits, _ = model.run(noisy, state, block=True)
+    diff = F.cross_entropy(blogits.reshape(-1, blogits.shape[-1]), btgt.reshape(-1), ignore_index=-100)
+    return causal, diff
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Training
+# ---------------------------------------------------------------------------------------------------------------
+def prepare(out: Path, seed: int):
+    """Tokenizer, config and eval set in OUT (deterministic); -> (tokenizer, special ids, config)."""
+    from tokenizers import Tokenizer
+
+    from clover_gguf.testing.tokenizer import write_tokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    special = write_tokenizer(out, corpus=bpe_corpus(), n_merges=120)
+    vocab_size = -(-(max(special.values()) + 1) // 64) * 64
+    cfg = make_config(special, vocab_size)
+    with open(out / "eval.jsonl", "w") as f:
+        for row in make_eval_set():
+            f.write(json.dumps(row) + "\n")
+    return Tokenizer.from_file(str(out / "tokenizer.json")), special, cfg
+
+
+def train(out: Path, steps: int, seed: int = 0, resume: bool = False, micro: int = 16, lr: float = 3e-3,
+          save_every: int = 100, log_every: int = 20, stop_after: int | None = None,
+          boundary_share: float = 0.2) -> None:
+    import torch
+
+    tok, special, cfg = prepare(out, seed)
+    torch.manual_seed(seed)
+    model = init_model(cfg, seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
+    start = 0
+    state_path = out / "train_state.pt"
+    if resume and state_path.is_file():
+        st = torch.load(state_path, weights_only=False)
+        model.load_state_dict(st["model"])
+        opt.load_state_dict(st["opt"])
+        start = st["step"]
+        print(f"resumed at step {start}", file=sys.stderr)
+    data = Data(tok, special)
+    warm = 100
+
+    def lr_at(s: int) -> float:
+        if s < warm:
+            return lr * (s + 1) / warm
+        return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (s - warm) / max(1, steps - warm))))
+
+    t0 = time.time()
+    acc = {"c": 0.0, "d": 0.0}
+    fast = fast_path()
+    fast.__enter__()  # parallel GDN / MoE forms while training (tests check them against the reference loop)
+    end = steps if stop_after is None else min(steps, start + stop_after)
+    for s in range(start, end):
+        rng = random.Random(seed * 1_000_003 + s)
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + s)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(s)
+        opt.zero_grad(set_to_none=True)
+        for _ in range(2):
+            batch, pos = data.micro_batch(rng, micro, cfg.block_size, boundary_share)
+            causal, diff = step_loss(model, batch, pos, cfg.block_size, special, gen)
+            ((causal + diff) / 2).backward()
+            acc["c"] += causal.item() / 2
+            acc["d"] += diff.item() / 2
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if (s + 1) % log_every == 0:
+            print(f"step {s + 1} causal {acc['c'] / log_every:.4f} block {acc['d'] / log_every:.4f} "
+                  f"lr {lr_at(s):.2e} {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
+            acc = {"c": 0.0, "d": 0.0}
+        if (s + 1) % save_every == 0 or s + 1 == end:
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": s + 1}, state_path)
+            save_checkpoint(model, out)
+    fast.__exit__()
+    save_checkpoint(model, out)
+    print(f"trained {end - start} steps in {time.time() - t0:.0f}s", file=sys.stderr)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Evaluation
+# ---------------------------------------------------------------------------------------------------------------
+def load_eval(model_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(model_dir) / "eval.jsonl").read_text().splitlines() if line.strip()]
+
+
+ASSET_DIR = Path(__file__).resolve().parents[1] / "assets" / "tiny-clover"  # the committed checkpoint
+
+
+def load_tiny(model_dir: Path = ASSET_DIR, dtype=None):
+    """-> (CloverModel, tokenizers.Tokenizer, eval rows) of a checkpoint folder made by this script."""
+    import torch
+    from tokenizers import Tokenizer
+
+    from clover_gguf.reference import CloverModel
+
+    model_dir = Path(model_dir)
+    model = CloverModel.from_pretrained(model_dir, dtype=dtype or torch.float32)
+    return model, Tokenizer.from_file(str(model_dir / "tokenizer.json")), load_eval(model_dir)
+
+
+def evaluate_rows(model, tok, rows: list[dict], mode: str = "ar", accept: str = "exact", threshold: float = 0.95,
+                  max_new_tokens: int = 96, verbose: bool = False) -> dict:
+    """Decode every row with clover_gguf.decoding on the reference model -> figures and per-row token lists.
+
+    A row is correct when the decoded text, thinking removed, contains its answer.
+    """
+    from clover_gguf.decoding import ReferenceBackend, generate_all
+
+    backend = ReferenceBackend(model)
+    correct, gen_tokens, passes, drafted, accepted, outputs = 0, 0, 0, 0, 0, []
+    for row in rows:
+        ids = tok.encode(chat_prompt(row["prompt"])).ids
+        out, stats = generate_all(backend, ids, mode=mode, max_new_tokens=max_new_tokens, threshold=threshold,
+                                  accept=accept)
+        text = strip_thinking(tok.decode(out, skip_special_tokens=True))
+        ok = row["answer"] in text
+        correct += ok
+        gen_tokens += stats.generated_tokens
+        passes += stats.forward_passes
+        drafted += stats.drafted_tokens
+        accepted += stats.accepted_tokens
+        outputs.append(out)
+        if verbose and not ok:
+            print(f"MISS {row['prompt']!r}: want {row['answer']!r} got {text!r}", file=sys.stderr)
+    return {"mode": mode, "n": len(rows), "accuracy": correct / max(1, len(rows)),
+            "tokens_per_pass": gen_tokens / max(1, passes), "generated_tokens": gen_tokens, "forward_passes": passes,
+            "acceptance_rate": accepted / drafted if drafted else None, "outputs": outputs}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m clover_gguf.testing.train_tiny", description=__doc__.splitlines()[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--steps", type=int, default=1800)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--micro", type=int, default=16, help="sequences per micro-batch (two per step)")
+    ap.add_argument("--save-every", type=int, default=100)
+    ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--boundary-share", type=float, default=0.2,
+                    help="share of micro-batches whose block starts 32 tokens into a long answer")
+    ap.add_argument("--stop-after", type=int, default=None, help="stop after this many steps (resume later)")
+    ap.add_argument("--eval-only", action="store_true")
+    ap.add_argument("--mode", default="ar", choices=["ar", "diffusion", "draft-self"])
+    ap.add_argument("--limit", type=int, default=None)
+    ap.add_argument("--accept", default="exact", choices=["exact", "threshold"])
+    a = ap.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(a.threads)
+    if a.eval_only:
+        model, tok, rows = load_tiny(a.out)
+        t0 = time.time()
+        r = evaluate_rows(model, tok, rows[:a.limit], a.mode, accept=a.accept, verbose=True)
+        r.pop("outputs")
+        print(json.dumps({**r, "seconds": round(time.time() - t0, 1)}))
+        return 0
+    train(a.out, a.steps, seed=a.seed, resume=a.resume, micro=a.micro, lr=a.lr, save_every=a.save_every,
+          stop_after=a.stop_after, boundary_share=a.boundary_share)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

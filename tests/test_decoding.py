@@ -1,0 +1,261 @@
+"""The decoding loops of clover_gguf.decoding against a fake backend whose logits are scripted, one rule a test."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from clover_gguf.decoding import Backend, ReferenceBackend, generate, generate_all
+
+V, MASK, EOS, B = 12, 11, 10, 6
+
+
+def dist(tok: int, p: float) -> np.ndarray:
+    """Logits whose softmax puts probability p on tok and spreads the rest evenly."""
+    probs = np.full(V, (1.0 - p) / (V - 1))
+    probs[tok] = p
+    return np.log(probs)
+
+
+class FakeBackend:
+    """causal(context) -> logits [V] predicting the token after `context`; block(prefix, block, k) -> [B, V]."""
+
+    def __init__(self, causal, block=None, block_size=B):
+        self.causal, self.block = causal, block
+        self.mask_token_id, self.eos_ids, self.block_size = MASK, frozenset({EOS}), block_size
+        self.calls: list[tuple] = []
+        self.reset()
+
+    @property
+    def n_past(self) -> int:
+        return len(self.ids)
+
+    def reset(self) -> None:
+        self.ids, self.n_block, self.last = [], 0, 0
+
+    def commit(self, ids):
+        self.calls.append(("commit", list(ids)))
+        rows = [self.causal(self.ids + list(ids[:i + 1])) for i in range(len(ids))]
+        self.ids += list(ids)
+        self.last = len(ids)
+        return np.stack(rows)
+
+    def prefill(self, ids):
+        return self.commit(ids)[-1]
+
+    def block_logits(self, block):
+        self.calls.append(("block", list(block)))
+        self.n_block += 1
+        return np.asarray(self.block(list(self.ids), list(block), self.n_block - 1))
+
+    def rollback(self, n):
+        self.calls.append(("rollback", n))
+        assert 0 <= n <= self.last, "rollback past the latest commit"
+        self.ids = self.ids[:len(self.ids) - n]
+        self.last -= n
+
+
+def scripted(passes):
+    """block logits from a list of per-pass rows: passes[k][i] = (token, prob) for position i."""
+    return lambda prefix, block, k: np.stack([dist(t, p) for t, p in passes[k]])
+
+
+PROMPT = [1, 2, 3]
+
+
+def test_fake_backend_is_a_backend():
+    assert isinstance(FakeBackend(lambda c: dist(0, 0.5)), Backend)
+
+
+def test_threshold_fills_every_confident_position_in_one_pass():
+    passes = [[(4, 0.99), (5, 0.5), (6, 0.97), (7, 0.2), (8, 0.96), (9, 0.3)],
+              [(4, 0.99), (5, 0.99), (6, 0.99), (7, 0.99), (8, 0.99), (9, 0.99)]]
+    be = FakeBackend(lambda c: dist(0, 0.5), scripted(passes))
+    toks, stats = generate_all(be, PROMPT, mode="diffusion", max_new_tokens=B, threshold=0.95)
+    blocks = [c[1] for c in be.calls if c[0] == "block"]
+    assert blocks[0] == [MASK] * B
+    assert blocks[1] == [4, MASK, 6, MASK, 8, MASK]  # exactly the positions above 0.95 after pass 1
+    assert toks == [4, 5, 6, 7, 8, 9]
+    assert stats.block_passes == 2 and stats.finish_reason == "length"
+
+
+def test_threshold_is_the_given_value():
+    passes = [[(4, 0.9), (5, 0.79), (6, 0.85), (7, 0.7), (8, 0.6), (9, 0.5)]] + \
+             [[(4, 0.99)] * B] * 6
+    be = FakeBackend(lambda c: dist(0, 0.5), scripted(passes))
+    generate_all(be, PROMPT, mode="diffusion", max_new_tokens=B, threshold=0.8)
+    blocks = [c[1] for c in be.calls if c[0] == "block"]
+    assert blocks[1] == [4, MASK, 6, MASK, MASK, MASK]  # 0.9 and 0.85 exceed 0.8, 0.79 does not
+
+
+def test_fallback_fills_only_the_single_most_confident_position():
+    passes = [[(4, 0.3), (5, 0.5), (6, 0.9), (7, 0.2), (8, 0.6), (9, 0.1)]] + [[(1, 0.99)] * B] * 5
+    be = FakeBackend(lambda c: dist(0, 0.5), scripted(passes))
+    generate_all(be, PROMPT, mode="diffusion", max_new_tokens=B, threshold=0.95)
+    blocks = [c[1] for c in be.calls if c[0] == "block"]
+    assert blocks[1] == [MASK, MASK, 6, MASK, MASK, MASK]
+
+
+def test_end_token_inside_a_block_ends_the_answer_without_waiting_for_later_positions():
+    # pass 0: eos at 3 and the tail resolve, 0..2 not yet; pass 1: 0..2 resolve -> done, position 5 never needed
+    passes = [[(4, 0.5), (5, 0.5), (6, 0.5), (EOS, 0.99), (2, 0.99), (3, 0.1)],
+              [(4, 0.99), (5, 0.99), (6, 0.99), (EOS, 0.99), (2, 0.99), (3, 0.1)]]
+    be = FakeBackend(lambda c: dist(0, 0.5), scripted(passes))
+    toks, stats = generate_all(be, PROMPT, mode="diffusion", max_new_tokens=100, threshold=0.95)
+    assert toks == [4, 5, 6]  # the end token and what follows it are dropped
+    assert stats.finish_reason == "stop"
+    assert stats.block_passes == 2
+    assert [c[0] for c in be.calls] == ["commit", "block", "block"]  # no commit of the last block
+    assert stats.forward_passes == 3 and stats.tokens_per_pass == 1.0
+
+
+def test_finished_block_is_committed_by_one_counted_causal_pass():
+    passes = [[(4, 0.99)] * B, [(EOS, 0.99)] + [(4, 0.99)] * (B - 1)]
+    be = FakeBackend(lambda c: dist(0, 0.5), scripted(passes))
+    toks, stats = generate_all(be, PROMPT, mode="diffusion", max_new_tokens=100)
+    assert toks == [4] * B
+    assert [c[0] for c in be.calls] == ["commit", "block", "commit", "block"]
+    assert be.calls[2] == ("commit", [4] * B)
+    assert stats.forward_passes == 4 and stats.generated_tokens == B
+
+
+def test_ar_one_pass_per_token_the_end_token_included():
+    answer = [5, 6, 7]
+    be = FakeBackend(lambda c: dist((answer + [EOS])[len(c) - len(PROMPT)], 0.9))
+    toks, stats = generate_all(be, PROMPT, mode="ar", max_new_tokens=10)
+    assert toks == answer and stats.forward_passes == 4 and stats.finish_reason == "stop"
+
+
+def test_logits_processors_run_before_sampling_and_confidence():
+    banned = 4
+    def ban(tokens, logits):
+        out = logits.copy()
+        out[banned] = -np.inf
+        return out
+    passes = [[(banned, 0.99), (5, 0.99)] + [(6, 0.99)] * (B - 2)] + [[(6, 0.99)] * B] * B
+    be = FakeBackend(lambda c: dist(0, 0.5), scripted(passes))
+    toks, _ = generate_all(be, PROMPT, mode="diffusion", max_new_tokens=B, logits_processors=[ban])
+    assert banned not in toks
+    blocks = [c[1] for c in be.calls if c[0] == "block"]
+    assert blocks[1][0] == MASK  # with 4 banned, position 0 is no longer confident
+
+
+def _draft_backend(draft, causal_answer, causal_p=0.99):
+    """Block passes propose `draft` (all confident); the causal model says `causal_answer` then eos."""
+    def causal(ctx):
+        i = len(ctx) - len(PROMPT)
+        seq = causal_answer + [EOS] * 50
+        return dist(seq[i], causal_p[i] if isinstance(causal_p, list) else causal_p)
+    def block(prefix, blk, k):
+        i0 = len(prefix) - len(PROMPT)
+        seq = draft + [EOS] * 50
+        return np.stack([dist(seq[i0 + j], 0.99) for j in range(len(blk))])
+    return FakeBackend(causal, block)
+
+
+def test_draft_self_exact_keeps_the_matching_prefix_plus_the_causal_token():
+    # causal answer 5 6 7 8 9 | draft proposes 5 6 7 3 9: first position (5) is the pending causal token,
+    # 6 7 are accepted, 3 is rejected and replaced by the causal 8
+    be = _draft_backend([5, 6, 7, 3, 9, 1], [5, 6, 7, 8, 9])
+    chunks = list(generate(be, PROMPT, mode="draft-self", max_new_tokens=100, accept="exact"))
+    assert chunks[0].tokens == [5, 6, 7]
+    first_verify = next(c for c in be.calls if c[0] == "commit" and c[1] != PROMPT)
+    assert first_verify[1] == [5, 6, 7, 3, 9, 1]
+    assert ("rollback", 3) in be.calls  # 3, 9, 1 forgotten
+    toks = [t for c in chunks for t in c.tokens]
+    assert toks == [5, 6, 7, 8, 9]
+    st = chunks[-1].stats
+    assert st.drafted_tokens >= 5 and st.accepted_tokens >= 2 and st.finish_reason == "stop"
+
+
+def test_draft_self_threshold_rejects_a_low_probability_causal_match():
+    # the causal argmax equals the draft everywhere, but position 2 has causal probability 0.6 only
+    draft = [5, 6, 7, 8, 9, 1]
+    probs = [0.99, 0.99, 0.6, 0.99, 0.99, 0.99] + [0.99] * 50
+    be = _draft_backend(draft, [5, 6, 7, 8, 9], causal_p=probs)
+    exact = list(generate(be, PROMPT, mode="draft-self", max_new_tokens=5, accept="exact"))
+    assert exact[0].tokens == [5, 6, 7, 8, 9]
+    be = _draft_backend(draft, [5, 6, 7, 8, 9], causal_p=probs)
+    thr = list(generate(be, PROMPT, mode="draft-self", max_new_tokens=5, accept="threshold", threshold=0.95))
+    assert thr[0].tokens == [5, 6]  # 7 needed causal probability >= 0.95
+    assert ("rollback", 4) in be.calls
+    assert [t for c in thr for t in c.tokens] == [5, 6, 7, 8, 9]
+
+
+def test_draft_self_accepted_end_token_ends_the_answer_and_is_not_kept():
+    be = _draft_backend([5, 6, EOS], [5, 6])
+    toks, stats = generate_all(be, PROMPT, mode="draft-self", max_new_tokens=100)
+    assert toks == [5, 6] and stats.finish_reason == "stop"
+    assert be.n_past == len(PROMPT) + 2
+    assert stats.drafted_tokens == 2 and stats.accepted_tokens == 2
+
+
+class _HashModel:
+    """A deterministic pseudo language model over a small vocabulary: logits depend on the whole context."""
+
+    def __init__(self, seed):
+        self.seed = seed
+
+    def causal(self, ctx):
+        rng = np.random.default_rng([self.seed, len(ctx), *ctx[-3:]])
+        logits = rng.normal(size=V) * 3
+        logits[MASK] = -1e9
+        if len(ctx) > len(PROMPT) + 14:
+            logits[EOS] += 20
+        return logits
+
+    def block(self, prefix, blk, k):
+        # noisy guesses: right about two thirds of the time, confident at random
+        rows = []
+        ctx = list(prefix)
+        rng = np.random.default_rng([self.seed, 99, k, len(prefix)])
+        for j in range(len(blk)):
+            tok = blk[j] if blk[j] != MASK else int(np.argmax(self.causal(ctx)))
+            if blk[j] == MASK and rng.random() < 0.33:
+                tok = int(rng.integers(0, V - 1))
+            rows.append(dist(tok, float(rng.choice([0.5, 0.97, 0.99]))))
+            ctx.append(tok)
+        return np.stack(rows)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_greedy_draft_self_exact_equals_ar_token_for_token(seed):
+    m = _HashModel(seed)
+    ar, _ = generate_all(FakeBackend(m.causal, m.block), PROMPT, mode="ar", max_new_tokens=40)
+    be = FakeBackend(m.causal, m.block)
+    ds, stats = generate_all(be, PROMPT, mode="draft-self", max_new_tokens=40, accept="exact")
+    assert ds == ar
+    assert be.n_past == len(PROMPT) + len(ds) - (stats.finish_reason == "length") * 0
+
+
+def test_max_new_tokens_cuts_every_mode():
+    m = _HashModel(3)
+    for mode in ("ar", "diffusion", "draft-self"):
+        toks, stats = generate_all(FakeBackend(m.causal, m.block), PROMPT, mode=mode, max_new_tokens=4)
+        assert len(toks) <= 4
+        if len(toks) == 4:
+            assert stats.finish_reason == "length"
+
+
+def test_reference_backend_rollback_equals_a_fresh_prefix(make_checkpoint):
+    import torch
+
+    from clover_gguf.reference import CloverModel
+
+    torch.set_num_threads(1)
+    model = CloverModel.from_pretrained(make_checkpoint(seed=1), dtype=torch.float64)
+    be = ReferenceBackend(model)
+    ids = [5, 9, 13, 200, 41, 7, 88, 19]
+    be.prefill(ids[:3])
+    be.commit(ids[3:])
+    be.rollback(3)
+    assert be.n_past == 5
+    blk = [be.mask_token_id] * 4
+    a, b = be.commit([77]), be.block_logits(blk)
+    fresh = ReferenceBackend(model)
+    fresh.prefill(ids[:5])
+    assert np.allclose(a, fresh.commit([77]), atol=1e-10)
+    assert np.allclose(b, fresh.block_logits(blk), atol=1e-10)
+    before = be.n_past
+    be.block_logits(blk)
+    assert be.n_past == before  # block mode commits nothing

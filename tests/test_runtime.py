@@ -1,0 +1,150 @@
+"""The runtime on the patched llama.cpp: rollback leaves no trace, refusals, the CLI and the chat."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from clover_gguf.convert import convert
+from clover_gguf.errors import UserError
+from clover_gguf.runtime import CloverRuntime, split_thinking
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(make_checkpoint, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("rt") / "tiny.gguf"
+    convert(make_checkpoint(seed=1), out, outtype="f32", quiet=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def plain_gguf(make_checkpoint, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("rt") / "plain.gguf"
+    convert(make_checkpoint(seed=2, plain_qwen=True), out, outtype="f32", quiet=True)
+    return out
+
+
+PROMPT = [5, 77, 120, 9, 31, 200, 14, 3, 99, 41, 250, 8]
+DRAFT = [17, 230, 4, 56, 91, 140, 12]
+
+
+@pytest.mark.parametrize("strategy", ["redecode", "snapshot"])
+@pytest.mark.parametrize("rejected", [1, 4, 6])
+def test_partial_rejection_leaves_no_trace(tiny_gguf, strategy, rejected):
+    """After committing a draft and rolling back its rejected tail, the next logits equal a run that never saw
+    the rejected tokens (and block passes see the same prefix)."""
+    kept = DRAFT[:len(DRAFT) - rejected]
+    nxt = [61]
+    with CloverRuntime(tiny_gguf, n_ctx=256, rollback=strategy, exact=True, n_threads=2) as rt:
+        b = rt.backend
+        b.reset()
+        b.prefill(PROMPT)
+        b.commit(DRAFT)
+        b.rollback(rejected)
+        assert b.n_past == len(PROMPT) + len(kept)
+        got_block = b.block_logits([rt.mask_token_id] * 4)
+        got = b.commit(nxt)
+        # a run that never saw the rejected tokens
+        b.reset()
+        b.prefill(PROMPT)
+        b.commit(kept)
+        want_block = b.block_logits([rt.mask_token_id] * 4)
+        want = b.commit(nxt)
+    assert rel_err(got, want) <= 1e-5
+    assert rel_err(got_block, want_block) <= 1e-5
+    if strategy == "redecode":
+        np.testing.assert_array_equal(got, want)  # same batches, same arithmetic: identical
+
+
+def test_draft_self_exact_equals_ar_on_random_weights(tiny_gguf):
+    with CloverRuntime(tiny_gguf, n_ctx=512, exact=True, n_threads=2) as rt:
+        ar = rt.generate("Count from 3 to 9.", mode="ar", max_new_tokens=24)
+        ds = rt.generate("Count from 3 to 9.", mode="draft-self", max_new_tokens=24, block_size=8)
+    assert ds.raw == ar.raw
+    assert ds.stats.generated_tokens == ar.stats.generated_tokens
+
+
+def test_context_limit_is_refused_before_decoding(tiny_gguf):
+    with CloverRuntime(tiny_gguf, n_ctx=128, n_threads=2) as rt:
+        with pytest.raises(UserError, match=r"request needs \d+ tokens .* more than the context"):
+            rt.generate("hello", mode="ar", max_new_tokens=rt.n_ctx)
+        with pytest.raises(UserError, match="to resolve a final block"):
+            rt.generate("hello", mode="diffusion", max_new_tokens=rt.n_ctx - 20)
+        assert rt.backend.n_past == 0  # nothing was decoded
+
+
+def test_block_mode_refused_without_extras(plain_gguf):
+    with CloverRuntime(plain_gguf, n_ctx=256, n_threads=2) as rt:
+        with pytest.raises(UserError, match="no Clover block-mode tensors"):
+            rt.generate("hello", mode="draft-self", max_new_tokens=8)
+        assert rt.generate("hello", mode="ar", max_new_tokens=4).stats.generated_tokens >= 0
+
+
+def test_not_a_clover_gguf(tmp_path):
+    bad = tmp_path / "x.gguf"
+    bad.write_bytes(b"not a gguf at all")
+    with pytest.raises(UserError, match="not a readable GGUF"):
+        CloverRuntime(bad)
+
+
+def test_split_thinking():
+    assert split_thinking("<think>\nplan\n</think>\n\nanswer") == ("plan", "answer")
+    assert split_thinking("plan</think>answer") == ("plan", "answer")
+    assert split_thinking("just text") == ("", "just text")
+
+
+def _cli(*args, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "clover_gguf", *map(str, args)], capture_output=True, text=True,
+                          input=stdin, timeout=300)
+
+
+def test_generate_json_cli(tiny_gguf):
+    p = _cli("generate", tiny_gguf, "-p", "Count from 3 to 9.", "-n", "12", "--mode", "diffusion", "--json")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert {"text", "thinking", "stats"} <= set(out)
+    for key in ("prompt_tokens", "generated_tokens", "forward_passes", "tokens_per_pass", "acceptance_rate",
+                "tokens_per_s"):
+        assert key in out["stats"]
+    assert out["stats"]["generated_tokens"] >= 1
+    p = _cli("generate", tiny_gguf, "-p", "x", "-n", "100000")
+    assert p.returncode == 2 and "more than the model's context" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_chat_session_commands(tiny_gguf):
+    from clover_gguf.chat import ChatSession
+
+    out = io.StringIO()
+    inp = io.StringIO("/mode ar\nhello\n/stats\n/mode nonsense\n/reset\n/quit\n")
+    s = ChatSession(tiny_gguf, max_new_tokens=6, out=out, inp=inp)
+    s.loop()
+    text = out.getvalue()
+    assert "(mode: ar)" in text and "(conversation cleared)" in text and "(modes:" in text
+    assert '"mode": "ar"' in text  # /stats printed the last run's stats
+    assert s.messages == []
+
+
+def test_thinking_renderer_dims_or_hides():
+    from clover_gguf.chat import DIM, RESET, ThinkingRenderer
+
+    for show, color in ((True, True), (False, False)):
+        out = io.StringIO()
+        r = ThinkingRenderer(out, show, color)
+        for piece in ["<thi", "nk>\nplan", "ning</th", "ink>\n\nThe answer"]:
+            r.feed(piece)
+        r.flush()
+        s = out.getvalue()
+        assert "<think>" not in s and "</think>" not in s and s.endswith("The answer")
+        assert ("planning" in s.replace(DIM, "").replace(RESET, "")) == show
+        assert (DIM in s) == (show and color)

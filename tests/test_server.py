@@ -1,0 +1,429 @@
+"""`clover-gguf serve`: the OpenAI-compatible server, through the official `openai` client and raw HTTP.
+
+Runs on the bundled trained tiny Clover (clover_gguf/assets/tiny-clover, converted to F32 once per session), or on
+a random tiny checkpoint where the asset is missing. Servers run uvicorn in a background thread on a free loopback
+port. A scripted runtime (SlowRuntime) stands in for the model where a test needs an answer that never ends.
+"""
+
+import json
+import random
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("fastapi")
+
+import clover_gguf  # noqa: E402
+from clover_gguf.controls import Controls  # noqa: E402
+from clover_gguf.convert import convert  # noqa: E402
+from clover_gguf.errors import UserError  # noqa: E402
+from clover_gguf.runtime import RunStats, split_thinking  # noqa: E402
+from clover_gguf.server import OutputParser, create_app  # noqa: E402
+
+ASSET = Path(clover_gguf.__file__).parent / "assets" / "tiny-clover"
+KEY = "test-key-123"
+TIMEOUT = 60
+
+
+@pytest.fixture(scope="session")
+def served_model(make_checkpoint, tmp_path_factory) -> tuple[Path, list[str]]:
+    """-> (GGUF, prompts): the bundled trained model and its eval prompts, else a random tiny model."""
+    out = tmp_path_factory.mktemp("serve") / "model.gguf"
+    if (ASSET / "config.json").is_file():
+        convert(ASSET, out, outtype="f32", quiet=True)
+        rows = [json.loads(x) for x in (ASSET / "eval.jsonl").read_text().splitlines() if x.strip()]
+        prompts = [r["prompt"] for r in rows[::19]][:8]
+    else:
+        convert(make_checkpoint(seed=1), out, outtype="f32", quiet=True)
+        prompts = ["Count from 3 to 9.", "What is 5 + 4?", "Reverse: a b c", "Copy: q r s", "Keys: cup=4. What is cup?",
+                   "Count from 10 to 14.", "What is 12 + 30?", "Copy: x y"]
+    return out, prompts
+
+
+class _Server:
+    def __init__(self, app):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        self.port = s.getsockname()[1]
+        s.close()
+        self.app = app
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                    timeout_graceful_shutdown=2))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.02)
+        self.base = f"http://127.0.0.1:{self.port}"
+
+    def client(self, key: str | None = KEY) -> "openai.OpenAI":
+        return openai.OpenAI(base_url=self.base + "/v1", api_key=key or "none", timeout=TIMEOUT, max_retries=0)
+
+    def health(self) -> dict:
+        return httpx.get(self.base + "/health", timeout=10).json()
+
+    def wait_idle(self, seconds: float = 10.0) -> dict:
+        deadline = time.monotonic() + seconds
+        while True:
+            h = self.health()
+            if h["slots_idle"] == h["slots_total"] or time.monotonic() > deadline:
+                return h
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        for job in list(self.app.state.pool.jobs):  # nothing may outlive the test
+            job.cancel()
+        self.server.should_exit = True
+        self.thread.join(timeout=20)
+
+
+@pytest.fixture(scope="module")
+def server(served_model):
+    """Two slots, an API key, a 256-token context; exact arithmetic so ar and draft-self can be compared."""
+    app = create_app(served_model[0], mode="draft-self", api_key=KEY, parallel=2, ctx=256,
+                     runtime_kwargs={"exact": True})
+    s = _Server(app)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def prompts(served_model) -> list[str]:
+    return served_model[1]
+
+
+def _ask(client, prompt: str, **kw):
+    extra = {k: kw.pop(k) for k in ("mode", "block_size", "threshold", "think", "top_k") if k in kw}
+    return client.chat.completions.create(model="clover", messages=[{"role": "user", "content": prompt}],
+                                          max_tokens=kw.pop("max_tokens", 40), extra_body=extra or None, **kw)
+
+
+def _ask_streamed(client, prompt: str, **kw) -> tuple[str, str, str, list]:
+    """-> (reasoning, content, finish_reason, chunks) of a streamed chat completion."""
+    extra = {k: kw.pop(k) for k in ("mode", "block_size") if k in kw}
+    chunks = list(client.chat.completions.create(
+        model="clover", messages=[{"role": "user", "content": prompt}], max_tokens=kw.pop("max_tokens", 40),
+        stream=True, extra_body=extra or None, **kw))
+    reasoning = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices)
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finish) == 1
+    return reasoning, content, finish[0], chunks
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The official client, streamed and not
+# ---------------------------------------------------------------------------------------------------------------
+def test_chat_completion_with_the_openai_client(server, prompts):
+    client = server.client()
+    raw = client.chat.completions.with_raw_response.create(
+        model="clover", messages=[{"role": "user", "content": prompts[0]}], max_tokens=40)
+    r = raw.parse()
+    msg = r.choices[0].message
+    assert r.object == "chat.completion" and r.model == server.health()["model"]
+    assert msg.role == "assistant" and msg.content
+    assert "<think>" not in msg.content and "</think>" not in msg.content
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.prompt_tokens > 0 and r.usage.completion_tokens > 0
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    stats = r.model_extra["clover_stats"]
+    assert stats["mode"] == "draft-self" and stats["generated_tokens"] == r.usage.completion_tokens
+    assert stats["forward_passes"] > 0
+    assert json.loads(raw.headers["x-clover-stats"]) == stats
+    if (ASSET / "config.json").is_file():  # the trained model thinks, then answers
+        assert msg.reasoning_content == "Let me work it out."
+        assert r.choices[0].finish_reason == "stop"
+
+
+def test_streamed_chat_equals_the_whole_answer(server, prompts):
+    client = server.client()
+    whole = _ask(client, prompts[1], mode="ar")
+    reasoning, content, finish, chunks = _ask_streamed(client, prompts[1], mode="ar",
+                                                       stream_options={"include_usage": True})
+    assert content == whole.choices[0].message.content
+    assert reasoning == whole.choices[0].message.reasoning_content
+    assert finish == whole.choices[0].finish_reason
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.id == chunks[0].id and c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert any("clover_stats" in (c.model_extra or {}) for c in chunks)
+    # the wire format: server-sent events, ending with [DONE]
+    with httpx.stream("POST", server.base + "/v1/chat/completions", timeout=TIMEOUT,
+                      headers={"Authorization": f"Bearer {KEY}"},
+                      json={"messages": [{"role": "user", "content": prompts[1]}], "max_tokens": 8, "stream": True,
+                            "mode": "ar"}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [x for x in r.iter_lines() if x]
+    assert all(x.startswith("data: ") for x in lines) and lines[-1] == "data: [DONE]"
+
+
+def test_completions_models_and_health(server, prompts):
+    client = server.client()
+    models = client.models.list().data
+    assert len(models) == 1 and models[0].id == server.health()["model"]
+    prompt = f"<|im_start|>user\n{prompts[2]}<|im_end|>\n<|im_start|>assistant\n"
+    c = client.completions.create(model=models[0].id, prompt=prompt, max_tokens=40, extra_body={"mode": "ar"})
+    assert c.object == "text_completion" and c.choices[0].text and c.usage.completion_tokens > 0
+    chat = _ask(client, prompts[2], mode="ar")
+    thinking, answer = split_thinking(c.choices[0].text)
+    assert answer == chat.choices[0].message.content and thinking == chat.choices[0].message.reasoning_content
+    streamed = client.completions.create(model=models[0].id, prompt=prompt, max_tokens=40, stream=True,
+                                         extra_body={"mode": "ar"})
+    assert "".join(x.choices[0].text for x in streamed if x.choices) == c.choices[0].text
+    h = server.health()
+    assert h["status"] == "ok" and h["slots_total"] == 2
+
+
+def test_stop_strings_cut_the_answer(server, prompts):
+    client = server.client()
+    full = _ask(client, prompts[0], mode="ar").choices[0].message.content
+    assert len(full) >= 4, full
+    stop = full[2:4]
+    cut = full[:full.index(stop)].strip()
+    r = _ask(client, prompts[0], mode="ar", stop=[stop, "never-appears"])
+    assert r.choices[0].message.content == cut and r.choices[0].finish_reason == "stop"
+    assert r.model_extra["clover_stats"]["stop_string"] == stop
+    _, content, finish, _ = _ask_streamed(client, prompts[0], mode="ar", stop=stop)
+    assert content == cut and finish == "stop"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Decoding modes and concurrency
+# ---------------------------------------------------------------------------------------------------------------
+def test_greedy_ar_and_draft_self_give_the_same_text(server, prompts):
+    client = server.client()
+    for p in prompts[:3]:
+        ar = _ask(client, p, mode="ar", max_tokens=32)
+        ds = _ask(client, p, mode="draft-self", max_tokens=32, block_size=8)
+        assert ds.choices[0].message.content == ar.choices[0].message.content
+        assert ds.choices[0].message.reasoning_content == ar.choices[0].message.reasoning_content
+        assert ds.model_extra["clover_stats"]["mode"] == "draft-self"
+        assert ar.model_extra["clover_stats"]["forward_passes"] == ar.usage.completion_tokens + 1 or \
+            ar.choices[0].finish_reason == "length"
+
+
+def test_eight_concurrent_clients_get_their_own_answers(server, prompts):
+    modes = ["ar", "draft-self", "diffusion", "draft-self"]
+    jobs = [(prompts[i % len(prompts)], modes[i % 4], i % 2 == 1) for i in range(8)]
+
+    def one(job):
+        prompt, mode, stream = job
+        client = server.client()
+        if stream:
+            r, c, f, _ = _ask_streamed(client, prompt, mode=mode, block_size=8, max_tokens=24)
+            return r, c, f
+        a = _ask(client, prompt, mode=mode, block_size=8, max_tokens=24)
+        return a.choices[0].message.reasoning_content, a.choices[0].message.content, a.choices[0].finish_reason
+
+    alone = [one(j) for j in jobs]
+    with ThreadPoolExecutor(8) as ex:
+        together = list(ex.map(one, jobs, timeout=120))
+    assert together == alone
+    assert server.wait_idle()["slots_idle"] == 2
+
+
+def test_a_disconnect_mid_stream_leaves_the_server_serving(server, prompts):
+    body = {"messages": [{"role": "user", "content": prompts[3]}], "max_tokens": 200, "stream": True,
+            "mode": "diffusion", "block_size": 4}
+    with httpx.Client(timeout=TIMEOUT, headers={"Authorization": f"Bearer {KEY}"}) as http:
+        with http.stream("POST", server.base + "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            next(r.iter_lines())  # the first chunk, then hang up
+    assert server.wait_idle()["slots_idle"] == 2
+    r = _ask(server.client(), prompts[3], mode="ar", max_tokens=24)
+    assert r.choices[0].message.content
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------------------------------------------
+def test_api_key_is_required(server, prompts):
+    with pytest.raises(openai.AuthenticationError):
+        _ask(server.client(key="wrong"), prompts[0])
+    r = httpx.post(server.base + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
+    assert httpx.get(server.base + "/v1/models").status_code == 401
+    assert httpx.get(server.base + "/health").status_code == 200  # health needs no key
+
+
+def test_context_overflow_is_a_400_with_the_reason(server, prompts):
+    client = server.client()
+    with pytest.raises(openai.BadRequestError, match=r"more than the context"):
+        _ask(client, prompts[0], max_tokens=1000)
+    with pytest.raises(openai.BadRequestError, match=r"more than the context"):  # before any stream starts
+        _ask_streamed(client, prompts[0], max_tokens=1000)
+    assert server.wait_idle()["slots_idle"] == 2
+
+
+@pytest.mark.parametrize("body,status,words", [
+    (b"{not json", 400, "JSON"),
+    (b"[1, 2]", 400, "JSON object"),
+    ({"messages": "hello"}, 422, "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 422, "temperature"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 422, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "mode": "fast"}, 422, "mode"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, 422, "role"),
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n=1"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "text"),
+])
+def test_malformed_requests_are_refused_with_the_reason(server, body, status, words):
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    if isinstance(body, bytes):
+        r = httpx.post(server.base + "/v1/chat/completions", content=body, headers=headers, timeout=TIMEOUT)
+    else:
+        r = httpx.post(server.base + "/v1/chat/completions", json=body, headers=headers, timeout=TIMEOUT)
+    assert r.status_code == status, r.text
+    assert words in r.json()["error"]["message"]
+
+
+def test_block_modes_need_the_clover_extras(make_checkpoint, tmp_path):
+    plain = tmp_path / "plain.gguf"
+    convert(make_checkpoint(seed=2, plain_qwen=True), plain, outtype="f32", quiet=True)
+    with pytest.raises(UserError, match="--mode ar"):
+        create_app(plain, mode="draft-self")
+    from fastapi.testclient import TestClient
+
+    with TestClient(create_app(plain, mode="ar")) as http:
+        ok = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        assert ok.status_code == 200
+        r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                                                    "mode": "draft-self"})
+        assert r.status_code == 400 and "block-mode" in r.json()["error"]["message"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Cancellation, on a scripted runtime whose answers never end
+# ---------------------------------------------------------------------------------------------------------------
+class SlowRuntime:
+    """Just enough of CloverRuntime for the server: one word per 10 ms, counted."""
+
+    block_mode, block_size, context_length, n_ctx = True, 4, 10**6, 10**6
+    think_id = think_end_id = None
+    controls = Controls()
+    meta: dict = {}
+
+    def __init__(self):
+        self.ctx = self
+        self.produced = 0
+
+    def tokenize(self, text, special=True):
+        return list(range(max(1, len(text.split()))))
+
+    def render(self, messages, think=True):
+        return " ".join(m["content"] for m in messages)
+
+    def check_request(self, n_prompt, max_new_tokens, mode, block_size):
+        pass
+
+    def stream(self, messages, max_new_tokens=1, mode="ar", **kw):
+        stats = RunStats(mode=mode, prompt_tokens=1)
+        for i in range(max_new_tokens):
+            time.sleep(0.01)
+            self.produced += 1
+            stats.generated_tokens = i + 1
+            stats.finish_reason = "length" if i + 1 == max_new_tokens else None
+            yield "tok ", stats
+
+    def close(self):
+        pass
+
+
+@pytest.fixture()
+def slow_server():
+    rts: list[SlowRuntime] = []
+
+    def factory():
+        rts.append(SlowRuntime())
+        return rts[-1]
+
+    s = _Server(create_app(factory, mode="ar", parallel=1))
+    s.runtimes = rts
+    yield s
+    s.stop()
+
+
+def test_a_disconnect_stops_the_decode_and_frees_the_slot(slow_server):
+    rt = slow_server.runtimes[0]
+    body = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 100000, "stream": True}
+    with httpx.stream("POST", slow_server.base + "/v1/chat/completions", json=body, timeout=TIMEOUT) as r:
+        it = r.iter_lines()
+        got = [next(it) for _ in range(6)]
+    assert any("tok" in g for g in got)
+    assert slow_server.wait_idle()["slots_idle"] == 1
+    n = rt.produced
+    time.sleep(0.3)
+    assert rt.produced == n < 1000  # the worker stopped
+    # a non-streamed request whose client gives up is stopped too
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(slow_server.base + "/v1/chat/completions", json={**body, "stream": False}, timeout=0.5)
+    assert slow_server.wait_idle()["slots_idle"] == 1
+    n = rt.produced
+    time.sleep(0.3)
+    assert rt.produced == n
+    r = slow_server.client().chat.completions.create(model="x", messages=[{"role": "user", "content": "go"}],
+                                                     max_tokens=3)
+    assert r.choices[0].message.content == "tok tok tok" and r.choices[0].finish_reason == "length"
+
+
+def test_requests_wait_for_the_one_slot(slow_server):
+    client = slow_server.client()
+
+    def one(_):
+        return client.chat.completions.create(model="x", messages=[{"role": "user", "content": "go"}],
+                                              max_tokens=20).choices[0].message.content
+
+    with ThreadPoolExecutor(3) as ex:
+        futs = [ex.submit(one, i) for i in range(3)]
+        deadline = time.monotonic() + 5
+        waited = 0
+        while time.monotonic() < deadline and not all(f.done() for f in futs):
+            waited = max(waited, slow_server.health()["requests_waiting"])
+            time.sleep(0.01)
+        outs = [f.result(timeout=TIMEOUT) for f in futs]
+    assert outs == [" ".join(["tok"] * 20)] * 3
+    assert waited >= 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The output parser
+# ---------------------------------------------------------------------------------------------------------------
+RAWS = ["<think>\nLet me work it out.\n</think>\n\n55 + 54 = 109",
+        "<think>a</think>b",
+        "no thinking at all  ",
+        "<think>\nunfinished thought <thi",
+        "  </think> answer with </thi inside"]
+
+
+@pytest.mark.parametrize("raw", RAWS)
+def test_the_parser_matches_split_thinking_for_any_chunking(raw):
+    want_thinking, want_answer = split_thinking(raw) if raw.lstrip().startswith("<think>") else ("", None)
+    rng = random.Random(0)
+    for _ in range(20):
+        cuts = sorted(rng.sample(range(1, len(raw)), k=min(5, len(raw) - 1)))
+        pieces = [raw[a:b] for a, b in zip([0, *cuts], [*cuts, len(raw)])]
+        p = OutputParser(reasoning=True)
+        out = [p.feed(x) for x in pieces] + [p.close()]
+        reasoning, content = "".join(o[0] for o in out), "".join(o[1] for o in out)
+        if want_answer is not None:
+            assert (reasoning, content) == (want_thinking, want_answer)
+        else:
+            assert reasoning == "" and content.strip() == content
+        assert "<think>" not in reasoning + content or raw.endswith("<thi")
+
+
+def test_the_parser_cuts_at_the_first_stop_string_across_chunks():
+    p = OutputParser(reasoning=True, thinking=True, stop=["STOP", "42"])
+    out = [p.feed(x) for x in ["why 42 ", "here</th", "ink>\n\nthe answer is 4", "1 or S", "TOP and more"]]
+    assert "".join(o[0] for o in out) == "why 42 here"  # stop strings do not apply to the reasoning
+    assert "".join(o[1] for o in out) == "the answer is 41 or"
+    assert p.stopped and p.matched == "STOP"
+    raw = OutputParser(reasoning=False, stop=["\n\n"])
+    assert raw.feed(" a\n") == ("", " a") and raw.feed("\nb") == ("", "") and raw.stopped
