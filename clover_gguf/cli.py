@@ -206,15 +206,27 @@ def generate(
     think: bool = typer.Option(True, "--think/--no-think", help="let the model think first"),
     ctx: Optional[int] = typer.Option(None, "--ctx", help="context size (default: enough for the request)"),
     rollback: Rollback = typer.Option(Rollback.redecode, "--rollback", help="draft-self rollback strategy"),
+    presence_penalty: Optional[float] = typer.Option(None, "--presence-penalty", help="default: the GGUF's (0.9)"),
+    frequency_penalty: Optional[float] = typer.Option(None, "--frequency-penalty", help="default: the GGUF's (0.0)"),
+    repetition_penalty: Optional[float] = typer.Option(None, "--repetition-penalty", min=0.01,
+                                                       help="default: the GGUF's (1.05)"),
+    no_controls: bool = typer.Option(False, "--no-controls", help="turn every generation control off"),
     stats: bool = typer.Option(False, "--stats", help="print decoding stats to stderr"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object: text, thinking, stats"),
 ) -> None:
     """Answer one prompt, streaming the answer as tokens are accepted."""
     from clover_gguf.runtime import CloverRuntime
 
+    from dataclasses import replace
+
     with CloverRuntime(model, n_ctx=ctx, rollback=rollback.value) as rt:
+        controls = rt.controls.off() if no_controls else rt.controls
+        overrides = {"presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty,
+                     "repetition_penalty": repetition_penalty}
+        controls = replace(controls, **{k: v for k, v in overrides.items() if v is not None})
         kw = dict(mode=mode.value, max_new_tokens=max_new_tokens, block_size=block_size, threshold=threshold,
-                  accept=accept.value, temp=temp, top_p=top_p, top_k=top_k, seed=seed, think=think)
+                  accept=accept.value, temp=temp, top_p=top_p, top_k=top_k, seed=seed, think=think,
+                  controls=controls)
         if as_json:
             ans = rt.generate(prompt, **kw)
             typer.echo(json.dumps(ans.to_json()))

@@ -107,6 +107,24 @@ def test_block_parity_and_prefix_untouched(clover_files, ref, seqs, n_block):
         r.close()
 
 
+@pytest.mark.parametrize("filled", [0, 5, 20], ids=["all-masked", "5-filled", "20-filled"])
+@pytest.mark.parametrize("coreset", [True, False], ids=["coreset-on", "coreset-off"])
+def test_masked_block_parity(clover_files, ref, seqs, filled, coreset):
+    """A diffusion block as decoding sees it: mask tokens, with some positions already resolved."""
+    prefix, mask = seqs["prefix"], ref.cfg.mask_token_id
+    block = [mask] * ref.cfg.block_size
+    for i in np.random.default_rng(filled).choice(len(block), size=filled, replace=False):
+        block[i] = seqs["block"][i]
+    with torch.no_grad():
+        want = ref.block_logits(prefix, block, coreset=coreset).numpy()
+    r = _runner(clover_files[1], overrides={"clover.moe_block_coreset.enabled": coreset})
+    try:
+        r.decode(prefix, 0, 0)
+        assert rel_err(r.block(block, len(prefix)), want) <= TOL
+    finally:
+        r.close()
+
+
 @pytest.mark.parametrize("overrides,coreset", [
     ({"clover.moe_block_coreset.enabled": False}, False),
     ({"clover.moe_block_coreset.top_p": 0.5}, 0.5),
