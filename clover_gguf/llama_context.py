@@ -95,6 +95,7 @@ class LlamaContext:
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
         self.n_ctx = L.llama_n_ctx(self.ctx)
         self.mem = L.llama_get_memory(self.ctx)
+        self._causal = True  # the context's attention mode; switched only when it changes (see _set_causal)
 
     # ---- metadata ---------------------------------------------------------------------------------------
     def meta(self, key: str) -> str | None:
@@ -103,11 +104,19 @@ class LlamaContext:
         return buf.value.decode("utf-8", "replace") if n >= 0 else None
 
     # ---- decoding ---------------------------------------------------------------------------------------
+    def _set_causal(self, causal: bool) -> None:
+        """The attention mode is part of llama.cpp's graph-reuse key: leaving it as it is between consecutive
+        block passes lets them reuse one graph instead of rebuilding it every pass."""
+        if causal != self._causal:
+            self.L.llama_set_causal_attn(self.ctx, causal)
+            self._causal = causal
+
     def decode(self, ids: Sequence[int], pos0: int, seq: int = 0, logits: bool | Sequence[bool] = True,
-               extra: Sequence[tuple[Sequence[int], int, int]] = ()) -> np.ndarray:
+               extra: Sequence[tuple[Sequence[int], int, int]] = (), causal: bool = True) -> np.ndarray:
         """Decode `ids` at positions pos0.. on `seq` (plus (ids, pos0, seq) parts in the same batch) ->
-        logits [n_out, V] for the tokens that asked for them (all by default)."""
+        logits [n_out, V] for the tokens that asked for them (all by default). causal=False is block mode."""
         L = self.L
+        self._set_causal(causal)
         parts = [(ids, pos0, seq), *extra]
         n = sum(len(p[0]) for p in parts)
         want = [bool(logits)] * len(ids) if isinstance(logits, bool) else list(logits)
@@ -137,11 +146,9 @@ class LlamaContext:
         """Block-mode logits [B, V] for `block_ids` after the n_past tokens of `seq`, which is left untouched."""
         L = self.L
         L.llama_memory_seq_cp(self.mem, seq, scratch, -1, -1)
-        L.llama_set_causal_attn(self.ctx, False)
         try:
-            return self.decode(block_ids, n_past, seq=scratch)
+            return self.decode(block_ids, n_past, seq=scratch, causal=False)
         finally:
-            L.llama_set_causal_attn(self.ctx, True)
             L.llama_memory_seq_rm(self.mem, scratch, -1, -1)
 
     def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> bool:

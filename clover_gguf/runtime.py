@@ -44,27 +44,35 @@ class LlamaBackend:
         self.eos_ids = frozenset(int(t) for t in eos_ids)
         self.block_size = int(block_size)
         self.rollback_strategy = rollback
+        self.keep_backup = True  # only draft-self rolls back; the runtime turns the backup copy off otherwise
         self.extra_passes = 0  # re-decodes done for rollbacks (backend work the decoder does not count)
         self.reset()
-
-    @property
-    def n_past(self) -> int:
-        return len(self._ids)
 
     def reset(self) -> None:
         self.ctx.clear()
         self._ids: list[int] = []
         self._last_commit = 0
+        self._pending_rollback = 0
+
+    def _settle(self) -> None:
+        """Apply a rollback that was asked for, before anything reads or extends the state. Deferred because an
+        answer ends with one (its end token is rolled back), and a reset that follows makes it unnecessary."""
+        n, self._pending_rollback = self._pending_rollback, 0
+        if n:
+            self._apply_rollback(n)
 
     def commit(self, ids: Sequence[int]) -> np.ndarray:
-        self.ctx.seq_rm(SEQ_BACKUP)  # both strategies keep the backup for rollbacks no snapshot covers
-        self.ctx.seq_cp(SEQ_MAIN, SEQ_BACKUP)
+        self._settle()
+        if self.keep_backup:  # both strategies keep the backup for rollbacks no snapshot covers
+            self.ctx.seq_rm(SEQ_BACKUP)
+            self.ctx.seq_cp(SEQ_MAIN, SEQ_BACKUP)
         logits = self.ctx.decode(ids, self.n_past, SEQ_MAIN)  # [len(ids), V]
         self._ids += [int(t) for t in ids]
         self._last_commit = len(ids)
         return logits
 
     def prefill(self, ids: Sequence[int]) -> np.ndarray:
+        self._settle()
         want = [False] * (len(ids) - 1) + [True]
         logits = self.ctx.decode(ids, self.n_past, SEQ_MAIN, logits=want)
         self._ids += [int(t) for t in ids]
@@ -72,14 +80,22 @@ class LlamaBackend:
         return logits[-1]
 
     def block_logits(self, block: Sequence[int]) -> np.ndarray:
+        self._settle()
         return self.ctx.block(block, self.n_past, seq=SEQ_MAIN, scratch=SEQ_BLOCK)
+
+    @property
+    def n_past(self) -> int:
+        return len(self._ids) - self._pending_rollback
 
     def rollback(self, n: int) -> None:
         if n <= 0:
             return
-        if n > self._last_commit:
+        if self._pending_rollback or n > self._last_commit:
             raise ValueError("rollback reaches past the latest commit")
-        keep_total = self.n_past - n
+        self._pending_rollback = n
+
+    def _apply_rollback(self, n: int) -> None:
+        keep_total = len(self._ids) - n
         if self.rollback_strategy == "snapshot" and n <= self._last_commit - 2:
             # cut one token deeper and re-decode it, so the snapshot is applied before any sequence copy
             cut = keep_total - 1
@@ -88,7 +104,9 @@ class LlamaBackend:
             self.ctx.decode([self._ids[cut]], cut, SEQ_MAIN, logits=False)
             self._ids = self._ids[:keep_total]
         else:  # back to the copy taken before the commit, then re-decode what is kept of it
-            start = self.n_past - self._last_commit
+            if not self.keep_backup:
+                raise RuntimeError("rollback without a backup: set keep_backup before committing a draft")
+            start = len(self._ids) - self._last_commit
             kept = self._ids[start:keep_total]
             self.ctx.seq_rm(SEQ_MAIN)
             self.ctx.seq_cp(SEQ_BACKUP, SEQ_MAIN)
@@ -245,6 +263,7 @@ class CloverRuntime:
             return np.array([sampler1(row) for row in np.atleast_2d(logits)], dtype=np.int64)
 
         self.backend.extra_passes = 0
+        self.backend.keep_backup = mode == "draft-self"
         stats = RunStats(mode=mode, prompt_tokens=len(ids))
         t0 = time.perf_counter()
         pending = b""

@@ -160,14 +160,11 @@ def test_two_blocks_in_one_ubatch(clover_files, ref, seqs):
         w1 = ref.block_logits(prefix, b1).numpy()
         w2 = ref.block_logits(prefix, b2).numpy()
     r = _runner(clover_files[1], n_seq_max=3)
-    L = r.L
     try:
         r.decode(prefix, 0, 0)
         r.seq_cp(0, 1)
         r.seq_cp(0, 2)
-        L.llama_set_causal_attn(r.ctx, False)
-        got = r.decode(b1, len(prefix), 1, extra=[(b2, len(prefix), 2)])
-        L.llama_set_causal_attn(r.ctx, True)
+        got = r.decode(b1, len(prefix), 1, extra=[(b2, len(prefix), 2)], causal=False)
         r.seq_rm(1)
         r.seq_rm(2)
         assert rel_err(got[: len(b1)], w1) <= TOL
