@@ -78,6 +78,22 @@ def coreset_keep_mask(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Te
     return keep
 
 
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule, one token at a time (spec 2, step 6).
+
+    q (already scaled by 1/sqrt(dk)), k: [N, T, Hv, dk]; v: [N, T, Hv, dv]; g (log decay), beta: [N, T, Hv];
+    s: the state [N, Hv, dk, dv] -> (o [N, T, Hv, dv], the state after the last token)."""
+    outs = []
+    for i in range(q.shape[1]):
+        s = s * torch.exp(g[:, i])[..., None, None]
+        kv_mem = torch.einsum("nhk,nhkv->nhv", k[:, i], s)
+        delta = (v[:, i] - kv_mem) * beta[:, i, :, None]
+        s = s + torch.einsum("nhk,nhv->nhkv", k[:, i], delta)
+        outs.append(torch.einsum("nhk,nhkv->nhv", q[:, i], s))
+    return torch.stack(outs, dim=1), s
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Layers
 # ---------------------------------------------------------------------------------------------------------------
@@ -120,6 +136,9 @@ class GatedAttention(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
+    # the recurrence itself; training swaps in a parallel form of the same function (testing/train_tiny.py)
+    delta_rule = staticmethod(gated_delta_rule)
+
     def __init__(self, cfg: CloverConfig):
         super().__init__()
         self.cfg = cfg
@@ -162,15 +181,8 @@ class GatedDeltaNet(nn.Module):
         beta = torch.sigmoid(self.in_proj_b(x))  # [N, T, Hv]
         g = -torch.exp(self.A_log) * F.softplus(self.in_proj_a(x) + self.dt_bias)  # log decay, [N, T, Hv]
 
-        s = st.ssm if st.ssm is not None else x.new_zeros(n, hv, dk, dv)
-        outs = []
-        for i in range(t):  # the gated delta rule, one token at a time
-            s = s * torch.exp(g[:, i])[..., None, None]
-            kv_mem = torch.einsum("nhk,nhkv->nhv", k[:, i], s)
-            delta = (v[:, i] - kv_mem) * beta[:, i, :, None]
-            s = s + torch.einsum("nhk,nhv->nhkv", k[:, i], delta)
-            outs.append(torch.einsum("nhk,nhkv->nhv", q[:, i] / math.sqrt(dk), s))
-        o = torch.stack(outs, dim=1)  # [N, T, Hv, dv]
+        s0 = st.ssm if st.ssm is not None else x.new_zeros(n, hv, dk, dv)
+        o, s = self.delta_rule(q / math.sqrt(dk), k, v, g, beta, s0)  # [N, T, Hv, dv]
 
         if block:  # intra-block softmax over all block positions, both directions (spec 3b)
             tau = torch.exp(self.block_attn_log_scale)  # [Hv]

@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("tokenizers")
 
-from clover_gguf.testing.train_tiny import (ASSET_DIR, TASKS, _fast_gdn_forward, fast_path, load_tiny,  # noqa: E402
+from clover_gguf.testing.train_tiny import (ASSET_DIR, TASKS, fast_path, load_tiny, parallel_delta_rule,  # noqa: E402
                                             evaluate_rows)
 
 TARGET_ACCURACY = 0.95
@@ -81,7 +81,8 @@ def test_training_fast_path_equals_the_reference_loop(tiny):
     finally:
         model.float()
     from clover_gguf import reference
-    assert reference.GatedDeltaNet.forward is not _fast_gdn_forward  # restored
+    assert reference.GatedDeltaNet.delta_rule is reference.gated_delta_rule  # restored
+    assert reference.GatedDeltaNet.delta_rule is not parallel_delta_rule
 
 
 def test_causal_greedy_accuracy(ar_result):

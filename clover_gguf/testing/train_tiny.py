@@ -32,7 +32,6 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 
 THINK = "<think>\nLet me work it out.\n</think>\n\n"  # the fixed thinking span before every answer
 WORDS = ["apple", "sky", "cat", "dog", "tree", "moon", "fish", "star", "rock", "lamp", "cup", "book", "rain",
@@ -190,46 +189,6 @@ def parallel_delta_rule(q, k, v, g, beta, s0):
     return o.transpose(1, 2), s
 
 
-def _fast_gdn_forward(self, x, st, block):
-    """reference.GatedDeltaNet.forward with the token loop replaced by parallel_delta_rule."""
-    import torch
-    import torch.nn.functional as F
-
-    from clover_gguf.reference import LayerState, l2norm
-
-    cfg = self.cfg
-    n, t, _ = x.shape
-    hk, hv, dk, dv, kconv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                             cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim)
-    mixed = self.in_proj_qkv(x)
-    past = st.conv if st.conv is not None else mixed.new_zeros(n, kconv - 1, cfg.conv_dim)
-    xs = torch.cat([past, mixed], dim=1)
-    conv = sum(self.conv1d[:, j] * xs[:, j:j + t] for j in range(kconv))
-    if block:
-        kr = cfg.right_kernel
-        padded = torch.cat([mixed, mixed.new_zeros(n, kr, cfg.conv_dim)], dim=1)
-        conv = conv + sum(self.conv1d_right[:, j - 1] * padded[:, j:j + t] for j in range(1, kr + 1))
-    u = F.silu(conv)
-    q, k, v = torch.split(u, [cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
-    rep = hv // hk
-    q = l2norm(q.reshape(n, t, hk, dk)).repeat_interleave(rep, dim=2)
-    k = l2norm(k.reshape(n, t, hk, dk)).repeat_interleave(rep, dim=2)
-    v = v.reshape(n, t, hv, dv)
-    beta = torch.sigmoid(self.in_proj_b(x))
-    g = -torch.exp(self.A_log) * F.softplus(self.in_proj_a(x) + self.dt_bias)
-    s0 = st.ssm if st.ssm is not None else x.new_zeros(n, hv, dk, dv)
-    o, s = parallel_delta_rule(q / math.sqrt(dk), k, v, g, beta, s0)
-    if block:
-        tau = torch.exp(self.block_attn_log_scale)
-        scores = torch.einsum("nthd,nshd->nhts", q, k) * tau[None, :, None, None]
-        o_sm = torch.einsum("nhts,nshv->nthv", scores.softmax(-1), v)
-        o = o + torch.sigmoid(self.block_attn_gate)[None, None, :, None] * o_sm
-    z = self.in_proj_z(x).reshape(n, t, hv, dv)
-    y = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps) * self.norm * F.silu(z)
-    new_state = LayerState(conv=xs[:, -(kconv - 1):] if kconv > 1 else xs[:, :0], ssm=s)
-    return self.out_proj(y.reshape(n, t, cfg.value_dim)), new_state
-
-
 def _fast_moe_forward(self, x, coreset_top_p):
     """reference.SparseMoe.forward with all experts in one einsum (the reference also weights every expert's
     output by its routing weight, zero where not chosen)."""
@@ -245,19 +204,21 @@ def _fast_moe_forward(self, x, coreset_top_p):
 
 
 class fast_path:
-    """Context manager: the reference model's GDN and MoE layers use the parallel forms above."""
+    """Context manager: the reference model's delta rule and MoE layers use the parallel forms above."""
 
     def __enter__(self):
         from clover_gguf import reference
 
-        self.saved = reference.GatedDeltaNet.forward, reference.SparseMoe.forward
-        reference.GatedDeltaNet.forward, reference.SparseMoe.forward = _fast_gdn_forward, _fast_moe_forward
+        self.saved = reference.GatedDeltaNet.delta_rule, reference.SparseMoe.forward
+        reference.GatedDeltaNet.delta_rule = staticmethod(parallel_delta_rule)
+        reference.SparseMoe.forward = _fast_moe_forward
         return self
 
     def __exit__(self, *exc):
         from clover_gguf import reference
 
-        reference.GatedDeltaNet.forward, reference.SparseMoe.forward = self.saved
+        reference.GatedDeltaNet.delta_rule = staticmethod(self.saved[0])
+        reference.SparseMoe.forward = self.saved[1]
 
 
 # ---------------------------------------------------------------------------------------------------------------
