@@ -185,6 +185,7 @@ class CloverRuntime:
         self.threshold = float(meta.get("clover.diffusion.threshold", 0.95))
         self.mask_token_id = meta.get("tokenizer.ggml.mask_token_id")
         self.chat_template = meta.get("tokenizer.chat_template")
+        self._template = None
         self.controls = Controls.from_meta(lambda k: None if meta.get(k) is None else str(meta[k]))
         n_ctx = min(n_ctx or 8192, self.context_length)
         overrides: dict[str, bool | float] = {}
@@ -215,11 +216,12 @@ class CloverRuntime:
     def render(self, messages: Sequence[dict[str, str]], think: bool = True) -> str:
         if not self.chat_template:
             return "".join(m["content"] for m in messages)
-        import jinja2.sandbox
+        if self._template is None:  # compiled once: compiling costs more than a forward pass of a small model
+            import jinja2.sandbox
 
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=False, lstrip_blocks=False)
-        tmpl = env.from_string(self.chat_template)
-        return tmpl.render(messages=list(messages), add_generation_prompt=True, enable_thinking=think)
+            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=False, lstrip_blocks=False)
+            self._template = env.from_string(self.chat_template)
+        return self._template.render(messages=list(messages), add_generation_prompt=True, enable_thinking=think)
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         return b"".join(self.ctx.token_to_piece(t, special=True) for t in tokens).decode("utf-8", "replace")
