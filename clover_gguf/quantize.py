@@ -24,13 +24,12 @@ from typing import Any, Callable
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFReader
-from gguf.constants import GGML_QUANT_SIZES
 
 from clover_gguf.errors import UserError
 from clover_gguf.fsutil import atomic_output, check_free_disk, check_writable_dir
+from clover_gguf.gguf_header import GGUF_MAGIC, GGUFHeader, read_header, tensor_bytes  # noqa: F401 - re-exported
 from clover_gguf.recipes import FTYPES, NEEDS_IMATRIX, Recipe, check_rules, recipe_for
 
-GGUF_MAGIC = b"GGUF"
 RECIPE_KEY = "clover.quant.recipe"
 # sizes of the published files of Clover-35B-A3B-Preview, GiB (docs/quantization.md)
 OFFICIAL_GIB = {"Q4_0": 18.24, "Q4_K_M": 21.42, "Q8_0": 35.26}
@@ -38,116 +37,11 @@ COMMUNITY_GIB = {"Q3_K_S": 14.14, "Q3_K_M": 15.62, "IQ4_XS": 17.64, "Q4_K_M": 19
 UNQUANTIZED = {QT.F32, QT.F16, QT.BF16}
 
 
-def tensor_bytes(qtype: QT, shape: tuple[int, ...]) -> int:
-    """Bytes of a tensor of numpy-order `shape` stored as qtype (rows along the last axis)."""
-    block, size = GGML_QUANT_SIZES[qtype]
-    n = int(np.prod(shape))
-    return n // block * size
-
-
 def _pad(n: int, align: int) -> int:
     return (n + align - 1) // align * align
 
 
 # ---- the input file ----------------------------------------------------------------------------------------------
-@dataclass
-class GGUFHeader:
-    path: Path
-    arch: str | None
-    tensors: dict[str, tuple[tuple[int, ...], QT]]  # name -> (numpy-order shape, type), in file order
-    data_offset: int
-    alignment: int
-    file_type: int | None
-    keys: set[str] = field(default_factory=set)
-
-    @property
-    def names(self) -> list[str]:
-        return list(self.tensors)
-
-
-# GGUF value types: fixed sizes (STRING = 8, ARRAY = 9 are variable)
-_GGUF_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_KEEP = {"general.architecture", "general.alignment", "general.file_type"}
-
-
-def read_header(path: Path) -> GGUFHeader:
-    """The metadata we need and every tensor info, read without materialising the (large) tokenizer arrays."""
-    import mmap
-    import struct
-
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"no such file: {path}")
-    with open(path, "rb") as f:
-        if f.read(4) != GGUF_MAGIC:
-            raise UserError(f"{path} is not a GGUF file")
-        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    try:
-        pos = 4
-
-        def take(fmt: str):
-            nonlocal pos
-            v = struct.unpack_from("<" + fmt, m, pos)
-            pos += struct.calcsize("<" + fmt)
-            return v[0]
-
-        def string() -> str:
-            nonlocal pos
-            n = take("Q")
-            v = m[pos:pos + n].decode("utf-8", "replace")
-            pos += n
-            return v
-
-        def skip(vtype: int) -> None:
-            nonlocal pos
-            if vtype == 8:
-                n = take("Q")
-                pos += n
-            elif vtype == 9:
-                sub, n = take("I"), take("Q")
-                if sub == 8:
-                    for _ in range(n):
-                        k = take("Q")
-                        pos += k
-                elif sub == 9:
-                    for _ in range(n):
-                        skip(9)
-                else:
-                    pos += _GGUF_SIZES[sub] * n
-            else:
-                pos += _GGUF_SIZES[vtype]
-
-        version = take("I")
-        if version < 2:
-            raise UserError(f"{path}: GGUF version {version} is too old")
-        n_tensors, n_kv = take("Q"), take("Q")
-        kv: dict[str, object] = {}
-        keys: set[str] = set()
-        for _ in range(n_kv):
-            key, vtype = string(), take("I")
-            keys.add(key)
-            if key in _KEEP and vtype == 8:
-                kv[key] = string()
-            elif key in _KEEP and vtype in (4, 5):
-                kv[key] = take("I" if vtype == 4 else "i")
-            else:
-                skip(vtype)
-        tensors = {}
-        for _ in range(n_tensors):
-            name, nd = string(), take("I")
-            ne = [take("Q") for _ in range(nd)]
-            tensors[name] = (tuple(reversed(ne)), QT(take("I")))
-            take("Q")  # offset
-        align = int(kv.get("general.alignment") or 32)
-        data_offset = _pad(pos, align)
-    except (struct.error, ValueError, KeyError, IndexError) as e:
-        raise UserError(f"{path}: damaged GGUF header ({e})") from None
-    finally:
-        m.close()
-    return GGUFHeader(path, kv.get("general.architecture"), tensors, data_offset, align, kv.get("general.file_type"),
-                      keys)
-
-
 def _added_kv_bytes(h: GGUFHeader, kvs: list[tuple[str, str | int]]) -> int:
     """Header bytes llama.cpp adds: general.quantization_version, general.file_type and our overrides (INT -> u32)."""
     added = [("general.quantization_version", 0), ("general.file_type", 0), *kvs]

@@ -165,16 +165,15 @@ class CloverRuntime:
     def __init__(self, gguf: str | Path, n_ctx: int | None = None, rollback: str = "redecode",
                  coreset: bool | None = None, coreset_top_p: float | None = None, exact: bool = False,
                  n_threads: int | None = None, n_gpu_layers: int = 0):
-        from gguf import GGUFReader
+        from clover_gguf.gguf_header import read_header
 
         path = Path(gguf)
         if not path.is_file():
             raise UserError(f"no such model file: {path}")
         try:
-            fields = GGUFReader(path).fields
-        except Exception as e:  # anything the reader cannot parse
+            meta = read_header(path).kv
+        except UserError as e:
             raise UserError(f"{path} is not a readable GGUF file ({e})") from None
-        meta = _fields_to_meta(fields)
         if meta.get("general.architecture") != "clover":
             raise UserError(f"{path} is not a Clover GGUF (architecture {meta.get('general.architecture')!r})")
         self.meta = meta
@@ -319,9 +318,3 @@ def _utf8_prefix(buf: bytes) -> tuple[str, bytes]:
         except UnicodeDecodeError:
             continue
     return buf.decode("utf-8", "replace"), b""
-
-
-def _fields_to_meta(fields) -> dict[str, Any]:
-    from clover_gguf.info import _value
-
-    return {name: _value(f) for name, f in fields.items() if not name.startswith("GGUF.")}
