@@ -67,6 +67,15 @@ def _ramp(n: int, start: int, ramp: int) -> float:
     return 1.0 if ramp <= 0 else min(1.0, (n - start) / ramp)
 
 
+def _raise(logits: np.ndarray, ids, amount: float) -> np.ndarray:
+    """logits with `amount` added at `ids` (a new array; the input itself when amount is 0)."""
+    if amount == 0.0:
+        return logits
+    out = logits.astype(np.float32, copy=True)
+    out[ids] += amount
+    return out
+
+
 def make_processors(c: Controls, end_ids: Sequence[int], think_id: int | None = None, think_end_id: int | None = None,
                     thinking_at_start: bool = False) -> list[Processor]:
     """The card's controls as processors. thinking_at_start: the prompt itself opened a <think> span."""
@@ -91,12 +100,8 @@ def make_processors(c: Controls, end_ids: Sequence[int], think_id: int | None = 
         ends = np.asarray(sorted(set(end_ids)), dtype=np.int64)
 
         def length(generated: Sequence[int], logits: np.ndarray) -> np.ndarray:
-            w = _ramp(len(generated), c.length_penalty_start, c.length_penalty_ramp)
-            if w == 0.0:
-                return logits
-            out = logits.astype(np.float32, copy=True)
-            out[ends] += c.length_penalty * w
-            return out
+            ramp = _ramp(len(generated), c.length_penalty_start, c.length_penalty_ramp)
+            return _raise(logits, ends, c.length_penalty * ramp)
 
         procs.append(length)
 
@@ -105,12 +110,8 @@ def make_processors(c: Controls, end_ids: Sequence[int], think_id: int | None = 
             n_think = thinking_span(generated, think_id, think_end_id, thinking_at_start)
             if n_think is None:
                 return logits
-            w = _ramp(n_think, c.think_end_bias_start, c.think_end_bias_ramp)
-            if w == 0.0:
-                return logits
-            out = logits.astype(np.float32, copy=True)
-            out[think_end_id] += c.think_end_bias * w
-            return out
+            ramp = _ramp(n_think, c.think_end_bias_start, c.think_end_bias_ramp)
+            return _raise(logits, think_end_id, c.think_end_bias * ramp)
 
         procs.append(think_end)
     return procs
