@@ -16,8 +16,8 @@ from clover_gguf.checkpoint import Checkpoint
 from clover_gguf.config import CloverConfig, GenerationDefaults
 from clover_gguf.errors import UserError
 from clover_gguf.fsutil import atomic_output, check_free_disk, check_writable_dir
-from clover_gguf.tensor_map import (EXPERT_KINDS, FUSED_RE, MTP_LAYER_RE, PER_EXPERT_RE, REORDER_ONLY, TRANSFORMS,
-                                    TensorRule, expert_shape, match_rule)
+from clover_gguf.tensor_map import (EXPERT_KINDS, FUSED_RE, MTP_LAYER_RE, PER_EXPERT_RE, REORDER_ONLY, TENSOR_RULES,
+                                    TRANSFORMS, TensorRule, expert_shape, match_rule)
 from clover_gguf.vocab import Vocab, load_vocab
 
 ARCH = "clover"
@@ -202,7 +202,7 @@ def _expected_names(cfg: CloverConfig, n_layers: int, n_blocks: int) -> list[str
                                       "ssm_conv1d.weight", "ssm_dt.bias", "ssm_a", "ssm_norm.weight",
                                       "ssm_out.weight")]
             if cfg.is_clover:
-                names += [b + n for n in ("ssm_conv1d_right.weight", "ssm_block_scale", "ssm_block_gate")]
+                names += [r.gguf.format(i=i) for r in TENSOR_RULES if r.clover_extra]
     if n_blocks > n_layers:
         b = f"blk.{n_layers}.nextn."
         names += [b + "eh_proj.weight", b + "enorm.weight", b + "hnorm.weight", b + "shared_head_norm.weight"]

@@ -24,7 +24,7 @@ Conventions
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Protocol, Sequence, runtime_checkable
 
 import numpy as np
@@ -212,7 +212,6 @@ class Chunk:
     tokens: list[int]
     stats: GenerationStats
     finished: bool = False
-    extra: dict = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from clover_gguf import decoding
-from clover_gguf.controls import Controls, make_processors, make_sampler
+from clover_gguf.controls import Controls, make_processors, make_sampler, thinking_span
 from clover_gguf.errors import UserError
 from clover_gguf.llama_context import LlamaContext
 
@@ -141,7 +141,6 @@ class RunStats:
 class Answer:
     text: str  # the answer, thinking removed
     thinking: str
-    tokens: list[int]
     stats: RunStats
     raw: str = field(repr=False, default="")
 
@@ -255,8 +254,9 @@ class CloverRuntime:
         block_size = int(block_size or self.block_size)
         self.check_request(len(ids), max_new_tokens, mode, block_size)
         c = controls or self.controls
-        thinking_at_start = self.think_id is not None and self.think_id in ids[-4:] and (
-            self.think_end_id not in ids[ids.index(self.think_id):] if self.think_id in ids else False)
+        # the prompt itself may open a <think> span (a template that starts the thinking for the model)
+        thinking_at_start = self.think_end_id is not None and \
+            thinking_span(ids, self.think_id, self.think_end_id, False) is not None
         procs = make_processors(c, self.eos_ids, self.think_id, self.think_end_id, thinking_at_start)
         sampler1 = make_sampler(temp, top_p, top_k, seed)
 
@@ -286,7 +286,7 @@ class CloverRuntime:
         for text, stats in self.stream(messages, **kw):
             raw += text
         thinking, text = split_thinking(raw)
-        return Answer(text=text, thinking=thinking, tokens=[], stats=stats, raw=raw)
+        return Answer(text=text, thinking=thinking, stats=stats, raw=raw)
 
     def close(self) -> None:
         self.ctx.close()

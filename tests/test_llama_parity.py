@@ -89,15 +89,17 @@ def test_causal_parity(clover_files, ref, seqs):
         r.close()
 
 
-@pytest.mark.parametrize("n_block", [32, 5, 1])
-def test_block_parity_and_prefix_untouched(clover_files, ref, seqs, n_block):
+# n_rs_seq > 0 takes the fused snapshot path of the delta rule; block mode must not depend on it
+@pytest.mark.parametrize("n_block,n_rs_seq", [(32, 0), (5, 0), (1, 0), (32, 4)],
+                         ids=["32", "5", "1", "32-rs-snapshots"])
+def test_block_parity_and_prefix_untouched(clover_files, ref, seqs, n_block, n_rs_seq):
     prefix, block, nxt = seqs["prefix"], seqs["block"][:n_block], seqs["nxt"]
     with torch.no_grad():
         want_block = ref.block_logits(prefix, block).numpy()  # coreset as config.json says (on)
         want_next = ref(torch.tensor(prefix + nxt)).numpy()[len(prefix):]
         causal_block = ref(torch.tensor(prefix + block)).numpy()[len(prefix):]
     assert rel_err(causal_block, want_block) > 1e-2  # block mode really differs from causal mode
-    r = _runner(clover_files[1])
+    r = _runner(clover_files[1], n_rs_seq=n_rs_seq)
     try:
         r.decode(prefix, 0, 0)
         assert rel_err(r.block(block, len(prefix)), want_block) <= TOL
@@ -169,21 +171,6 @@ def test_two_blocks_in_one_ubatch(clover_files, ref, seqs):
         r.seq_rm(2)
         assert rel_err(got[: len(b1)], w1) <= TOL
         assert rel_err(got[len(b1):], w2) <= TOL
-    finally:
-        r.close()
-
-
-def test_block_with_rs_rollback_snapshots(clover_files, ref, seqs):
-    """n_rs_seq > 0 takes the fused snapshot path of the delta rule; block mode must not depend on it."""
-    prefix, block, nxt = seqs["prefix"], seqs["block"], seqs["nxt"]
-    with torch.no_grad():
-        want = ref.block_logits(prefix, block).numpy()
-        want_next = ref(torch.tensor(prefix + nxt)).numpy()[len(prefix):]
-    r = _runner(clover_files[1], n_rs_seq=4)
-    try:
-        r.decode(prefix, 0, 0)
-        assert rel_err(r.block(block, len(prefix)), want) <= TOL
-        assert rel_err(r.decode(nxt, len(prefix), 0), want_next) <= TOL
     finally:
         r.close()
 
