@@ -15,6 +15,7 @@ All apply under sampling and greedy alike. Values come from the GGUF (`clover.ge
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
@@ -67,54 +68,119 @@ def _ramp(n: int, start: int, ramp: int) -> float:
     return 1.0 if ramp <= 0 else min(1.0, (n - start) / ramp)
 
 
-def _raise(logits: np.ndarray, ids, amount: float) -> np.ndarray:
-    """logits with `amount` added at `ids` (a new array; the input itself when amount is 0)."""
-    if amount == 0.0:
+def make_processors(c: Controls, end_ids: Sequence[int], think_id: int | None = None, think_end_id: int | None = None,
+                    thinking_at_start: bool = False) -> list[Processor]:
+    """The card's controls as processors. thinking_at_start: the prompt itself opened a <think> span.
+
+    Each is a one-row processor that also has `rows(histories, logits [T, V]) -> [T, V]`, the same function for T
+    rows at once (a block pass processes up to block_size rows; decoding.process uses `rows` when it is there)."""
+    procs: list[Processor] = []
+    if c.repetition_penalty != 1.0 or c.frequency_penalty or c.presence_penalty:
+        procs.append(_Penalties(c))
+    if c.length_penalty and end_ids:
+        procs.append(_LengthPenalty(c, end_ids))
+    if c.think_end_bias and think_end_id is not None:
+        procs.append(_ThinkEndBias(c, think_id, think_end_id, thinking_at_start))
+    return procs
+
+
+class _RowsProcessor:
+    """One-row calls go through `rows` with a single row, so both forms are one implementation."""
+
+    def __call__(self, generated: Sequence[int], logits: np.ndarray) -> np.ndarray:
+        return self.rows([generated], np.asarray(logits)[None])[0]
+
+    def rows(self, histories: Sequence[Sequence[int]], logits: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+
+def _flatten(histories: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """-> (lengths [T], row of each token [N], tokens [N]) for T histories holding N tokens in all."""
+    lens = np.fromiter((len(h) for h in histories), dtype=np.int64, count=len(histories))
+    flat = np.fromiter(itertools.chain.from_iterable(histories), dtype=np.int64, count=int(lens.sum()))
+    return lens, np.repeat(np.arange(len(histories)), lens), flat
+
+
+class _Penalties(_RowsProcessor):
+    """Repetition, frequency and presence penalties over the generated tokens (card items 1-3)."""
+
+    def __init__(self, c: Controls):
+        self.c = c
+
+    def rows(self, histories, logits):
+        lens, row, flat = _flatten(histories)
+        if not flat.size:
+            return logits
+        t, v = logits.shape
+        counts = np.bincount(row * v + flat, minlength=t * v).reshape(t, v)  # [T, V] occurrences per row
+        x = logits.astype(np.float32)  # [T, V]
+        c = self.c
+        if c.repetition_penalty != 1.0:
+            pen = np.where(x > 0, x / np.float32(c.repetition_penalty), x * np.float32(c.repetition_penalty))
+        else:
+            pen = x
+        pen = pen - c.frequency_penalty * counts - c.presence_penalty  # float64, rounded once below
+        return np.where(counts > 0, pen, x).astype(np.float32)
+
+
+class _LengthPenalty(_RowsProcessor):
+    """The end tokens gain L * ramp once the answer is `start` tokens long (card item 4)."""
+
+    def __init__(self, c: Controls, end_ids: Sequence[int]):
+        self.c, self.ends = c, np.asarray(sorted(set(end_ids)), dtype=np.int64)
+
+    def rows(self, histories, logits):
+        c = self.c
+        amount = [c.length_penalty * _ramp(len(h), c.length_penalty_start, c.length_penalty_ramp) for h in histories]
+        return _raise_rows(logits, self.ends, amount)
+
+
+class _ThinkEndBias(_RowsProcessor):
+    """</think> gains B * ramp once the open thinking span is `start` tokens long (card item 5)."""
+
+    def __init__(self, c: Controls, think_id: int | None, think_end_id: int, thinking_at_start: bool):
+        self.c, self.think_id, self.think_end_id, self.at_start = c, think_id, think_end_id, thinking_at_start
+
+    def rows(self, histories, logits):
+        c = self.c
+        spans = thinking_spans(histories, self.think_id, self.think_end_id, self.at_start)
+        amount = [0.0 if n is None else c.think_end_bias * _ramp(n, c.think_end_bias_start, c.think_end_bias_ramp)
+                  for n in spans]
+        return _raise_rows(logits, self.think_end_id, amount)
+
+
+def _raise_rows(logits: np.ndarray, ids, amounts: Sequence[float]) -> np.ndarray:
+    """Row i of logits with amounts[i] added at `ids`; rows with nothing to add are left as they are."""
+    if not any(amounts):
         return logits
     out = logits.astype(np.float32, copy=True)
-    out[ids] += amount
+    for i, a in enumerate(amounts):
+        if a:
+            out[i, ids] += a
     return out
 
 
-def make_processors(c: Controls, end_ids: Sequence[int], think_id: int | None = None, think_end_id: int | None = None,
-                    thinking_at_start: bool = False) -> list[Processor]:
-    """The card's controls as processors. thinking_at_start: the prompt itself opened a <think> span."""
-    procs: list[Processor] = []
-
-    if c.repetition_penalty != 1.0 or c.frequency_penalty or c.presence_penalty:
-        def penalties(generated: Sequence[int], logits: np.ndarray) -> np.ndarray:
-            if not len(generated):
-                return logits
-            ids, counts = np.unique(np.asarray(generated, dtype=np.int64), return_counts=True)
-            out = logits.astype(np.float32, copy=True)
-            x = out[ids]
-            if c.repetition_penalty != 1.0:
-                x = np.where(x > 0, x / c.repetition_penalty, x * c.repetition_penalty)
-            x = x - c.frequency_penalty * counts - c.presence_penalty
-            out[ids] = x
-            return out
-
-        procs.append(penalties)
-
-    if c.length_penalty and end_ids:
-        ends = np.asarray(sorted(set(end_ids)), dtype=np.int64)
-
-        def length(generated: Sequence[int], logits: np.ndarray) -> np.ndarray:
-            ramp = _ramp(len(generated), c.length_penalty_start, c.length_penalty_ramp)
-            return _raise(logits, ends, c.length_penalty * ramp)
-
-        procs.append(length)
-
-    if c.think_end_bias and think_end_id is not None:
-        def think_end(generated: Sequence[int], logits: np.ndarray) -> np.ndarray:
-            n_think = thinking_span(generated, think_id, think_end_id, thinking_at_start)
-            if n_think is None:
-                return logits
-            ramp = _ramp(n_think, c.think_end_bias_start, c.think_end_bias_ramp)
-            return _raise(logits, think_end_id, c.think_end_bias * ramp)
-
-        procs.append(think_end)
-    return procs
+def thinking_spans(histories: Sequence[Sequence[int]], think_id: int | None, think_end_id: int,
+                   thinking_at_start: bool) -> list[int | None]:
+    """thinking_span of each history, computed for all rows at once."""
+    lens, row, flat = _flatten(histories)
+    pos = np.arange(flat.size) - np.repeat(np.cumsum(lens) - lens, lens)  # index of each token inside its row
+    last_open = np.full(len(histories), -1)  # index of the last <think> (-1: none)
+    last_close = np.full(len(histories), -1)
+    if think_id is not None:
+        hit = flat == think_id
+        np.maximum.at(last_open, row[hit], pos[hit])
+    hit = flat == think_end_id
+    np.maximum.at(last_close, row[hit], pos[hit])
+    out: list[int | None] = []
+    for n, o, e in zip(lens.tolist(), last_open.tolist(), last_close.tolist()):
+        if o > e:
+            out.append(n - o - 1)
+        elif e < 0 and thinking_at_start:  # neither token: the prompt's span is still open
+            out.append(n)
+        else:
+            out.append(None)
+    return out
 
 
 def thinking_span(generated: Sequence[int], think_id: int | None, think_end_id: int, thinking_at_start: bool

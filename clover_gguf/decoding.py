@@ -163,15 +163,19 @@ def softmax(logits: np.ndarray) -> np.ndarray:
 
 def _process(processors: Sequence[LogitsProcessor], history: Sequence[Sequence[int]], logits: np.ndarray
              ) -> np.ndarray:
-    """Apply the processors row by row; history[i] = tokens_so_far for row i. logits [T, V] -> [T, V]."""
+    """Apply the processors to each row; history[i] = tokens_so_far for row i. logits [T, V] -> [T, V].
+    A processor with a `rows(histories, logits [T, V])` method (controls.make_processors) takes all rows at once."""
     logits = np.asarray(logits, dtype=np.float64)
     if not processors:
         return logits
     out = logits.copy()
-    for i in range(out.shape[0]):
-        toks = np.asarray(history[i], dtype=np.int64)
-        for p in processors:
-            out[i] = p(toks, out[i])
+    for p in processors:
+        rows = getattr(p, "rows", None)
+        if rows is not None:
+            out = np.asarray(rows(history, out), dtype=np.float64)
+        else:
+            for i in range(out.shape[0]):
+                out[i] = p(np.asarray(history[i], dtype=np.int64), out[i])
     return out
 
 
@@ -246,8 +250,13 @@ def resolve_block(backend: Backend, block: list[int], resolved: list[bool], gene
         logits = backend.block_logits(block)  # [B, V], commits nothing
         stats.forward_passes += 1
         stats.block_passes += 1
-        masked = [i for i, r in enumerate(resolved) if not r]
-        history = [list(generated) + [block[j] for j in range(i) if resolved[j]] for i in masked]
+        masked, history, before = [], [], list(generated)  # before: tokens_so_far at the current position
+        for i, r in enumerate(resolved):
+            if r:
+                before.append(block[i])
+            else:
+                masked.append(i)
+                history.append(list(before))
         tok, conf = _pick(_process(processors, history, logits[masked]), sampler)  # [M], [M]
         fill = [m for m, c in zip(range(len(masked)), conf) if c > threshold]
         if not fill:

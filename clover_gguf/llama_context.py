@@ -60,7 +60,7 @@ class LlamaContext:
     def __init__(self, gguf: str | Path, n_ctx: int = 4096, n_ubatch: int = 512, n_batch: int | None = None,
                  n_seq_max: int = 2,
                  overrides: dict[str, bool | int | float] | None = None, n_rs_seq: int = 0, exact: bool = False,
-                 n_threads: int | None = None, n_gpu_layers: int = 0):
+                 n_threads: int | None = None, n_gpu_layers: int = 0, n_threads_batch: int | None = None):
         L = self.L = load_binding()
         path = Path(gguf)
         if not path.is_file():
@@ -82,8 +82,9 @@ class LlamaContext:
         cp.n_seq_max = n_seq_max
         cp.n_rs_seq = n_rs_seq
         cp.kv_unified = True  # seq_cp of the KV cache is then metadata only
+        # llama.cpp's split: n_threads for one-token calls, n_threads_batch for calls of several tokens
         threads = n_threads or max(1, min(8, os.cpu_count() or 1))
-        cp.n_threads = cp.n_threads_batch = threads
+        cp.n_threads, cp.n_threads_batch = threads, n_threads_batch or threads
         if exact:
             cp.flash_attn_type = 0
             cp.type_k = cp.type_v = GGML_TYPE_F32
@@ -96,6 +97,7 @@ class LlamaContext:
         self.n_ctx = L.llama_n_ctx(self.ctx)
         self.mem = L.llama_get_memory(self.ctx)
         self._causal = True  # the context's attention mode; switched only when it changes (see _set_causal)
+        self._batch: _Batch | None = None  # reused by every decode call, grown when a call needs more room
 
     # ---- metadata ---------------------------------------------------------------------------------------
     def meta(self, key: str) -> str | None:
@@ -115,32 +117,37 @@ class LlamaContext:
                extra: Sequence[tuple[Sequence[int], int, int]] = (), causal: bool = True) -> np.ndarray:
         """Decode `ids` at positions pos0.. on `seq` (plus (ids, pos0, seq) parts in the same batch) ->
         logits [n_out, V] for the tokens that asked for them (all by default). causal=False is block mode."""
-        L = self.L
         self._set_causal(causal)
         parts = [(ids, pos0, seq), *extra]
         n = sum(len(p[0]) for p in parts)
-        want = [bool(logits)] * len(ids) if isinstance(logits, bool) else list(logits)
-        want += [True] * (n - len(want))
-        batch = L.llama_batch_init(n, 0, 1)
-        try:
-            i = 0
-            for p_ids, p_pos0, p_seq in parts:
-                for j, t in enumerate(p_ids):
-                    batch.token[i], batch.pos[i], batch.n_seq_id[i] = int(t), p_pos0 + j, 1
-                    batch.seq_id[i][0] = p_seq
-                    batch.logits[i] = want[i]
-                    i += 1
-            batch.n_tokens = n
-            rc = L.llama_decode(self.ctx, batch)
-            if rc != 0:
-                raise RuntimeError(f"llama_decode returned {rc}")
-            rows = [i for i in range(n) if want[i]]
-            out = np.empty((len(rows), self.n_vocab), dtype=np.float32)
-            for k, i in enumerate(rows):
-                out[k] = np.ctypeslib.as_array(L.llama_get_logits_ith(self.ctx, i), shape=(self.n_vocab,))
-            return out
-        finally:
-            L.llama_batch_free(batch)
+        batch = self._batch_for(n)
+        i = 0
+        for p_ids, p_pos0, p_seq in parts:  # vector writes into the arrays the llama_batch points at
+            k = len(p_ids)
+            batch.token[i:i + k] = p_ids
+            batch.pos[i:i + k] = np.arange(p_pos0, p_pos0 + k)
+            batch.seq[i:i + k] = p_seq
+            i += k
+        want = batch.logits[:n]
+        if isinstance(logits, bool):
+            want[:len(ids)] = logits
+        else:
+            want[:len(ids)] = np.asarray(list(logits), dtype=bool)
+        want[len(ids):] = 1
+        batch.struct.n_tokens = n
+        rc = self.L.llama_decode(self.ctx, batch.struct)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc}")
+        n_out = int(np.count_nonzero(want))
+        if not n_out:
+            return np.empty((0, self.n_vocab), dtype=np.float32)
+        # llama.cpp stores the requested rows contiguously, in batch order
+        return np.ctypeslib.as_array(self.L.llama_get_logits(self.ctx), shape=(n_out, self.n_vocab)).copy()
+
+    def _batch_for(self, n: int) -> "_Batch":
+        if self._batch is None or self._batch.capacity < n:
+            self._batch = _Batch(self.L, max(n, 64, 2 * (self._batch.capacity if self._batch else 0)))
+        return self._batch
 
     def block(self, block_ids: Sequence[int], n_past: int, seq: int = 0, scratch: int = 1) -> np.ndarray:
         """Block-mode logits [B, V] for `block_ids` after the n_past tokens of `seq`, which is left untouched."""
@@ -190,6 +197,31 @@ class LlamaContext:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _Batch:
+    """A llama_batch over numpy arrays we own, so a decode call fills it with a few vector writes instead of one
+    ctypes store per field per token (and allocates nothing). Each token belongs to one sequence: seq_id[i] points
+    at seq[i]."""
+
+    def __init__(self, L: Any, capacity: int):
+        self.capacity = capacity
+        self.token = np.zeros(capacity, dtype=np.int32)
+        self.pos = np.zeros(capacity, dtype=np.int32)
+        self.n_seq_id = np.ones(capacity, dtype=np.int32)
+        self.seq = np.zeros(capacity, dtype=np.int32)
+        self.logits = np.zeros(capacity, dtype=np.int8)
+        c_int_p = ctypes.POINTER(ctypes.c_int)
+        base, size = self.seq.ctypes.data, self.seq.itemsize
+        self._seq_ptrs = (c_int_p * capacity)(*(ctypes.cast(base + i * size, c_int_p) for i in range(capacity)))
+        b = self.struct = L.llama_batch()
+        b.n_tokens = 0
+        b.token = self.token.ctypes.data_as(c_int_p)
+        b.embd = ctypes.POINTER(ctypes.c_float)()
+        b.pos = self.pos.ctypes.data_as(c_int_p)
+        b.n_seq_id = self.n_seq_id.ctypes.data_as(c_int_p)
+        b.seq_id = ctypes.cast(self._seq_ptrs, ctypes.POINTER(c_int_p))
+        b.logits = self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_byte))
 
 
 def _silent(level, text, user_data):

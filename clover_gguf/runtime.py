@@ -46,6 +46,7 @@ class LlamaBackend:
         self.rollback_strategy = rollback
         self.keep_backup = True  # only draft-self rolls back; the runtime turns the backup copy off otherwise
         self.extra_passes = 0  # re-decodes done for rollbacks (backend work the decoder does not count)
+        self.prefill_seconds = 0.0  # time spent in prompt passes, so stats can report the decode rate alone
         self.reset()
 
     def reset(self) -> None:
@@ -73,8 +74,10 @@ class LlamaBackend:
 
     def prefill(self, ids: Sequence[int]) -> np.ndarray:
         self._settle()
+        t0 = time.perf_counter()
         want = [False] * (len(ids) - 1) + [True]
         logits = self.ctx.decode(ids, self.n_past, SEQ_MAIN, logits=want)
+        self.prefill_seconds += time.perf_counter() - t0
         self._ids += [int(t) for t in ids]
         self._last_commit = len(ids)
         return logits[-1]
@@ -130,7 +133,9 @@ class RunStats:
     tokens_per_pass: float = 0.0
     acceptance_rate: float | None = None
     time_to_first_token_s: float | None = None
-    tokens_per_s: float = 0.0
+    tokens_per_s: float = 0.0  # generated tokens over the whole run, the prompt's pass included
+    decode_tokens_per_s: float = 0.0  # generated tokens over the time after the prompt's pass (llama.cpp "eval")
+    prompt_seconds: float = 0.0
     seconds: float = 0.0
     peak_memory_mib: float = 0.0
     finish_reason: str | None = None
@@ -163,7 +168,7 @@ class CloverRuntime:
 
     def __init__(self, gguf: str | Path, n_ctx: int | None = None, rollback: str = "redecode",
                  coreset: bool | None = None, coreset_top_p: float | None = None, exact: bool = False,
-                 n_threads: int | None = None, n_gpu_layers: int = 0):
+                 n_threads: int | None = None, n_gpu_layers: int = 0, n_threads_batch: int | None = None):
         from clover_gguf.gguf_header import read_header
 
         path = Path(gguf)
@@ -194,7 +199,7 @@ class CloverRuntime:
         n_rs_seq = self.block_size + 1 if rollback == "snapshot" else 0
         self.ctx = LlamaContext(path, n_ctx=n_ctx, n_ubatch=max(512, self.block_size), n_seq_max=3,
                                 overrides=overrides or None, n_rs_seq=n_rs_seq, exact=exact, n_threads=n_threads,
-                                n_gpu_layers=n_gpu_layers)
+                                n_gpu_layers=n_gpu_layers, n_threads_batch=n_threads_batch)
         self.n_ctx = self.ctx.n_ctx
         self.eos_ids = self._end_tokens()
         self.think_id = self._special("<think>")
@@ -263,7 +268,11 @@ class CloverRuntime:
         def sampler(logits: np.ndarray) -> np.ndarray:  # decoding wants [T, V] -> [T]
             return np.array([sampler1(row) for row in np.atleast_2d(logits)], dtype=np.int64)
 
+        if temp <= 0:
+            sampler = decoding.greedy  # the same choice (argmax, lowest index on ties) for all rows at once
+
         self.backend.extra_passes = 0
+        self.backend.prefill_seconds = 0.0
         self.backend.keep_backup = mode == "draft-self"
         stats = RunStats(mode=mode, prompt_tokens=len(ids))
         t0 = time.perf_counter()
@@ -274,7 +283,7 @@ class CloverRuntime:
             now = time.perf_counter()
             if chunk.tokens and stats.time_to_first_token_s is None:
                 stats.time_to_first_token_s = now - t0
-            _fill_stats(stats, chunk.stats, now - t0, self.backend.extra_passes)
+            _fill_stats(stats, chunk.stats, now - t0, self.backend.extra_passes, self.backend.prefill_seconds)
             pending += b"".join(self.ctx.token_to_piece(t, special=True) for t in chunk.tokens)
             text, pending = _utf8_prefix(pending)
             yield text, stats
@@ -298,7 +307,7 @@ class CloverRuntime:
         self.close()
 
 
-def _fill_stats(stats: RunStats, g: decoding.GenerationStats, seconds: float, extra: int) -> None:
+def _fill_stats(stats: RunStats, g: decoding.GenerationStats, seconds: float, extra: int, prompt_s: float) -> None:
     stats.generated_tokens = g.generated_tokens
     stats.forward_passes = g.forward_passes
     stats.tokens_per_pass = round(g.tokens_per_pass, 4)
@@ -306,6 +315,9 @@ def _fill_stats(stats: RunStats, g: decoding.GenerationStats, seconds: float, ex
     stats.finish_reason = g.finish_reason
     stats.seconds = round(seconds, 4)
     stats.tokens_per_s = round(g.generated_tokens / seconds, 2) if seconds > 0 else 0.0
+    stats.prompt_seconds = round(prompt_s, 4)
+    decode_s = seconds - prompt_s
+    stats.decode_tokens_per_s = round(g.generated_tokens / decode_s, 2) if decode_s > 0 else 0.0
     stats.peak_memory_mib = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     stats.rollback_passes = extra
 

@@ -114,3 +114,26 @@ def test_samplers():
     assert [a(logits) for _ in range(20)] == [b(logits) for _ in range(20)]  # seeded
     top_p_draws = {make_sampler(1.0, top_p=0.5, seed=s)(np.array([5.0, 0.0, 0.0, 0.0])) for s in range(20)}
     assert top_p_draws == {0}
+
+
+def test_rows_form_equals_the_one_row_form():
+    """decoding applies a processor to a whole block through its `rows` method: bit for bit the one-row result."""
+    from clover_gguf.controls import thinking_span, thinking_spans
+
+    rng = np.random.default_rng(3)
+    c = Controls(length_penalty_start=6, length_penalty_ramp=5, think_end_bias_start=3, think_end_bias_ramp=4)
+    toks = [0, 1, 2, 5, EOS, THINK, THINK_END]
+    histories = [rng.choice(toks, size=n).tolist() for n in rng.integers(0, 14, size=40)] + [[], [THINK], [THINK_END]]
+    logits = rng.normal(size=(len(histories), V)).astype(np.float32) * 3
+    for at_start in (False, True):
+        procs = make_processors(c, [EOS, ENDTEXT], THINK, THINK_END, at_start)
+        assert len(procs) == 3
+        for p in procs:
+            got = p.rows(histories, logits)
+            want = np.stack([p(h, row) for h, row in zip(histories, logits)])
+            np.testing.assert_array_equal(got, want)
+        assert thinking_spans(histories, THINK, THINK_END, at_start) == \
+            [thinking_span(h, THINK, THINK_END, at_start) for h in histories]
+        # and the whole chain against the card, row by row
+        for h, row in zip(histories, logits):
+            np.testing.assert_allclose(apply(procs, h, row), card(h, row, c, at_start), rtol=1e-6, atol=1e-6)

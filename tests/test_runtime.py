@@ -115,9 +115,11 @@ def test_generate_json_cli(tiny_gguf):
     out = json.loads(p.stdout)
     assert {"text", "thinking", "stats"} <= set(out)
     for key in ("prompt_tokens", "generated_tokens", "forward_passes", "tokens_per_pass", "acceptance_rate",
-                "tokens_per_s"):
+                "tokens_per_s", "decode_tokens_per_s", "prompt_seconds"):
         assert key in out["stats"]
-    assert out["stats"]["generated_tokens"] >= 1
+    st = out["stats"]
+    assert st["generated_tokens"] >= 1
+    assert 0 < st["prompt_seconds"] < st["seconds"] and st["decode_tokens_per_s"] > st["tokens_per_s"] > 0
     p = _cli("generate", tiny_gguf, "-p", "x", "-n", "100000")
     assert p.returncode == 2 and "more than the model's context" in p.stderr and "Traceback" not in p.stderr
 

@@ -54,7 +54,7 @@ def test_llama_diffusion_matches_the_reference_decode(tiny, ggufs):
     assert passes == ref_passes
     correct = sum(r["answer"] in strip_thinking(tok.decode(o, skip_special_tokens=True)) for r, o in zip(rows, out))
     n_tokens = sum(len(o) + 1 for o in out)  # + the end token each answer resolved
-    assert correct / len(rows) >= 0.9  # on this subset; docs/tiny-model.md gives the full-set figure (93.3%)
+    assert correct / len(rows) >= 0.95  # on this subset, as docs/tiny-model.md states for the full set (97.3%)
     assert n_tokens / sum(passes) >= 3.0  # at least 3 tokens per forward pass, as the docs state
 
 
