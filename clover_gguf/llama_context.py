@@ -132,7 +132,10 @@ class LlamaContext:
         if isinstance(logits, bool):
             want[:len(ids)] = logits
         else:
-            want[:len(ids)] = np.asarray(list(logits), dtype=bool)
+            flags = np.asarray(list(logits), dtype=bool)
+            if flags.shape != (len(ids),):
+                raise ValueError(f"{flags.size} logits flags for {len(ids)} tokens")
+            want[:len(ids)] = flags
         want[len(ids):] = 1
         batch.struct.n_tokens = n
         rc = self.L.llama_decode(self.ctx, batch.struct)
