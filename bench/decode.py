@@ -38,11 +38,13 @@ MODES = (("ar", "ar", "redecode", None, None), ("diffusion", "diffusion", "redec
          ("ar, 1 decode thread", "ar", "redecode", 1, None))
 
 
-def bench_modes(gguf: Path, prompts: list[str], max_new: int, label: str, rounds: int = 3) -> dict:
+def bench_modes(gguf: Path, prompts: list[str], max_new: int, label: str, rounds: int = 3, threads: int = 2,
+                gpu_layers: int = 0) -> dict:
     """Every mode answers every prompt, interleaved prompt by prompt, `rounds` times over: a shared machine's speed
     drifts within seconds, and interleaving puts the same drift into every mode's time."""
-    runtimes = {name: CloverRuntime(gguf, n_ctx=1024, rollback=rollback, n_threads=threads or 2, n_threads_batch=2)
-                for name, _, rollback, threads, _ in MODES}
+    runtimes = {name: CloverRuntime(gguf, n_ctx=1024, rollback=rollback, n_threads=one or threads,
+                                    n_threads_batch=threads, n_gpu_layers=gpu_layers)
+                for name, _, rollback, one, _ in MODES}
     rows = {name: dict(tokens=0, seconds=0.0, prompt_s=0.0, passes=0, rollback_passes=0) for name, *_ in MODES}
     try:
         for name, mode, *_ in MODES:  # warm-up
@@ -65,7 +67,8 @@ def bench_modes(gguf: Path, prompts: list[str], max_new: int, label: str, rounds
         r["tps"] = r["tokens"] / r["seconds"]
         r["decode_tps"] = r["tokens"] / (r["seconds"] - r["prompt_s"])
     base, dbase = rows["ar"]["tps"], rows["ar"]["decode_tps"]
-    print(f"\n{label}: {len(prompts)} eval prompts x {rounds} rounds, greedy, 2 threads for multi-token calls. "
+    print(f"\n{label}: {len(prompts)} eval prompts x {rounds} rounds, greedy, {threads} threads for multi-token calls"
+          f"{f', {gpu_layers} layers offloaded' if gpu_layers else ''}. "
           f"tok/s counts the whole request (prompt pass included); decode tok/s the time after the prompt pass")
     print(f"{'mode':<22} {'tokens':>7} {'tok/s':>8} {'x ar':>6} {'decode tok/s':>13} {'x ar':>6} {'passes/tok':>11} "
           f"{'rollback passes':>16}")
@@ -139,6 +142,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=3, help="passes over the prompts (modes interleaved per prompt)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--gpu-layers", type=int, default=0, help="layers offloaded (a CUDA / Metal build of the library)")
     ap.add_argument("--workdir", type=Path, default=ROOT / "out" / "bench-decode")
     a = ap.parse_args()
     a.workdir.mkdir(parents=True, exist_ok=True)
@@ -150,7 +155,7 @@ def main() -> None:
     prompts = [e["prompt"] for e in evals]
     prompts = prompts[::max(1, len(prompts) // a.prompts)][:a.prompts]  # spread over the tasks (eval is in task order)
     for label, path in (("F32", gguf), ("Q8_0", q8)):
-        bench_modes(path, prompts, a.max_new_tokens, label, a.rounds)
+        bench_modes(path, prompts, a.max_new_tokens, label, a.rounds, a.threads, a.gpu_layers)
     bench_block_cost(a.workdir)
 
 
