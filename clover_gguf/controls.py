@@ -108,7 +108,7 @@ class _Penalties(_RowsProcessor):
         self.c = c
 
     def rows(self, histories, logits):
-        lens, row, flat = _flatten(histories)
+        _, row, flat = _flatten(histories)
         if not flat.size:
             return logits
         t, v = logits.shape
@@ -162,7 +162,9 @@ def _raise_rows(logits: np.ndarray, ids, amounts: Sequence[float]) -> np.ndarray
 
 def thinking_spans(histories: Sequence[Sequence[int]], think_id: int | None, think_end_id: int,
                    thinking_at_start: bool) -> list[int | None]:
-    """thinking_span of each history, computed for all rows at once."""
+    """For each history: the tokens generated inside the currently open <think> span, or None when not thinking.
+    The span is open after the last <think> not followed by a </think> (or from the start when the prompt opened
+    it: thinking_at_start and neither token generated). All rows at once."""
     lens, row, flat = _flatten(histories)
     pos = np.arange(flat.size) - np.repeat(np.cumsum(lens) - lens, lens)  # index of each token inside its row
     last_open = np.full(len(histories), -1)  # index of the last <think> (-1: none)
@@ -185,14 +187,8 @@ def thinking_spans(histories: Sequence[Sequence[int]], think_id: int | None, thi
 
 def thinking_span(generated: Sequence[int], think_id: int | None, think_end_id: int, thinking_at_start: bool
                   ) -> int | None:
-    """Tokens generated inside the currently open <think> span, or None when not thinking."""
-    open_at = 0 if thinking_at_start else None
-    for i, t in enumerate(generated):
-        if think_id is not None and t == think_id:
-            open_at = i + 1
-        elif t == think_end_id:
-            open_at = None
-    return None if open_at is None else len(generated) - open_at
+    """thinking_spans of one history."""
+    return thinking_spans([generated], think_id, think_end_id, thinking_at_start)[0]
 
 
 def apply(processors: Sequence[Processor], generated: Sequence[int], logits: np.ndarray) -> np.ndarray:

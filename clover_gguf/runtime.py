@@ -263,13 +263,13 @@ class CloverRuntime:
         thinking_at_start = self.think_end_id is not None and \
             thinking_span(ids, self.think_id, self.think_end_id, False) is not None
         procs = make_processors(c, self.eos_ids, self.think_id, self.think_end_id, thinking_at_start)
-        sampler1 = make_sampler(temp, top_p, top_k, seed)
-
-        def sampler(logits: np.ndarray) -> np.ndarray:  # decoding wants [T, V] -> [T]
-            return np.array([sampler1(row) for row in np.atleast_2d(logits)], dtype=np.int64)
-
         if temp <= 0:
-            sampler = decoding.greedy  # the same choice (argmax, lowest index on ties) for all rows at once
+            sampler = decoding.greedy  # argmax, lowest index on ties: all rows at once
+        else:
+            sampler1 = make_sampler(temp, top_p, top_k, seed)
+
+            def sampler(logits: np.ndarray) -> np.ndarray:  # decoding wants [T, V] -> [T]
+                return np.array([sampler1(row) for row in np.atleast_2d(logits)], dtype=np.int64)
 
         self.backend.extra_passes = 0
         self.backend.prefill_seconds = 0.0

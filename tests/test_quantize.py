@@ -205,18 +205,13 @@ def test_error_not_clover(tmp_path):
     _no_output(tmp_path)
 
 
-def test_error_unknown_type_in_recipe(wide, tmp_path):
+@pytest.mark.parametrize("pattern,qtype,error", [("ffn_down", "Q4_KM", "unknown tensor type 'Q4_KM'"),
+                                                  ("no_such_tensor", "Q8_0", "matches no tensor")],
+                         ids=["unknown-type", "rule-matches-nothing"])
+def test_error_bad_recipe_rule(wide, tmp_path, pattern, qtype, error):
     rf = tmp_path / "r.toml"
-    rf.write_text('ftype = "Q4_K_M"\n[[rules]]\npattern = "ffn_down"\ntype = "Q4_KM"\n')
-    with pytest.raises(UserError, match="unknown tensor type 'Q4_KM'"):
-        quantize(wide, tmp_path / "out.gguf", "Q4_K_M", recipe_file=rf, quiet=True)
-    _no_output(tmp_path)
-
-
-def test_error_rule_matches_nothing(wide, tmp_path):
-    rf = tmp_path / "r.toml"
-    rf.write_text('ftype = "Q4_K_M"\n[[rules]]\npattern = "no_such_tensor"\ntype = "Q8_0"\n')
-    with pytest.raises(UserError, match="matches no tensor"):
+    rf.write_text(f'ftype = "Q4_K_M"\n[[rules]]\npattern = "{pattern}"\ntype = "{qtype}"\n')
+    with pytest.raises(UserError, match=error):
         quantize(wide, tmp_path / "out.gguf", "Q4_K_M", recipe_file=rf, quiet=True)
     _no_output(tmp_path)
 
