@@ -13,6 +13,9 @@ from clover_gguf.errors import UserError
 CLOVER_MODEL_TYPES = {"clover", "clover_text"}
 PLAIN_QWEN_MODEL_TYPES = {"qwen3_5_moe", "qwen3_5_moe_text"}
 FULL_ATTENTION = "full_attention"
+# The 35B's config.json shape with the Clover keys (rope_theta and mask_token_id are placeholders): package data,
+# for size planning (`quantize --plan`, `fit`) and the slice35b test model. Use shapes, not values.
+SHAPE_35B = Path(__file__).resolve().parent / "data" / "clover-35b-a3b-shape.json"
 LINEAR_ATTENTION = "linear_attention"
 
 

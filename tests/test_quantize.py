@@ -18,6 +18,7 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFReader, GGUFWriter
 
+from clover_gguf.config import SHAPE_35B
 from clover_gguf.errors import UserError
 from clover_gguf.llama_context import LlamaContext, load_binding
 from clover_gguf.quantize import COMMUNITY_GIB, imatrix, plan, quantize, read_header
@@ -28,9 +29,6 @@ load_binding()  # raises (fails the module) when the patched library or the bind
 ROOT = Path(__file__).resolve().parents[1]
 # CLOVER_GGUF_QUALITY_MODEL points the quality tests at another trained checkpoint folder (for measuring)
 ASSET = Path(os.environ.get("CLOVER_GGUF_QUALITY_MODEL", ROOT / "clover_gguf" / "assets" / "tiny-clover"))
-SHAPE_35B = ROOT.parent / "shared" / "data" / "clover-35b-a3b-shape.json"
-if not SHAPE_35B.is_file():
-    SHAPE_35B = Path("/work/shared/data/clover-35b-a3b-shape.json")
 
 # Quality floors on the trained tiny model (hidden 128: K-quant rows fall back to 32-blocks there, so Q4_K_M is
 # mostly Q5_0 and Q8_0, IQ4_XS is IQ4_NL). Measured with this file's metric (causal + block-mode positions
