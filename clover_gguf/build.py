@@ -200,6 +200,12 @@ def cmake_options(backend: str) -> list[str]:
         f"-DLLAMA_BUILD_COMMIT={LLAMA_CPP_COMMIT}",
         "-DLLAMA_BUILD_NUMBER=0",
     ]
+    if _is_x86():
+        # GGML_NATIVE enables AMX on CPUs that have it (Sapphire Rapids and later), and the pinned tree's AMX matmul
+        # segfaults on every quantized type there (seen on a Xeon with amx_tile/amx_int8: Q8_0, Q4_0, Q4_K_M, Q6_K);
+        # without AMX the same CPU runs the AVX-512 kernels and the weight repacking as usual
+        no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+        opts += [f"-DCMAKE_C_FLAGS={no_amx}", f"-DCMAKE_CXX_FLAGS={no_amx}"]
     opts += {
         "cpu": [],
         "cuda": ["-DGGML_CUDA=ON"],
@@ -207,6 +213,12 @@ def cmake_options(backend: str) -> list[str]:
         "vulkan": ["-DGGML_VULKAN=ON"],
     }[backend]
     return opts
+
+
+def _is_x86() -> bool:
+    import platform
+
+    return platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
 
 
 def build_targets() -> list[str]:
