@@ -1,8 +1,9 @@
 """A llama.cpp context on a Clover GGUF through llama-cpp-python's low-level binding.
 
 The binding loads libllama from $LLAMA_CPP_LIB_PATH; `load_binding()` points it at the patched build first
-(`clover-gguf build-llama`). Block mode follows docs/llama-cpp-patch.md: copy the sequence, decode the block
-non-causally on the copy with logits for every block token, drop the copy — the committed sequence never changes.
+(`clover-gguf build-llama`). Block passes follow docs/llama-cpp-patch.md: the scratch sequence is switched to block
+attention once (`llama_set_block_attn`, the patch's API); a block pass copies the committed sequence to it, decodes the
+block there with logits for every block token and drops the copy, so the committed sequence never changes.
 """
 
 from __future__ import annotations
@@ -35,6 +36,30 @@ def load_binding() -> Any:
     except (OSError, RuntimeError) as e:
         raise UserError(f"cannot load libllama from {os.environ['LLAMA_CPP_LIB_PATH']}: {e}") from None
     return llama_cpp
+
+
+class _MemoryBreakdownEntry(ctypes.Structure):
+    """struct llama_memory_breakdown_entry (patches/0003)."""
+
+    _fields_ = [("buft_name", ctypes.c_char_p), ("model", ctypes.c_size_t), ("context", ctypes.c_size_t),
+                ("compute", ctypes.c_size_t)]
+
+
+def _clover_api(L: Any) -> Any:
+    """The patches' own functions (include/llama.h of the patched tree), which llama-cpp-python does not declare."""
+    lib = L.llama_cpp._lib
+    try:
+        lib.llama_set_block_attn.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_bool]
+        lib.llama_set_block_attn.restype = ctypes.c_int32
+        lib.llama_model_has_block_attn.argtypes = [ctypes.c_void_p]
+        lib.llama_model_has_block_attn.restype = ctypes.c_bool
+        lib.llama_get_memory_breakdown_entries.argtypes = [ctypes.c_void_p, ctypes.POINTER(_MemoryBreakdownEntry),
+                                                           ctypes.c_int32]
+        lib.llama_get_memory_breakdown_entries.restype = ctypes.c_int32
+    except AttributeError:
+        raise UserError(f"{lib._name} is not the patched llama.cpp (no llama_set_block_attn): "
+                        "run `clover-gguf build-llama`") from None
+    return lib
 
 
 def _kv_overrides(L: Any, overrides: dict[str, bool | int | float]) -> Any:
@@ -92,11 +117,14 @@ class LlamaContext:
         if not self.ctx:
             L.llama_model_free(self.model)
             raise UserError("llama.cpp could not create a context (too little memory for n_ctx?)")
+        self._api = _clover_api(L)
+        self.has_block_attn = bool(self._api.llama_model_has_block_attn(self.model))
+        self._block_seqs: set[int] = set()  # sequences switched to block attention
         self.vocab = L.llama_model_get_vocab(self.model)
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
         self.n_ctx = L.llama_n_ctx(self.ctx)
+        self.n_ubatch = L.llama_n_ubatch(self.ctx)  # the largest block one pass can take
         self.mem = L.llama_get_memory(self.ctx)
-        self._causal = True  # the context's attention mode; switched only when it changes (see _set_causal)
         self._batch: _Batch | None = None  # reused by every decode call, grown when a call needs more room
 
     # ---- metadata ---------------------------------------------------------------------------------------
@@ -105,19 +133,30 @@ class LlamaContext:
         n = self.L.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
         return buf.value.decode("utf-8", "replace") if n >= 0 else None
 
+    def memory_breakdown(self) -> dict[str, dict[str, int]]:
+        """Bytes llama.cpp holds per buffer type ("CPU", "CUDA0", "CPU_Mapped", ...): {"model", "context", "compute"}
+        (weights; KV cache and recurrent states; compute buffers)."""
+        api = self._api
+        n = api.llama_get_memory_breakdown_entries(self.ctx, None, 0)
+        entries = (_MemoryBreakdownEntry * n)()
+        api.llama_get_memory_breakdown_entries(self.ctx, entries, n)
+        return {e.buft_name.decode(): {"model": e.model, "context": e.context, "compute": e.compute} for e in entries}
+
     # ---- decoding ---------------------------------------------------------------------------------------
-    def _set_causal(self, causal: bool) -> None:
-        """The attention mode is part of llama.cpp's graph-reuse key: leaving it as it is between consecutive
-        block passes lets them reuse one graph instead of rebuilding it every pass."""
-        if causal != self._causal:
-            self.L.llama_set_causal_attn(self.ctx, causal)
-            self._causal = causal
+    def set_block_attn(self, seq: int, enabled: bool = True) -> None:
+        """Decode the tokens of `seq` as blocks (True) or causally (False) from now on."""
+        if enabled and not self.has_block_attn:
+            raise UserError("this GGUF has no Clover block-mode tensors (a plain Qwen3.5-MoE conversion?): "
+                            "block decoding is unavailable, use AR decoding")
+        if self._api.llama_set_block_attn(self.ctx, seq, enabled) != 0:
+            raise UserError(f"llama.cpp refused block attention on sequence {seq}")
+        (self._block_seqs.add if enabled else self._block_seqs.discard)(seq)
 
     def decode(self, ids: Sequence[int], pos0: int, seq: int = 0, logits: bool | Sequence[bool] = True,
-               extra: Sequence[tuple[Sequence[int], int, int]] = (), causal: bool = True) -> np.ndarray:
+               extra: Sequence[tuple[Sequence[int], int, int]] = ()) -> np.ndarray:
         """Decode `ids` at positions pos0.. on `seq` (plus (ids, pos0, seq) parts in the same batch) ->
-        logits [n_out, V] for the tokens that asked for them (all by default). causal=False is block mode."""
-        self._set_causal(causal)
+        logits [n_out, V] for the tokens that asked for them (all by default). A sequence switched to block
+        attention (set_block_attn) is decoded as one block."""
         parts = [(ids, pos0, seq), *extra]
         n = sum(len(p[0]) for p in parts)
         batch = self._batch_for(n)
@@ -154,10 +193,12 @@ class LlamaContext:
 
     def block(self, block_ids: Sequence[int], n_past: int, seq: int = 0, scratch: int = 1) -> np.ndarray:
         """Block-mode logits [B, V] for `block_ids` after the n_past tokens of `seq`, which is left untouched."""
+        if scratch not in self._block_seqs:
+            self.set_block_attn(scratch)
         L = self.L
         L.llama_memory_seq_cp(self.mem, seq, scratch, -1, -1)
         try:
-            return self.decode(block_ids, n_past, seq=scratch, causal=False)
+            return self.decode(block_ids, n_past, seq=scratch)
         finally:
             L.llama_memory_seq_rm(self.mem, scratch, -1, -1)
 
