@@ -733,7 +733,8 @@ def binding_env(info: BuildInfo) -> dict[str, str]:
 def install_binding(info: BuildInfo | None = None, quiet: bool = False, force: bool = False) -> str:
     """Install llama-cpp-python 0.3.36 into this interpreter from the verified sdist, without compiling llama.cpp,
     and check that it imports against `info`'s library. Returns the installed version. A no-op when it is there."""
-    if binding_version() != LLAMA_CPP_PYTHON_VERSION or force:
+    install = binding_version() != LLAMA_CPP_PYTHON_VERSION or force
+    if install:
         sdist = fetch_sdist(cache_root() / "sdist", quiet=quiet)
         if not quiet:
             print(f"installing llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} (no llama.cpp compile) ...", file=sys.stderr)
@@ -750,12 +751,20 @@ def install_binding(info: BuildInfo | None = None, quiet: bool = False, force: b
         if binding_version() != LLAMA_CPP_PYTHON_VERSION:
             raise UserError(f"llama-cpp-python install finished but reports version {binding_version()}")
     if info is not None:
-        check_binding(info)
+        check_binding(info, full=install or not info.cached)
     return LLAMA_CPP_PYTHON_VERSION
 
 
-def check_binding(info: BuildInfo) -> None:
-    """Import llama_cpp in a fresh interpreter against the build's library; UserError when it fails."""
+def check_binding(info: BuildInfo, full: bool = True) -> None:
+    """Import llama_cpp in a fresh interpreter against the build's library (its declarations look up every symbol);
+    with full=False only load the library here, which keeps a cached `build-llama` under a second (the binding was
+    checked against that build when either was new). UserError when it fails."""
+    if not full:
+        try:
+            ctypes.CDLL(str(info.libllama))
+            return
+        except OSError as e:
+            raise UserError(f"{info.libllama} does not load: {e}") from None
     code = "import llama_cpp; llama_cpp.llama_backend_init(); print(llama_cpp.__version__)"
     proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, **binding_env(info)}, capture_output=True,
                           text=True)  # fmt: skip

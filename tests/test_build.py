@@ -720,3 +720,15 @@ def test_doctor_exits_0_when_ready(monkeypatch, as_json):
     monkeypatch.setattr(build, "doctor", lambda backend=None: ready)
     result = CliRunner().invoke(app, ["doctor", *(["--json"] if as_json else [])])
     assert result.exit_code == 0 and (json.loads(result.output) == ready if as_json else "ok" in result.output)
+
+
+def test_binding_check_is_full_unless_both_were_there(monkeypatch):
+    """A cached build-llama must return in under a second: the import check in a fresh interpreter (0.4 s of CPU)
+    runs when the binding or the build is new, a plain load of libllama otherwise."""
+    checks: list = []
+    monkeypatch.setattr(build, "check_binding", lambda info, full=True: checks.append(full))
+    monkeypatch.setattr(build, "binding_version", lambda: llama_sdist.LLAMA_CPP_PYTHON_VERSION)
+    info = build.BuildInfo(Path("/x"), Path("/x/bin"), "cpu", "h", "p", "s")
+    build.install_binding(info, quiet=True)
+    build.install_binding(build.dataclasses.replace(info, cached=True), quiet=True)
+    assert checks == [True, False]
