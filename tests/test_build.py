@@ -336,9 +336,14 @@ def test_index_without_the_file_is_one_line(env, index):
         llama_sdist.fetch_sdist(env["cache"] / "sdist", quiet=True)
 
 
-def test_index_url_follows_pip(monkeypatch):
+def test_index_url_follows_pip(tmp_path, monkeypatch):
     monkeypatch.setenv("PIP_INDEX_URL", "https://mirror.example/pypi/simple")
     assert llama_sdist.index_url() == "https://mirror.example/pypi/simple/"
+    monkeypatch.delenv("PIP_INDEX_URL")
+    conf = tmp_path / "pip.conf"
+    conf.write_text("[global]\nextra-index-url = https://extra.example/simple\nindex-url = https://conf.example/s\n")
+    monkeypatch.setenv("PIP_CONFIG_FILE", str(conf))
+    assert llama_sdist.index_url() == "https://conf.example/s/"
 
 
 def test_install_binding_uses_only_the_verified_sdist(env, fake_source, monkeypatch):
