@@ -44,7 +44,7 @@ from clover_gguf.llama_sdist import (
 
 BACKENDS = ("cpu", "cuda", "metal", "vulkan")
 LIB_TARGETS = ("llama", "ggml")
-# Only the tools something here runs (tests, bench, the runtime, the docs): each one adds minutes to a 2-core build.
+# Only the tools something here runs (tests, bench, the runtime, the docs): each one adds compile time on 2 cores.
 # ggml-rpc-server is the pinned tree's name for upstream's rpc-server; test-llama-archs is llama.cpp's own test of
 # every architecture (run by tests/test_llama_archs.py).
 TOOL_TARGETS = (
