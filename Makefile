@@ -13,9 +13,10 @@ venv:
 test: llama
 	$(PY) -m pytest -q
 
+# Not --quiet: the first build takes minutes and prints its progress (a line per tenth when not on a terminal).
 BACKEND ?= cpu
 llama:
-	$(PY) -m clover_gguf build-llama --backend $(BACKEND) $(if $(JOBS),--jobs $(JOBS)) --quiet
+	$(PY) -m clover_gguf build-llama --backend $(BACKEND) $(if $(JOBS),--jobs $(JOBS)) $(if $(CUDA_ARCH),--cuda-arch '$(CUDA_ARCH)')
 
 # The main job on the bundled default model: convert, quantize, answer a few prompts in each mode with stats.
 DEMO_PROMPTS ?= "Count from 12 to 17." "What is 34 + 58?" "Reverse: c l o v e r"

@@ -27,7 +27,8 @@ sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
 
-from clover_gguf.build import find_library  # noqa: E402
+from clover_gguf.build import llama_tool  # noqa: E402
+from clover_gguf.errors import UserError  # noqa: E402
 from clover_gguf.convert import convert  # noqa: E402
 
 MODES = ("ar", "diffusion", "draft-self")
@@ -110,10 +111,10 @@ def main() -> None:
     else:
         prompts = ["Count from 3 to 9.", "What is 12 + 30?", "Reverse: a b c d", "Copy: q r s t"]
 
-    info = find_library()
-    if info is None:
-        raise SystemExit("no patched llama.cpp build: run `clover-gguf build-llama` first")
-    llama_server = Path(info.bin_dir) / "llama-server"
+    try:
+        llama_server = llama_tool("llama-server")
+    except UserError as e:
+        raise SystemExit(str(e)) from None
     rows: list[dict] = []
 
     # clover-gguf serve: one process, every mode through the request's `mode` field

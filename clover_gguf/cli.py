@@ -138,7 +138,10 @@ def imatrix(
 def build_llama(
     backend: Backend = typer.Option(Backend.cpu, "--backend", help="ggml backend to build"),
     jobs: Optional[int] = typer.Option(None, "--jobs", "-j", help="parallel compile jobs (default: all cores)"),
-    source: Optional[Path] = typer.Option(None, "--source", help="an upstream llama.cpp checkout of 0c1e57098"),
+    cuda_arch: Optional[str] = typer.Option(None, "--cuda-arch", help="CUDA architectures, e.g. 86 or '75;86;89' "
+                                            "(default: the GPUs present, else the list in docs/build.md)"),
+    patches: bool = typer.Option(True, "--patches/--no-patches", help="--no-patches: the pinned llama.cpp unpatched "
+                                 "(its own cache entry; the runtime never picks it)"),
     prefix: Optional[Path] = typer.Option(None, "--prefix", help="install here instead of the user cache"),
     binding: bool = typer.Option(True, "--binding/--no-binding", help="install llama-cpp-python's binding too"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress output"),
@@ -146,24 +149,31 @@ def build_llama(
     """Download, verify, patch and build llama.cpp with the clover architecture (cached)."""
     from clover_gguf import build
 
-    info = build.build_llama(backend.value, jobs=jobs, source=source, prefix=prefix, quiet=quiet)
+    info = build.build_llama(backend.value, jobs=jobs, prefix=prefix, quiet=quiet, cuda_arch=cuda_arch,
+                             patched=patches)
     if binding:
         build.install_binding(info, quiet=quiet)
     state = "cached" if info.cached else f"built in {info.seconds:.0f} s"
-    typer.echo(f"llama.cpp ({info.backend}) {state}: {info.bin_dir}")
+    typer.echo(f"llama.cpp ({info.backend}{'' if patches else ', unpatched'}) {state}: {info.bin_dir}")
     typer.echo(f"export LLAMA_CPP_LIB_PATH={info.lib_dir}")
 
 
 @app.command()
-def doctor(as_json: bool = typer.Option(False, "--json", help="print one JSON object")) -> None:
-    """The llama.cpp library clover-gguf would use, its backend and patch hash, and what is missing."""
+def doctor(
+    backend: Optional[Backend] = typer.Option(None, "--backend", help="the build of this backend (default: "
+                                              "$CLOVER_GGUF_BACKEND, else a GPU build whose GPU is present, else cpu)"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """The llama.cpp library clover-gguf would use, its backend and why, its patch hash, and what is missing.
+    Exit code 2 when not ready."""
     from clover_gguf import build
 
-    d = build.doctor()
+    d = build.doctor(backend.value if backend else None)
     if as_json:
         typer.echo(json.dumps(d))
     else:
-        for key in ("library_path", "bin_dir", "backend", "patch_hash", "binding_version", "cache_dir"):
+        for key in ("library_path", "bin_dir", "backend", "backend_choice", "cached_backends", "patch_hash",
+                    "binding_version", "cache_dir"):
             typer.echo(f"{key:<16} {d.get(key)}")
         for w in d.get("warnings", []):
             typer.echo(f"warning: {w}")

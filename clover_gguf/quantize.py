@@ -25,6 +25,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFReader
 
+from clover_gguf.build import llama_tool
 from clover_gguf.errors import UserError
 from clover_gguf.fsutil import atomic_output, check_free_disk, check_writable_dir
 from clover_gguf.gguf_header import GGUF_MAGIC, GGUFHeader, read_header, tensor_bytes  # noqa: F401 - re-exported
@@ -428,24 +429,6 @@ def quantize(src: Path, out: Path, type_name: str, recipe_file: Path | None = No
 
 
 # ---- imatrix ---------------------------------------------------------------------------------------------------
-def llama_tool(name: str) -> Path:
-    """A tool of the patched build: next to $LLAMA_CPP_LIB_PATH's library, else in find_library()'s bin dir."""
-    exe = name + (".exe" if sys.platform == "win32" else "")
-    lib = os.environ.get("LLAMA_CPP_LIB_PATH")
-    candidates = [Path(lib) / exe] if lib else []
-    if not candidates:
-        from clover_gguf.build import find_library
-
-        info = find_library()
-        if info is not None:
-            candidates.append(info.tool(name))
-    for c in candidates:
-        if c.is_file() and os.access(c, os.X_OK):
-            return c
-    where = ", ".join(str(c) for c in candidates) or "no patched build found"
-    raise UserError(f"{name} not found ({where}): run `clover-gguf build-llama`")
-
-
 def imatrix(model: Path, text: Path, out: Path, threads: int | None = None, ctx: int = 512,
             chunks: int | None = None, force: bool = False, quiet: bool = False, gpu_layers: int = 0) -> Path:
     """Importance matrix of `model` over the text file `text`, written by the patched llama-imatrix as GGUF."""

