@@ -298,6 +298,8 @@ def main() -> None:
     except click.ClickException as e:  # usage errors: click's own one-line message, exit 2
         e.show()
         sys.exit(e.exit_code)
+    if rv == 130:  # typer turns KeyboardInterrupt (Ctrl-C; SIGTERM/SIGHUP while writing) into 130, silently
+        _err("interrupted")
     sys.exit(rv if isinstance(rv, int) else 0)
 
 

@@ -71,12 +71,13 @@ def _interrupt(signum: int, frame) -> None:
 
 @contextlib.contextmanager
 def stop_signals_interrupt() -> Iterator[None]:
-    """SIGTERM and SIGHUP raise KeyboardInterrupt inside the block (main thread only: elsewhere Python cannot
-    install handlers, and the main thread's own block does it)."""
+    """SIGTERM and SIGHUP raise KeyboardInterrupt inside the block, unless they are ignored (main thread only:
+    elsewhere Python cannot install handlers, and the main thread's own block does it)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {s: signal.signal(s, _interrupt) for s in STOP_SIGNALS}
+    # a signal the user chose to ignore (`nohup` ignores SIGHUP) stays ignored
+    previous = {s: signal.signal(s, _interrupt) for s in STOP_SIGNALS if signal.getsignal(s) == signal.SIG_DFL}
     try:
         yield
     finally:
@@ -101,8 +102,8 @@ def atomic_output(target: Path) -> Iterator[Path]:
             with _signals_ignored():
                 with contextlib.suppress(FileNotFoundError):
                     tmp.unlink()
-            if isinstance(e, OSError) and e.errno is not None:
-                raise UserError(f"could not write {target}: {e.strerror}") from None
+            if isinstance(e, OSError):  # ENOSPC, EFBIG, or a short write reported without an errno
+                raise UserError(f"could not write {target}: {e.strerror or e}") from None
             raise
 
 
