@@ -563,6 +563,26 @@ def llama_tool(name: str) -> Path:
     raise UserError(f"{name} not found ({where}): run `clover-gguf build-llama`")
 
 
+def count_tokens(model: Path, text: bytes) -> int:
+    """Tokens of `text` as llama-imatrix counts them (special tokens added, none parsed), from the vocabulary
+    alone (no weights are loaded)."""
+    from clover_gguf.llama_context import _quiet_log
+
+    L = _binding()
+    L.llama_backend_init()
+    L.llama_log_set(_quiet_log(L), ctypes.c_void_p())
+    params = L.llama_model_default_params()
+    params.vocab_only = True
+    m = L.llama_model_load_from_file(str(model).encode(), params)
+    if not m:
+        raise UserError(f"llama.cpp could not load the vocabulary of {model}")
+    try:
+        n = L.llama_tokenize(L.llama_model_get_vocab(m), text, len(text), None, 0, True, False)
+    finally:
+        L.llama_model_free(m)
+    return abs(n)  # with no room for tokens it returns minus their count
+
+
 # llama-imatrix's own words for why it stopped (its LOG_ERR lines), most telling first
 IMATRIX_REASON_RE = re.compile(r"(you need at least \d+ tokens.*|the data file you provided tokenizes to only.*"
                                r"|there will be not enough tokens.*|failed to .*|error: .*)", re.IGNORECASE)
@@ -590,7 +610,16 @@ def imatrix(model: Path, text: Path, out: Path, threads: int | None = None, ctx:
     if not text.is_file():
         raise UserError(f"no such text file: {text}")
     check_output(out, [model, text], force=force)
+    if ctx < 1:
+        raise UserError(f"--ctx must be at least 1, not {ctx}")
     tool = llama_tool("llama-imatrix")
+    # llama-imatrix's own check, made here: it logs its reason asynchronously and often exits before the line is
+    # written (llama.cpp issue 22142), which left only an unrelated last line to report
+    prompt = text.read_bytes()
+    n_tokens = count_tokens(model, prompt[:-1] if prompt.endswith(b"\n") else prompt)  # -f drops one final \n
+    if n_tokens < 2 * ctx:
+        raise UserError(f"llama-imatrix needs at least {2 * ctx} tokens for a context of {ctx} tokens; {text} "
+                        f"tokenizes to only {n_tokens} tokens (give more text or a smaller --ctx)")
     with atomic_output(out) as tmp:
         cmd = [str(tool), "-m", str(model), "-f", str(text), "-o", str(tmp), "--output-format", "gguf",
                "-c", str(ctx), "--no-ppl", "-ngl", str(gpu_layers)]
