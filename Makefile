@@ -22,7 +22,7 @@ llama:
 DEMO_PROMPTS ?= "Count from 12 to 17." "What is 34 + 58?" "Reverse: c l o v e r"
 demo: llama
 	mkdir -p $(DEMO_DIR)
-	$(PY) -m clover_gguf convert clover_gguf/assets/tiny-clover -o $(DEMO_DIR)/tiny-clover-f32.gguf --outtype f32 --quiet
+	$(PY) -m clover_gguf convert clover_gguf/assets/tiny-clover -o $(DEMO_DIR)/tiny-clover-f32.gguf --outtype f32 --force --quiet
 	$(PY) -m clover_gguf quantize $(DEMO_DIR)/tiny-clover-f32.gguf $(DEMO_DIR)/tiny-clover-q8_0.gguf --type Q8_0 --force --quiet
 	$(PY) -m clover_gguf info $(DEMO_DIR)/tiny-clover-q8_0.gguf
 	@for mode in ar diffusion draft-self; do for p in $(DEMO_PROMPTS); do \

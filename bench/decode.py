@@ -148,7 +148,7 @@ def main() -> None:
     a = ap.parse_args()
     a.workdir.mkdir(parents=True, exist_ok=True)
     gguf = a.workdir / "tiny-clover-f32.gguf"
-    convert(a.model, gguf, outtype="f32", quiet=True)
+    convert(a.model, gguf, outtype="f32", quiet=True, force=True)
     q8 = a.workdir / "tiny-clover-q8_0.gguf"
     quantize(gguf, q8, "Q8_0", force=True, quiet=True)
     evals = [json.loads(line) for line in (a.model / "eval.jsonl").read_text().splitlines() if line.strip()]

@@ -104,7 +104,7 @@ def main() -> None:
     gguf = args.model
     if gguf.is_dir():
         gguf = args.workdir / "model-f32.gguf"
-        convert(args.model, gguf, outtype="f32", quiet=True)
+        convert(args.model, gguf, outtype="f32", quiet=True, force=True)
     eval_file = args.model / "eval.jsonl" if args.model.is_dir() else None
     if eval_file is not None and eval_file.is_file():
         prompts = [json.loads(x)["prompt"] for x in eval_file.read_text().splitlines() if x.strip()][::7]

@@ -42,12 +42,14 @@ def convert(
     skip_unknown: bool = typer.Option(False, "--skip-unknown", help="drop tensors the map does not know (warns)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="validate and print the plan; write nothing"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
+    force: bool = typer.Option(False, "--force", help="overwrite OUT"),
     as_json: bool = typer.Option(False, "--json", help="print a JSON summary"),
 ) -> None:
     """Clover safetensors -> GGUF (streaming)."""
     from clover_gguf.convert import convert as run
 
-    res = run(src, out, outtype.value, skip_unknown=skip_unknown, dry_run=dry_run, quiet=quiet or as_json)
+    res = run(src, out, outtype.value, skip_unknown=skip_unknown, dry_run=dry_run, quiet=quiet or as_json,
+              force=force)
     summary = {"out": str(res.out) if res.out else None, "tensors": res.n_tensors, "bytes": res.nbytes,
                "dry_run": dry_run, "notices": res.notices, "skipped_unknown": res.skipped_unknown}
     if as_json:
@@ -306,6 +308,8 @@ def main() -> None:
     except click.ClickException as e:  # usage errors: click's own one-line message, exit 2
         e.show()
         sys.exit(e.exit_code)
+    if rv == 130:  # typer turns KeyboardInterrupt (Ctrl-C; SIGTERM/SIGHUP while writing) into 130, silently
+        _err("interrupted")
     sys.exit(rv if isinstance(rv, int) else 0)
 
 

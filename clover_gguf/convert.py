@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,11 +13,12 @@ from gguf import GGMLQuantizationType as QT
 from gguf import GGUFWriter, quants
 
 from clover_gguf.checkpoint import Checkpoint
-from clover_gguf.config import CloverConfig, GenerationDefaults
+from clover_gguf.config import CloverConfig, GenerationDefaults, read_json
 from clover_gguf.errors import UserError
-from clover_gguf.fsutil import atomic_output, check_free_disk, check_writable_dir
-from clover_gguf.tensor_map import (EXPERT_KINDS, FUSED_RE, MTP_LAYER_RE, PER_EXPERT_RE, REORDER_ONLY, TENSOR_RULES,
-                                    TRANSFORMS, TensorRule, expert_shape, match_rule)
+from clover_gguf.fsutil import atomic_output, check_free_disk, check_output
+from clover_gguf.gguf_header import BOOL, F32, HPARAMS, U32
+from clover_gguf.tensor_map import (EXPERT_KINDS, FUSED_RE, PER_EXPERT_RE, REORDER_ONLY, TRANSFORMS, TensorRule,
+                                    expert_shape, gguf_names, match_rule, mtp_as_layer, out_shape)
 from clover_gguf.vocab import Vocab, load_vocab
 
 ARCH = "clover"
@@ -38,7 +39,7 @@ class PlannedTensor:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape) * BYTES_PER_ELEMENT[self.qtype])
+        return int(math.prod(self.shape) * BYTES_PER_ELEMENT[self.qtype])
 
 
 @dataclass
@@ -47,6 +48,7 @@ class ConversionPlan:
     tensors: list[PlannedTensor]
     notices: list[str]
     skipped_unknown: list[str]
+    n_blocks: int  # GGUF blocks: the decoder layers, then the MTP layers
 
     @property
     def nbytes(self) -> int:
@@ -101,34 +103,37 @@ def plan_conversion(ck: Checkpoint, cfg: CloverConfig, outtype: str = "bf16", sk
         if ref.dtype not in SOURCE_TYPES:
             raise UserError(f"tensor {ref.source_name} has unsupported dtype {ref.dtype} (supported: F32, F16, BF16)")
         fn = TRANSFORMS[rule.transform]
-        out_shape = fn(np.zeros(want, np.float32), cfg).shape
-        out_type = _output_type(rule.f32, out_shape, qt)
+        shape = out_shape(rule.transform, want)
+        out_type = _output_type(rule.f32, shape, qt)
         gguf_name = rule.gguf.format(i=bid, L=n_layers)
         raw = rule.transform in REORDER_ONLY and SOURCE_TYPES[ref.dtype] == out_type
         if raw:
             produce = lambda: fn(ck.raw(src_name), cfg)  # noqa: E731 - bits moved, never converted
         else:
             produce = lambda: fn(ck.f32(src_name), cfg)  # noqa: E731
-        by_gguf[gguf_name] = PlannedTensor(gguf_name, tuple(out_shape), out_type, produce, raw)
+        by_gguf[gguf_name] = PlannedTensor(gguf_name, shape, out_type, produce, raw)
+
+    def check_layer(name: str, layer: int, mtp: bool) -> None:
+        if not mtp and layer >= n_layers:
+            raise UserError(f"tensor {name} belongs to layer {layer}, but config.json has {n_layers} layers "
+                            f"(0..{n_layers - 1})")
 
     for name in ck.names():
-        if m := MTP_LAYER_RE.match(name):  # the MTP decoder layer is an ordinary layer at index L + j
-            j = int(m["j"])
+        mapped, j = mtp_as_layer(name, n_layers)  # the MTP decoder layer is an ordinary layer at index L + j
+        if j is not None:
             mtp_layers.add(j)
-            mapped = f"model.layers.{n_layers + j}.{m['rest']}"
-        else:
-            mapped = name
-        if m := PER_EXPERT_RE.match(mapped):
-            experts.setdefault((int(m["i"]), m["kind"]), {})[int(m["e"])] = name
-            continue
-        if m := FUSED_RE.match(mapped):
-            experts.setdefault((int(m["i"]), m["kind"]), {})["fused"] = name
+        if m := PER_EXPERT_RE.match(mapped) or FUSED_RE.match(mapped):
+            check_layer(name, int(m["i"]), j is not None)
+            key = int(m["e"]) if "e" in m.groupdict() else "fused"
+            experts.setdefault((int(m["i"]), m["kind"]), {})[key] = name
             continue
         hit = match_rule(mapped)
         if hit is None:
             unknown.append(name)
             continue
         rule, bid = hit
+        if bid is not None:
+            check_layer(name, bid, j is not None)
         plan_rule(rule, name, n_layers if bid is None else bid)
 
     if unknown and not skip_unknown:
@@ -138,10 +143,16 @@ def plan_conversion(ck: Checkpoint, cfg: CloverConfig, outtype: str = "bf16", sk
     for (layer, kind), srcs in sorted(experts.items()):
         _plan_experts(ck, cfg, layer, kind, srcs, qt, by_gguf)
 
+    if sorted(mtp_layers) != list(range(len(mtp_layers))):
+        raise UserError(f"MTP layers must be numbered from 0 without gaps, found {sorted(mtp_layers)}")
     n_blocks = n_layers + len(mtp_layers)
+    beyond = [n for n in by_gguf if n.startswith("blk.") and int(n.split(".")[1]) >= n_blocks]
+    if beyond:
+        raise UserError(f"tensor {beyond[0]} has no layer to belong to ({n_layers} layers, "
+                        f"{len(mtp_layers)} MTP layers)")
     _check_complete(cfg, by_gguf, n_layers, n_blocks)
     order = sorted(by_gguf.values(), key=lambda t: _order_key(t.name))
-    return ConversionPlan(cfg, order, notices, unknown)
+    return ConversionPlan(cfg, order, notices, unknown, n_blocks)
 
 
 def _plan_experts(ck: Checkpoint, cfg: CloverConfig, layer: int, kind: str, srcs: dict, qt: QT,
@@ -185,28 +196,14 @@ def _plan_experts(ck: Checkpoint, cfg: CloverConfig, layer: int, kind: str, srcs
 
 
 def _expected_names(cfg: CloverConfig, n_layers: int, n_blocks: int) -> list[str]:
-    names = ["token_embd.weight", "output_norm.weight"]
-    if not cfg.tie_word_embeddings:
-        names.append("output.weight")
-    for i in range(n_blocks):
-        b = f"blk.{i}."
-        names += [b + "attn_norm.weight", b + "post_attention_norm.weight", b + "ffn_gate_inp.weight",
-                  b + "ffn_gate_exps.weight", b + "ffn_up_exps.weight", b + "ffn_down_exps.weight",
-                  b + "ffn_gate_inp_shexp.weight", b + "ffn_gate_shexp.weight", b + "ffn_up_shexp.weight",
-                  b + "ffn_down_shexp.weight"]
-        if i >= n_layers or cfg.is_full_attention(i):
-            names += [b + n for n in ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
-                                      "attn_q_norm.weight", "attn_k_norm.weight")]
-        else:
-            names += [b + n for n in ("attn_qkv.weight", "attn_gate.weight", "ssm_beta.weight", "ssm_alpha.weight",
-                                      "ssm_conv1d.weight", "ssm_dt.bias", "ssm_a", "ssm_norm.weight",
-                                      "ssm_out.weight")]
-            if cfg.is_clover:
-                names += [r.gguf.format(i=i) for r in TENSOR_RULES if r.clover_extra]
-    if n_blocks > n_layers:
-        b = f"blk.{n_layers}.nextn."
-        names += [b + "eh_proj.weight", b + "enorm.weight", b + "hnorm.weight", b + "shared_head_norm.weight"]
-    return names
+    """Every GGUF tensor config.json implies: the tensor table (shapes.checkpoint_tensors, from TENSOR_RULES)
+    mapped to GGUF names."""
+    from clover_gguf.shapes import checkpoint_tensors
+
+    names: dict[str, None] = {}
+    for hf, _, _ in checkpoint_tensors(cfg, experts="fused", mtp=n_blocks - n_layers):
+        names.update(dict.fromkeys(gguf_names(hf, n_layers)))
+    return list(names)
 
 
 def _check_complete(cfg: CloverConfig, by_gguf: dict, n_layers: int, n_blocks: int) -> None:
@@ -226,7 +223,7 @@ def _order_key(name: str) -> tuple:
 def write_metadata(w: GGUFWriter, cfg: CloverConfig, vocab: Vocab, gen: GenerationDefaults, n_blocks: int,
                    name: str) -> None:
     a = ARCH + "."
-    rope_sections = list(cfg.mrope_section or (11, 11, 10)) + [0] * (4 - len(cfg.mrope_section or (11, 11, 10)))
+    rope_sections = list(cfg.rope_sections) + [0] * (4 - len(cfg.rope_sections))
     recurrent = [not cfg.is_full_attention(i) if i < cfg.num_hidden_layers else False for i in range(n_blocks)]
     w.add_name(name)
     u32 = {
@@ -247,8 +244,6 @@ def write_metadata(w: GGUFWriter, cfg: CloverConfig, vocab: Vocab, gen: Generati
     }
     if n_blocks > cfg.num_hidden_layers:
         u32["nextn_predict_layers"] = n_blocks - cfg.num_hidden_layers
-    for k, v in u32.items():
-        w.add_uint32(a + k, int(v))
     f32 = {
         "attention.layer_norm_rms_epsilon": cfg.rms_norm_eps, "rope.freq_base": cfg.rope_theta,
         "diffusion.threshold": gen.threshold, "moe_block_coreset.top_p": cfg.moe_block_coreset_top_p,
@@ -256,10 +251,13 @@ def write_metadata(w: GGUFWriter, cfg: CloverConfig, vocab: Vocab, gen: Generati
         "generation.repetition_penalty": gen.repetition_penalty, "generation.length_penalty": gen.length_penalty,
         "generation.think_end_bias": gen.think_end_bias,
     }
-    for k, v in f32.items():
-        w.add_float32(a + k, float(v))
-    w.add_bool(a + "block_mode", cfg.is_clover)
-    w.add_bool(a + "moe_block_coreset.enabled", cfg.is_clover and cfg.moe_block_coreset_enabled)
+    flags = {"block_mode": cfg.is_clover,
+             "moe_block_coreset.enabled": cfg.is_clover and cfg.moe_block_coreset_enabled}
+    # each key with the GGUF type gguf_header.HPARAMS gives it, the type check_model and llama.cpp require
+    write = {U32: lambda k, v: w.add_uint32(k, int(v)), F32: lambda k, v: w.add_float32(k, float(v)),
+             BOOL: w.add_bool}
+    for k, v in {**u32, **f32, **flags}.items():
+        write[HPARAMS[k][0]](a + k, v)
     w.add_array(a + "rope.dimension_sections", rope_sections)
     w.add_array(a + "attention.recurrent_layers", recurrent)
 
@@ -286,10 +284,7 @@ def read_generation_defaults(src: Path) -> GenerationDefaults:
     p = Path(src) / "generation_config.json"
     if not p.is_file():
         return GenerationDefaults()
-    try:
-        return GenerationDefaults.from_hf(json.loads(p.read_text()))
-    except (json.JSONDecodeError, TypeError, ValueError) as e:
-        raise UserError(f"{p} is not a valid generation config: {e}") from None
+    return GenerationDefaults.from_hf(read_json(p, "generation_config.json"), where=str(p))
 
 
 @dataclass
@@ -303,29 +298,31 @@ class ConvertResult:
 
 
 def convert(src: Path, out: Path, outtype: str = "bf16", skip_unknown: bool = False, dry_run: bool = False,
-            quiet: bool = False, log=lambda msg: print(msg, file=sys.stderr)) -> ConvertResult:
-    """Convert the checkpoint folder `src` to the GGUF file `out`. A dry run plans and validates, writes nothing."""
+            quiet: bool = False, force: bool = False, log=lambda msg: print(msg, file=sys.stderr)) -> ConvertResult:
+    """Convert the checkpoint folder `src` to the GGUF file `out`. A dry run plans and validates, writes nothing.
+
+    `out` must not be one of the checkpoint's files or a special file, and an existing file is replaced only with
+    `force` (fsutil.check_output)."""
     if outtype not in OUTTYPES:
         raise UserError(f"unknown --outtype {outtype!r}: choose one of {', '.join(OUTTYPES)}")
     src, out = Path(src), Path(out)
     cfg = CloverConfig.from_file(src)
     gen = read_generation_defaults(src)
-    vocab = load_vocab(src, cfg)
     with Checkpoint(src) as ck:
+        # the tensors' shapes are checked against config.json before anything (the vocabulary) is sized from it
         plan = plan_conversion(ck, cfg, outtype, skip_unknown)
+        vocab = load_vocab(src, cfg)
         for n in plan.notices:
             log(f"notice: {n}")
         if plan.skipped_unknown:
             log(f"warning: dropped {len(plan.skipped_unknown)} unknown tensor(s): {', '.join(plan.skipped_unknown)}")
         if dry_run:
             return ConvertResult(None, len(plan.tensors), plan.nbytes, plan.notices, plan.skipped_unknown, plan)
-        if out.exists() and out.is_dir():
-            raise UserError(f"output is a folder: {out}")
-        check_writable_dir(out)
+        inputs = [p for p in src.iterdir() if p.is_file()] + ck.shards
+        check_output(out, inputs, force=force)
         check_free_disk(out, plan.nbytes + 16 * 2**20)
-        n_blocks = max(int(t.name.split(".")[1]) for t in plan.tensors if t.name.startswith("blk.")) + 1
         with atomic_output(out) as tmp:
-            _write(tmp, plan, vocab, gen, n_blocks, src.name, quiet, after_tensor=ck.drop_resident_pages)
+            _write(tmp, plan, vocab, gen, plan.n_blocks, src.name, quiet, after_tensor=ck.drop_resident_pages)
     return ConvertResult(out, len(plan.tensors), plan.nbytes, plan.notices, plan.skipped_unknown, plan)
 
 

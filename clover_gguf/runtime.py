@@ -169,17 +169,18 @@ class CloverRuntime:
     def __init__(self, gguf: str | Path, n_ctx: int | None = None, rollback: str = "redecode",
                  coreset: bool | None = None, coreset_top_p: float | None = None, exact: bool = False,
                  n_threads: int | None = None, n_gpu_layers: int = 0, n_threads_batch: int | None = None):
-        from clover_gguf.gguf_header import read_header
+        from clover_gguf.gguf_header import check_model, read_header
 
         path = Path(gguf)
         if not path.is_file():
             raise UserError(f"no such model file: {path}")
         try:
-            meta = read_header(path).kv
+            meta = (header := read_header(path)).kv
         except UserError as e:
             raise UserError(f"{path} is not a readable GGUF file ({e})") from None
         if meta.get("general.architecture") != "clover":
             raise UserError(f"{path} is not a Clover GGUF (architecture {meta.get('general.architecture')!r})")
+        check_model(header)  # hyperparameters llama.cpp would abort on, before it sees the file
         self.meta = meta
         self.path = path
         self.block_mode = bool(meta.get("clover.block_mode", False))

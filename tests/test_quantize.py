@@ -134,7 +134,25 @@ def test_plan_json_and_text(wide):
     assert set(d["tensors"][0]) >= {"name", "type", "bytes"}
     json.dumps(d)
     text = p.format()
-    assert "official  Q4_K_M" in text and "21.42" in text and "community Q4_K_M" in text
+    # the published files' sizes are the 35B's: no comparison for a model of another shape (issue 16)
+    assert "official" not in text and "community" not in text and "Q4_K_M (q4_k_m)" in text
+    assert d["official_gib"] is None and d["community_gib"] is None
+
+
+def test_plan_from_another_config_has_no_35b_comparison(make_checkpoint):
+    """(the 35B's own config gets it: test_35b_plan_sizes_match_community_files)"""
+    tiny = plan("Q4_K_M", config=make_checkpoint(seed=1) / "config.json")
+    assert "official" not in tiny.format() and tiny.to_json()["official_gib"] is None
+
+
+def test_imatrix_with_too_little_text_says_why(wide, tmp_path):
+    """llama-imatrix's own reason, not its last log line (issue 16)."""
+    text = tmp_path / "short.txt"
+    text.write_text("What is 2 + 3?\n")  # 8 tokens in llama-imatrix's own count (its -f drops the final newline)
+    with pytest.raises(UserError, match=r"needs at least 128 tokens for a context of 64 tokens; .*short.txt "
+                                        r"tokenizes to only 8 tokens"):
+        imatrix(wide, text, tmp_path / "im.gguf", ctx=64, threads=2, quiet=True)
+    assert list(tmp_path.iterdir()) == [text]
 
 
 # ---- quality against F32 ---------------------------------------------------------------------------------------
