@@ -75,6 +75,11 @@ def _output_type(rule_f32: bool, shape: tuple[int, ...], outtype: QT) -> QT:
     return outtype
 
 
+# conv widths llama.cpp's CUDA ssm_conv has kernels for (ggml-cuda/ssm-conv.cu of the pinned tree; patch 0002 makes
+# its supports_op say so, so another width falls back to the CPU instead of aborting)
+CUDA_SSM_CONV_WIDTHS = (3, 4, 5, 9, 15)
+
+
 def plan_conversion(ck: Checkpoint, cfg: CloverConfig, outtype: str = "bf16", skip_unknown: bool = False
                     ) -> ConversionPlan:
     if cfg.linear_key_head_dim != cfg.linear_value_head_dim:
@@ -89,6 +94,10 @@ def plan_conversion(ck: Checkpoint, cfg: CloverConfig, outtype: str = "bf16", sk
         notices.append("plain Qwen3.5-MoE checkpoint: converting the causal model; block mode will be unavailable")
     if ck.dropped:
         notices.append(f"dropped {len(ck.dropped)} vision tensor(s) (model.visual.*): Clover is text-only")
+    if cfg.is_clover and cfg.right_kernel not in CUDA_SSM_CONV_WIDTHS:
+        notices.append(f"right conv kernel {cfg.right_kernel}: llama.cpp's CUDA ssm_conv has kernels for widths "
+                       f"{', '.join(map(str, CUDA_SSM_CONV_WIDTHS))} only, so on CUDA that op of block passes runs "
+                       "on the CPU (slower, still correct)")
 
     by_gguf: dict[str, PlannedTensor] = {}
     experts: dict[tuple[int, str], dict] = {}

@@ -396,3 +396,15 @@ def test_existing_output_needs_force(tiny, tmp_path):
     p = _run_cli("convert", tiny, "-o", out, "--quiet", "--force")
     assert p.returncode == 0, p.stderr
     assert out.read_bytes()[:4] == b"GGUF"
+
+
+def test_right_kernel_cuda_cannot_run_is_a_notice(make_checkpoint, tmp_path, monkeypatch):
+    """The converter says when the right conv kernel is a width llama.cpp's CUDA ssm_conv has no kernel for (the op
+    then runs on the CPU). The bundled widths hold the tiny model's 4; with 4 taken out of them the notice appears."""
+    import clover_gguf.convert as conv
+
+    src = make_checkpoint(seed=1)
+    assert not any("right conv kernel" in n for n in convert(src, tmp_path / "a.gguf", dry_run=True, quiet=True).notices)
+    monkeypatch.setattr(conv, "CUDA_SSM_CONV_WIDTHS", (3, 5, 9, 15))
+    notes = convert(src, tmp_path / "b.gguf", dry_run=True, quiet=True).notices
+    assert any("right conv kernel 4" in n and "CPU" in n for n in notes), notes
