@@ -567,6 +567,8 @@ def fit(model_path: Path | None = None, config: Path | None = None, qtype: str |
         if mode != "ar" and not model.shape.block_mode:
             raise UserError(f"{model.label} has no Clover block-mode tensors: use --mode ar")
         devices = gpu_devices()
+        if do_measure and vram is not None and not devices:
+            raise UserError("--measure loads the model on this machine, which has no GPU: leave out --vram")
         budget = make_budget(vram, ram, unified, devices)
         with DryRun(model.gguf) as dry:
             result = plan(model, budget, setup, ctx, dry, gpu_here=bool(devices))
