@@ -33,6 +33,7 @@ from clover_gguf.errors import UserError
 from clover_gguf.fsutil import atomic_output, check_free_disk, check_output
 from clover_gguf.gguf_header import (GGUF_MAGIC, GGUFHeader, check_model, read_header,  # noqa: F401 - re-exported
                                      tensor_bytes)
+from clover_gguf.offload import Offload, no_offload_notice
 from clover_gguf.recipes import FTYPES, NEEDS_IMATRIX, Recipe, check_rules, recipe_for
 
 RECIPE_KEY = "clover.quant.recipe"
@@ -583,9 +584,10 @@ def imatrix_failure(output: str) -> str:
     return lines[-1] if lines else "no output"
 
 
-def imatrix(model: Path, text: Path, out: Path, threads: int | None = None, ctx: int = 512,
-            chunks: int | None = None, force: bool = False, quiet: bool = False, gpu_layers: int = 0) -> Path:
-    """Importance matrix of `model` over the text file `text`, written by the patched llama-imatrix as GGUF."""
+def imatrix(model: Path, text: Path, out: Path, ctx: int = 512, chunks: int | None = None, force: bool = False,
+            quiet: bool = False, offload: Offload | None = None) -> Path:
+    """Importance matrix of `model` over the text file `text`, written by the patched llama-imatrix as GGUF, with
+    the offload options passed on as llama.cpp spells them."""
     model, text, out = Path(model), Path(text), Path(out)
     h = read_header(model)
     check_clover(h)
@@ -596,6 +598,11 @@ def imatrix(model: Path, text: Path, out: Path, threads: int | None = None, ctx:
     if ctx < 1:
         raise UserError(f"--ctx must be at least 1, not {ctx}")
     tool = llama_tool("llama-imatrix")
+    offload = offload or Offload()
+    offload.cpu_moe_layers(int(h.kv.get(f"{h.arch}.block_count", 0)))  # --n-cpu-moe above the layer count: exit 2
+    gpu_offload = bool(_binding().llama_supports_gpu_offload())
+    if not gpu_offload:
+        no_offload_notice(offload)
     # llama-imatrix's own check, made here: it logs its reason asynchronously and often exits before the line is
     # written (llama.cpp issue 22142), which left only an unrelated last line to report
     prompt = text.read_bytes()
@@ -605,9 +612,7 @@ def imatrix(model: Path, text: Path, out: Path, threads: int | None = None, ctx:
                         f"tokenizes to only {n_tokens} tokens (give more text or a smaller --ctx)")
     with atomic_output(out) as tmp:
         cmd = [str(tool), "-m", str(model), "-f", str(text), "-o", str(tmp), "--output-format", "gguf",
-               "-c", str(ctx), "--no-ppl", "-ngl", str(gpu_layers)]
-        if threads:
-            cmd += ["-t", str(threads)]
+               "-c", str(ctx), "--no-ppl", *offload.llama_args(gpu_offload)]
         if chunks:
             cmd += ["--chunks", str(chunks)]
         env = dict(os.environ)

@@ -426,7 +426,7 @@ def create_app(model: str | Path | Callable[[], Any], mode: str = "draft-self", 
                runtime_kwargs: dict[str, Any] | None = None):
     """-> a FastAPI (ASGI) app serving `model`: a GGUF path, or a factory returning a CloverRuntime-like object
     (called `parallel` times). The runtimes are loaded here, so a bad model fails before any socket is opened.
-    runtime_kwargs go to CloverRuntime (rollback, exact, n_threads, n_gpu_layers, ...)."""
+    runtime_kwargs go to CloverRuntime (rollback, exact, n_threads, offload, ...)."""
     from fastapi import Depends, FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, StreamingResponse
