@@ -152,7 +152,7 @@ def test_imatrix_with_too_little_text_says_why(wide, tmp_path):
     text.write_text("What is 2 + 3?\n")  # 8 tokens in llama-imatrix's own count (its -f drops the final newline)
     with pytest.raises(UserError, match=r"needs at least 128 tokens for a context of 64 tokens; .*short.txt "
                                         r"tokenizes to only 8 tokens"):
-        imatrix(wide, text, tmp_path / "im.gguf", ctx=64, threads=2, quiet=True)
+        imatrix(wide, text, tmp_path / "im.gguf", ctx=64, quiet=True, offload=Offload(threads=2))
     assert list(tmp_path.iterdir()) == [text]
 
 
