@@ -16,6 +16,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import hmac
 import ipaddress
 import json
@@ -29,6 +30,11 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Literal, Sequence, Union
 
 from clover_gguf.errors import UserError
+
+try:  # the serve extra; FastAPI injects the request into parameters annotated with this type
+    from starlette.requests import Request
+except ImportError:  # importing this module needs no extra; create_app and serve say what is missing
+    Request = Any
 
 log = logging.getLogger("clover_gguf.server")
 
@@ -343,8 +349,9 @@ class Pool:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The HTTP API
+# The HTTP API: request models, errors, the request flow, the routes; create_app only puts them together
 # ---------------------------------------------------------------------------------------------------------------
+@functools.cache
 def _models():
     """Pydantic request models (built lazily so importing this module does not need the serve extra)."""
     from pydantic import BaseModel, ConfigDict, Field
@@ -401,6 +408,22 @@ def _models():
     return ChatRequest, CompletionRequest
 
 
+@dataclass
+class ServerState:
+    """What the routes share: the slot pool and the settings the server was started with."""
+
+    pool: Pool
+    name: str  # the model id the API reports
+    default_mode: str
+    api_key: str | None
+    created: int
+    first: Any  # one runtime, for /v1/models' metadata
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.clover
+
+
 class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
                  code: str | None = None):
@@ -421,25 +444,265 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def create_app(model: str | Path | Callable[[], Any], mode: str = "draft-self", api_key: str | None = None,
-               parallel: int = 1, ctx: int | None = None, model_id: str | None = None,
-               runtime_kwargs: dict[str, Any] | None = None):
-    """-> a FastAPI (ASGI) app serving `model`: a GGUF path, or a factory returning a CloverRuntime-like object
-    (called `parallel` times). The runtimes are loaded here, so a bad model fails before any socket is opened.
-    runtime_kwargs go to CloverRuntime (rollback, exact, n_threads, n_gpu_layers, ...)."""
-    from fastapi import Depends, FastAPI, Request
-    from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, StreamingResponse
+# ---- errors in OpenAI's shape --------------------------------------------------------------------------------
+async def _on_api_error(request: Request, exc: APIError) -> Any:
+    from starlette.responses import JSONResponse
+
+    headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+    return JSONResponse(_error_body(exc.message, exc.type, exc.param, exc.code), status_code=exc.status,
+                        headers=headers)
+
+
+async def _on_invalid_request(request: Request, exc: Any) -> Any:
+    """pydantic's validation errors: a body that is not a JSON object is a 400, fields that fail are a 422."""
+    from starlette.responses import JSONResponse
+
+    errors = exc.errors()
+    bad_json = [e for e in errors if e.get("type") == "json_invalid"
+                or (tuple(e.get("loc", ())) == ("body",) and e.get("type") in ("model_attributes_type", "missing"))]
+    if bad_json:
+        e = bad_json[0]
+        why = (e.get("ctx") or {}).get("error") or e.get("msg", "")
+        return JSONResponse(_error_body(f"the body must be a JSON object: {why}", "invalid_request_error"),
+                            status_code=400)
+    parts = []
+    for e in errors:
+        loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+        parts.append(f"{loc or 'body'}: {e.get('msg')}")
+    first_param = ".".join(str(x) for x in errors[0].get("loc", ()) if x != "body") if errors else None
+    body = _error_body("invalid request: " + "; ".join(parts), "invalid_request_error", first_param or None)
+    body["detail"] = [{k: v for k, v in e.items() if k in ("loc", "msg", "type")} for e in errors]
+    return JSONResponse(body, status_code=422)
+
+
+async def _auth(request: Request) -> None:
+    api_key = _state(request).api_key
+    if api_key is None:
+        return
+    given = request.headers.get("authorization", "")
+    token = given[7:].strip() if given[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
+    if not hmac.compare_digest(token.encode(), api_key.encode()):
+        raise APIError(401, "missing or wrong API key (send Authorization: Bearer KEY)", "authentication_error",
+                       code="invalid_api_key")
+
+
+# ---- one request, from its fields to its response ------------------------------------------------------------
+class Watch:
+    """Awaits things for one request, giving up (ClientGone) once its client has disconnected; checks at least
+    every POLL_S, also while events keep arriving. A result that arrives after giving up goes to `orphan`
+    (so an acquired slot is handed back, never lost)."""
+
+    def __init__(self, request: Request):
+        self.request = request
+        self.checked = time.monotonic()
+
+    async def gone(self) -> bool:
+        self.checked = time.monotonic()
+        return await self.request.is_disconnected()
+
+    async def __call__(self, aw, orphan: Callable[[Any], None] | None = None) -> Any:
+        task = asyncio.ensure_future(aw)
+        try:
+            while True:
+                left = max(0.0, POLL_S - (time.monotonic() - self.checked))
+                done, _ = await asyncio.wait({task}, timeout=left)
+                if time.monotonic() - self.checked >= POLL_S and await self.gone():
+                    raise ClientGone()
+                if done:
+                    return task.result()
+        except BaseException:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+            if orphan is not None and task.done() and not task.cancelled() and task.exception() is None:
+                orphan(task.result())
+            raise
+
+
+def plan_from(req: Any, chat: bool, default_mode: str) -> Plan:
+    """A validated request model -> the Plan a worker runs; APIError for what the server does not support."""
+    if req.n != 1:
+        raise APIError(400, "only n=1 is supported", param="n")
+    if req.logprobs:
+        raise APIError(400, "logprobs are not supported", param="logprobs")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stop) > MAX_STOP:
+        raise APIError(400, f"at most {MAX_STOP} stop strings", param="stop")
+    controls = {k: v for k, v in (("presence_penalty", req.presence_penalty),
+                                  ("frequency_penalty", req.frequency_penalty),
+                                  ("repetition_penalty", req.repetition_penalty)) if v is not None}
+    p = Plan(mode=req.mode or default_mode, block_size=req.block_size, threshold=req.threshold,
+             accept=req.accept or "exact", temp=req.temperature or 0.0,
+             top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, seed=req.seed, stop=stop,
+             controls=controls, max_tokens=req.max_tokens)
+    if chat:
+        msgs = []
+        for i, m in enumerate(req.messages):
+            if isinstance(m.content, list):
+                if any(part.type != "text" for part in m.content):
+                    raise APIError(400, "only text content parts are supported", param=f"messages.{i}.content")
+                text = "".join(part.text or "" for part in m.content)
+            else:
+                text = m.content or ""
+            msgs.append({"role": m.role, "content": text})
+        p.messages = msgs
+        if req.max_completion_tokens is not None:
+            p.max_tokens = req.max_completion_tokens
+        think = True
+        if req.reasoning_effort is not None and req.reasoning_effort.lower() == "none":
+            think = False
+        kw = req.chat_template_kwargs or {}
+        if "enable_thinking" in kw:
+            think = bool(kw["enable_thinking"])
+        if req.think is not None:
+            think = req.think
+        p.think = think
+    else:
+        if req.echo:
+            raise APIError(400, "echo is not supported", param="echo")
+        if req.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+        if len(prompts) != 1:
+            raise APIError(400, "give exactly one prompt", param="prompt")
+        p.prompt = prompts[0]
+    return p
+
+
+async def _start(pool: Pool, watch: Watch, plan: Plan) -> tuple[Job, int]:
+    """Wait for a slot, start the decode, wait until the request passed its checks -> (job, prompt tokens).
+    Raises APIError for a refused request, ClientGone if the client left while waiting."""
+    rt = await watch(pool.acquire(), orphan=pool.release)
+    job = pool.start(rt, plan)
+    try:
+        ev = await watch(job.events.get())
+    except BaseException:
+        job.cancel()
+        raise
+    if ev[0] == "error":
+        raise APIError(ev[1], ev[2], "invalid_request_error" if ev[1] < 500 else "server_error")
+    return job, ev[1]
+
+
+def _client_gone() -> Any:
+    from starlette.responses import JSONResponse
+
+    return JSONResponse(_error_body("client disconnected", "client_gone"), status_code=499)
+
+
+async def _respond(request: Request, req: Any, chat: bool) -> Any:
+    """Run one completion request: wait for a slot, decode, answer as one JSON body or as server-sent events."""
     from starlette.background import BackgroundTask
+    from starlette.responses import JSONResponse, StreamingResponse
 
-    ChatRequest, CompletionRequest = _models()
-    if mode not in MODES:
-        raise UserError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
-    if parallel < 1:
-        raise UserError("--parallel must be at least 1")
-    if ctx is not None and ctx < 16:
-        raise UserError("--ctx must be at least 16")
+    state = _state(request)
+    plan = plan_from(req, chat, state.default_mode)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    watch = Watch(request)
+    try:
+        job, _ = await _start(state.pool, watch, plan)
+    except ClientGone:
+        return _client_gone()
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+    now = int(time.time())
+    if req.stream:
+        agen = _sse(job, rid, now, state.name, chat, include_usage)
+        return StreamingResponse(agen, media_type="text/event-stream", background=BackgroundTask(job.cancel),
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    reasoning, content = [], []
+    try:
+        while True:
+            ev = await watch(job.events.get())
+            if ev[0] == "delta":
+                reasoning.append(ev[1])
+                content.append(ev[2])
+            elif ev[0] == "done":
+                break
+            else:
+                raise APIError(ev[1], ev[2], "server_error")
+    except ClientGone:
+        job.cancel()
+        return _client_gone()
+    except BaseException:
+        job.cancel()
+        raise
+    _, finish, stats, usage = ev
+    if chat:
+        msg = {"role": "assistant", "content": "".join(content), "reasoning_content": "".join(reasoning)}
+        choice = {"index": 0, "message": msg, "logprobs": None, "finish_reason": finish}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": "".join(content), "logprobs": None, "finish_reason": finish}
+        obj = "text_completion"
+    body = {"id": rid, "object": obj, "created": now, "model": state.name, "choices": [choice], "usage": usage,
+            "clover_stats": stats}
+    return JSONResponse(body, headers={"X-Clover-Stats": json.dumps(stats, separators=(",", ":"))})
 
+
+async def _sse(job: Job, rid: str, now: int, name: str, chat: bool, include_usage: bool) -> AsyncIterator[str]:
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(delta: dict | None, finish: str | None = None, **extra) -> str:
+        if chat:
+            choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None,
+                                                 "finish_reason": finish}]
+        else:
+            choices = [] if delta is None else [{"index": 0, "text": delta.get("content", ""), "logprobs": None,
+                                                 "finish_reason": finish}]
+        body = {"id": rid, "object": obj, "created": now, "model": name, "choices": choices, **extra}
+        return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+    try:
+        if chat:
+            yield chunk({"role": "assistant", "content": ""})
+        while True:
+            ev = await job.events.get()
+            if ev[0] == "delta":
+                if ev[1] and chat:
+                    yield chunk({"reasoning_content": ev[1]})
+                if ev[2]:
+                    yield chunk({"content": ev[2]})
+            elif ev[0] == "done":
+                _, finish, stats, usage = ev
+                if include_usage:
+                    yield chunk({}, finish, clover_stats=stats)
+                    yield chunk(None, usage=usage)
+                else:
+                    yield chunk({}, finish, usage=usage, clover_stats=stats)
+                break
+            else:
+                err = _error_body(ev[2], "server_error" if ev[1] >= 500 else "invalid_request_error")
+                yield f"data: {json.dumps(err)}\n\n"
+                break
+        yield "data: [DONE]\n\n"
+    finally:
+        job.cancel()  # a no-op after "done"; on a disconnect the worker stops at its next chunk
+
+
+# ---- routes ----------------------------------------------------------------------------------------------------
+async def _health(request: Request) -> dict:
+    state = _state(request)
+    return {"status": "ok", "model": state.name, "slots_total": len(state.pool.runtimes),
+            "slots_idle": state.pool.idle, "requests_waiting": state.pool.waiting}
+
+
+async def _list_models(request: Request) -> dict:
+    state = _state(request)
+    first = state.first
+    meta = getattr(first, "meta", {}) or {}
+    return {"object": "list", "data": [{
+        "id": state.name, "object": "model", "created": state.created, "owned_by": "clover-gguf",
+        "meta": {"context_length": min(getattr(first, "context_length", 0) or 0, getattr(first, "n_ctx", 0) or 0),
+                 "block_mode": bool(getattr(first, "block_mode", False)), "default_mode": state.default_mode,
+                 "block_size": getattr(first, "block_size", None), "parallel": len(state.pool.runtimes),
+                 "architecture": meta.get("general.architecture")}}]}
+
+
+def load_runtimes(model: str | Path | Callable[[], Any], parallel: int, ctx: int | None, model_id: str | None,
+                  runtime_kwargs: dict[str, Any] | None) -> tuple[list[Any], str]:
+    """-> (`parallel` runtimes, the model id): from a GGUF path, or from a factory returning a CloverRuntime-like
+    object. All or nothing: a failure closes the ones already loaded."""
     if callable(model) and not isinstance(model, (str, Path)):
         factory = model
         name = model_id or "clover"
@@ -463,13 +726,31 @@ def create_app(model: str | Path | Callable[[], Any], mode: str = "draft-self", 
         for rt in runtimes:
             rt.close()
         raise
-    first = runtimes[0]
-    if mode != "ar" and not getattr(first, "block_mode", True):
+    return runtimes, name
+
+
+def create_app(model: str | Path | Callable[[], Any], mode: str = "draft-self", api_key: str | None = None,
+               parallel: int = 1, ctx: int | None = None, model_id: str | None = None,
+               runtime_kwargs: dict[str, Any] | None = None):
+    """-> a FastAPI (ASGI) app serving `model`: a GGUF path, or a factory returning a CloverRuntime-like object
+    (called `parallel` times). The runtimes are loaded here, so a bad model fails before any socket is opened.
+    runtime_kwargs go to CloverRuntime (rollback, exact, n_threads, n_gpu_layers, ...)."""
+    from fastapi import Depends, FastAPI
+    from fastapi.exceptions import RequestValidationError
+
+    ChatRequest, CompletionRequest = _models()
+    if mode not in MODES:
+        raise UserError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
+    if parallel < 1:
+        raise UserError("--parallel must be at least 1")
+    if ctx is not None and ctx < 16:
+        raise UserError("--ctx must be at least 16")
+    runtimes, name = load_runtimes(model, parallel, ctx, model_id, runtime_kwargs)
+    if mode != "ar" and not getattr(runtimes[0], "block_mode", True):
         for rt in runtimes:
             rt.close()
         raise UserError(f"the model has no Clover block-mode tensors, so --mode {mode} cannot run: use --mode ar")
     pool = Pool(runtimes)
-    created = int(time.time())
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -477,246 +758,23 @@ def create_app(model: str | Path | Callable[[], Any], mode: str = "draft-self", 
         pool.close()
 
     app = FastAPI(title="clover-gguf", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.clover = ServerState(pool=pool, name=name, default_mode=mode, api_key=api_key,
+                                   created=int(time.time()), first=runtimes[0])
     app.state.pool = pool
-    app.state.model_id = name
-    app.state.default_mode = mode
+    app.add_exception_handler(APIError, _on_api_error)
+    app.add_exception_handler(RequestValidationError, _on_invalid_request)
+    app.add_api_route("/health", _health, methods=["GET"])
+    app.add_api_route("/v1/models", _list_models, methods=["GET"], dependencies=[Depends(_auth)])
 
-    # ---- errors in OpenAI's shape ------------------------------------------------------------------------
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError):
-        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
-        return JSONResponse(_error_body(exc.message, exc.type, exc.param, exc.code), status_code=exc.status,
-                            headers=headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError):
-        errors = exc.errors()
-        bad_json = [e for e in errors if e.get("type") == "json_invalid"
-                    or (tuple(e.get("loc", ())) == ("body",) and e.get("type") in ("model_attributes_type", "missing"))]
-        if bad_json:  # not a JSON object at all: 400; fields that fail validation: 422
-            e = bad_json[0]
-            why = (e.get("ctx") or {}).get("error") or e.get("msg", "")
-            return JSONResponse(_error_body(f"the body must be a JSON object: {why}", "invalid_request_error"),
-                                status_code=400)
-        parts = []
-        for e in errors:
-            loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
-            parts.append(f"{loc or 'body'}: {e.get('msg')}")
-        first_param = ".".join(str(x) for x in errors[0].get("loc", ()) if x != "body") if errors else None
-        body = _error_body("invalid request: " + "; ".join(parts), "invalid_request_error", first_param or None)
-        body["detail"] = [{k: v for k, v in e.items() if k in ("loc", "msg", "type")} for e in errors]
-        return JSONResponse(body, status_code=422)
-
-    async def auth(request: Request) -> None:
-        if api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        token = given[7:].strip() if given[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
-        if not hmac.compare_digest(token.encode(), api_key.encode()):
-            raise APIError(401, "missing or wrong API key (send Authorization: Bearer KEY)", "authentication_error",
-                           code="invalid_api_key")
-
-    # ---- helpers ---------------------------------------------------------------------------------------------
-    class Watch:
-        """Awaits things for one request, giving up (ClientGone) once its client has disconnected; checks at least
-        every POLL_S, also while events keep arriving. A result that arrives after giving up goes to `orphan`
-        (so an acquired slot is handed back, never lost)."""
-
-        def __init__(self, request: Request):
-            self.request = request
-            self.checked = time.monotonic()
-
-        async def gone(self) -> bool:
-            self.checked = time.monotonic()
-            return await self.request.is_disconnected()
-
-        async def __call__(self, aw, orphan: Callable[[Any], None] | None = None) -> Any:
-            task = asyncio.ensure_future(aw)
-            try:
-                while True:
-                    left = max(0.0, POLL_S - (time.monotonic() - self.checked))
-                    done, _ = await asyncio.wait({task}, timeout=left)
-                    if time.monotonic() - self.checked >= POLL_S and await self.gone():
-                        raise ClientGone()
-                    if done:
-                        return task.result()
-            except BaseException:
-                if not task.done():
-                    task.cancel()
-                    with contextlib.suppress(BaseException):
-                        await task
-                if orphan is not None and task.done() and not task.cancelled() and task.exception() is None:
-                    orphan(task.result())
-                raise
-
-    def plan_from(req, chat: bool) -> Plan:
-        if req.n != 1:
-            raise APIError(400, "only n=1 is supported", param="n")
-        if req.logprobs:
-            raise APIError(400, "logprobs are not supported", param="logprobs")
-        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        if len(stop) > MAX_STOP:
-            raise APIError(400, f"at most {MAX_STOP} stop strings", param="stop")
-        controls = {k: v for k, v in (("presence_penalty", req.presence_penalty),
-                                      ("frequency_penalty", req.frequency_penalty),
-                                      ("repetition_penalty", req.repetition_penalty)) if v is not None}
-        p = Plan(mode=req.mode or mode, block_size=req.block_size, threshold=req.threshold,
-                 accept=req.accept or "exact", temp=req.temperature or 0.0,
-                 top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, seed=req.seed, stop=stop,
-                 controls=controls, max_tokens=req.max_tokens)
-        if chat:
-            msgs = []
-            for i, m in enumerate(req.messages):
-                if isinstance(m.content, list):
-                    if any(part.type != "text" for part in m.content):
-                        raise APIError(400, "only text content parts are supported", param=f"messages.{i}.content")
-                    text = "".join(part.text or "" for part in m.content)
-                else:
-                    text = m.content or ""
-                msgs.append({"role": m.role, "content": text})
-            p.messages = msgs
-            if req.max_completion_tokens is not None:
-                p.max_tokens = req.max_completion_tokens
-            think = True
-            if req.reasoning_effort is not None and req.reasoning_effort.lower() == "none":
-                think = False
-            kw = req.chat_template_kwargs or {}
-            if "enable_thinking" in kw:
-                think = bool(kw["enable_thinking"])
-            if req.think is not None:
-                think = req.think
-            p.think = think
-        else:
-            if req.echo:
-                raise APIError(400, "echo is not supported", param="echo")
-            if req.suffix:
-                raise APIError(400, "suffix is not supported", param="suffix")
-            prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
-            if len(prompts) != 1:
-                raise APIError(400, "give exactly one prompt", param="prompt")
-            p.prompt = prompts[0]
-        return p
-
-    async def start(watch: Watch, plan: Plan) -> tuple[Job, int]:
-        """Wait for a slot, start the decode, wait until the request passed its checks -> (job, prompt tokens).
-        Raises APIError for a refused request, ClientGone if the client left while waiting."""
-        rt = await watch(pool.acquire(), orphan=pool.release)
-        job = pool.start(rt, plan)
-        try:
-            ev = await watch(job.events.get())
-        except BaseException:
-            job.cancel()
-            raise
-        if ev[0] == "error":
-            raise APIError(ev[1], ev[2], "invalid_request_error" if ev[1] < 500 else "server_error")
-        return job, ev[1]
-
-    async def run(request: Request, plan: Plan, chat: bool, stream: bool, include_usage: bool):
-        watch = Watch(request)
-        try:
-            job, _ = await start(watch, plan)
-        except ClientGone:
-            return JSONResponse(_error_body("client disconnected", "client_gone"), status_code=499)
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        now = int(time.time())
-        if stream:
-            agen = _sse(job, rid, now, chat, include_usage)
-            return StreamingResponse(agen, media_type="text/event-stream", background=BackgroundTask(job.cancel),
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        reasoning, content = [], []
-        try:
-            while True:
-                ev = await watch(job.events.get())
-                if ev[0] == "delta":
-                    reasoning.append(ev[1])
-                    content.append(ev[2])
-                elif ev[0] == "done":
-                    break
-                else:
-                    raise APIError(ev[1], ev[2], "server_error")
-        except ClientGone:
-            job.cancel()
-            return JSONResponse(_error_body("client disconnected", "client_gone"), status_code=499)
-        except BaseException:
-            job.cancel()
-            raise
-        _, finish, stats, usage = ev
-        if chat:
-            msg = {"role": "assistant", "content": "".join(content), "reasoning_content": "".join(reasoning)}
-            choice = {"index": 0, "message": msg, "logprobs": None, "finish_reason": finish}
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": "".join(content), "logprobs": None, "finish_reason": finish}
-            obj = "text_completion"
-        body = {"id": rid, "object": obj, "created": now, "model": name, "choices": [choice], "usage": usage,
-                "clover_stats": stats}
-        return JSONResponse(body, headers={"X-Clover-Stats": json.dumps(stats, separators=(",", ":"))})
-
-    async def _sse(job: Job, rid: str, now: int, chat: bool, include_usage: bool) -> AsyncIterator[str]:
-        obj = "chat.completion.chunk" if chat else "text_completion"
-
-        def chunk(delta: dict | None, finish: str | None = None, **extra) -> str:
-            if chat:
-                choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None,
-                                                     "finish_reason": finish}]
-            else:
-                choices = [] if delta is None else [{"index": 0, "text": delta.get("content", ""), "logprobs": None,
-                                                     "finish_reason": finish}]
-            body = {"id": rid, "object": obj, "created": now, "model": name, "choices": choices, **extra}
-            return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-        try:
-            if chat:
-                yield chunk({"role": "assistant", "content": ""})
-            while True:
-                ev = await job.events.get()
-                if ev[0] == "delta":
-                    if ev[1] and chat:
-                        yield chunk({"reasoning_content": ev[1]})
-                    if ev[2]:
-                        yield chunk({"content": ev[2]})
-                elif ev[0] == "done":
-                    _, finish, stats, usage = ev
-                    if include_usage:
-                        yield chunk({}, finish, clover_stats=stats)
-                        yield chunk(None, usage=usage)
-                    else:
-                        yield chunk({}, finish, usage=usage, clover_stats=stats)
-                    break
-                else:
-                    err = _error_body(ev[2], "server_error" if ev[1] >= 500 else "invalid_request_error")
-                    yield f"data: {json.dumps(err)}\n\n"
-                    break
-            yield "data: [DONE]\n\n"
-        finally:
-            job.cancel()  # a no-op after "done"; on a disconnect the worker stops at its next chunk
-
-    # ---- routes ----------------------------------------------------------------------------------------------
-    @app.get("/health")
-    async def health():
-        return {"status": "ok", "model": name, "slots_total": len(pool.runtimes), "slots_idle": pool.idle,
-                "requests_waiting": pool.waiting}
-
-    @app.get("/v1/models", dependencies=[Depends(auth)])
-    async def models():
-        meta = getattr(first, "meta", {}) or {}
-        return {"object": "list", "data": [{
-            "id": name, "object": "model", "created": created, "owned_by": "clover-gguf",
-            "meta": {"context_length": min(getattr(first, "context_length", 0) or 0, getattr(first, "n_ctx", 0) or 0),
-                     "block_mode": bool(getattr(first, "block_mode", False)), "default_mode": mode,
-                     "block_size": getattr(first, "block_size", None), "parallel": len(pool.runtimes),
-                     "architecture": meta.get("general.architecture")}}]}
-
-    @app.post("/v1/chat/completions", dependencies=[Depends(auth)])
+    # FastAPI reads the body's type from the signature, so these two stay here, where the request models are
     async def chat_completions(req: ChatRequest, request: Request):
-        return await run(request, plan_from(req, chat=True), chat=True, stream=req.stream,
-                         include_usage=bool(req.stream_options and req.stream_options.include_usage))
+        return await _respond(request, req, chat=True)
 
-    @app.post("/v1/completions", dependencies=[Depends(auth)])
     async def completions(req: CompletionRequest, request: Request):
-        return await run(request, plan_from(req, chat=False), chat=False, stream=req.stream,
-                         include_usage=bool(req.stream_options and req.stream_options.include_usage))
+        return await _respond(request, req, chat=False)
 
+    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"], dependencies=[Depends(_auth)])
+    app.add_api_route("/v1/completions", completions, methods=["POST"], dependencies=[Depends(_auth)])
     return app
 
 
