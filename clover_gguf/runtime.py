@@ -24,9 +24,10 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from clover_gguf import decoding
-from clover_gguf.controls import Controls, make_processors, make_sampler, thinking_span
+from clover_gguf.controls import Controls, make_processors, make_sampler
 from clover_gguf.errors import UserError
 from clover_gguf.llama_context import LlamaContext
+from clover_gguf.thinking import prompt_opens_thinking, split_thinking
 
 SEQ_MAIN, SEQ_BLOCK, SEQ_BACKUP = 0, 1, 2
 ROLLBACKS = ("redecode", "snapshot")
@@ -153,16 +154,6 @@ class Answer:
         return {"text": self.text, "thinking": self.thinking, "stats": asdict(self.stats)}
 
 
-def split_thinking(raw: str) -> tuple[str, str]:
-    """-> (thinking, answer). A <think> span may be opened by the prompt, so a lone </think> also splits."""
-    if "</think>" in raw:
-        head, _, tail = raw.partition("</think>")
-        return head.replace("<think>", "").strip(), tail.strip()
-    if raw.lstrip().startswith("<think>"):
-        return raw.replace("<think>", "", 1).strip(), ""
-    return "", raw.strip()
-
-
 class CloverRuntime:
     """A Clover GGUF loaded once; `generate` / `stream` answer chat messages in any mode."""
 
@@ -246,23 +237,39 @@ class CloverRuntime:
                             + (f" + {room} to resolve a final block" if room else "")
                             + f"), {need - limit} more than {what} of {limit}")
 
-    # ---- generation -------------------------------------------------------------------------------------
-    def stream(self, messages: Sequence[dict[str, str]] | str, mode: str = "draft-self", max_new_tokens: int = 512,
-               block_size: int | None = None, threshold: float | None = None, accept: str = "exact",
-               temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None, think: bool = True,
-               controls: Controls | None = None, raw_prompt: bool = False) -> Iterator[tuple[str, RunStats]]:
-        """Yield (new text, running stats) as tokens are accepted; the last item carries the final stats."""
+    def prompt_ids(self, messages: Sequence[dict[str, str]] | str, think: bool = True) -> list[int]:
+        """Chat messages (or one user message) -> the prompt's tokens, rendered with the GGUF's chat template."""
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
-        prompt = messages[0]["content"] if raw_prompt else self.render(messages, think=think)
-        ids = self.ctx.tokenize(prompt, special=True)
+        return self.ctx.tokenize(self.render(messages, think=think), special=True)
+
+    def raw_prompt_ids(self, text: str) -> list[int]:
+        """A raw prompt (no template; the caller writes the special tokens) -> its tokens."""
+        return self.ctx.tokenize(text, special=True)
+
+    def thinking_at_start(self, prompt_ids: Sequence[int]) -> bool:
+        """Whether the answer after this prompt starts inside a <think> span (thinking.prompt_opens_thinking)."""
+        return prompt_opens_thinking(prompt_ids, self.think_id, self.think_end_id)
+
+    # ---- generation -------------------------------------------------------------------------------------
+    def stream(self, messages: Sequence[dict[str, str]] | str, think: bool = True, **kw
+               ) -> Iterator[tuple[str, RunStats]]:
+        """stream_ids on the prompt of these chat messages (or of one user message)."""
+        return self.stream_ids(self.prompt_ids(messages, think=think), **kw)
+
+    def stream_ids(self, ids: Sequence[int], mode: str = "draft-self", max_new_tokens: int = 512,
+                   block_size: int | None = None, threshold: float | None = None, accept: str = "exact",
+                   temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                   controls: Controls | None = None) -> Iterator[tuple[str, RunStats]]:
+        """Yield (new raw text, running stats) as tokens are accepted after the prompt `ids`; the last item carries
+        the final stats. The text is what the model wrote, <think> tags included: thinking.ThinkSplitter with
+        thinking_at_start(ids) splits it."""
+        if not len(ids):
+            raise UserError("the prompt is empty")
         block_size = int(block_size or self.block_size)
         self.check_request(len(ids), max_new_tokens, mode, block_size)
         c = controls or self.controls
-        # the prompt itself may open a <think> span (a template that starts the thinking for the model)
-        thinking_at_start = self.think_end_id is not None and \
-            thinking_span(ids, self.think_id, self.think_end_id, False) is not None
-        procs = make_processors(c, self.eos_ids, self.think_id, self.think_end_id, thinking_at_start)
+        procs = make_processors(c, self.eos_ids, self.think_id, self.think_end_id, self.thinking_at_start(ids))
         if temp <= 0:
             sampler = decoding.greedy  # argmax, lowest index on ties: all rows at once
         else:
@@ -290,11 +297,12 @@ class CloverRuntime:
         if pending:
             yield pending.decode("utf-8", "replace"), stats
 
-    def generate(self, messages: Sequence[dict[str, str]] | str, **kw) -> Answer:
+    def generate(self, messages: Sequence[dict[str, str]] | str, think: bool = True, **kw) -> Answer:
+        ids = self.prompt_ids(messages, think=think)
         raw, stats = "", None
-        for text, stats in self.stream(messages, **kw):
+        for text, stats in self.stream_ids(ids, **kw):
             raw += text
-        thinking, text = split_thinking(raw)
+        thinking, text = split_thinking(raw, self.thinking_at_start(ids))
         return Answer(text=text, thinking=thinking, stats=stats, raw=raw)
 
     def close(self) -> None:

@@ -27,9 +27,10 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Literal, Sequence, Union
+from typing import Any, AsyncIterator, Callable, Literal, Union
 
 from clover_gguf.errors import UserError
+from clover_gguf.thinking import ThinkSplitter
 
 try:  # the serve extra; FastAPI injects the request into parameters annotated with this type
     from starlette.requests import Request
@@ -39,128 +40,8 @@ except ImportError:  # importing this module needs no extra; create_app and serv
 log = logging.getLogger("clover_gguf.server")
 
 MODES = ("ar", "diffusion", "draft-self")
-OPEN_TAG, CLOSE_TAG = "<think>", "</think>"
 MAX_STOP = 16
 POLL_S = 0.25  # how often a waiting request checks whether its client is still there
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Streamed text -> reasoning / content deltas, stop strings
-# ---------------------------------------------------------------------------------------------------------------
-class _Trim:
-    """Streams text with the leading and trailing whitespace of the whole removed (like str.strip on the join)."""
-
-    def __init__(self, enabled: bool = True):
-        self.enabled = enabled
-        self.started = not enabled
-        self.pending = ""
-
-    def feed(self, s: str) -> str:
-        if not self.enabled:
-            return s
-        if not self.started:
-            s = s.lstrip()
-            if not s:
-                return ""
-            self.started = True
-        s = self.pending + s
-        kept = s.rstrip()
-        self.pending = s[len(kept):]
-        return kept
-
-
-def _partial_suffix(text: str, needles: Sequence[str]) -> int:
-    """Length of the longest end of `text` that is the beginning (not the whole) of one of `needles`."""
-    best = 0
-    for n in needles:
-        for k in range(min(len(n) - 1, len(text)), best, -1):
-            if text.endswith(n[:k]):
-                best = k
-                break
-    return best
-
-
-class OutputParser:
-    """Turns streamed raw model text into (reasoning delta, content delta) pairs.
-
-    reasoning=True (chat): text inside <think>...</think> goes to reasoning, the rest to content, tags removed,
-    each channel stripped of leading/trailing whitespace; `thinking` says whether the prompt left a <think> open.
-    Stop strings are matched in the content only and cut it (the stop string itself is not returned).
-    reasoning=False (completions): the raw text as it comes, stop strings matched in it.
-    Text that could be the start of a tag or a stop string is held back until it is decided."""
-
-    def __init__(self, reasoning: bool = True, thinking: bool = False, stop: Sequence[str] = ()):
-        self.reasoning = reasoning
-        self.inside = reasoning and thinking
-        self.stop = [s for s in stop if s]
-        self.stopped = False
-        self.matched: str | None = None
-        self._buf = ""  # raw text held back as a possible partial tag
-        self._held = ""  # content held back as a possible partial stop string
-        self._trim_r, self._trim_c = _Trim(reasoning), _Trim(reasoning)
-        self._out_r: list[str] = []
-        self._out_c: list[str] = []
-
-    def feed(self, text: str) -> tuple[str, str]:
-        if not self.stopped:
-            if not self.reasoning:
-                self._content(text)
-            else:
-                self._buf += text
-                self._split(final=False)
-        return self._take()
-
-    def close(self) -> tuple[str, str]:
-        """End of the answer: release everything held back (partial tags are plain text after all)."""
-        if not self.stopped:
-            if self.reasoning:
-                self._split(final=True)
-            if not self.stopped and self._held:
-                self._out_c.append(self._trim_c.feed(self._held))
-                self._held = ""
-        return self._take()
-
-    def _take(self) -> tuple[str, str]:
-        r, c = "".join(self._out_r), "".join(self._out_c)
-        self._out_r.clear()
-        self._out_c.clear()
-        return r, c
-
-    def _split(self, final: bool) -> None:
-        while self._buf and not self.stopped:
-            hits = [(i, t) for t in (OPEN_TAG, CLOSE_TAG) if (i := self._buf.find(t)) >= 0]
-            if not hits:
-                keep = 0 if final else _partial_suffix(self._buf, (OPEN_TAG, CLOSE_TAG))
-                self._route(self._buf[:len(self._buf) - keep])
-                self._buf = self._buf[len(self._buf) - keep:]
-                return
-            i, tag = min(hits)
-            self._route(self._buf[:i])
-            self.inside = tag == OPEN_TAG
-            self._buf = self._buf[i + len(tag):]
-
-    def _route(self, s: str) -> None:
-        if not s:
-            return
-        if self.inside:
-            self._out_r.append(self._trim_r.feed(s))
-        else:
-            self._content(s)
-
-    def _content(self, s: str) -> None:
-        if not self.stop:
-            self._out_c.append(self._trim_c.feed(s))
-            return
-        self._held += s
-        hits = [(i, st) for st in self.stop if (i := self._held.find(st)) >= 0]
-        if hits:
-            i, st = min(hits)
-            self._out_c.append(self._trim_c.feed(self._held[:i]))
-            self._held, self.stopped, self.matched = "", True, st
-            return
-        keep = _partial_suffix(self._held, self.stop)
-        self._out_c.append(self._trim_c.feed(self._held[:len(self._held) - keep]))
-        self._held = self._held[len(self._held) - keep:]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -228,12 +109,13 @@ def _run_job(rt: Any, job: Job, plan: Plan) -> None:
 def _decode(rt: Any, job: Job, plan: Plan) -> None:
     if plan.messages is not None:
         try:
-            prompt = rt.render(plan.messages, think=plan.think)
+            ids = rt.prompt_ids(plan.messages, think=plan.think)
+        except UserError:
+            raise
         except Exception as e:  # the template refused the conversation (jinja raise_exception, bad roles)
             raise UserError(f"the chat template cannot render these messages: {e}") from None
     else:
-        prompt = plan.prompt or ""
-    ids = rt.ctx.tokenize(prompt, special=True)
+        ids = rt.raw_prompt_ids(plan.prompt or "")
     if not ids:
         raise UserError("the prompt is empty")
     block_size = int(plan.block_size or rt.block_size)
@@ -243,14 +125,12 @@ def _decode(rt: Any, job: Job, plan: Plan) -> None:
     rt.check_request(len(ids), max_new, plan.mode, block_size)
     job.emit("started", len(ids))
 
-    think_id, think_end_id = rt.think_id, rt.think_end_id
-    thinking = bool(think_id is not None and think_id in ids[-4:]
-                    and think_end_id not in ids[len(ids) - 1 - ids[::-1].index(think_id):])
-    parser = OutputParser(reasoning=plan.messages is not None, thinking=thinking, stop=plan.stop)
+    # chat: thinking and answer split by the one rule (clover_gguf.thinking); completions: the raw text
+    parser = ThinkSplitter(rt.thinking_at_start(ids), stop=plan.stop, tags=plan.messages is not None)
     controls = dataclasses.replace(rt.controls, **plan.controls) if plan.controls else None
-    gen = rt.stream([{"role": "user", "content": prompt}], raw_prompt=True, mode=plan.mode, max_new_tokens=max_new,
-                    block_size=block_size, threshold=plan.threshold, accept=plan.accept, temp=plan.temp,
-                    top_p=plan.top_p, top_k=plan.top_k, seed=plan.seed, controls=controls)
+    gen = rt.stream_ids(ids, mode=plan.mode, max_new_tokens=max_new, block_size=block_size, threshold=plan.threshold,
+                        accept=plan.accept, temp=plan.temp, top_p=plan.top_p, top_k=plan.top_k, seed=plan.seed,
+                        controls=controls)
     stats = None
     finish = "cancelled"
     try:

@@ -13,7 +13,7 @@ import pytest
 
 from clover_gguf.convert import convert
 from clover_gguf.errors import UserError
-from clover_gguf.runtime import CloverRuntime, split_thinking
+from clover_gguf.runtime import CloverRuntime
 
 
 def rel_err(a, b) -> float:
@@ -98,10 +98,13 @@ def test_not_a_clover_gguf(tmp_path):
         CloverRuntime(bad)
 
 
-def test_split_thinking():
-    assert split_thinking("<think>\nplan\n</think>\n\nanswer") == ("plan", "answer")
-    assert split_thinking("plan</think>answer") == ("plan", "answer")
-    assert split_thinking("just text") == ("", "just text")
+def test_the_prompts_tokens_decide_the_thinking_split(tiny_gguf):
+    """The GGUF's own <think> tokens: a prompt that opens the span makes `plan</think>answer` (plan, answer)."""
+    with CloverRuntime(tiny_gguf, n_ctx=256, n_threads=2) as rt:
+        opened = rt.raw_prompt_ids("<|im_start|>assistant\n<think>\n")
+        closed = rt.prompt_ids("hi", think=False)  # the template writes <think>\n\n</think>
+        assert rt.thinking_at_start(opened) and not rt.thinking_at_start(closed)
+        assert not rt.thinking_at_start(rt.prompt_ids("hi"))
 
 
 def _cli(*args, stdin: str | None = None) -> subprocess.CompletedProcess:
@@ -139,14 +142,15 @@ def test_chat_session_commands(tiny_gguf):
 
 def test_thinking_renderer_dims_or_hides():
     from clover_gguf.chat import DIM, RESET, ThinkingRenderer
+    from clover_gguf.thinking import ThinkSplitter
 
     for show, color in ((True, True), (False, False)):
         out = io.StringIO()
-        r = ThinkingRenderer(out, show, color)
+        r, split = ThinkingRenderer(out, show, color), ThinkSplitter(False)
         for piece in ["<thi", "nk>\nplan", "ning</th", "ink>\n\nThe answer"]:
-            r.feed(piece)
-        r.flush()
+            r.write(*split.feed(piece))
+        r.write(*split.close())
         s = out.getvalue()
         assert "<think>" not in s and "</think>" not in s and s.endswith("The answer")
-        assert ("planning" in s.replace(DIM, "").replace(RESET, "")) == show
+        assert s.replace(DIM, "").replace(RESET, "") == ("planning\nThe answer" if show else "The answer")
         assert (DIM in s) == (show and color)

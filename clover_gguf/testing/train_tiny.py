@@ -79,7 +79,9 @@ def chat_prompt(user: str) -> str:
 
 
 def strip_thinking(text: str) -> str:
-    return text.split("</think>", 1)[-1].strip()
+    from clover_gguf.thinking import split_thinking
+
+    return split_thinking(text)[1]
 
 
 def make_eval_set(n_per_task: int = 30, seed: int = 12345) -> list[dict]:
