@@ -12,10 +12,10 @@ Conventions
   predicted by the prefix's *last* logits (what `prefill` / `commit` returned last).
 * A sampler turns processed logits `[T, V]` into tokens `[T]`; the default is greedy: argmax, lowest index on
   ties (numpy's argmax). The confidence of a position is the softmax probability of the token the sampler chose.
-* A logits processor is `(tokens_so_far, logits[V]) -> logits[V]`; `tokens_so_far` holds the tokens generated so
-  far in this answer (not the prompt), which for a block position means the committed answer tokens plus the
-  resolved tokens before it in the block. Processors run before sampling and before confidences are taken, in
-  every mode, also on the verification logits of draft-self.
+* A logits processor is `(histories, logits[T, V]) -> logits[T, V]` (controls.Processor); `histories[i]` holds the
+  tokens generated so far in this answer before row i (not the prompt), which for a block position means the
+  committed answer tokens plus the resolved tokens before it in the block. Processors run before sampling and
+  before confidences are taken, in every mode, also on the verification logits of draft-self.
 * End tokens (`backend.eos_ids`) end the answer and are never yielded.
 * Forward passes count every model evaluation the decoder asks for, the prompt's prefill included: one per
   `prefill`, `commit` and `block_logits` call. AR decoding therefore takes one pass per token, the end token
@@ -25,12 +25,12 @@ Conventions
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Protocol, Sequence, runtime_checkable
+from typing import Any, Iterator, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-Sampler = Callable[[np.ndarray], np.ndarray]
-LogitsProcessor = Callable[[np.ndarray, np.ndarray], np.ndarray]
+from clover_gguf.controls import Processor, Sampler, greedy, process, softmax
+
 MODES = ("ar", "diffusion", "draft-self")
 ACCEPT_MODES = ("exact", "threshold")
 
@@ -148,37 +148,8 @@ class ReferenceBackend:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Sampling helpers
+# Sampling: processors and samplers are clover_gguf.controls' one batched interface
 # ---------------------------------------------------------------------------------------------------------------
-def greedy(logits: np.ndarray) -> np.ndarray:
-    """[T, V] -> [T]: argmax, the lowest index on ties."""
-    return np.argmax(logits, axis=-1)
-
-
-def softmax(logits: np.ndarray) -> np.ndarray:
-    z = logits - logits.max(-1, keepdims=True)
-    e = np.exp(z)
-    return e / e.sum(-1, keepdims=True)
-
-
-def _process(processors: Sequence[LogitsProcessor], history: Sequence[Sequence[int]], logits: np.ndarray
-             ) -> np.ndarray:
-    """Apply the processors to each row; history[i] = tokens_so_far for row i. logits [T, V] -> [T, V].
-    A processor with a `rows(histories, logits [T, V])` method (controls.make_processors) takes all rows at once."""
-    logits = np.asarray(logits, dtype=np.float64)
-    if not processors:
-        return logits
-    out = logits.copy()
-    for p in processors:
-        rows = getattr(p, "rows", None)
-        if rows is not None:
-            out = np.asarray(rows(history, out), dtype=np.float64)
-        else:
-            for i in range(out.shape[0]):
-                out[i] = p(np.asarray(history[i], dtype=np.int64), out[i])
-    return out
-
-
 def _pick(logits: np.ndarray, sampler: Sampler) -> tuple[np.ndarray, np.ndarray]:
     """processed logits [T, V] -> (tokens [T], confidence [T] = probability of the chosen token)."""
     tok = np.asarray(sampler(logits), dtype=np.int64).reshape(-1)
@@ -232,7 +203,7 @@ def _first_end(block: list[int], resolved: list[bool], eos: frozenset[int]) -> i
 
 
 def resolve_block(backend: Backend, block: list[int], resolved: list[bool], generated: Sequence[int],
-                  threshold: float, sampler: Sampler, processors: Sequence[LogitsProcessor],
+                  threshold: float, sampler: Sampler, processors: Sequence[Processor],
                   stats: GenerationStats) -> int:
     """Fill the masked positions of `block` in place by block-mode passes (the card's LowConfidence rule).
 
@@ -257,7 +228,7 @@ def resolve_block(backend: Backend, block: list[int], resolved: list[bool], gene
             else:
                 masked.append(i)
                 history.append(list(before))
-        tok, conf = _pick(_process(processors, history, logits[masked]), sampler)  # [M], [M]
+        tok, conf = _pick(process(processors, history, logits[masked]), sampler)  # [M], [M]
         fill = [m for m, c in zip(range(len(masked)), conf) if c > threshold]
         if not fill:
             fill = [int(np.argmax(conf))]
@@ -270,7 +241,7 @@ def resolve_block(backend: Backend, block: list[int], resolved: list[bool], gene
 # ---------------------------------------------------------------------------------------------------------------
 def generate(backend: Backend, prompt_ids: Sequence[int], mode: str = "diffusion", max_new_tokens: int = 256,
              block_size: int | None = None, threshold: float = 0.95, accept: str = "exact",
-             sampler: Sampler | None = None, logits_processors: Sequence[LogitsProcessor] = (),
+             sampler: Sampler | None = None, logits_processors: Sequence[Processor] = (),
              reset: bool = True) -> Iterator[Chunk]:
     """Decode an answer after `prompt_ids`, yielding Chunks as tokens resolve; the last one has finished=True.
 
@@ -330,7 +301,7 @@ def _ar(backend, prompt_ids, max_new, sampler, processors, stats) -> Iterator[Ch
     stats.forward_passes += 1
     out: list[int] = []
     while True:
-        tok, _ = _pick(_process(processors, [out], logits[None]), sampler)
+        tok, _ = _pick(process(processors, [out], logits[None]), sampler)
         t = int(tok[0])
         if t in backend.eos_ids:
             yield _finish(stats, [], "stop")
@@ -370,7 +341,7 @@ def _draft_self(backend, prompt_ids, max_new, block_size, threshold, accept, sam
     eos, out = backend.eos_ids, []
     last = backend.prefill(prompt_ids)  # [V]: causal logits predicting the first answer token
     stats.forward_passes += 1
-    pending = int(_pick(_process(processors, [out], last[None]), sampler)[0][0])  # causal choice, not committed
+    pending = int(_pick(process(processors, [out], last[None]), sampler)[0][0])  # causal choice, not committed
     while pending not in eos:
         # draft: the block's first position is the pending causal token, the rest start masked
         block = [pending] + [backend.mask_token_id] * (block_size - 1)  # [B]
@@ -381,7 +352,7 @@ def _draft_self(backend, prompt_ids, max_new, block_size, threshold, accept, sam
         ver = backend.commit(draft)  # [D, V]
         stats.forward_passes += 1
         history = [out + draft[:i + 1] for i in range(d)]  # tokens_so_far for the token after draft[i]
-        causal = _process(processors, history, ver)  # [D, V]
+        causal = process(processors, history, ver)  # [D, V]
         target, _ = _pick(causal, sampler)  # [D]: target[i] = causal choice for position i + 1
         if accept == "exact":
             ok = [draft[i + 1] == int(target[i]) for i in range(d - 1)]  # [D-1]

@@ -270,14 +270,7 @@ class CloverRuntime:
         self.check_request(len(ids), max_new_tokens, mode, block_size)
         c = controls or self.controls
         procs = make_processors(c, self.eos_ids, self.think_id, self.think_end_id, self.thinking_at_start(ids))
-        if temp <= 0:
-            sampler = decoding.greedy  # argmax, lowest index on ties: all rows at once
-        else:
-            sampler1 = make_sampler(temp, top_p, top_k, seed)
-
-            def sampler(logits: np.ndarray) -> np.ndarray:  # decoding wants [T, V] -> [T]
-                return np.array([sampler1(row) for row in np.atleast_2d(logits)], dtype=np.int64)
-
+        sampler = make_sampler(temp, top_p, top_k, seed)
         self.backend.extra_passes = 0
         self.backend.prefill_seconds = 0.0
         self.backend.keep_backup = mode == "draft-self"

@@ -128,9 +128,9 @@ def test_ar_one_pass_per_token_the_end_token_included():
 
 def test_logits_processors_run_before_sampling_and_confidence():
     banned = 4
-    def ban(tokens, logits):
+    def ban(histories, logits):
         out = logits.copy()
-        out[banned] = -np.inf
+        out[:, banned] = -np.inf
         return out
     passes = [[(banned, 0.99), (5, 0.99)] + [(6, 0.99)] * (B - 2)] + [[(6, 0.99)] * B] * B
     be = FakeBackend(lambda c: dist(0, 0.5), scripted(passes))
