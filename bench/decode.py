@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from clover_gguf.convert import convert  # noqa: E402
+from clover_gguf.metadata import CORESET_ENABLED  # noqa: E402
 from clover_gguf.quantize import quantize  # noqa: E402
 from clover_gguf.runtime import CloverRuntime  # noqa: E402
 
@@ -100,8 +101,7 @@ def bench_block_cost(workdir: Path) -> None:
     reps = 20
     print(f"\nsmall random model: one 32-token block pass vs one AR step ({reps} reps each)")
     for coreset in (True, False):
-        with LlamaContext(gguf, n_ctx=512, overrides={"clover.moe_block_coreset.enabled": coreset},
-                          n_threads=2) as ctx:
+        with LlamaContext(gguf, n_ctx=512, overrides={CORESET_ENABLED: coreset}, n_threads=2) as ctx:
             ctx.decode(prefix, 0, 0, logits=False)
             t0 = time.perf_counter()
             for i in range(reps):

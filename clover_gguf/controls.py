@@ -19,50 +19,14 @@ All apply under sampling and greedy alike. Values come from the GGUF (`clover.ge
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 import numpy as np
 
-from clover_gguf.config import GenerationDefaults
+from clover_gguf.metadata import Controls  # the card's values and their GGUF keys: one home
 
 Processor = Callable[[Sequence[Sequence[int]], np.ndarray], np.ndarray]  # (histories [T], logits [T, V]) -> [T, V]
 Sampler = Callable[[np.ndarray], np.ndarray]  # logits [T, V] -> tokens [T]
-
-
-_CARD = GenerationDefaults()  # the model card's values live in one place: config.GenerationDefaults
-
-
-@dataclass(frozen=True)
-class Controls:
-    presence_penalty: float = _CARD.presence_penalty
-    frequency_penalty: float = _CARD.frequency_penalty
-    repetition_penalty: float = _CARD.repetition_penalty
-    length_penalty: float = _CARD.length_penalty
-    length_penalty_start: int = _CARD.length_penalty_start
-    length_penalty_ramp: int = _CARD.length_penalty_ramp
-    think_end_bias: float = _CARD.think_end_bias
-    think_end_bias_start: int = _CARD.think_end_bias_start
-    think_end_bias_ramp: int = _CARD.think_end_bias_ramp
-
-    GGUF_KEYS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "length_penalty",
-                 "length_penalty_start", "length_penalty_ramp", "think_end_bias", "think_end_bias_start",
-                 "think_end_bias_ramp")
-
-    @classmethod
-    def from_meta(cls, meta: Callable[[str], str | None], **overrides) -> "Controls":
-        """From a GGUF's `clover.generation.*` keys (meta(key) -> string or None), then explicit overrides."""
-        kw = {}
-        for k in cls.GGUF_KEYS:
-            v = meta(f"clover.generation.{k}")
-            if v is not None:
-                kw[k] = type(getattr(cls, k))(float(v))
-        c = cls(**kw)
-        return replace(c, **{k: v for k, v in overrides.items() if v is not None})
-
-    def off(self) -> "Controls":
-        return replace(self, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0, length_penalty=0.0,
-                       think_end_bias=0.0)
 
 
 def _ramp(n: int, start: int, ramp: int) -> float:

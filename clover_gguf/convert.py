@@ -13,14 +13,14 @@ from gguf import GGMLQuantizationType as QT
 from gguf import GGUFWriter, quants
 
 from clover_gguf.checkpoint import Checkpoint
-from clover_gguf.config import CloverConfig, GenerationDefaults
+from clover_gguf.config import CloverConfig
 from clover_gguf.errors import UserError
 from clover_gguf.fsutil import atomic_output, check_free_disk, check_writable_dir
+from clover_gguf.metadata import ARCH, BLOCK_MODE, CORESET_ENABLED, CORESET_TOP_P, GenerationDefaults
 from clover_gguf.tensor_map import (EXPERT_KINDS, FUSED_RE, MTP_LAYER_RE, PER_EXPERT_RE, REORDER_ONLY, TENSOR_RULES,
                                     TRANSFORMS, TensorRule, expert_shape, match_rule)
 from clover_gguf.vocab import Vocab, load_vocab
 
-ARCH = "clover"
 OUTTYPES = {"f32": QT.F32, "f16": QT.F16, "bf16": QT.BF16, "q8_0": QT.Q8_0}
 # what each safetensors storage dtype is in GGML terms: a reorder-only tensor whose output type equals its source
 # type is copied bit for bit
@@ -239,11 +239,7 @@ def write_metadata(w: GGUFWriter, cfg: CloverConfig, vocab: Vocab, gen: Generati
         "ssm.conv_kernel": cfg.linear_conv_kernel_dim, "ssm.state_size": cfg.linear_key_head_dim,
         "ssm.group_count": cfg.linear_num_key_heads, "ssm.time_step_rank": cfg.linear_num_value_heads,
         "ssm.inner_size": cfg.value_dim, "full_attention_interval": cfg.full_attention_interval,
-        "diffusion.block_size": gen.block_size, "ssm.conv_right_kernel": cfg.right_kernel,
-        "generation.length_penalty_start": gen.length_penalty_start,
-        "generation.length_penalty_ramp": gen.length_penalty_ramp,
-        "generation.think_end_bias_start": gen.think_end_bias_start,
-        "generation.think_end_bias_ramp": gen.think_end_bias_ramp,
+        "ssm.conv_right_kernel": cfg.right_kernel,
     }
     if n_blocks > cfg.num_hidden_layers:
         u32["nextn_predict_layers"] = n_blocks - cfg.num_hidden_layers
@@ -251,15 +247,14 @@ def write_metadata(w: GGUFWriter, cfg: CloverConfig, vocab: Vocab, gen: Generati
         w.add_uint32(a + k, int(v))
     f32 = {
         "attention.layer_norm_rms_epsilon": cfg.rms_norm_eps, "rope.freq_base": cfg.rope_theta,
-        "diffusion.threshold": gen.threshold, "moe_block_coreset.top_p": cfg.moe_block_coreset_top_p,
-        "generation.presence_penalty": gen.presence_penalty, "generation.frequency_penalty": gen.frequency_penalty,
-        "generation.repetition_penalty": gen.repetition_penalty, "generation.length_penalty": gen.length_penalty,
-        "generation.think_end_bias": gen.think_end_bias,
     }
     for k, v in f32.items():
         w.add_float32(a + k, float(v))
-    w.add_bool(a + "block_mode", cfg.is_clover)
-    w.add_bool(a + "moe_block_coreset.enabled", cfg.is_clover and cfg.moe_block_coreset_enabled)
+    for key, v in gen.gguf_items().items():  # the card's values under their clover.* keys (metadata.py)
+        (w.add_uint32 if isinstance(v, int) else w.add_float32)(key, v)
+    w.add_float32(CORESET_TOP_P, float(cfg.moe_block_coreset_top_p))
+    w.add_bool(BLOCK_MODE, cfg.is_clover)
+    w.add_bool(CORESET_ENABLED, cfg.is_clover and cfg.moe_block_coreset_enabled)
     w.add_array(a + "rope.dimension_sections", rope_sections)
     w.add_array(a + "attention.recurrent_layers", recurrent)
 

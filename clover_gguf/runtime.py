@@ -24,6 +24,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from clover_gguf import decoding
+from clover_gguf import metadata as md
 from clover_gguf.controls import Controls, make_processors, make_sampler
 from clover_gguf.errors import UserError
 from clover_gguf.llama_context import LlamaContext
@@ -169,24 +170,25 @@ class CloverRuntime:
             meta = read_header(path).kv
         except UserError as e:
             raise UserError(f"{path} is not a readable GGUF file ({e})") from None
-        if meta.get("general.architecture") != "clover":
-            raise UserError(f"{path} is not a Clover GGUF (architecture {meta.get('general.architecture')!r})")
+        if meta.get(md.ARCHITECTURE) != md.ARCH:
+            raise UserError(f"{path} is not a Clover GGUF (architecture {meta.get(md.ARCHITECTURE)!r})")
         self.meta = meta
         self.path = path
-        self.block_mode = bool(meta.get("clover.block_mode", False))
-        self.context_length = int(meta.get("clover.context_length", 4096))
-        self.block_size = int(meta.get("clover.diffusion.block_size", 32))
-        self.threshold = float(meta.get("clover.diffusion.threshold", 0.95))
-        self.mask_token_id = meta.get("tokenizer.ggml.mask_token_id")
-        self.chat_template = meta.get("tokenizer.chat_template")
+        card = md.GenerationDefaults()
+        self.block_mode = bool(meta.get(md.BLOCK_MODE, False))
+        self.context_length = int(meta.get(md.hparam("context_length"), 4096))
+        self.block_size = int(meta.get(md.BLOCK_SIZE, card.block_size))
+        self.threshold = float(meta.get(md.THRESHOLD, card.threshold))
+        self.mask_token_id = meta.get(md.MASK_TOKEN_ID)
+        self.chat_template = meta.get(md.CHAT_TEMPLATE)
         self._template = None
-        self.controls = Controls.from_meta(lambda k: None if meta.get(k) is None else str(meta[k]))
+        self.controls = Controls.from_meta(meta.get)
         n_ctx = min(n_ctx or 8192, self.context_length)
         overrides: dict[str, bool | float] = {}
         if coreset is not None:
-            overrides["clover.moe_block_coreset.enabled"] = coreset
+            overrides[md.CORESET_ENABLED] = coreset
         if coreset_top_p is not None:
-            overrides["clover.moe_block_coreset.top_p"] = coreset_top_p
+            overrides[md.CORESET_TOP_P] = coreset_top_p
         n_rs_seq = self.block_size + 1 if rollback == "snapshot" else 0
         self.ctx = LlamaContext(path, n_ctx=n_ctx, n_ubatch=max(512, self.block_size), n_seq_max=3,
                                 overrides=overrides or None, n_rs_seq=n_rs_seq, exact=exact, n_threads=n_threads,
