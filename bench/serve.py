@@ -29,8 +29,7 @@ import httpx  # noqa: E402
 
 from clover_gguf.build import find_library  # noqa: E402
 from clover_gguf.convert import convert  # noqa: E402
-
-MODES = ("ar", "diffusion", "draft-self")
+from clover_gguf.decoding import MODES  # noqa: E402
 
 
 def free_port() -> int:

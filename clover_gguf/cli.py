@@ -10,7 +10,9 @@ from typing import Optional
 
 import typer
 
+from clover_gguf.decoding import ACCEPT_MODES, MODES
 from clover_gguf.errors import UserError
+from clover_gguf.runtime import ROLLBACKS
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Clover block-diffusion MoE on your own machine: convert, quantize, build llama.cpp, decode.")
@@ -174,20 +176,14 @@ def doctor(as_json: bool = typer.Option(False, "--json", help="print one JSON ob
         raise typer.Exit(2)
 
 
-class Mode(str, Enum):
-    ar = "ar"
-    diffusion = "diffusion"
-    draft_self = "draft-self"
+def _choices(name: str, values: tuple[str, ...]) -> type[Enum]:
+    """A typer choice type over one of the tuples the modules define (the lists live there, once)."""
+    return Enum(name, {v.replace("-", "_"): v for v in values}, type=str)
 
 
-class Accept(str, Enum):
-    exact = "exact"
-    threshold = "threshold"
-
-
-class Rollback(str, Enum):
-    redecode = "redecode"
-    snapshot = "snapshot"
+Mode = _choices("Mode", MODES)
+Accept = _choices("Accept", ACCEPT_MODES)
+Rollback = _choices("Rollback", ROLLBACKS)
 
 
 @app.command()

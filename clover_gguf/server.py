@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Literal, Union
 
+from clover_gguf.decoding import ACCEPT_MODES, MODES
 from clover_gguf.errors import UserError
 from clover_gguf.thinking import ThinkSplitter
 
@@ -39,7 +40,6 @@ except ImportError:  # importing this module needs no extra; create_app and serv
 
 log = logging.getLogger("clover_gguf.server")
 
-MODES = ("ar", "diffusion", "draft-self")
 MAX_STOP = 16
 POLL_S = 0.25  # how often a waiting request checks whether its client is still there
 
@@ -268,10 +268,10 @@ def _models():
         presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
         frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
         repetition_penalty: float | None = Field(None, gt=0.0)
-        mode: Literal["ar", "diffusion", "draft-self"] | None = None
+        mode: Literal[MODES] | None = None
         block_size: int | None = Field(None, ge=1, le=256)
         threshold: float | None = Field(None, ge=0.0, le=1.0)
-        accept: Literal["exact", "threshold"] | None = None
+        accept: Literal[ACCEPT_MODES] | None = None
 
     class ChatRequest(Common):
         messages: list[Message] = Field(..., min_length=1)
