@@ -1,8 +1,8 @@
 """Clover's decoding loops, written once for every backend: causal ("ar"), block diffusion ("diffusion") and
 self-speculative decoding ("draft-self").
 
-A backend (the PyTorch reference here, the patched llama.cpp later) only evaluates the model; everything that
-decides tokens lives in this module and works on numpy logits. `generate` yields chunks as they resolve, in the
+A backend (reference.ReferenceBackend on the PyTorch reference, runtime.LlamaBackend on the patched llama.cpp)
+only evaluates the model; everything that decides tokens lives in this module and works on numpy logits. `generate` yields chunks as they resolve, in the
 style of mlx-lm's generate_step; `generate_all` collects them.
 
 Conventions
@@ -25,7 +25,7 @@ Conventions
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator, Protocol, Sequence, runtime_checkable
+from typing import Iterator, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -80,71 +80,6 @@ class Backend(Protocol):
     def block_logits(self, block: Sequence[int]) -> np.ndarray: ...
 
     def rollback(self, n: int) -> None: ...
-
-
-class ReferenceBackend:
-    """The Backend over clover_gguf.reference.CloverModel. Its PrefixState is immutable, so rollback just returns
-    to the state before the latest commit and re-runs the kept tokens (backend work, not a counted pass)."""
-
-    def __init__(self, model: Any, eos_ids: Sequence[int] | None = None, coreset: bool | float | None = None):
-        import torch
-
-        self.torch = torch
-        self.model = model
-        cfg = model.cfg
-        if cfg.mask_token_id is None:
-            raise ValueError("the checkpoint has no mask_token_id: block mode is unavailable")
-        self.mask_token_id = int(cfg.mask_token_id)
-        eos = eos_ids if eos_ids is not None else cfg.eos_token_id
-        self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
-        self.block_size = int(cfg.block_size)
-        self.coreset = coreset
-        self.reset()
-
-    @property
-    def n_past(self) -> int:
-        return len(self._ids)
-
-    def reset(self) -> None:
-        self._ids: list[int] = []
-        self._state = self.model.empty_state()
-        self._before_last: tuple[Any, int] | None = None  # (state, n_past) before the latest commit
-
-    def _run(self, ids: Sequence[int], state: Any, block: bool = False):
-        torch = self.torch
-        with torch.no_grad():
-            x = torch.tensor([list(ids)], dtype=torch.long)
-            logits, new = self.model.run(x, state, block=block, coreset=self.coreset if block else None)
-        return logits[0].numpy(), new
-
-    def commit(self, ids: Sequence[int]) -> np.ndarray:
-        if not len(ids):
-            raise ValueError("commit needs at least one token")
-        self._before_last = (self._state, len(self._ids))
-        logits, self._state = self._run(ids, self._state)
-        self._ids.extend(int(t) for t in ids)
-        return logits
-
-    def prefill(self, ids: Sequence[int]) -> np.ndarray:
-        return self.commit(ids)[-1]
-
-    def block_logits(self, block: Sequence[int]) -> np.ndarray:
-        logits, _ = self._run(block, self._state, block=True)  # the new state is thrown away
-        return logits
-
-    def rollback(self, n: int) -> None:
-        if n <= 0:
-            return
-        if self._before_last is None or len(self._ids) - n < self._before_last[1]:
-            raise ValueError("rollback reaches past the latest commit")
-        state, n0 = self._before_last
-        keep = self._ids[n0:len(self._ids) - n]
-        self._ids = self._ids[:n0]
-        self._state = state
-        if keep:
-            _, self._state = self._run(keep, state)
-            self._ids.extend(keep)
-        self._before_last = None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -242,14 +177,16 @@ def resolve_block(backend: Backend, block: list[int], resolved: list[bool], gene
 def generate(backend: Backend, prompt_ids: Sequence[int], mode: str = "diffusion", max_new_tokens: int = 256,
              block_size: int | None = None, threshold: float = 0.95, accept: str = "exact",
              sampler: Sampler | None = None, logits_processors: Sequence[Processor] = (),
-             reset: bool = True) -> Iterator[Chunk]:
+             stats: GenerationStats | None = None) -> Iterator[Chunk]:
     """Decode an answer after `prompt_ids`, yielding Chunks as tokens resolve; the last one has finished=True.
 
     mode "ar": one causal pass per token. "diffusion": blocks of `block_size` positions start all-mask and are
     resolved by block passes (resolve_block); a finished block is committed by one causal pass; an end token ends
     the answer. "draft-self": block passes draft, one causal pass verifies (see _draft_self).
     threshold: the confidence a block position must exceed to be filled in a pass (and, with accept="threshold",
-    the causal probability a draft token needs to be kept). reset=False continues after the committed prefix.
+    the causal probability a draft token needs to be kept). The backend is reset first.
+    stats: the object to count into (a caller's subclass with more fields, e.g. runtime.RunStats); by default a
+    new GenerationStats. The chunks carry it.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
@@ -259,9 +196,9 @@ def generate(backend: Backend, prompt_ids: Sequence[int], mode: str = "diffusion
         raise ValueError("the prompt is empty")
     sampler = sampler or greedy
     block_size = int(block_size or backend.block_size)
-    stats = GenerationStats(mode=mode, prompt_tokens=len(prompt_ids))
-    if reset:
-        backend.reset()
+    if stats is None:
+        stats = GenerationStats(mode=mode, prompt_tokens=len(prompt_ids))
+    backend.reset()
     if mode == "ar":
         gen = _ar(backend, prompt_ids, max_new_tokens, sampler, logits_processors, stats)
     elif mode == "diffusion":

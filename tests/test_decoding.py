@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from clover_gguf.decoding import Backend, ReferenceBackend, generate, generate_all
+from clover_gguf.decoding import Backend, generate, generate_all
 
 V, MASK, EOS, B = 12, 11, 10, 6
 
@@ -235,27 +235,3 @@ def test_max_new_tokens_cuts_every_mode():
         assert len(toks) <= 4
         if len(toks) == 4:
             assert stats.finish_reason == "length"
-
-
-def test_reference_backend_rollback_equals_a_fresh_prefix(make_checkpoint):
-    import torch
-
-    from clover_gguf.reference import CloverModel
-
-    torch.set_num_threads(1)
-    model = CloverModel.from_pretrained(make_checkpoint(seed=1), dtype=torch.float64)
-    be = ReferenceBackend(model)
-    ids = [5, 9, 13, 200, 41, 7, 88, 19]
-    be.prefill(ids[:3])
-    be.commit(ids[3:])
-    be.rollback(3)
-    assert be.n_past == 5
-    blk = [be.mask_token_id] * 4
-    a, b = be.commit([77]), be.block_logits(blk)
-    fresh = ReferenceBackend(model)
-    fresh.prefill(ids[:5])
-    assert np.allclose(a, fresh.commit([77]), atol=1e-10)
-    assert np.allclose(b, fresh.block_logits(blk), atol=1e-10)
-    before = be.n_past
-    be.block_logits(blk)
-    assert be.n_past == before  # block mode commits nothing

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from clover_gguf.convert import convert
-from clover_gguf.decoding import ReferenceBackend, generate_all
+from clover_gguf.decoding import generate_all
+from clover_gguf.reference import ReferenceBackend
 from clover_gguf.runtime import CloverRuntime
 from clover_gguf.testing.train_tiny import ASSET_DIR, chat_prompt, load_tiny, strip_thinking
 

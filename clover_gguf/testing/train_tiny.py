@@ -421,7 +421,8 @@ def evaluate_rows(model, tok, rows: list[dict], mode: str = "ar", accept: str = 
 
     A row is correct when the decoded text, thinking removed, contains its answer.
     """
-    from clover_gguf.decoding import ReferenceBackend, generate_all
+    from clover_gguf.decoding import generate_all
+    from clover_gguf.reference import ReferenceBackend
 
     backend = ReferenceBackend(model)
     correct, gen_tokens, passes, drafted, accepted, outputs = 0, 0, 0, 0, 0, []
