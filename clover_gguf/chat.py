@@ -43,10 +43,10 @@ class ThinkingRenderer:
 class ChatSession:
     def __init__(self, model: Path, mode: str = "draft-self", max_new_tokens: int = 1024, think: bool = True,
                  show_thinking: bool = True, temp: float = 0.0, seed: int | None = None, n_ctx: int | None = None,
-                 out: TextIO = sys.stdout, inp: TextIO = sys.stdin):
+                 json_stats: bool = False, out: TextIO = sys.stdout, inp: TextIO = sys.stdin):
         self.rt = CloverRuntime(model, n_ctx=n_ctx)
         self.mode, self.max_new_tokens, self.think, self.show_thinking = mode, max_new_tokens, think, show_thinking
-        self.temp, self.seed = temp, seed
+        self.temp, self.seed, self.json_stats = temp, seed, json_stats
         self.out, self.inp = out, inp
         self.messages: list[dict[str, str]] = []
         self.last: RunStats | None = None
@@ -70,16 +70,21 @@ class ChatSession:
                 self.mode = arg.strip()
                 self.say(f"(mode: {self.mode})")
         elif cmd == "/stats":
-            self.say(json.dumps(self.last.__dict__) if self.last else "(no answer yet)")
+            self.say(self.stats_line() if self.last else "(no answer yet)")
         else:
             self.say("(commands: /reset, /mode ar|diffusion|draft-self, /stats, /quit)")
         return True
+
+    def stats_line(self) -> str:
+        """The last answer's stats: RunStats.summary (as `generate --stats` prints it), or its JSON."""
+        return json.dumps(self.last.to_json()) if self.json_stats else f"({self.last.summary()})"
 
     def answer(self, text: str) -> None:
         self.messages.append({"role": "user", "content": text})
         color = hasattr(self.out, "isatty") and self.out.isatty()
         view = ThinkingRenderer(self.out, self.show_thinking, color)
-        answer = []
+        answer: list[str] = []
+        self.last = None
         try:
             ids = self.rt.prompt_ids(self.messages, think=self.think)
             split = ThinkSplitter(self.rt.thinking_at_start(ids))
@@ -100,6 +105,8 @@ class ChatSession:
             answer.append(said)
             view.write(thinking, said)
             self.say()
+        if self.last is not None:
+            self.say(self.stats_line())
         self.messages.append({"role": "assistant", "content": "".join(answer)})
 
     def loop(self) -> None:
@@ -113,7 +120,11 @@ class ChatSession:
                 except KeyboardInterrupt:
                     self.say()
                     continue
-                if not line:  # Ctrl-D / end of input
+                except UnicodeDecodeError:  # the terminal sent bytes that are not UTF-8
+                    self.say("error: that line is not UTF-8 text")
+                    continue
+                if not line:  # Ctrl-D / end of input: end the prompt's line, then leave
+                    self.say()
                     break
                 line = line.strip()
                 if not line:

@@ -207,7 +207,7 @@ def generate(
     repetition_penalty: Optional[float] = typer.Option(None, "--repetition-penalty", min=0.01,
                                                        help="default: the GGUF's (1.05)"),
     no_controls: bool = typer.Option(False, "--no-controls", help="turn every generation control off"),
-    stats: bool = typer.Option(False, "--stats", help="print decoding stats to stderr"),
+    stats: bool = typer.Option(False, "--stats", help="print a one-line stats summary to stderr (all of them: --json)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object: text, thinking, stats"),
 ) -> None:
     """Answer one prompt, streaming the answer as tokens are accepted."""
@@ -227,13 +227,12 @@ def generate(
             ans = rt.generate(prompt, **kw)
             typer.echo(json.dumps(ans.to_json()))
             return
-        raw, run = "", None
+        run = None
         for text, run in rt.stream(prompt, **kw):
-            raw += text
             typer.echo(text, nl=False)
         typer.echo("")
         if stats and run is not None:
-            typer.echo(json.dumps(run.__dict__), err=True)
+            typer.echo(run.summary(), err=True)
 
 
 @app.command()
@@ -246,12 +245,13 @@ def chat(
     temp: float = typer.Option(0.0, "--temp", min=0.0),
     seed: Optional[int] = typer.Option(None, "--seed"),
     ctx: Optional[int] = typer.Option(None, "--ctx"),
+    json_stats: bool = typer.Option(False, "--json-stats", help="each answer's stats as one JSON object, not a line"),
 ) -> None:
     """Chat in the terminal: /reset, /mode ar|diffusion|draft-self, /stats, /quit; Ctrl-C stops an answer."""
     from clover_gguf.chat import ChatSession
 
     ChatSession(model, mode=mode.value, max_new_tokens=max_new_tokens, think=think, show_thinking=show_thinking,
-                temp=temp, seed=seed, n_ctx=ctx).loop()
+                temp=temp, seed=seed, n_ctx=ctx, json_stats=json_stats).loop()
 
 
 @app.command()

@@ -127,21 +127,34 @@ class LlamaBackend:
 # The model as a user sees it
 # ---------------------------------------------------------------------------------------------------------------
 @dataclass
-class RunStats:
-    mode: str
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    forward_passes: int = 0
-    tokens_per_pass: float = 0.0
-    acceptance_rate: float | None = None
+class RunStats(decoding.GenerationStats):
+    """The decoder's counts (GenerationStats) plus what the runtime measures around them."""
+
     time_to_first_token_s: float | None = None
     tokens_per_s: float = 0.0  # generated tokens over the whole run, the prompt's pass included
     decode_tokens_per_s: float = 0.0  # generated tokens over the time after the prompt's pass (llama.cpp "eval")
     prompt_seconds: float = 0.0
     seconds: float = 0.0
     peak_memory_mib: float = 0.0
-    finish_reason: str | None = None
     rollback_passes: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        """Every field and the two rates, as the JSON outputs (--json, the server's clover_stats) carry them."""
+        d = asdict(self)
+        d["tokens_per_pass"] = round(self.tokens_per_pass, 4)
+        d["acceptance_rate"] = None if self.acceptance_rate is None else round(self.acceptance_rate, 4)
+        return d
+
+    def summary(self) -> str:
+        """One line for a person (generate --stats, chat): tokens, passes, tokens/pass, tok/s, acceptance."""
+        parts = [f"{self.generated_tokens} tokens", f"{self.forward_passes} passes",
+                 f"{self.tokens_per_pass:.2f} tokens/pass", f"{self.tokens_per_s:.1f} tok/s"]
+        if self.acceptance_rate is not None:
+            parts.append(f"{self.acceptance_rate:.0%} of drafts accepted")
+        parts.append(f"{self.seconds:.2f} s")
+        if self.finish_reason == "length":
+            parts.append("cut at the token limit")
+        return f"{self.mode}: " + ", ".join(parts)
 
 
 @dataclass
@@ -152,7 +165,7 @@ class Answer:
     raw: str = field(repr=False, default="")
 
     def to_json(self) -> dict[str, Any]:
-        return {"text": self.text, "thinking": self.thinking, "stats": asdict(self.stats)}
+        return {"text": self.text, "thinking": self.thinking, "stats": self.stats.to_json()}
 
 
 class CloverRuntime:
@@ -281,11 +294,11 @@ class CloverRuntime:
         pending = b""
         for chunk in decoding.generate(self.backend, ids, mode=mode, max_new_tokens=max_new_tokens,
                                        block_size=block_size, threshold=self.threshold if threshold is None else threshold,
-                                       accept=accept, sampler=sampler, logits_processors=procs):
+                                       accept=accept, sampler=sampler, logits_processors=procs, stats=stats):
             now = time.perf_counter()
             if chunk.tokens and stats.time_to_first_token_s is None:
                 stats.time_to_first_token_s = now - t0
-            _fill_stats(stats, chunk.stats, now - t0, self.backend.extra_passes, self.backend.prefill_seconds)
+            _time_stats(stats, now - t0, self.backend.extra_passes, self.backend.prefill_seconds)
             pending += b"".join(self.ctx.token_to_piece(t, special=True) for t in chunk.tokens)
             text, pending = _utf8_prefix(pending)
             yield text, stats
@@ -310,17 +323,13 @@ class CloverRuntime:
         self.close()
 
 
-def _fill_stats(stats: RunStats, g: decoding.GenerationStats, seconds: float, extra: int, prompt_s: float) -> None:
-    stats.generated_tokens = g.generated_tokens
-    stats.forward_passes = g.forward_passes
-    stats.tokens_per_pass = round(g.tokens_per_pass, 4)
-    stats.acceptance_rate = None if g.acceptance_rate is None else round(g.acceptance_rate, 4)
-    stats.finish_reason = g.finish_reason
+def _time_stats(stats: RunStats, seconds: float, extra: int, prompt_s: float) -> None:
+    """The runtime's own figures; the counts are the decoder's (it counts into the same object)."""
     stats.seconds = round(seconds, 4)
-    stats.tokens_per_s = round(g.generated_tokens / seconds, 2) if seconds > 0 else 0.0
+    stats.tokens_per_s = round(stats.generated_tokens / seconds, 2) if seconds > 0 else 0.0
     stats.prompt_seconds = round(prompt_s, 4)
     decode_s = seconds - prompt_s
-    stats.decode_tokens_per_s = round(g.generated_tokens / decode_s, 2) if decode_s > 0 else 0.0
+    stats.decode_tokens_per_s = round(stats.generated_tokens / decode_s, 2) if decode_s > 0 else 0.0
     stats.peak_memory_mib = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     stats.rollback_passes = extra
 

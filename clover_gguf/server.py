@@ -25,7 +25,7 @@ import os
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Literal, Union
 
@@ -150,7 +150,7 @@ def _decode(rt: Any, job: Job, plan: Plan) -> None:
                 job.emit("delta", r, c)
     finally:
         gen.close()
-    st = asdict(stats) if stats is not None else {"mode": plan.mode, "prompt_tokens": len(ids),
+    st = stats.to_json() if stats is not None else {"mode": plan.mode, "prompt_tokens": len(ids),
                                                    "generated_tokens": 0}
     if parser.matched is not None:
         st["stop_string"] = parser.matched

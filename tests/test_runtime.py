@@ -136,8 +136,17 @@ def test_chat_session_commands(tiny_gguf):
     s.loop()
     text = out.getvalue()
     assert "(mode: ar)" in text and "(conversation cleared)" in text and "(modes:" in text
-    assert '"mode": "ar"' in text  # /stats printed the last run's stats
+    line = f"({s.last.summary()})"
+    assert line.startswith("(ar: ") and " tokens/pass, " in line and " tok/s" in line
+    assert text.count(line) == 2  # after the answer, and for /stats: the one summary line, no JSON
+    assert "{" not in text
     assert s.messages == []
+    # --json-stats: the same stats as one JSON object; Ctrl-D (end of input) ends the prompt's line
+    out = io.StringIO()
+    s = ChatSession(tiny_gguf, max_new_tokens=6, out=out, inp=io.StringIO("/mode ar\nhello\n"), json_stats=True)
+    s.loop()
+    assert json.loads(out.getvalue().splitlines()[-2]) == s.last.to_json()
+    assert out.getvalue().endswith("> \n")
 
 
 def test_thinking_renderer_dims_or_hides():
