@@ -14,7 +14,8 @@ from clover_gguf.decoding import ACCEPT_MODES, MODES
 from clover_gguf.errors import UserError
 from clover_gguf.runtime import ROLLBACKS
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+# rich_markup_mode=None: plain help (no boxes, no `<bool>` after every flag); errors are ours (main)
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Clover block-diffusion MoE on your own machine: convert, quantize, build llama.cpp, decode.")
 
 
@@ -275,25 +276,25 @@ def serve(
         rollback=rollback.value, n_threads=threads, n_gpu_layers=gpu_layers)
 
 
-def main() -> None:
-    import click
-
+def main(argv: list[str] | None = None) -> None:
+    """The entry point: every error is one line on stderr; usage and input errors exit 2, Ctrl-C 130."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    if not args:  # bare `clover-gguf`: the help, as a usage error
+        app(args=["--help"], prog_name="clover-gguf", standalone_mode=False)
+        sys.exit(2)
     try:
-        rv = app(standalone_mode=False)
+        rv = app(args=args, prog_name="clover-gguf", standalone_mode=False)
     except UserError as e:
         _err(str(e))
         sys.exit(e.exit_code)
-    except click.exceptions.Abort:  # Ctrl-C inside click
+    except (typer.Abort, KeyboardInterrupt):
         _err("interrupted")
         sys.exit(130)
-    except KeyboardInterrupt:
+    except typer.TyperException as e:  # usage errors (typer's own click): one line, exit 2
+        ctx = getattr(e, "ctx", None)
+        hint = f" (see {ctx.command_path} --help)" if ctx is not None else ""
+        _err(" ".join(e.format_message().replace("Value error, ", "").split()) + hint)
+        sys.exit(getattr(e, "exit_code", 2) or 2)
+    if rv == 130:  # typer turns a Ctrl-C inside a command into Exit(130)
         _err("interrupted")
-        sys.exit(130)
-    except click.ClickException as e:  # usage errors: click's own one-line message, exit 2
-        e.show()
-        sys.exit(e.exit_code)
     sys.exit(rv if isinstance(rv, int) else 0)
-
-
-if __name__ == "__main__":
-    main()
