@@ -17,6 +17,14 @@ import numpy as np
 from clover_gguf.errors import UserError
 
 GGML_TYPE_F32 = 0
+# llama.cpp rounds the context up to a multiple of this (llama-context.cpp, "GGML_PAD(cparams.n_ctx, 256)") but
+# caps the batch at the size asked for: we round first, so the batch limit and the context limit are the same number
+N_CTX_PAD = 256
+
+
+def padded_n_ctx(n_ctx: int) -> int:
+    """The context size llama.cpp makes of a request for n_ctx tokens."""
+    return -(-max(1, int(n_ctx)) // N_CTX_PAD) * N_CTX_PAD
 
 
 def load_binding() -> Any:
@@ -76,8 +84,9 @@ class LlamaContext:
         if not self.model:
             raise UserError(f"llama.cpp could not load {path} (not a Clover GGUF, or the library is not patched)")
         cp = L.llama_context_default_params()
+        n_ctx = padded_n_ctx(n_ctx)
         cp.n_ctx = n_ctx
-        cp.n_batch = max(n_batch or n_ctx, n_ubatch)  # tokens one decode call may take
+        cp.n_batch = max(n_batch or n_ctx, n_ubatch)  # tokens one decode call may take: the whole context
         cp.n_ubatch = max(n_ubatch, 1)  # a block must fit in one ubatch
         cp.n_seq_max = n_seq_max
         cp.n_rs_seq = n_rs_seq
@@ -95,6 +104,8 @@ class LlamaContext:
         self.vocab = L.llama_model_get_vocab(self.model)
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
         self.n_ctx = L.llama_n_ctx(self.ctx)
+        self.n_batch = L.llama_n_batch(self.ctx)  # the most tokens one decode call may take (llama.cpp asserts it)
+        self.n_ubatch = L.llama_n_ubatch(self.ctx)  # the most tokens one block pass may take (likewise)
         self.mem = L.llama_get_memory(self.ctx)
         self._causal = True  # the context's attention mode; switched only when it changes (see _set_causal)
         self._batch: _Batch | None = None  # reused by every decode call, grown when a call needs more room
@@ -120,6 +131,11 @@ class LlamaContext:
         self._set_causal(causal)
         parts = [(ids, pos0, seq), *extra]
         n = sum(len(p[0]) for p in parts)
+        # llama.cpp aborts the process on these (GGML_ASSERT): refuse them here, callers check requests earlier
+        if n > self.n_batch:
+            raise ValueError(f"{n} tokens in one decode call, more than n_batch {self.n_batch}")
+        if not causal and n > self.n_ubatch:
+            raise ValueError(f"a block pass of {n} tokens, more than n_ubatch {self.n_ubatch}")
         batch = self._batch_for(n)
         i = 0
         for p_ids, p_pos0, p_seq in parts:  # vector writes into the arrays the llama_batch points at
