@@ -201,7 +201,8 @@ def generate(
     top_k: int = typer.Option(0, "--top-k", min=0),
     seed: Optional[int] = typer.Option(None, "--seed"),
     think: bool = typer.Option(True, "--think/--no-think", help="let the model think first"),
-    ctx: Optional[int] = typer.Option(None, "--ctx", help="context size (default: enough for the request)"),
+    ctx: Optional[int] = typer.Option(None, "--ctx", min=16, help="context size (default: min(8192, the model's); "
+                                      "llama.cpp rounds it up to a multiple of 256)"),
     rollback: Rollback = typer.Option(Rollback.redecode, "--rollback", help="draft-self rollback strategy"),
     presence_penalty: Optional[float] = typer.Option(None, "--presence-penalty", help="default: the GGUF's (0.9)"),
     frequency_penalty: Optional[float] = typer.Option(None, "--frequency-penalty", help="default: the GGUF's (0.0)"),
@@ -212,15 +213,16 @@ def generate(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object: text, thinking, stats"),
 ) -> None:
     """Answer one prompt, streaming the answer as tokens are accepted."""
-    from clover_gguf.runtime import CloverRuntime
-
     from dataclasses import replace
 
+    from clover_gguf.metadata import Controls
+    from clover_gguf.runtime import CloverRuntime, check_sampling
+
+    overrides = {k: v for k, v in {"presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty,
+                                   "repetition_penalty": repetition_penalty}.items() if v is not None}
+    check_sampling(temp, top_p, top_k, threshold, replace(Controls(), **overrides))  # before the model loads
     with CloverRuntime(model, n_ctx=ctx, rollback=rollback.value) as rt:
-        controls = rt.controls.off() if no_controls else rt.controls
-        overrides = {"presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty,
-                     "repetition_penalty": repetition_penalty}
-        controls = replace(controls, **{k: v for k, v in overrides.items() if v is not None})
+        controls = replace(rt.controls.off() if no_controls else rt.controls, **overrides)
         kw = dict(mode=mode.value, max_new_tokens=max_new_tokens, block_size=block_size, threshold=threshold,
                   accept=accept.value, temp=temp, top_p=top_p, top_k=top_k, seed=seed, think=think,
                   controls=controls)
@@ -245,11 +247,14 @@ def chat(
     show_thinking: bool = typer.Option(True, "--show-thinking/--hide-thinking", help="thinking dimmed, or hidden"),
     temp: float = typer.Option(0.0, "--temp", min=0.0),
     seed: Optional[int] = typer.Option(None, "--seed"),
-    ctx: Optional[int] = typer.Option(None, "--ctx"),
+    ctx: Optional[int] = typer.Option(None, "--ctx", min=16),
     json_stats: bool = typer.Option(False, "--json-stats", help="each answer's stats as one JSON object, not a line"),
 ) -> None:
     """Chat in the terminal: /reset, /mode ar|diffusion|draft-self, /stats, /quit; Ctrl-C stops an answer."""
     from clover_gguf.chat import ChatSession
+    from clover_gguf.runtime import check_sampling
+
+    check_sampling(temp)
 
     ChatSession(model, mode=mode.value, max_new_tokens=max_new_tokens, think=think, show_thinking=show_thinking,
                 temp=temp, seed=seed, n_ctx=ctx, json_stats=json_stats).loop()

@@ -168,10 +168,11 @@ def greedy(logits: np.ndarray) -> np.ndarray:
 
 def make_sampler(temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None) -> Sampler:
     """temp 0 = greedy; otherwise per row: top-k, then top-p (nucleus), then a draw at temperature `temp`, rows in
-    order from one random generator (seeded: the same draws every run)."""
+    order from one random generator (seeded: the same draws every run; None or negative, as llama.cpp's -1: a fresh
+    random seed)."""
     if temp <= 0:
         return greedy
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(None if seed is None or seed < 0 else seed)
 
     def sample(logits: np.ndarray) -> np.ndarray:
         x = np.atleast_2d(np.asarray(logits, dtype=np.float64)) / temp  # [T, V]

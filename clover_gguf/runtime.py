@@ -15,6 +15,8 @@ bench/decode.py measures both.
 
 from __future__ import annotations
 
+import math
+import re
 import resource
 import time
 from dataclasses import asdict, dataclass, field
@@ -194,7 +196,7 @@ class CloverRuntime:
         self.threshold = float(meta.get(md.THRESHOLD, card.threshold))
         self.mask_token_id = meta.get(md.MASK_TOKEN_ID)
         self.chat_template = meta.get(md.CHAT_TEMPLATE)
-        self._template = None
+        self._template = _compile_template(self.chat_template, path) if self.chat_template else None
         self.controls = Controls.from_meta(meta.get)
         n_ctx = min(n_ctx or 8192, self.context_length)
         overrides: dict[str, bool | float] = {}
@@ -207,15 +209,35 @@ class CloverRuntime:
                                 overrides=overrides or None, n_rs_seq=n_rs_seq, exact=exact, n_threads=n_threads,
                                 n_gpu_layers=n_gpu_layers, n_threads_batch=n_threads_batch)
         self.n_ctx = self.ctx.n_ctx
-        self.eos_ids = self._end_tokens()
+        try:
+            if self.mask_token_id is not None and not (isinstance(self.mask_token_id, int)
+                                                       and 0 <= self.mask_token_id < self.ctx.n_vocab):
+                raise UserError(f"{path}: {md.MASK_TOKEN_ID} {self.mask_token_id!r} is not a token of its vocabulary "
+                                f"({self.ctx.n_vocab} tokens)")
+        except UserError:
+            self.ctx.close()
+            raise
+        self.eos_ids, self._control_text = self._scan_vocab()
         self.think_id = self._special("<think>")
         self.think_end_id = self._special("</think>")
         self.backend = LlamaBackend(self.ctx, self.mask_token_id if self.mask_token_id is not None else -1,
                                     self.eos_ids, self.block_size, rollback=rollback)
 
-    def _end_tokens(self) -> list[int]:
+    def _scan_vocab(self) -> tuple[list[int], re.Pattern | None]:
+        """-> (the end tokens, a pattern matching the text of every control token). The tokenizer reads control
+        tokens (<|im_end|>, ...) in text only when told to parse them: user text must never be."""
         L, vocab = self.ctx.L, self.ctx.vocab
-        return [t for t in range(self.ctx.n_vocab) if L.llama_vocab_is_eog(vocab, t)]
+        control = L.LLAMA_TOKEN_ATTR_CONTROL | L.LLAMA_TOKEN_ATTR_UNKNOWN
+        ends, texts = [], set()
+        for t in range(self.ctx.n_vocab):
+            if L.llama_vocab_is_eog(vocab, t):
+                ends.append(t)
+            if L.llama_vocab_get_attr(vocab, t) & control:
+                text = (L.llama_vocab_get_text(vocab, t) or b"").decode("utf-8", "replace")
+                if text:
+                    texts.add(text)
+        pattern = re.compile("|".join(map(re.escape, sorted(texts, key=len, reverse=True)))) if texts else None
+        return ends, pattern
 
     def _special(self, text: str) -> int | None:
         ids = self.ctx.tokenize(text, special=True)
@@ -223,26 +245,33 @@ class CloverRuntime:
 
     # ---- prompts ----------------------------------------------------------------------------------------
     def render(self, messages: Sequence[dict[str, str]], think: bool = True) -> str:
-        if not self.chat_template:
+        """The GGUF's chat template over these messages (UserError when the template refuses them)."""
+        if self._template is None:
             return "".join(m["content"] for m in messages)
-        if self._template is None:  # compiled once: compiling costs more than a forward pass of a small model
-            import jinja2.sandbox
-
-            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=False, lstrip_blocks=False)
-            self._template = env.from_string(self.chat_template)
-        return self._template.render(messages=list(messages), add_generation_prompt=True, enable_thinking=think)
+        try:
+            return self._template.render(messages=list(messages), add_generation_prompt=True, enable_thinking=think)
+        except Exception as e:  # jinja's raise_exception, unknown roles, a template bug: the request fails, not us
+            raise UserError(f"the chat template cannot render these messages: {type(e).__name__}: {e}") from None
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         return b"".join(self.ctx.token_to_piece(t, special=True) for t in tokens).decode("utf-8", "replace")
 
     # ---- checks -----------------------------------------------------------------------------------------
     def check_request(self, n_prompt: int, max_new_tokens: int, mode: str, block_size: int) -> None:
-        if mode in ("diffusion", "draft-self"):
+        """Refuse, before any llama.cpp call, a request this context cannot run (UserError, one line)."""
+        if mode not in decoding.MODES:
+            raise UserError(f"unknown mode {mode!r}: choose one of {', '.join(decoding.MODES)}")
+        if max_new_tokens < 1 or block_size < 1:
+            raise UserError("max_new_tokens and the block size must be at least 1")
+        if mode != "ar":
             if not self.block_mode:
                 raise UserError(f"{self.path.name} has no Clover block-mode tensors (a plain Qwen3.5-MoE conversion): "
                                 f"use --mode ar")
             if self.mask_token_id is None:
                 raise UserError(f"{self.path.name} has no tokenizer.ggml.mask_token_id: block mode is unavailable")
+            if block_size > self.ctx.n_ubatch:  # one block is one llama.cpp micro-batch (it aborts otherwise)
+                raise UserError(f"block size {block_size} is more than this context's micro-batch of "
+                                f"{self.ctx.n_ubatch} tokens: choose at most {self.ctx.n_ubatch}")
         room = block_size - 1 if mode != "ar" else 0  # a final block may run block_size - 1 past the limit
         need = n_prompt + max_new_tokens + room
         limit = min(self.context_length, self.n_ctx)
@@ -253,13 +282,42 @@ class CloverRuntime:
                             + f"), {need - limit} more than {what} of {limit}")
 
     def prompt_ids(self, messages: Sequence[dict[str, str]] | str, think: bool = True) -> list[int]:
-        """Chat messages (or one user message) -> the prompt's tokens, rendered with the GGUF's chat template."""
+        """Chat messages (or one user message) -> the prompt's tokens, rendered with the GGUF's chat template.
+
+        The template's own markers are control tokens; what the messages say never is: a `<|im_end|>` typed in
+        a message stays text (it cannot end a turn or start a new one). The tokens are the whole rendering's,
+        except around a message that holds control-token text, which is tokenized on its own as plain text."""
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
-        return self.ctx.tokenize(self.render(messages, think=think), special=True)
+        for i, m in enumerate(messages):
+            _check_utf8(m["content"], f"message {i}" if len(messages) > 1 else "the prompt")
+        text = self.render(messages, think=think)
+        risky = {i for i, m in enumerate(messages)
+                 if self._control_text is not None and self._control_text.search(m["content"])}
+        if not risky:
+            return self.ctx.tokenize(text, special=True)
+        # render again with a placeholder where each such message's text goes, and tokenize piece by piece
+        marks = {i: f"\ue000{i}\ue001" for i in risky}
+        shadow = self.render([{**m, "content": marks[i]} if i in risky else m for i, m in enumerate(messages)],
+                             think=think)
+        ids: list[int] = []
+        rebuilt = []
+        for piece in re.split("(\ue000\\d+\ue001)", shadow):
+            hit = re.fullmatch("\ue000(\\d+)\ue001", piece)
+            if hit and int(hit.group(1)) in risky:
+                piece = messages[int(hit.group(1))]["content"]
+                ids += self.ctx.tokenize(piece, special=False)
+            elif piece:
+                ids += self.ctx.tokenize(piece, special=True)
+            rebuilt.append(piece)
+        if "".join(rebuilt) != text:  # the template changes the message's text: no safe split exists
+            raise UserError("a message holds control-token text (such as <|im_end|>) that this chat template "
+                            "rewrites, so it cannot be kept as plain text: remove it")
+        return ids
 
     def raw_prompt_ids(self, text: str) -> list[int]:
-        """A raw prompt (no template; the caller writes the special tokens) -> its tokens."""
+        """A raw prompt (no template; the caller writes the special tokens, so they are read as such) -> tokens."""
+        _check_utf8(text, "the prompt")
         return self.ctx.tokenize(text, special=True)
 
     def thinking_at_start(self, prompt_ids: Sequence[int]) -> bool:
@@ -284,6 +342,7 @@ class CloverRuntime:
         block_size = int(block_size or self.block_size)
         self.check_request(len(ids), max_new_tokens, mode, block_size)
         c = controls or self.controls
+        check_sampling(temp, top_p, top_k, threshold, c)
         procs = make_processors(c, self.eos_ids, self.think_id, self.think_end_id, self.thinking_at_start(ids))
         sampler = make_sampler(temp, top_p, top_k, seed)
         self.backend.extra_passes = 0
@@ -321,6 +380,50 @@ class CloverRuntime:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _compile_template(source: str, path: Path) -> Any:
+    """The GGUF's chat template, compiled once at load (compiling costs more than a small model's forward pass);
+    a template that does not compile is refused here, not at the first request."""
+    import jinja2
+    import jinja2.sandbox
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=False, lstrip_blocks=False)
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateError as e:
+        raise UserError(f"{path}: its chat template is not a valid Jinja template ({type(e).__name__}: {e})") from None
+
+
+def _check_utf8(text: str, what: str) -> None:
+    """Text that cannot be UTF-8 (a lone surrogate: undecodable bytes on the command line, a JSON \\ud800)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UserError(f"{what} is not valid UTF-8 text (character {e.start} cannot be encoded)") from None
+
+
+def check_sampling(temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, threshold: float | None = None,
+                   controls: Controls | None = None) -> None:
+    """Refuse sampling settings no decode can use: NaN, infinities, out-of-range values (CLI and server alike)."""
+    values = {"temperature": temp, "top_p": top_p, "top_k": top_k}
+    if threshold is not None:
+        values["threshold"] = threshold
+    if controls is not None:
+        values.update({k: getattr(controls, k) for k in Controls.control_names()})
+    for name, v in values.items():
+        if not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise UserError(f"{name} must be a finite number, not {v!r}")
+    if temp < 0:
+        raise UserError(f"temperature must be at least 0, not {temp}")
+    if not 0 < top_p <= 1:
+        raise UserError(f"top_p must be in (0, 1], not {top_p}")
+    if top_k < 0:
+        raise UserError(f"top_k must be at least 0, not {top_k}")
+    if threshold is not None and not 0 <= threshold <= 1:
+        raise UserError(f"threshold must be in [0, 1], not {threshold}")
+    if controls is not None and controls.repetition_penalty <= 0:
+        raise UserError(f"repetition_penalty must be above 0, not {controls.repetition_penalty}")
 
 
 def _time_stats(stats: RunStats, seconds: float, extra: int, prompt_s: float) -> None:

@@ -16,12 +16,14 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import errno
 import functools
 import hmac
 import ipaddress
 import json
 import logging
 import os
+import socket
 import threading
 import time
 import uuid
@@ -108,12 +110,7 @@ def _run_job(rt: Any, job: Job, plan: Plan) -> None:
 
 def _decode(rt: Any, job: Job, plan: Plan) -> None:
     if plan.messages is not None:
-        try:
-            ids = rt.prompt_ids(plan.messages, think=plan.think)
-        except UserError:
-            raise
-        except Exception as e:  # the template refused the conversation (jinja raise_exception, bad roles)
-            raise UserError(f"the chat template cannot render these messages: {e}") from None
+        ids = rt.prompt_ids(plan.messages, think=plan.think)
     else:
         ids = rt.raw_prompt_ids(plan.prompt or "")
     if not ids:
@@ -251,9 +248,10 @@ def _models():
         include_usage: bool = False
 
     class Common(BaseModel):
-        """Fields both endpoints take; unknown fields are ignored. `mode` ... `threshold` are Clover extras."""
+        """Fields both endpoints take; unknown fields are ignored. `mode` ... `threshold` are Clover extras.
+        NaN and infinities are refused (Python's JSON reader accepts them)."""
 
-        model_config = ConfigDict(extra="ignore")
+        model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
         model: str | None = None
         stream: bool = False
         stream_options: StreamOptions | None = None
@@ -295,7 +293,6 @@ class ServerState:
     pool: Pool
     name: str  # the model id the API reports
     default_mode: str
-    api_key: str | None
     created: int
     first: Any  # one runtime, for /v1/models' metadata
 
@@ -355,15 +352,46 @@ async def _on_invalid_request(request: Request, exc: Any) -> Any:
     return JSONResponse(body, status_code=422)
 
 
-async def _auth(request: Request) -> None:
-    api_key = _state(request).api_key
-    if api_key is None:
-        return
-    given = request.headers.get("authorization", "")
-    token = given[7:].strip() if given[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
-    if not hmac.compare_digest(token.encode(), api_key.encode()):
-        raise APIError(401, "missing or wrong API key (send Authorization: Bearer KEY)", "authentication_error",
-                       code="invalid_api_key")
+async def _on_http_error(request: Request, exc: Any) -> Any:
+    """Starlette's own errors (404 unknown path, 405 wrong method, 400 a body that is not UTF-8 JSON), in OpenAI's
+    shape."""
+    from starlette.responses import JSONResponse
+
+    if exc.status_code == 404:
+        message, code = f"no such endpoint: {request.method} {request.url.path}", "not_found"
+    elif exc.status_code == 405:
+        message, code = f"{request.method} is not allowed on {request.url.path}", "method_not_allowed"
+    elif exc.status_code == 400:
+        message, code = "the body must be a JSON object in UTF-8", None
+    else:
+        message, code = str(exc.detail), None
+    return JSONResponse(_error_body(message, "invalid_request_error", code=code), status_code=exc.status_code,
+                        headers=getattr(exc, "headers", None))
+
+
+class RequireKey:
+    """ASGI middleware: with an API key set, every path but /health (the API, /openapi.json) needs it. It runs
+    before routing and before the body is read, so a request without the key learns nothing else (401 first)."""
+
+    OPEN = frozenset({"/health"})
+
+    def __init__(self, app: Any, api_key: str):
+        self.app, self.key = app, api_key.encode("utf-8", "replace")
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] not in self.OPEN:
+            from starlette.datastructures import Headers
+            from starlette.responses import JSONResponse
+
+            headers = Headers(scope=scope)
+            given = headers.get("authorization", "")
+            token = given[7:].strip() if given[:7].lower() == "bearer " else headers.get("x-api-key", "")
+            if not hmac.compare_digest(token.encode("utf-8", "replace"), self.key):
+                body = _error_body("missing or wrong API key (send Authorization: Bearer KEY)",
+                                   "authentication_error", code="invalid_api_key")
+                await JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 # ---- one request, from its fields to its response ------------------------------------------------------------
@@ -615,8 +643,9 @@ def create_app(model: str | Path | Callable[[], Any], mode: str = "draft-self", 
     """-> a FastAPI (ASGI) app serving `model`: a GGUF path, or a factory returning a CloverRuntime-like object
     (called `parallel` times). The runtimes are loaded here, so a bad model fails before any socket is opened.
     runtime_kwargs go to CloverRuntime (rollback, exact, n_threads, n_gpu_layers, ...)."""
-    from fastapi import Depends, FastAPI
+    from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException
 
     ChatRequest, CompletionRequest = _models()
     if mode not in MODES:
@@ -637,14 +666,17 @@ def create_app(model: str | Path | Callable[[], Any], mode: str = "draft-self", 
         yield
         pool.close()
 
-    app = FastAPI(title="clover-gguf", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.clover = ServerState(pool=pool, name=name, default_mode=mode, api_key=api_key,
-                                   created=int(time.time()), first=runtimes[0])
+    app = FastAPI(title="clover-gguf", lifespan=lifespan, docs_url=None, redoc_url=None)  # /openapi.json: keyed
+    app.state.clover = ServerState(pool=pool, name=name, default_mode=mode, created=int(time.time()),
+                                   first=runtimes[0])
     app.state.pool = pool
     app.add_exception_handler(APIError, _on_api_error)
     app.add_exception_handler(RequestValidationError, _on_invalid_request)
+    app.add_exception_handler(HTTPException, _on_http_error)
+    if api_key is not None:
+        app.add_middleware(RequireKey, api_key=api_key)
     app.add_api_route("/health", _health, methods=["GET"])
-    app.add_api_route("/v1/models", _list_models, methods=["GET"], dependencies=[Depends(_auth)])
+    app.add_api_route("/v1/models", _list_models, methods=["GET"])
 
     # FastAPI reads the body's type from the signature, so these two stay here, where the request models are
     async def chat_completions(req: ChatRequest, request: Request):
@@ -653,8 +685,8 @@ def create_app(model: str | Path | Callable[[], Any], mode: str = "draft-self", 
     async def completions(req: CompletionRequest, request: Request):
         return await _respond(request, req, chat=False)
 
-    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"], dependencies=[Depends(_auth)])
-    app.add_api_route("/v1/completions", completions, methods=["POST"], dependencies=[Depends(_auth)])
+    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.add_api_route("/v1/completions", completions, methods=["POST"])
     return app
 
 
@@ -671,6 +703,31 @@ def serve(model: str | Path, host: str = "127.0.0.1", port: int = 8080, mode: st
         raise UserError(f"port {port} is out of range")
     if not _is_loopback(host) and api_key is None:
         log.warning("serving on %s without --api-key: anyone who can reach this address can use the model", host)
-    app = create_app(model, mode=mode, api_key=api_key, parallel=parallel, ctx=ctx, model_id=model_id,
-                     runtime_kwargs=runtime_kwargs)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    sock = bind(host, port)  # before the model loads: a port in use is one line, not a minute later
+    try:
+        app = create_app(model, mode=mode, api_key=api_key, parallel=parallel, ctx=ctx, model_id=model_id,
+                         runtime_kwargs=runtime_kwargs)
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        sock.close()
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port (UserError, one line, when the address is taken or not ours)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host.strip("[]") or None, port,
+                                                             type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise UserError(f"cannot serve on host {host!r}: {e.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # not SO_REUSEPORT: a taken port stays taken
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        why = "is already in use" if e.errno == errno.EADDRINUSE else f"cannot be opened ({e.strerror})"
+        raise UserError(f"{host}:{port} {why}") from None
+    sock.set_inheritable(True)
+    return sock
