@@ -85,10 +85,19 @@ def test_context_limit_is_refused_before_decoding(tiny_gguf):
 
 
 def test_block_mode_refused_without_extras(plain_gguf):
+    """A plain Qwen3.5-MoE conversion refuses the block modes and decodes AR: the greedy tokens of a loop written
+    here on the raw context (controls off, so the argmax is the whole rule)."""
     with CloverRuntime(plain_gguf, n_ctx=256, n_threads=2) as rt:
         with pytest.raises(UserError, match="no Clover block-mode tensors"):
             rt.generate("hello", mode="draft-self", max_new_tokens=8)
-        assert rt.generate("hello", mode="ar", max_new_tokens=4).stats.generated_tokens >= 0
+        got = rt.generate("hello", mode="ar", max_new_tokens=6, controls=rt.controls.off())
+        ids = rt.prompt_ids("hello")
+        rt.ctx.clear()
+        logits, want = rt.ctx.decode(ids, 0, 0)[-1], []
+        while len(want) < 6 and int(np.argmax(logits)) not in rt.eos_ids:
+            want.append(int(np.argmax(logits)))
+            logits = rt.ctx.decode(want[-1:], len(ids) + len(want) - 1, 0)[-1]
+        assert got.raw == rt.detokenize(want) and got.stats.generated_tokens == len(want) >= 1
 
 
 def test_not_a_clover_gguf(tmp_path):
