@@ -109,6 +109,7 @@ def test_block_parity_and_prefix_untouched(clover_files, ref, seqs, n_block, n_r
         r.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("filled", [0, 5, 20], ids=["all-masked", "5-filled", "20-filled"])
 @pytest.mark.parametrize("coreset", [True, False], ids=["coreset-on", "coreset-off"])
 def test_masked_block_parity(clover_files, ref, seqs, filled, coreset):
@@ -132,6 +133,7 @@ def test_masked_block_parity(clover_files, ref, seqs, filled, coreset):
     ({"clover.moe_block_coreset.top_p": 0.5}, 0.5),
     ({"clover.moe_block_coreset.top_p": 1.0}, 1.0),
 ], ids=["off", "top_p-0.5", "top_p-1.0"])
+@pytest.mark.slow
 def test_block_coreset_overrides(clover_files, ref, seqs, overrides, coreset):
     prefix, block = seqs["prefix"], seqs["block"]
     with torch.no_grad():
@@ -155,6 +157,7 @@ def test_block_coreset_off_equals_top_p_one(ref, seqs):
     assert rel_err(a, b) <= 1e-12
 
 
+@pytest.mark.slow
 def test_two_blocks_in_one_ubatch(clover_files, ref, seqs):
     """Blocks of equal length on two scratch sequences decoded in one batch: each gets its own coreset."""
     prefix, b1, b2 = seqs["prefix"], seqs["block"], seqs["block2"]
@@ -205,6 +208,7 @@ def test_plain_qwen_block_mode_aborts_clearly(plain_files):
     assert "clover.block_mode" in p.stderr
 
 
+@pytest.mark.slow
 def test_long_prompt_over_several_ubatches_and_pieces(clover_files, ref):
     ids = _ids(30, 70, ref.cfg.vocab_size)
     with torch.no_grad():
@@ -223,6 +227,7 @@ def test_long_prompt_over_several_ubatches_and_pieces(clover_files, ref):
         r.close()
 
 
+@pytest.mark.slow
 def test_transformers_checkpoint_gives_transformers_logits(plain_files):
     from transformers import Qwen3_5MoeForCausalLM
 
@@ -263,6 +268,7 @@ def test_gguf_vocabulary_tokenizes_like_hf(clover_files):
         r.close()
 
 
+@pytest.mark.slow
 def test_patches_apply_to_a_fresh_pinned_tree(tmp_path):
     from clover_gguf import build
 
@@ -282,6 +288,7 @@ def _bin(name: str) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_llama_cli_runs_causal_with_chat_template(clover_files):
     p = subprocess.run([str(_bin("llama-cli")), "-m", str(clover_files[1]), "-p", "Count from 3 to 9.", "-n", "8",
                         "-st", "--temp", "0", "-t", "2", "-c", "256", "--no-warmup"],
@@ -297,6 +304,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_llama_server_serves_chat_completions(clover_files):
     port = _free_port()
     server = subprocess.Popen([str(_bin("llama-server")), "-m", str(clover_files[1]), "--host", "127.0.0.1",

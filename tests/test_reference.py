@@ -21,7 +21,8 @@ def _transformers_logits(path, ids):
         return hf(torch.tensor([ids])).logits[0]
 
 
-@pytest.mark.parametrize("opts", [dict(preset="tiny"), dict(preset="wide", tie=True)], ids=["tiny", "wide-tied"])
+@pytest.mark.parametrize("opts", [dict(preset="tiny"), pytest.param(dict(preset="wide", tie=True), marks=pytest.mark.slow)],
+                         ids=["tiny", "wide-tied"])
 def test_causal_logits_equal_transformers(make_checkpoint, opts):
     clover = make_checkpoint(seed=3, zero_extras=True, **opts)
     plain = make_checkpoint(seed=3, plain_qwen=True, **opts)  # same seed: the same shared tensors, no extras

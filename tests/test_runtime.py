@@ -67,6 +67,7 @@ def test_partial_rejection_leaves_no_trace(tiny_gguf, strategy, rejected):
         np.testing.assert_array_equal(got, want)  # same batches, same arithmetic: identical
 
 
+@pytest.mark.slow
 def test_draft_self_exact_equals_ar_on_random_weights(tiny_gguf):
     with CloverRuntime(tiny_gguf, n_ctx=512, exact=True, n_threads=2) as rt:
         ar = rt.generate("Count from 3 to 9.", mode="ar", max_new_tokens=24)
@@ -121,6 +122,7 @@ def _cli(*args, stdin: str | None = None) -> subprocess.CompletedProcess:
                           input=stdin, timeout=300)
 
 
+@pytest.mark.slow
 def test_generate_json_cli(tiny_gguf):
     p = _cli("generate", tiny_gguf, "-p", "Count from 3 to 9.", "-n", "12", "--mode", "diffusion", "--json")
     assert p.returncode == 0, p.stderr
@@ -136,6 +138,7 @@ def test_generate_json_cli(tiny_gguf):
     assert p.returncode == 2 and "more than the model's context" in p.stderr and "Traceback" not in p.stderr
 
 
+@pytest.mark.slow
 def test_chat_session_commands(tiny_gguf):
     from clover_gguf.chat import ChatSession
 
