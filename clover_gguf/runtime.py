@@ -209,14 +209,11 @@ class CloverRuntime:
                                 overrides=overrides or None, n_rs_seq=n_rs_seq, exact=exact, n_threads=n_threads,
                                 n_gpu_layers=n_gpu_layers, n_threads_batch=n_threads_batch)
         self.n_ctx = self.ctx.n_ctx
-        try:
-            if self.mask_token_id is not None and not (isinstance(self.mask_token_id, int)
-                                                       and 0 <= self.mask_token_id < self.ctx.n_vocab):
-                raise UserError(f"{path}: {md.MASK_TOKEN_ID} {self.mask_token_id!r} is not a token of its vocabulary "
-                                f"({self.ctx.n_vocab} tokens)")
-        except UserError:
-            self.ctx.close()
-            raise
+        mask = self.mask_token_id
+        if mask is not None and not (isinstance(mask, int) and 0 <= mask < self.ctx.n_vocab):
+            self.ctx.close()  # a block pass would feed llama.cpp a token it does not have (llama_decode fails)
+            raise UserError(f"{path}: {md.MASK_TOKEN_ID} {mask!r} is not a token of its vocabulary "
+                            f"({self.ctx.n_vocab} tokens)")
         self.eos_ids, self._control_text = self._scan_vocab()
         self.think_id = self._special("<think>")
         self.think_end_id = self._special("</think>")
