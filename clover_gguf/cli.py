@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> None:
         ctx = getattr(e, "ctx", None)
         hint = f" (see {ctx.command_path} --help)" if ctx is not None else ""
         _err(" ".join(e.format_message().replace("Value error, ", "").split()) + hint)
-        sys.exit(getattr(e, "exit_code", 2) or 2)
+        sys.exit(2)
     if rv == 130:  # typer turns a Ctrl-C inside a command into Exit(130)
         _err("interrupted")
     sys.exit(rv if isinstance(rv, int) else 0)
