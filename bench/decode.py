@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from clover_gguf.convert import convert  # noqa: E402
 from clover_gguf.offload import Offload, add_argparse, from_namespace  # noqa: E402
+from clover_gguf.metadata import CORESET_ENABLED  # noqa: E402
 from clover_gguf.quantize import quantize  # noqa: E402
 from clover_gguf.runtime import CloverRuntime  # noqa: E402
 
@@ -103,7 +104,7 @@ def bench_block_cost(workdir: Path, offload: Offload = Offload(threads=2)) -> No
     reps = 20
     print(f"\nsmall random model: one 32-token block pass vs one AR step ({reps} reps each)")
     for coreset in (True, False):
-        with LlamaContext(gguf, n_ctx=512, overrides={"clover.moe_block_coreset.enabled": coreset},
+        with LlamaContext(gguf, n_ctx=512, overrides={CORESET_ENABLED: coreset},
                           n_threads=offload.threads or 2, offload=offload) as ctx:
             ctx.decode(prefix, 0, 0, logits=False)
             t0 = time.perf_counter()

@@ -31,10 +31,9 @@ import httpx  # noqa: E402
 from clover_gguf.build import llama_tool  # noqa: E402
 from clover_gguf.errors import UserError  # noqa: E402
 from clover_gguf.convert import convert  # noqa: E402
+from clover_gguf.decoding import MODES  # noqa: E402
 from clover_gguf.llama_context import load_binding  # noqa: E402
 from clover_gguf.offload import add_argparse, from_namespace  # noqa: E402
-
-MODES = ("ar", "diffusion", "draft-self")
 
 
 def free_port() -> int:

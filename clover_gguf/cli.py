@@ -10,9 +10,12 @@ from typing import Optional
 
 import typer
 
+from clover_gguf.decoding import ACCEPT_MODES, MODES
 from clover_gguf.errors import UserError
+from clover_gguf.runtime import ROLLBACKS
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+# rich_markup_mode=None: plain help (no boxes, no `<bool>` after every flag); errors are ours (main)
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Clover block-diffusion MoE on your own machine: convert, quantize, build llama.cpp, decode.")
 
 
@@ -210,20 +213,14 @@ def doctor(
         raise typer.Exit(2)
 
 
-class Mode(str, Enum):
-    ar = "ar"
-    diffusion = "diffusion"
-    draft_self = "draft-self"
+def _choices(name: str, values: tuple[str, ...]) -> type[Enum]:
+    """A typer choice type over one of the tuples the modules define (the lists live there, once)."""
+    return Enum(name, {v.replace("-", "_"): v for v in values}, type=str)
 
 
-class Accept(str, Enum):
-    exact = "exact"
-    threshold = "threshold"
-
-
-class Rollback(str, Enum):
-    redecode = "redecode"
-    snapshot = "snapshot"
+Mode = _choices("Mode", MODES)
+Accept = _choices("Accept", ACCEPT_MODES)
+Rollback = _choices("Rollback", ROLLBACKS)
 
 
 @app.command()
@@ -241,27 +238,29 @@ def generate(
     top_k: int = typer.Option(0, "--top-k", min=0),
     seed: Optional[int] = typer.Option(None, "--seed"),
     think: bool = typer.Option(True, "--think/--no-think", help="let the model think first"),
-    ctx: Optional[int] = typer.Option(None, "--ctx", help="context size (default: enough for the request)"),
+    ctx: Optional[int] = typer.Option(None, "--ctx", min=16, help="context size (default: min(8192, the model's); "
+                                      "llama.cpp rounds it up to a multiple of 256)"),
     rollback: Rollback = typer.Option(Rollback.redecode, "--rollback", help="draft-self rollback strategy"),
     presence_penalty: Optional[float] = typer.Option(None, "--presence-penalty", help="default: the GGUF's (0.9)"),
     frequency_penalty: Optional[float] = typer.Option(None, "--frequency-penalty", help="default: the GGUF's (0.0)"),
     repetition_penalty: Optional[float] = typer.Option(None, "--repetition-penalty", min=0.01,
                                                        help="default: the GGUF's (1.05)"),
     no_controls: bool = typer.Option(False, "--no-controls", help="turn every generation control off"),
-    stats: bool = typer.Option(False, "--stats", help="print decoding stats to stderr"),
+    stats: bool = typer.Option(False, "--stats", help="print a one-line stats summary to stderr (all of them: --json)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object: text, thinking, stats"),
     offload=None,
 ) -> None:
     """Answer one prompt, streaming the answer as tokens are accepted."""
-    from clover_gguf.runtime import CloverRuntime
-
     from dataclasses import replace
 
+    from clover_gguf.metadata import Controls
+    from clover_gguf.runtime import CloverRuntime, check_sampling
+
+    overrides = {k: v for k, v in {"presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty,
+                                   "repetition_penalty": repetition_penalty}.items() if v is not None}
+    check_sampling(temp, top_p, top_k, threshold, replace(Controls(), **overrides))  # before the model loads
     with CloverRuntime(model, n_ctx=ctx, rollback=rollback.value, offload=offload, block_size=block_size) as rt:
-        controls = rt.controls.off() if no_controls else rt.controls
-        overrides = {"presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty,
-                     "repetition_penalty": repetition_penalty}
-        controls = replace(controls, **{k: v for k, v in overrides.items() if v is not None})
+        controls = replace(rt.controls.off() if no_controls else rt.controls, **overrides)
         kw = dict(mode=mode.value, max_new_tokens=max_new_tokens, block_size=block_size, threshold=threshold,
                   accept=accept.value, temp=temp, top_p=top_p, top_k=top_k, seed=seed, think=think,
                   controls=controls)
@@ -269,13 +268,12 @@ def generate(
             ans = rt.generate(prompt, **kw)
             typer.echo(json.dumps(ans.to_json()))
             return
-        raw, run = "", None
+        run = None
         for text, run in rt.stream(prompt, **kw):
-            raw += text
             typer.echo(text, nl=False)
         typer.echo("")
         if stats and run is not None:
-            typer.echo(json.dumps(run.__dict__), err=True)
+            typer.echo(run.summary(), err=True)
 
 
 @app.command()
@@ -288,15 +286,20 @@ def chat(
     show_thinking: bool = typer.Option(True, "--show-thinking/--hide-thinking", help="thinking dimmed, or hidden"),
     temp: float = typer.Option(0.0, "--temp", min=0.0),
     seed: Optional[int] = typer.Option(None, "--seed"),
-    ctx: Optional[int] = typer.Option(None, "--ctx"),
+    ctx: Optional[int] = typer.Option(None, "--ctx", min=16),
     rollback: Rollback = typer.Option(Rollback.redecode, "--rollback", help="draft-self rollback strategy"),
+    json_stats: bool = typer.Option(False, "--json-stats", help="each answer's stats as one JSON object, not a line"),
     offload=None,
 ) -> None:
     """Chat in the terminal: /reset, /mode ar|diffusion|draft-self, /stats, /quit; Ctrl-C stops an answer."""
     from clover_gguf.chat import ChatSession
+    from clover_gguf.runtime import check_sampling
+
+    check_sampling(temp)
 
     ChatSession(model, mode=mode.value, max_new_tokens=max_new_tokens, think=think, show_thinking=show_thinking,
-                temp=temp, seed=seed, n_ctx=ctx, rollback=rollback.value, offload=offload).loop()
+                temp=temp, seed=seed, n_ctx=ctx, json_stats=json_stats, rollback=rollback.value,
+                offload=offload).loop()
 
 
 @app.command()
@@ -347,27 +350,25 @@ def fit(
     typer.echo(json.dumps(res.to_json()) if as_json else res.format())
 
 
-def main() -> None:
-    import click
-
+def main(argv: list[str] | None = None) -> None:
+    """The entry point: every error is one line on stderr; usage and input errors exit 2, Ctrl-C 130."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    if not args:  # bare `clover-gguf`: the help, as a usage error
+        app(args=["--help"], prog_name="clover-gguf", standalone_mode=False)
+        sys.exit(2)
     try:
-        rv = app(standalone_mode=False)
+        rv = app(args=args, prog_name="clover-gguf", standalone_mode=False)
     except UserError as e:
         _err(str(e))
         sys.exit(e.exit_code)
-    except click.exceptions.Abort:  # Ctrl-C inside click
+    except (typer.Abort, KeyboardInterrupt):
         _err("interrupted")
         sys.exit(130)
-    except KeyboardInterrupt:
-        _err("interrupted")
-        sys.exit(130)
-    except click.ClickException as e:  # usage errors: click's own one-line message, exit 2
-        e.show()
-        sys.exit(e.exit_code)
-    if rv == 130:  # typer turns KeyboardInterrupt (Ctrl-C; SIGTERM/SIGHUP while writing) into 130, silently
+    except typer.TyperException as e:  # usage errors (typer's own click): one line, exit 2
+        ctx = getattr(e, "ctx", None)
+        hint = f" (see {ctx.command_path} --help)" if ctx is not None else ""
+        _err(" ".join(e.format_message().replace("Value error, ", "").split()) + hint)
+        sys.exit(2)
+    if rv == 130:  # typer turns a Ctrl-C inside a command into Exit(130)
         _err("interrupted")
     sys.exit(rv if isinstance(rv, int) else 0)
-
-
-if __name__ == "__main__":
-    main()

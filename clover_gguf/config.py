@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from clover_gguf.errors import UserError
+from clover_gguf.metadata import GenerationDefaults  # noqa: F401  (its home is metadata.py)
 
 CLOVER_MODEL_TYPES = {"clover", "clover_text"}
 PLAIN_QWEN_MODEL_TYPES = {"qwen3_5_moe", "qwen3_5_moe_text"}
@@ -374,57 +375,3 @@ class CloverConfig:
                 moe_block_coreset_top_p=self.moe_block_coreset_top_p,
             )
         return d
-
-
-@dataclass(frozen=True)
-class GenerationDefaults:
-    """The model card's decoding defaults (generation_config.json); our key names for start/ramp."""
-
-    block_size: int = 32
-    threshold: float = 0.95
-    presence_penalty: float = 0.9
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.05
-    length_penalty: float = 10.0
-    length_penalty_start: int = 8192
-    length_penalty_ramp: int = 8192
-    think_end_bias: float = 10.0
-    think_end_bias_start: int = 4096
-    think_end_bias_ramp: int = 4096
-
-    # generation_config.json key -> field
-    HF_KEYS = {
-        "block_size": "block_size",
-        "threshold": "threshold",
-        "presence_penalty": "presence_penalty",
-        "frequency_penalty": "frequency_penalty",
-        "repetition_penalty": "repetition_penalty",
-        "dllm_length_penalty": "length_penalty",
-        "dllm_length_penalty_start": "length_penalty_start",
-        "dllm_length_penalty_ramp": "length_penalty_ramp",
-        "dllm_think_end_bias": "think_end_bias",
-        "dllm_think_end_bias_start": "think_end_bias_start",
-        "dllm_think_end_bias_ramp": "think_end_bias_ramp",
-    }
-
-    @classmethod
-    def from_hf(cls, d: Any, where: str = "generation_config.json") -> "GenerationDefaults":
-        if not isinstance(d, dict):
-            raise UserError(f"{where} must be a JSON object, not {type(d).__name__}")
-        f = _Fields(d, where)
-        kwargs: dict[str, Any] = {}
-        for hf_key, name in cls.HF_KEYS.items():
-            default = getattr(cls, name)
-            if isinstance(default, int):
-                lo, hi = (1, MAX_BLOCK) if name == "block_size" else (0, MAX_U32)
-                kwargs[name] = f.int(hf_key, lo, hi, default=default)
-            else:
-                kwargs[name] = f.float(hf_key, default=default)
-        if not 0.0 <= kwargs["threshold"] <= 1.0:
-            raise UserError(f"{where}: threshold must be in [0, 1], not {kwargs['threshold']}")
-        if not kwargs["repetition_penalty"] > 0.0:
-            raise UserError(f"{where}: repetition_penalty must be positive, not {kwargs['repetition_penalty']}")
-        return cls(**kwargs)
-
-    def to_hf(self) -> dict[str, Any]:
-        return {hf: getattr(self, name) for hf, name in self.HF_KEYS.items()}

@@ -13,15 +13,15 @@ from gguf import GGMLQuantizationType as QT
 from gguf import GGUFWriter, quants
 
 from clover_gguf.checkpoint import Checkpoint
-from clover_gguf.config import CloverConfig, GenerationDefaults, read_json
+from clover_gguf.config import CloverConfig, read_json
 from clover_gguf.errors import UserError
 from clover_gguf.fsutil import atomic_output, check_free_disk, check_output
 from clover_gguf.gguf_header import BOOL, F32, HPARAMS, U32
+from clover_gguf.metadata import ARCH, GenerationDefaults, hparam
 from clover_gguf.tensor_map import (EXPERT_KINDS, FUSED_RE, PER_EXPERT_RE, REORDER_ONLY, TRANSFORMS, TensorRule,
                                     expert_shape, gguf_names, match_rule, mtp_as_layer, out_shape)
 from clover_gguf.vocab import Vocab, load_vocab
 
-ARCH = "clover"
 OUTTYPES = {"f32": QT.F32, "f16": QT.F16, "bf16": QT.BF16, "q8_0": QT.Q8_0}
 # what each safetensors storage dtype is in GGML terms: a reorder-only tensor whose output type equals its source
 # type is copied bit for bit
@@ -231,7 +231,6 @@ def _order_key(name: str) -> tuple:
 # ---- metadata -------------------------------------------------------------------------------------------------
 def write_metadata(w: GGUFWriter, cfg: CloverConfig, vocab: Vocab, gen: GenerationDefaults, n_blocks: int,
                    name: str) -> None:
-    a = ARCH + "."
     rope_sections = list(cfg.rope_sections) + [0] * (4 - len(cfg.rope_sections))
     recurrent = [not cfg.is_full_attention(i) if i < cfg.num_hidden_layers else False for i in range(n_blocks)]
     w.add_name(name)
@@ -245,30 +244,24 @@ def write_metadata(w: GGUFWriter, cfg: CloverConfig, vocab: Vocab, gen: Generati
         "ssm.conv_kernel": cfg.linear_conv_kernel_dim, "ssm.state_size": cfg.linear_key_head_dim,
         "ssm.group_count": cfg.linear_num_key_heads, "ssm.time_step_rank": cfg.linear_num_value_heads,
         "ssm.inner_size": cfg.value_dim, "full_attention_interval": cfg.full_attention_interval,
-        "diffusion.block_size": gen.block_size, "ssm.conv_right_kernel": cfg.right_kernel,
-        "generation.length_penalty_start": gen.length_penalty_start,
-        "generation.length_penalty_ramp": gen.length_penalty_ramp,
-        "generation.think_end_bias_start": gen.think_end_bias_start,
-        "generation.think_end_bias_ramp": gen.think_end_bias_ramp,
+        "ssm.conv_right_kernel": cfg.right_kernel,
     }
     if n_blocks > cfg.num_hidden_layers:
         u32["nextn_predict_layers"] = n_blocks - cfg.num_hidden_layers
     f32 = {
         "attention.layer_norm_rms_epsilon": cfg.rms_norm_eps, "rope.freq_base": cfg.rope_theta,
-        "diffusion.threshold": gen.threshold, "moe_block_coreset.top_p": cfg.moe_block_coreset_top_p,
-        "generation.presence_penalty": gen.presence_penalty, "generation.frequency_penalty": gen.frequency_penalty,
-        "generation.repetition_penalty": gen.repetition_penalty, "generation.length_penalty": gen.length_penalty,
-        "generation.think_end_bias": gen.think_end_bias,
+        "moe_block_coreset.top_p": cfg.moe_block_coreset_top_p,
     }
     flags = {"block_mode": cfg.is_clover,
              "moe_block_coreset.enabled": cfg.is_clover and cfg.moe_block_coreset_enabled}
+    card = {k.removeprefix(ARCH + "."): v for k, v in gen.gguf_items().items()}  # the card's keys (metadata.py)
     # each key with the GGUF type gguf_header.HPARAMS gives it, the type check_model and llama.cpp require
     write = {U32: lambda k, v: w.add_uint32(k, int(v)), F32: lambda k, v: w.add_float32(k, float(v)),
              BOOL: w.add_bool}
-    for k, v in {**u32, **f32, **flags}.items():
-        write[HPARAMS[k][0]](a + k, v)
-    w.add_array(a + "rope.dimension_sections", rope_sections)
-    w.add_array(a + "attention.recurrent_layers", recurrent)
+    for k, v in {**u32, **f32, **card, **flags}.items():
+        write[HPARAMS[k][0]](hparam(k), v)
+    w.add_array(hparam("rope.dimension_sections"), rope_sections)
+    w.add_array(hparam("attention.recurrent_layers"), recurrent)
 
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen35")

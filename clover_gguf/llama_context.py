@@ -25,6 +25,15 @@ GGML_TYPE_F32 = 0
 GGML_BACKEND_DEVICE_TYPE_CPU = 0
 LOAD_MODE_NONE, LOAD_MODE_AUTO = 0, -1  # enum llama_load_mode
 
+# llama.cpp rounds the context up to a multiple of this (llama-context.cpp, "GGML_PAD(cparams.n_ctx, 256)") but
+# caps the batch at the size asked for: we round first, so the batch limit and the context limit are the same number
+N_CTX_PAD = 256
+
+
+def padded_n_ctx(n_ctx: int) -> int:
+    """The context size llama.cpp makes of a request for n_ctx tokens."""
+    return -(-max(1, int(n_ctx)) // N_CTX_PAD) * N_CTX_PAD
+
 
 def load_binding() -> Any:
     """Import llama_cpp bound to the patched library; one clear error when either is missing."""
@@ -148,8 +157,8 @@ def _load_model(L: Any, path: Path, offload: Offload, overrides: dict | None, ke
 def _context_params(L: Any, n_ctx: int, n_ubatch: int, n_batch: int | None, n_seq_max: int, n_rs_seq: int,
                     exact: bool, n_threads: int | None, n_threads_batch: int | None, n_outputs_max: int) -> Any:
     cp = L.llama_context_default_params()
-    cp.n_ctx = n_ctx
-    cp.n_batch = max(n_batch or n_ctx, n_ubatch)  # tokens one decode call may take
+    cp.n_ctx = n_ctx = padded_n_ctx(n_ctx)
+    cp.n_batch = max(n_batch or n_ctx, n_ubatch)  # tokens one decode call may take: the whole context
     cp.n_ubatch = max(n_ubatch, 1)  # a block must fit in one ubatch
     cp.n_seq_max = n_seq_max
     cp.n_rs_seq = n_rs_seq
@@ -202,7 +211,8 @@ class LlamaContext:
         self.vocab = L.llama_model_get_vocab(self.model)
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
         self.n_ctx = L.llama_n_ctx(self.ctx)
-        self.n_ubatch = L.llama_n_ubatch(self.ctx)  # the largest block one pass can take
+        self.n_batch = L.llama_n_batch(self.ctx)  # the most tokens one decode call may take (llama.cpp asserts it)
+        self.n_ubatch = L.llama_n_ubatch(self.ctx)  # the most tokens one block pass may take (likewise)
         self.mem = L.llama_get_memory(self.ctx)
         self._batch: _Batch | None = None  # reused by every decode call, grown when a call needs more room
 
@@ -238,6 +248,10 @@ class LlamaContext:
         attention (set_block_attn) is decoded as one block."""
         parts = [(ids, pos0, seq), *extra]
         n = sum(len(p[0]) for p in parts)
+        # llama.cpp aborts the process on this (GGML_ASSERT): refuse it here, callers check requests earlier. (A block
+        # larger than n_ubatch is the patch's error code -1, not an abort.)
+        if n > self.n_batch:
+            raise ValueError(f"{n} tokens in one decode call, more than n_batch {self.n_batch}")
         batch = self._batch_for(n)
         i = 0
         for p_ids, p_pos0, p_seq in parts:  # vector writes into the arrays the llama_batch points at

@@ -34,9 +34,9 @@ from clover_gguf.fsutil import atomic_output, check_free_disk, check_output
 from clover_gguf.gguf_header import (GGUF_MAGIC, GGUFHeader, check_model, read_header,  # noqa: F401 - re-exported
                                      tensor_bytes)
 from clover_gguf.offload import Offload, no_offload_notice
+from clover_gguf.metadata import QUANT_RECIPE as RECIPE_KEY
 from clover_gguf.recipes import FTYPES, NEEDS_IMATRIX, Recipe, check_rules, recipe_for
 
-RECIPE_KEY = "clover.quant.recipe"
 # sizes of the published files of Clover-35B-A3B-Preview, GiB (docs/quantization.md)
 OFFICIAL_GIB = {"Q4_0": 18.24, "Q4_K_M": 21.42, "Q8_0": 35.26}
 COMMUNITY_GIB = {"Q3_K_S": 14.14, "Q3_K_M": 15.62, "IQ4_XS": 17.64, "Q4_K_M": 19.72, "Q6_K": 26.56, "Q8_0": 34.37}

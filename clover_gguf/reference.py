@@ -10,8 +10,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Collection, Iterable
+from typing import Collection, Iterable, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -39,6 +40,71 @@ class PrefixState:
 
     layers: tuple[LayerState, ...]
     n_past: int
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The decoding backend on this model (clover_gguf.decoding runs ar / diffusion / draft-self on it)
+# ---------------------------------------------------------------------------------------------------------------
+class ReferenceBackend:
+    """decoding.Backend over CloverModel (as runtime.LlamaBackend is over llama.cpp). Its PrefixState is immutable, so rollback just returns
+    to the state before the latest commit and re-runs the kept tokens (backend work, not a counted pass)."""
+
+    def __init__(self, model: CloverModel, eos_ids: Sequence[int] | None = None,
+                 coreset: bool | float | None = None):
+        self.model = model
+        cfg = model.cfg
+        if cfg.mask_token_id is None:
+            raise ValueError("the checkpoint has no mask_token_id: block mode is unavailable")
+        self.mask_token_id = int(cfg.mask_token_id)
+        eos = eos_ids if eos_ids is not None else cfg.eos_token_id
+        self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        self.block_size = int(cfg.block_size)
+        self.coreset = coreset
+        self.reset()
+
+    @property
+    def n_past(self) -> int:
+        return len(self._ids)
+
+    def reset(self) -> None:
+        self._ids: list[int] = []
+        self._state = self.model.empty_state()
+        self._before_last: tuple[PrefixState, int] | None = None  # (state, n_past) before the latest commit
+
+    def _run(self, ids: Sequence[int], state: PrefixState, block: bool = False):
+        with torch.no_grad():
+            x = torch.tensor([list(ids)], dtype=torch.long)
+            logits, new = self.model.run(x, state, block=block, coreset=self.coreset if block else None)
+        return logits[0].numpy(), new
+
+    def commit(self, ids: Sequence[int]) -> np.ndarray:
+        if not len(ids):
+            raise ValueError("commit needs at least one token")
+        self._before_last = (self._state, len(self._ids))
+        logits, self._state = self._run(ids, self._state)
+        self._ids.extend(int(t) for t in ids)
+        return logits
+
+    def prefill(self, ids: Sequence[int]) -> np.ndarray:
+        return self.commit(ids)[-1]
+
+    def block_logits(self, block: Sequence[int]) -> np.ndarray:
+        logits, _ = self._run(block, self._state, block=True)  # the new state is thrown away
+        return logits
+
+    def rollback(self, n: int) -> None:
+        if n <= 0:
+            return
+        if self._before_last is None or len(self._ids) - n < self._before_last[1]:
+            raise ValueError("rollback reaches past the latest commit")
+        state, n0 = self._before_last
+        keep = self._ids[n0:len(self._ids) - n]
+        self._ids = self._ids[:n0]
+        self._state = state
+        if keep:
+            _, self._state = self._run(keep, state)
+            self._ids.extend(keep)
+        self._before_last = None
 
 
 def zero_centred_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -112,6 +112,7 @@ def test_block_parity_and_prefix_untouched(clover_files, ref, seqs, n_block, n_r
         r.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("filled", [0, 5, 20], ids=["all-masked", "5-filled", "20-filled"])
 @pytest.mark.parametrize("coreset", [True, False], ids=["coreset-on", "coreset-off"])
 def test_masked_block_parity(clover_files, ref, seqs, filled, coreset):
@@ -135,6 +136,7 @@ def test_masked_block_parity(clover_files, ref, seqs, filled, coreset):
     ({"clover.moe_block_coreset.top_p": 0.5}, 0.5),
     ({"clover.moe_block_coreset.top_p": 1.0}, 1.0),
 ], ids=["off", "top_p-0.5", "top_p-1.0"])
+@pytest.mark.slow
 def test_block_coreset_overrides(clover_files, ref, seqs, overrides, coreset):
     prefix, block = seqs["prefix"], seqs["block"]
     with torch.no_grad():
@@ -308,6 +310,7 @@ def test_plain_qwen_block_mode_is_refused_cleanly(plain_files):
         r.close()
 
 
+@pytest.mark.slow
 def test_long_prompt_over_several_ubatches_and_pieces(clover_files, ref):
     ids = _ids(30, 70, ref.cfg.vocab_size)
     with torch.no_grad():
@@ -326,6 +329,7 @@ def test_long_prompt_over_several_ubatches_and_pieces(clover_files, ref):
         r.close()
 
 
+@pytest.mark.slow
 def test_transformers_checkpoint_gives_transformers_logits(plain_files):
     from transformers import Qwen3_5MoeForCausalLM
 
@@ -366,6 +370,7 @@ def test_gguf_vocabulary_tokenizes_like_hf(clover_files):
         r.close()
 
 
+@pytest.mark.slow
 def test_patches_apply_to_a_fresh_pinned_tree(tmp_path):
     from clover_gguf import build, llama_sdist
 
@@ -376,6 +381,7 @@ def test_patches_apply_to_a_fresh_pinned_tree(tmp_path):
     assert "LLM_ARCH_CLOVER" in (tree / "src" / "llama-arch.h").read_text()
 
 
+@pytest.mark.slow
 def test_llama_cli_runs_causal_with_chat_template(clover_files):
     p = subprocess.run([str(llama_tool("llama-cli")), "-m", str(clover_files[1]), "-p", "Count from 3 to 9.", "-n", "8",
                         "-st", "--temp", "0", "-t", "2", "-c", "256", "--no-warmup"],
@@ -391,6 +397,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_llama_server_serves_chat_completions(clover_files):
     port = _free_port()
     server = subprocess.Popen([str(llama_tool("llama-server")), "-m", str(clover_files[1]), "--host", "127.0.0.1",

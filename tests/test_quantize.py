@@ -157,6 +157,7 @@ def test_imatrix_with_too_little_text_says_why(wide, tmp_path):
 
 
 # ---- quality against F32 ---------------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K_M", "IQ4_XS", "Q3_K_M"])
 def test_quality_against_f32(quality_model, reference_logits, tmp_path, qtype):
     f32, trained = quality_model
@@ -172,6 +173,7 @@ def test_quality_against_f32(quality_model, reference_logits, tmp_path, qtype):
 
 
 # ---- imatrix: IQ types and importance-weighted K-quants end to end ---------------------------------------------
+@pytest.mark.slow
 def test_imatrix_then_iq3_xxs(wide, tmp_path):
     text = tmp_path / "calib.txt"
     rng = np.random.default_rng(0)
@@ -264,6 +266,7 @@ def test_cli_error_is_one_line(tmp_path):
 
 
 # ---- the 35B plan from its config alone ------------------------------------------------------------------------
+@pytest.mark.slow
 def test_35b_plan_sizes_match_community_files(tmp_path):
     from clover_gguf.skeleton import write_skeleton
 
