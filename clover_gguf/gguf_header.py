@@ -17,6 +17,7 @@ from typing import Any
 from gguf import GGMLQuantizationType as QT
 from gguf.constants import GGML_QUANT_SIZES
 
+from clover_gguf.config import MAX_BLOCK
 from clover_gguf.errors import UserError
 
 GGUF_MAGIC = b"GGUF"
@@ -194,7 +195,7 @@ HPARAM_ARRAYS: dict[str, tuple[int, bool]] = {
     "rope.dimension_sections": (I32, True), "attention.recurrent_layers": (BOOL, False),
 }
 ROPE_SCALING_TYPES = ("none", "linear", "yarn", "longrope")  # llama.cpp's; another name aborts it
-MAX_LAYERS, MAX_EXPERTS, MAX_BLOCK = 512, 1024, 4096  # LLAMA_MAX_LAYERS, LLAMA_MAX_EXPERTS; config.MAX_BLOCK
+MAX_LAYERS, MAX_EXPERTS = 512, 1024  # LLAMA_MAX_LAYERS, LLAMA_MAX_EXPERTS
 
 
 class _Checker:

@@ -27,6 +27,7 @@ import numpy as np
 
 from clover_gguf import decoding
 from clover_gguf import metadata as md
+from clover_gguf.config import MAX_BLOCK
 from clover_gguf.controls import Controls, make_processors, make_sampler
 from clover_gguf.errors import UserError
 from clover_gguf.llama_context import LlamaContext
@@ -222,6 +223,9 @@ class CloverRuntime:
             overrides[md.CORESET_ENABLED] = coreset
         if coreset_top_p is not None:
             overrides[md.CORESET_TOP_P] = coreset_top_p
+        if block_size is not None and not 1 <= block_size <= MAX_BLOCK:
+            raise UserError(f"block size {block_size}: it must be 1..{MAX_BLOCK} (one block pass is one llama.cpp "
+                            "micro-batch)")
         self.max_block_size = max(int(block_size or 0), self.block_size)
         settings = context_settings(self.max_block_size, n_ctx, self.context_length, rollback, exact)
         self.ctx = LlamaContext(path, overrides=overrides or None, n_threads=n_threads,
@@ -289,8 +293,7 @@ class CloverRuntime:
                                 f"{self.ctx.n_ubatch} tokens: choose at most {self.ctx.n_ubatch}")
             if block_size > self.max_block_size:
                 raise UserError(f"block size {block_size} is above the {self.max_block_size} this model was loaded "
-                                "for (its context keeps logits rows for that many tokens): load it with "
-                                f"--block-size {block_size}")
+                                "for (its context keeps logits rows for that many tokens)")
         room = block_size - 1 if mode != "ar" else 0  # a final block may run block_size - 1 past the limit
         need = n_prompt + max_new_tokens + room
         limit = min(self.context_length, self.n_ctx)

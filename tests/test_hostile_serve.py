@@ -74,8 +74,10 @@ def _one_line_exit_2(p, words: str) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 CLI_REFUSED = [  # (name, arguments after the model, words in the one line)
     ("ctx_too_small_for_the_prompt", ["--ctx", "300", "-p", TOO_LONG, "--mode", "ar"], "more than the context"),
-    ("block_above_ubatch_diffusion", ["-p", "hi", "--block-size", "600", "--mode", "diffusion"], "micro-batch"),
-    ("block_above_ubatch_draft_self", ["-p", "hi", "--block-size", "600", "--mode", "draft-self"], "micro-batch"),
+    # a block pass is one llama.cpp micro-batch: a larger --block-size loads the context with a larger one (600 runs,
+    # test below), up to the largest block a micro-batch may hold
+    ("block_above_max_diffusion", ["-p", "hi", "--block-size", "5000", "--mode", "diffusion"], "micro-batch"),
+    ("block_above_max_draft_self", ["-p", "hi", "--block-size", "5000", "--mode", "draft-self"], "micro-batch"),
     ("prompt_bytes_not_utf8", ["-p", b"\xff\xfe caf\xe9".decode("utf-8", "surrogateescape")], "not valid UTF-8"),
     ("temp_inf", ["-p", "hi", "--temp", "inf"], "temperature must be a finite number"),
     ("temp_nan", ["-p", "hi", "--temp", "nan"], "'--temp'"),  # typer's range check refuses NaN first
@@ -90,6 +92,14 @@ CLI_REFUSED = [  # (name, arguments after the model, words in the one line)
 @pytest.mark.parametrize("name,args,words", CLI_REFUSED, ids=[c[0] for c in CLI_REFUSED])
 def test_generate_refuses_with_one_line(model, name, args, words):
     _one_line_exit_2(_run("generate", str(model), *args), words)
+
+
+@pytest.mark.parametrize("mode", ["diffusion", "draft-self"])
+def test_a_block_above_the_default_micro_batch_runs(model, mode):
+    """--block-size 600 used to abort inside llama.cpp (a block larger than the 512-token micro-batch): the runtime
+    now loads the context with a micro-batch that holds the block, so it answers."""
+    p = _run("generate", str(model), "-p", "What is 34 + 58?", "--block-size", "600", "--mode", mode, "-n", "24")
+    assert p.returncode == 0 and not p.err, (p.returncode, p.err[-2000:])
 
 
 @pytest.mark.parametrize("name,key,value,words", [
@@ -209,8 +219,8 @@ SERVER_BAD = [
     ("repetition_penalty_inf", "POST", "/v1/completions", {**AUTH, **JSON},
      b'{"prompt": "hi", "repetition_penalty": Infinity}', 422, "repetition_penalty"),
     ("prompt_past_the_context", "POST", "/v1/chat/completions", AUTH, _chat(TOO_LONG), 400, "more than the context"),
-    ("block_above_the_context", "POST", "/v1/chat/completions", AUTH,
-     _chat("hi", mode="diffusion", block_size=256, max_tokens=1), 400, "more than the context"),
+    ("block_above_the_loaded_block_size", "POST", "/v1/chat/completions", AUTH,
+     _chat("hi", mode="diffusion", block_size=256, max_tokens=1), 400, "above the 32 this model was loaded for"),
 ]
 
 
