@@ -33,6 +33,7 @@ from clover_gguf.errors import UserError
 from clover_gguf.llama_context import LlamaContext
 from clover_gguf.offload import Offload
 from clover_gguf.thinking import prompt_opens_thinking, split_thinking
+from clover_gguf.vocab import compile_chat_template
 
 SEQ_MAIN, SEQ_BLOCK, SEQ_BACKUP = 0, 1, 2
 N_SEQ = 3
@@ -216,7 +217,8 @@ class CloverRuntime:
         self.threshold = float(meta.get(md.THRESHOLD, card.threshold))
         self.mask_token_id = meta.get(md.MASK_TOKEN_ID)
         self.chat_template = meta.get(md.CHAT_TEMPLATE)
-        self._template = _compile_template(self.chat_template, path) if self.chat_template else None
+        # compiled once (compiling costs more than a small model's forward pass); check_model refused a bad one
+        self._template = compile_chat_template(self.chat_template) if self.chat_template else None
         self.controls = Controls.from_meta(meta.get)
         overrides: dict[str, bool | float] = {}
         if coreset is not None:
@@ -231,11 +233,6 @@ class CloverRuntime:
         self.ctx = LlamaContext(path, overrides=overrides or None, n_threads=n_threads,
                                 n_threads_batch=n_threads_batch, offload=offload, **settings)
         self.n_ctx = self.ctx.n_ctx
-        mask = self.mask_token_id
-        if mask is not None and not (isinstance(mask, int) and 0 <= mask < self.ctx.n_vocab):
-            self.ctx.close()  # a block pass would feed llama.cpp a token it does not have (llama_decode fails)
-            raise UserError(f"{path}: {md.MASK_TOKEN_ID} {mask!r} is not a token of its vocabulary "
-                            f"({self.ctx.n_vocab} tokens)")
         self.eos_ids, self._control_text = self._scan_vocab()
         self.think_id = self._special("<think>")
         self.think_end_id = self._special("</think>")
@@ -402,19 +399,6 @@ class CloverRuntime:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _compile_template(source: str, path: Path) -> Any:
-    """The GGUF's chat template, compiled once at load (compiling costs more than a small model's forward pass);
-    a template that does not compile is refused here, not at the first request."""
-    import jinja2
-    import jinja2.sandbox
-
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=False, lstrip_blocks=False)
-    try:
-        return env.from_string(source)
-    except jinja2.TemplateError as e:
-        raise UserError(f"{path}: its chat template is not a valid Jinja template ({type(e).__name__}: {e})") from None
 
 
 def _check_utf8(text: str, what: str) -> None:

@@ -26,15 +26,23 @@ class Vocab:
         return len(self.tokens)
 
 
+def compile_chat_template(template: str) -> Any:
+    """The chat template compiled as the runtime renders it: a sandboxed Jinja environment, made here and nowhere
+    else. Raises jinja2.TemplateSyntaxError (or RecursionError) for a template that does not compile."""
+    import jinja2.sandbox
+
+    return jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=False, lstrip_blocks=False).from_string(template)
+
+
 def chat_template_error(template: str) -> str | None:
-    """Why `template` does not compile as the runtime compiles it (a sandboxed Jinja environment), or None.
-    Without jinja2 installed nothing can be checked (and nothing rendered): None."""
+    """Why `template` does not compile as the runtime compiles it, or None. Without jinja2 installed nothing can
+    be checked (and nothing rendered): None."""
     try:
-        import jinja2.sandbox
+        import jinja2
     except ImportError:
         return None
     try:
-        jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=False, lstrip_blocks=False).from_string(template)
+        compile_chat_template(template)
     except jinja2.TemplateSyntaxError as e:
         return f"{e.message} (line {e.lineno})"
     except (RecursionError, MemoryError):
