@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import mmap
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,8 @@ class GGUFHeader:
     tensors: dict[str, tuple[tuple[int, ...], QT]]  # name -> (numpy-order shape, type), in file order
     data_offset: int
     alignment: int
+    types: dict[str, tuple[int, int | None]] = field(default_factory=dict)  # key -> (GGUF value type, element type)
+    offsets: dict[str, int] = field(default_factory=dict)  # tensor -> byte offset from data_offset
 
     @property
     def arch(self) -> str | None:
@@ -65,8 +67,12 @@ def tensor_bytes(qtype: QT, shape: tuple[int, ...]) -> int:
     return int(np.prod(shape)) // block * size
 
 
-def read_header(path: Path) -> GGUFHeader:
+def read_header(path: Path, full: bool = False) -> GGUFHeader:
+    """full=True reads every array whole (vocabularies too) and strings as they are stored (surrogateescape), so
+    the values can be written back unchanged (export-ar)."""
     path = Path(path)
+    max_array = None if full else MAX_ARRAY
+    errors = "surrogateescape" if full else "replace"
     if not path.is_file():
         raise UserError(f"no such file: {path}")
     with open(path, "rb") as f:
@@ -84,7 +90,7 @@ def read_header(path: Path) -> GGUFHeader:
     def string() -> str:
         nonlocal pos
         n = take("Q")
-        v = m[pos:pos + n].decode("utf-8", "replace")
+        v = m[pos:pos + n].decode("utf-8", errors)
         pos += n
         return v
 
@@ -94,7 +100,7 @@ def read_header(path: Path) -> GGUFHeader:
             return string()
         if vtype == ARRAY:
             sub, n = take("I"), take("Q")
-            if n <= MAX_ARRAY:
+            if max_array is None or n <= max_array:
                 return [value(sub) for _ in range(n)]
             if sub in _SCALAR:
                 pos += struct.calcsize("<" + _SCALAR[sub]) * n
@@ -110,19 +116,22 @@ def read_header(path: Path) -> GGUFHeader:
             raise UserError(f"{path}: GGUF version {version} is too old")
         n_tensors, n_kv = take("Q"), take("Q")
         kv: dict[str, Any] = {}
+        types: dict[str, tuple[int, int | None]] = {}
         for _ in range(n_kv):
             key, vtype = string(), take("I")
+            types[key] = (vtype, struct.unpack_from("<I", m, pos)[0] if vtype == ARRAY else None)
             kv[key] = value(vtype)
         tensors = {}
+        offsets = {}
         for _ in range(n_tensors):
             name, nd = string(), take("I")
             ne = [take("Q") for _ in range(nd)]
             tensors[name] = (tuple(reversed(ne)), QT(take("I")))
-            take("Q")  # offset
+            offsets[name] = take("Q")
         align = int(kv.get("general.alignment") or 32)
         data_offset = (pos + align - 1) // align * align
     except (struct.error, ValueError, KeyError, IndexError) as e:
         raise UserError(f"{path}: damaged GGUF header ({e})") from None
     finally:
         m.close()
-    return GGUFHeader(path, kv, tensors, data_offset, align)
+    return GGUFHeader(path, kv, tensors, data_offset, align, types, offsets)
