@@ -23,6 +23,11 @@ class OutType(str, Enum):
     q8_0 = "q8_0"
 
 
+class Arch(str, Enum):
+    clover = "clover"
+    qwen35moe = "qwen35moe"
+
+
 class Backend(str, Enum):
     cpu = "cpu"
     cuda = "cuda"
@@ -39,6 +44,7 @@ def convert(
     src: Path = typer.Argument(..., help="checkpoint folder (config.json, safetensors, tokenizer)"),
     out: Path = typer.Option(..., "-o", "--out", help="output GGUF file"),
     outtype: OutType = typer.Option(OutType.bf16, "--outtype", help="storage type of the weight matrices"),
+    arch: Arch = typer.Option(Arch.clover, "--arch", help="clover, or qwen35moe: AR only, for stock llama.cpp"),
     skip_unknown: bool = typer.Option(False, "--skip-unknown", help="drop tensors the map does not know (warns)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="validate and print the plan; write nothing"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
@@ -47,7 +53,8 @@ def convert(
     """Clover safetensors -> GGUF (streaming)."""
     from clover_gguf.convert import convert as run
 
-    res = run(src, out, outtype.value, skip_unknown=skip_unknown, dry_run=dry_run, quiet=quiet or as_json)
+    res = run(src, out, outtype.value, skip_unknown=skip_unknown, dry_run=dry_run, quiet=quiet or as_json,
+              arch=arch.value)
     summary = {"out": str(res.out) if res.out else None, "tensors": res.n_tensors, "bytes": res.nbytes,
                "dry_run": dry_run, "notices": res.notices, "skipped_unknown": res.skipped_unknown}
     if as_json:
@@ -61,6 +68,25 @@ def convert(
         typer.echo(f"dry run: {res.n_tensors} tensors, {res.nbytes / 2**30:.3f} GiB; nothing written")
     else:
         typer.echo(f"wrote {res.out}: {res.n_tensors} tensors, {res.nbytes / 2**30:.3f} GiB")
+
+
+@app.command("export-ar")
+def export_ar(
+    src: Path = typer.Argument(..., help="a Clover GGUF (any type, quantized too)"),
+    out: Path = typer.Argument(..., help="output qwen35moe GGUF"),
+    force: bool = typer.Option(False, "--force", help="overwrite OUT"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Clover GGUF -> qwen35moe GGUF for stock llama.cpp, Ollama, LM Studio (AR only; tensors copied as they are)."""
+    from clover_gguf.export import export_ar as run
+
+    res = run(src, out, force=force, quiet=quiet or as_json)
+    if as_json:
+        typer.echo(json.dumps({"out": str(res.out), "tensors": res.n_tensors, "size_bytes": res.size_bytes,
+                               "dropped_tensors": res.dropped_tensors, "dropped_keys": res.dropped_keys}))
+    else:
+        typer.echo(f"wrote {res.out}: qwen35moe, {res.n_tensors} tensors, {res.size_bytes / 2**30:.3f} GiB")
 
 
 @app.command()

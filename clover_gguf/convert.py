@@ -21,6 +21,10 @@ from clover_gguf.tensor_map import (EXPERT_KINDS, FUSED_RE, MTP_LAYER_RE, PER_EX
 from clover_gguf.vocab import Vocab, load_vocab
 
 ARCH = "clover"
+# --arch: a Clover GGUF, or llama.cpp's qwen35moe without the block-mode tensors and Clover's keys (AR decoding in
+# any llama.cpp that has qwen35moe)
+AR_ARCH = "qwen35moe"
+ARCHS = (ARCH, AR_ARCH)
 OUTTYPES = {"f32": QT.F32, "f16": QT.F16, "bf16": QT.BF16, "q8_0": QT.Q8_0}
 # what each safetensors storage dtype is in GGML terms: a reorder-only tensor whose output type equals its source
 # type is copied bit for bit
@@ -73,8 +77,8 @@ def _output_type(rule_f32: bool, shape: tuple[int, ...], outtype: QT) -> QT:
     return outtype
 
 
-def plan_conversion(ck: Checkpoint, cfg: CloverConfig, outtype: str = "bf16", skip_unknown: bool = False
-                    ) -> ConversionPlan:
+def plan_conversion(ck: Checkpoint, cfg: CloverConfig, outtype: str = "bf16", skip_unknown: bool = False,
+                    arch: str = ARCH) -> ConversionPlan:
     if cfg.linear_key_head_dim != cfg.linear_value_head_dim:
         raise UserError(
             f"linear_key_head_dim ({cfg.linear_key_head_dim}) != linear_value_head_dim "
@@ -85,6 +89,8 @@ def plan_conversion(ck: Checkpoint, cfg: CloverConfig, outtype: str = "bf16", sk
     notices: list[str] = []
     if not cfg.is_clover:
         notices.append("plain Qwen3.5-MoE checkpoint: converting the causal model; block mode will be unavailable")
+    elif arch != ARCH:
+        notices.append(f"{arch}: the block-mode tensors and Clover's own keys are left out (AR decoding only)")
     if ck.dropped:
         notices.append(f"dropped {len(ck.dropped)} vision tensor(s) (model.visual.*): Clover is text-only")
 
@@ -129,6 +135,8 @@ def plan_conversion(ck: Checkpoint, cfg: CloverConfig, outtype: str = "bf16", sk
             unknown.append(name)
             continue
         rule, bid = hit
+        if rule.clover_extra and arch != ARCH:
+            continue
         plan_rule(rule, name, n_layers if bid is None else bid)
 
     if unknown and not skip_unknown:
@@ -139,7 +147,7 @@ def plan_conversion(ck: Checkpoint, cfg: CloverConfig, outtype: str = "bf16", sk
         _plan_experts(ck, cfg, layer, kind, srcs, qt, by_gguf)
 
     n_blocks = n_layers + len(mtp_layers)
-    _check_complete(cfg, by_gguf, n_layers, n_blocks)
+    _check_complete(cfg, by_gguf, n_layers, n_blocks, extras=cfg.is_clover and arch == ARCH)
     order = sorted(by_gguf.values(), key=lambda t: _order_key(t.name))
     return ConversionPlan(cfg, order, notices, unknown)
 
@@ -184,7 +192,7 @@ def _plan_experts(ck: Checkpoint, cfg: CloverConfig, layer: int, kind: str, srcs
                                        raw)
 
 
-def _expected_names(cfg: CloverConfig, n_layers: int, n_blocks: int) -> list[str]:
+def _expected_names(cfg: CloverConfig, n_layers: int, n_blocks: int, extras: bool) -> list[str]:
     names = ["token_embd.weight", "output_norm.weight"]
     if not cfg.tie_word_embeddings:
         names.append("output.weight")
@@ -201,7 +209,7 @@ def _expected_names(cfg: CloverConfig, n_layers: int, n_blocks: int) -> list[str
             names += [b + n for n in ("attn_qkv.weight", "attn_gate.weight", "ssm_beta.weight", "ssm_alpha.weight",
                                       "ssm_conv1d.weight", "ssm_dt.bias", "ssm_a", "ssm_norm.weight",
                                       "ssm_out.weight")]
-            if cfg.is_clover:
+            if extras:
                 names += [r.gguf.format(i=i) for r in TENSOR_RULES if r.clover_extra]
     if n_blocks > n_layers:
         b = f"blk.{n_layers}.nextn."
@@ -209,8 +217,8 @@ def _expected_names(cfg: CloverConfig, n_layers: int, n_blocks: int) -> list[str
     return names
 
 
-def _check_complete(cfg: CloverConfig, by_gguf: dict, n_layers: int, n_blocks: int) -> None:
-    missing = [n for n in _expected_names(cfg, n_layers, n_blocks) if n not in by_gguf]
+def _check_complete(cfg: CloverConfig, by_gguf: dict, n_layers: int, n_blocks: int, extras: bool) -> None:
+    missing = [n for n in _expected_names(cfg, n_layers, n_blocks, extras) if n not in by_gguf]
     if missing:
         shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
         raise UserError(f"checkpoint lacks {len(missing)} tensor(s) config.json implies: {shown}")
@@ -223,9 +231,22 @@ def _order_key(name: str) -> tuple:
 
 
 # ---- metadata -------------------------------------------------------------------------------------------------
+# The "<arch>.<key>" hyperparameters llama.cpp's qwen35moe reads: a clover file and a qwen35moe file carry the same
+# ones (export-ar renames them); every other "clover." key is Clover's own and stays out of a qwen35moe file.
+QWEN35MOE_HPARAMS = frozenset({
+    "context_length", "embedding_length", "block_count", "nextn_predict_layers", "attention.head_count",
+    "attention.head_count_kv", "attention.key_length", "attention.value_length", "attention.layer_norm_rms_epsilon",
+    "rope.freq_base", "rope.dimension_count", "rope.dimension_sections", "expert_count", "expert_used_count",
+    "expert_feed_forward_length", "expert_shared_feed_forward_length", "ssm.conv_kernel", "ssm.state_size",
+    "ssm.group_count", "ssm.time_step_rank", "ssm.inner_size", "full_attention_interval",
+    "attention.recurrent_layers",
+})
+
+
 def write_metadata(w: GGUFWriter, cfg: CloverConfig, vocab: Vocab, gen: GenerationDefaults, n_blocks: int,
-                   name: str) -> None:
-    a = ARCH + "."
+                   name: str, arch: str = ARCH) -> None:
+    a = arch + "."
+    keep = (lambda k: True) if arch == ARCH else QWEN35MOE_HPARAMS.__contains__
     rope_sections = list(cfg.mrope_section or (11, 11, 10)) + [0] * (4 - len(cfg.mrope_section or (11, 11, 10)))
     recurrent = [not cfg.is_full_attention(i) if i < cfg.num_hidden_layers else False for i in range(n_blocks)]
     w.add_name(name)
@@ -248,7 +269,8 @@ def write_metadata(w: GGUFWriter, cfg: CloverConfig, vocab: Vocab, gen: Generati
     if n_blocks > cfg.num_hidden_layers:
         u32["nextn_predict_layers"] = n_blocks - cfg.num_hidden_layers
     for k, v in u32.items():
-        w.add_uint32(a + k, int(v))
+        if keep(k):
+            w.add_uint32(a + k, int(v))
     f32 = {
         "attention.layer_norm_rms_epsilon": cfg.rms_norm_eps, "rope.freq_base": cfg.rope_theta,
         "diffusion.threshold": gen.threshold, "moe_block_coreset.top_p": cfg.moe_block_coreset_top_p,
@@ -257,11 +279,16 @@ def write_metadata(w: GGUFWriter, cfg: CloverConfig, vocab: Vocab, gen: Generati
         "generation.think_end_bias": gen.think_end_bias,
     }
     for k, v in f32.items():
-        w.add_float32(a + k, float(v))
-    w.add_bool(a + "block_mode", cfg.is_clover)
-    w.add_bool(a + "moe_block_coreset.enabled", cfg.is_clover and cfg.moe_block_coreset_enabled)
+        if keep(k):
+            w.add_float32(a + k, float(v))
+    if arch == ARCH:
+        w.add_bool(a + "block_mode", cfg.is_clover)
+        w.add_bool(a + "moe_block_coreset.enabled", cfg.is_clover and cfg.moe_block_coreset_enabled)
     w.add_array(a + "rope.dimension_sections", rope_sections)
     w.add_array(a + "attention.recurrent_layers", recurrent)
+    # the card's repetition penalty where llama.cpp's own tools (llama-cli, llama-server) read sampling defaults;
+    # llama.cpp has no key for the presence and frequency penalties
+    w.add_sampling_penalty_repeat(float(gen.repetition_penalty))
 
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen35")
@@ -303,16 +330,18 @@ class ConvertResult:
 
 
 def convert(src: Path, out: Path, outtype: str = "bf16", skip_unknown: bool = False, dry_run: bool = False,
-            quiet: bool = False, log=lambda msg: print(msg, file=sys.stderr)) -> ConvertResult:
+            quiet: bool = False, log=lambda msg: print(msg, file=sys.stderr), arch: str = ARCH) -> ConvertResult:
     """Convert the checkpoint folder `src` to the GGUF file `out`. A dry run plans and validates, writes nothing."""
     if outtype not in OUTTYPES:
         raise UserError(f"unknown --outtype {outtype!r}: choose one of {', '.join(OUTTYPES)}")
+    if arch not in ARCHS:
+        raise UserError(f"unknown --arch {arch!r}: choose one of {', '.join(ARCHS)}")
     src, out = Path(src), Path(out)
     cfg = CloverConfig.from_file(src)
     gen = read_generation_defaults(src)
     vocab = load_vocab(src, cfg)
     with Checkpoint(src) as ck:
-        plan = plan_conversion(ck, cfg, outtype, skip_unknown)
+        plan = plan_conversion(ck, cfg, outtype, skip_unknown, arch)
         for n in plan.notices:
             log(f"notice: {n}")
         if plan.skipped_unknown:
@@ -325,16 +354,16 @@ def convert(src: Path, out: Path, outtype: str = "bf16", skip_unknown: bool = Fa
         check_free_disk(out, plan.nbytes + 16 * 2**20)
         n_blocks = max(int(t.name.split(".")[1]) for t in plan.tensors if t.name.startswith("blk.")) + 1
         with atomic_output(out) as tmp:
-            _write(tmp, plan, vocab, gen, n_blocks, src.name, quiet, after_tensor=ck.drop_resident_pages)
+            _write(tmp, plan, vocab, gen, n_blocks, src.name, quiet, after_tensor=ck.drop_resident_pages, arch=arch)
     return ConvertResult(out, len(plan.tensors), plan.nbytes, plan.notices, plan.skipped_unknown, plan)
 
 
 def _write(path: Path, plan: ConversionPlan, vocab: Vocab, gen: GenerationDefaults, n_blocks: int, name: str,
-           quiet: bool, after_tensor: Callable[[], None] = lambda: None) -> None:
+           quiet: bool, after_tensor: Callable[[], None] = lambda: None, arch: str = ARCH) -> None:
     from tqdm import tqdm
 
-    w = GGUFWriter(path=None, arch=ARCH)
-    write_metadata(w, plan.cfg, vocab, gen, n_blocks, name)
+    w = GGUFWriter(path=None, arch=arch)
+    write_metadata(w, plan.cfg, vocab, gen, n_blocks, name, arch)
     for t in plan.tensors:
         nbytes = t.nbytes
         storage = {QT.F32: np.float32, QT.F16: np.float16, QT.BF16: np.uint16, QT.Q8_0: np.uint8}[t.qtype]
