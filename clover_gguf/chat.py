@@ -63,8 +63,8 @@ class ThinkingRenderer:
 class ChatSession:
     def __init__(self, model: Path, mode: str = "draft-self", max_new_tokens: int = 1024, think: bool = True,
                  show_thinking: bool = True, temp: float = 0.0, seed: int | None = None, n_ctx: int | None = None,
-                 out: TextIO = sys.stdout, inp: TextIO = sys.stdin):
-        self.rt = CloverRuntime(model, n_ctx=n_ctx)
+                 out: TextIO = sys.stdout, inp: TextIO = sys.stdin, **runtime_kwargs):
+        self.rt = CloverRuntime(model, n_ctx=n_ctx, **runtime_kwargs)
         self.mode, self.max_new_tokens, self.think, self.show_thinking = mode, max_new_tokens, think, show_thinking
         self.temp, self.seed = temp, seed
         self.out, self.inp = out, inp

@@ -35,6 +35,18 @@ class Backend(str, Enum):
     vulkan = "vulkan"
 
 
+RPC_HELP = ("HOST:PORT[,HOST:PORT...]: put the model's layers on these ggml-rpc-servers, as llama.cpp's --rpc does "
+            "(unauthenticated: trusted networks only)")
+
+
+def _rpc(spec: Optional[str], gpu_layers: Optional[int] = None) -> dict:
+    """--rpc and --gpu-layers -> CloverRuntime keywords (all layers go to the servers unless --gpu-layers says)."""
+    from clover_gguf import rpc
+
+    endpoints = rpc.parse_endpoints(spec)
+    return {"rpc": endpoints, "n_gpu_layers": rpc.gpu_layers(gpu_layers, endpoints)}
+
+
 def _err(msg: str) -> None:
     typer.echo(f"clover-gguf: error: {msg}", err=True)
 
@@ -237,6 +249,7 @@ def generate(
     repetition_penalty: Optional[float] = typer.Option(None, "--repetition-penalty", min=0.01,
                                                        help="default: the GGUF's (1.05)"),
     no_controls: bool = typer.Option(False, "--no-controls", help="turn every generation control off"),
+    rpc: Optional[str] = typer.Option(None, "--rpc", help=RPC_HELP),
     stats: bool = typer.Option(False, "--stats", help="print decoding stats to stderr"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object: text, thinking, stats"),
 ) -> None:
@@ -245,7 +258,7 @@ def generate(
 
     from dataclasses import replace
 
-    with CloverRuntime(model, n_ctx=ctx, rollback=rollback.value) as rt:
+    with CloverRuntime(model, n_ctx=ctx, rollback=rollback.value, **_rpc(rpc)) as rt:
         controls = rt.controls.off() if no_controls else rt.controls
         overrides = {"presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty,
                      "repetition_penalty": repetition_penalty}
@@ -276,12 +289,13 @@ def chat(
     temp: float = typer.Option(0.0, "--temp", min=0.0),
     seed: Optional[int] = typer.Option(None, "--seed"),
     ctx: Optional[int] = typer.Option(None, "--ctx"),
+    rpc: Optional[str] = typer.Option(None, "--rpc", help=RPC_HELP),
 ) -> None:
     """Chat in the terminal: /reset, /mode ar|diffusion|draft-self, /stats, /quit; Ctrl-C stops an answer."""
     from clover_gguf.chat import ChatSession
 
     ChatSession(model, mode=mode.value, max_new_tokens=max_new_tokens, think=think, show_thinking=show_thinking,
-                temp=temp, seed=seed, n_ctx=ctx).loop()
+                temp=temp, seed=seed, n_ctx=ctx, **_rpc(rpc)).loop()
 
 
 @app.command()
@@ -296,13 +310,15 @@ def serve(
                                           help="require Authorization: Bearer KEY (also from $CLOVER_GGUF_API_KEY)"),
     rollback: Rollback = typer.Option(Rollback.redecode, "--rollback", help="draft-self rollback strategy"),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="CPU threads per slot"),
-    gpu_layers: int = typer.Option(0, "--gpu-layers", "-ngl", help="layers to offload (GPU builds)"),
+    gpu_layers: Optional[int] = typer.Option(None, "--gpu-layers", "-ngl",
+                                             help="layers to offload (GPU builds, --rpc); default none, all with --rpc"),
+    rpc: Optional[str] = typer.Option(None, "--rpc", help=RPC_HELP),
 ) -> None:
     """An OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models, /health."""
     from clover_gguf.server import serve as run
 
     run(model, host=host, port=port, mode=mode.value, ctx=ctx, parallel=parallel, api_key=api_key,
-        rollback=rollback.value, n_threads=threads, n_gpu_layers=gpu_layers)
+        rollback=rollback.value, n_threads=threads, **_rpc(rpc, gpu_layers))
 
 
 def main() -> None:

@@ -37,6 +37,14 @@ def load_binding() -> Any:
     return llama_cpp
 
 
+def ggml_library() -> ctypes.CDLL:
+    """ctypes handle of the libggml next to the libllama the binding loaded (ggml's own calls: backends, devices)."""
+    from clover_gguf.build import _shared_lib_name
+
+    load_binding()
+    return ctypes.CDLL(str(Path(os.environ["LLAMA_CPP_LIB_PATH"]) / _shared_lib_name("ggml")))
+
+
 def _kv_overrides(L: Any, overrides: dict[str, bool | int | float]) -> Any:
     arr = (L.llama_model_kv_override * (len(overrides) + 1))()
     for i, (key, val) in enumerate(overrides.items()):
@@ -60,7 +68,8 @@ class LlamaContext:
     def __init__(self, gguf: str | Path, n_ctx: int = 4096, n_ubatch: int = 512, n_batch: int | None = None,
                  n_seq_max: int = 2,
                  overrides: dict[str, bool | int | float] | None = None, n_rs_seq: int = 0, exact: bool = False,
-                 n_threads: int | None = None, n_gpu_layers: int = 0, n_threads_batch: int | None = None):
+                 n_threads: int | None = None, n_gpu_layers: int = 0, n_threads_batch: int | None = None,
+                 rpc: Sequence[str] = ()):
         L = self.L = load_binding()
         path = Path(gguf)
         if not path.is_file():
@@ -69,6 +78,11 @@ class LlamaContext:
         L.llama_log_set(_quiet_log(L), ctypes.c_void_p())
         mp = L.llama_model_default_params()
         mp.n_gpu_layers = n_gpu_layers
+        if rpc:  # the RPC servers' devices, then local GPUs (clover_gguf.rpc)
+            from clover_gguf import rpc as rpc_backend
+
+            self._devices = rpc_backend.devices(ggml_library(), rpc)
+            mp.devices = ctypes.cast(self._devices, ctypes.c_void_p)
         self._overrides = _kv_overrides(L, overrides) if overrides else None
         if self._overrides is not None:
             mp.kv_overrides = ctypes.cast(self._overrides, ctypes.POINTER(L.llama_model_kv_override))

@@ -168,7 +168,8 @@ class CloverRuntime:
 
     def __init__(self, gguf: str | Path, n_ctx: int | None = None, rollback: str = "redecode",
                  coreset: bool | None = None, coreset_top_p: float | None = None, exact: bool = False,
-                 n_threads: int | None = None, n_gpu_layers: int = 0, n_threads_batch: int | None = None):
+                 n_threads: int | None = None, n_gpu_layers: int = 0, n_threads_batch: int | None = None,
+                 rpc: Sequence[str] = ()):
         from clover_gguf.gguf_header import read_header
 
         path = Path(gguf)
@@ -199,7 +200,7 @@ class CloverRuntime:
         n_rs_seq = self.block_size + 1 if rollback == "snapshot" else 0
         self.ctx = LlamaContext(path, n_ctx=n_ctx, n_ubatch=max(512, self.block_size), n_seq_max=3,
                                 overrides=overrides or None, n_rs_seq=n_rs_seq, exact=exact, n_threads=n_threads,
-                                n_gpu_layers=n_gpu_layers, n_threads_batch=n_threads_batch)
+                                n_gpu_layers=n_gpu_layers, n_threads_batch=n_threads_batch, rpc=rpc)
         self.n_ctx = self.ctx.n_ctx
         self.eos_ids = self._end_tokens()
         self.think_id = self._special("<think>")
