@@ -65,6 +65,8 @@ def export_ar(src: Path, out: Path, force: bool = False, quiet: bool = False,
         h = read_header(src, full=True)
     except UserError as e:
         raise UserError(f"{src} is not a readable GGUF file ({e})") from None
+    if h.arch == AR_ARCH:
+        raise UserError(f"{src} is already a {AR_ARCH} GGUF: export-ar takes a clover GGUF")
     check_clover(h)
     if out.exists() and out.is_dir():
         raise UserError(f"output is a folder: {out}")
