@@ -9,7 +9,6 @@ the output appears whole or not at all. `clover-gguf convert --arch qwen35moe` w
 
 from __future__ import annotations
 
-import contextlib
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +20,7 @@ from gguf.constants import GGML_QUANT_SIZES
 
 from clover_gguf.convert import AR_ARCH, ARCH, QWEN35MOE_HPARAMS
 from clover_gguf.errors import UserError
-from clover_gguf.fsutil import atomic_output, check_free_disk, check_writable_dir
+from clover_gguf.fsutil import atomic_output, check_free_disk, check_output, check_writable_dir
 from clover_gguf.gguf_header import GGUFHeader, read_header, tensor_bytes
 from clover_gguf.tensor_map import CLOVER_EXTRA_RE
 
@@ -68,13 +67,7 @@ def export_ar(src: Path, out: Path, force: bool = False, quiet: bool = False,
     if h.arch == AR_ARCH:
         raise UserError(f"{src} is already a {AR_ARCH} GGUF: export-ar takes a clover GGUF")
     check_clover(h)
-    if out.exists() and out.is_dir():
-        raise UserError(f"output is a folder: {out}")
-    if out.exists() and not force:
-        raise UserError(f"{out} exists (--force overwrites it)")
-    with contextlib.suppress(OSError):
-        if out.exists() and out.samefile(src):
-            raise UserError("the output would overwrite the input")
+    check_output(out, force, src)
     kept = [n for n in h.tensors if not CLOVER_EXTRA_RE.match(n)]
     dropped_tensors = [n for n in h.tensors if CLOVER_EXTRA_RE.match(n)]
     nbytes = {n: tensor_bytes(h.tensors[n][1], h.tensors[n][0]) for n in kept}

@@ -30,6 +30,17 @@ def check_free_disk(target: Path, needed_bytes: int) -> None:
         )
 
 
+def check_output(out: Path, force: bool, src: Path | None = None) -> None:
+    """An output file may replace an existing file only with --force, and never a folder or the input itself."""
+    if out.exists() and out.is_dir():
+        raise UserError(f"output is a folder: {out}")
+    if out.exists() and not force:
+        raise UserError(f"{out} exists (--force overwrites it)")
+    with contextlib.suppress(OSError):
+        if src is not None and out.exists() and out.samefile(src):
+            raise UserError("the output would overwrite the input")
+
+
 @contextlib.contextmanager
 def atomic_output(target: Path) -> Iterator[Path]:
     """Yield a temporary path in the target's folder; rename it to `target` only if the block completes.

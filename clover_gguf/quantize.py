@@ -10,7 +10,6 @@ Every per-tensor decision is llama.cpp's: we only pass the recipe's overrides an
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 import re
@@ -26,7 +25,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf import GGUFReader
 
 from clover_gguf.errors import UserError
-from clover_gguf.fsutil import atomic_output, check_free_disk, check_writable_dir
+from clover_gguf.fsutil import atomic_output, check_free_disk, check_output, check_writable_dir
 from clover_gguf.gguf_header import GGUF_MAGIC, GGUFHeader, read_header, tensor_bytes  # noqa: F401 - re-exported
 from clover_gguf.recipes import FTYPES, NEEDS_IMATRIX, Recipe, check_rules, recipe_for
 
@@ -395,13 +394,7 @@ def quantize(src: Path, out: Path, type_name: str, recipe_file: Path | None = No
     src, out = Path(src), Path(out)
     h, recipe = _prepare(src, type_name, recipe_file)
     _check_source_types(h)
-    if out.exists() and out.is_dir():
-        raise UserError(f"output is a folder: {out}")
-    if out.exists() and not force:
-        raise UserError(f"{out} exists (--force overwrites it)")
-    with contextlib.suppress(OSError):
-        if out.exists() and out.samefile(src):
-            raise UserError("the output would overwrite the input")
+    check_output(out, force, src)
     if recipe.ftype in NEEDS_IMATRIX and imatrix is None:
         raise UserError(f"{recipe.ftype} needs an importance matrix: make one with `clover-gguf imatrix` "
                         "and pass --imatrix FILE")
