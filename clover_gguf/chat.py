@@ -45,8 +45,8 @@ class ChatSession:
     def __init__(self, model: Path, mode: str = "draft-self", max_new_tokens: int = 1024, think: bool = True,
                  show_thinking: bool = True, temp: float = 0.0, seed: int | None = None, n_ctx: int | None = None,
                  json_stats: bool = False, out: TextIO = sys.stdout, inp: TextIO = sys.stdin,
-                 rollback: str = "redecode", offload: Offload | None = None):
-        self.rt = CloverRuntime(model, n_ctx=n_ctx, rollback=rollback, offload=offload)
+                 rollback: str = "redecode", offload: Offload | None = None, **runtime_kwargs):
+        self.rt = CloverRuntime(model, n_ctx=n_ctx, rollback=rollback, offload=offload, **runtime_kwargs)
         self.mode, self.max_new_tokens, self.think, self.show_thinking = mode, max_new_tokens, think, show_thinking
         self.temp, self.seed, self.json_stats = temp, seed, json_stats
         self.out, self.inp = out, inp

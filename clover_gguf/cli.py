@@ -26,11 +26,27 @@ class OutType(str, Enum):
     q8_0 = "q8_0"
 
 
+class Arch(str, Enum):
+    clover = "clover"
+    qwen35moe = "qwen35moe"
+
+
 class Backend(str, Enum):
     cpu = "cpu"
     cuda = "cuda"
     metal = "metal"
     vulkan = "vulkan"
+
+
+RPC_HELP = ("HOST:PORT[,HOST:PORT...]: put the model's layers on these ggml-rpc-servers, as llama.cpp's --rpc does "
+            "(unauthenticated: trusted networks only)")
+
+
+def _rpc(spec: Optional[str]) -> dict:
+    """--rpc -> CloverRuntime keywords (the layers --gpu-layers offloads, all by default, go to the servers)."""
+    from clover_gguf import rpc
+
+    return {"rpc": rpc.parse_endpoints(spec)}
 
 
 def _err(msg: str) -> None:
@@ -67,6 +83,7 @@ def convert(
     src: Path = typer.Argument(..., help="checkpoint folder (config.json, safetensors, tokenizer)"),
     out: Path = typer.Option(..., "-o", "--out", help="output GGUF file"),
     outtype: OutType = typer.Option(OutType.bf16, "--outtype", help="storage type of the weight matrices"),
+    arch: Arch = typer.Option(Arch.clover, "--arch", help="clover, or qwen35moe: AR only, for stock llama.cpp"),
     skip_unknown: bool = typer.Option(False, "--skip-unknown", help="drop tensors the map does not know (warns)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="validate and print the plan; write nothing"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
@@ -77,7 +94,7 @@ def convert(
     from clover_gguf.convert import convert as run
 
     res = run(src, out, outtype.value, skip_unknown=skip_unknown, dry_run=dry_run, quiet=quiet or as_json,
-              force=force)
+              force=force, arch=arch.value)
     summary = {"out": str(res.out) if res.out else None, "tensors": res.n_tensors, "bytes": res.nbytes,
                "dry_run": dry_run, "notices": res.notices, "skipped_unknown": res.skipped_unknown}
     if as_json:
@@ -91,6 +108,25 @@ def convert(
         typer.echo(f"dry run: {res.n_tensors} tensors, {res.nbytes / 2**30:.3f} GiB; nothing written")
     else:
         typer.echo(f"wrote {res.out}: {res.n_tensors} tensors, {res.nbytes / 2**30:.3f} GiB")
+
+
+@app.command("export-ar")
+def export_ar(
+    src: Path = typer.Argument(..., help="a Clover GGUF (any type, quantized too)"),
+    out: Path = typer.Argument(..., help="output qwen35moe GGUF"),
+    force: bool = typer.Option(False, "--force", help="overwrite OUT"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Clover GGUF -> qwen35moe GGUF for stock llama.cpp, Ollama, LM Studio (AR only; tensors copied as they are)."""
+    from clover_gguf.export import export_ar as run
+
+    res = run(src, out, force=force, quiet=quiet or as_json)
+    if as_json:
+        typer.echo(json.dumps({"out": str(res.out), "tensors": res.n_tensors, "size_bytes": res.size_bytes,
+                               "dropped_tensors": res.dropped_tensors, "dropped_keys": res.dropped_keys}))
+    else:
+        typer.echo(f"wrote {res.out}: qwen35moe, {res.n_tensors} tensors, {res.size_bytes / 2**30:.3f} GiB")
 
 
 @app.command()
@@ -246,6 +282,7 @@ def generate(
     repetition_penalty: Optional[float] = typer.Option(None, "--repetition-penalty", min=0.01,
                                                        help="default: the GGUF's (1.05)"),
     no_controls: bool = typer.Option(False, "--no-controls", help="turn every generation control off"),
+    rpc: Optional[str] = typer.Option(None, "--rpc", help=RPC_HELP),
     stats: bool = typer.Option(False, "--stats", help="print a one-line stats summary to stderr (all of them: --json)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object: text, thinking, stats"),
     offload=None,
@@ -259,7 +296,8 @@ def generate(
     overrides = {k: v for k, v in {"presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty,
                                    "repetition_penalty": repetition_penalty}.items() if v is not None}
     check_sampling(temp, top_p, top_k, threshold, replace(Controls(), **overrides))  # before the model loads
-    with CloverRuntime(model, n_ctx=ctx, rollback=rollback.value, offload=offload, block_size=block_size) as rt:
+    with CloverRuntime(model, n_ctx=ctx, rollback=rollback.value, offload=offload, block_size=block_size,
+                       **_rpc(rpc)) as rt:
         controls = replace(rt.controls.off() if no_controls else rt.controls, **overrides)
         kw = dict(mode=mode.value, max_new_tokens=max_new_tokens, block_size=block_size, threshold=threshold,
                   accept=accept.value, temp=temp, top_p=top_p, top_k=top_k, seed=seed, think=think,
@@ -289,6 +327,7 @@ def chat(
     ctx: Optional[int] = typer.Option(None, "--ctx", min=16),
     rollback: Rollback = typer.Option(Rollback.redecode, "--rollback", help="draft-self rollback strategy"),
     json_stats: bool = typer.Option(False, "--json-stats", help="each answer's stats as one JSON object, not a line"),
+    rpc: Optional[str] = typer.Option(None, "--rpc", help=RPC_HELP),
     offload=None,
 ) -> None:
     """Chat in the terminal: /reset, /mode ar|diffusion|draft-self, /stats, /quit; Ctrl-C stops an answer."""
@@ -299,7 +338,7 @@ def chat(
 
     ChatSession(model, mode=mode.value, max_new_tokens=max_new_tokens, think=think, show_thinking=show_thinking,
                 temp=temp, seed=seed, n_ctx=ctx, json_stats=json_stats, rollback=rollback.value,
-                offload=offload).loop()
+                offload=offload, **_rpc(rpc)).loop()
 
 
 @app.command()
@@ -314,13 +353,14 @@ def serve(
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="CLOVER_GGUF_API_KEY",
                                           help="require Authorization: Bearer KEY (also from $CLOVER_GGUF_API_KEY)"),
     rollback: Rollback = typer.Option(Rollback.redecode, "--rollback", help="draft-self rollback strategy"),
+    rpc: Optional[str] = typer.Option(None, "--rpc", help=RPC_HELP),
     offload=None,
 ) -> None:
     """An OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models, /health."""
     from clover_gguf.server import serve as run
 
     run(model, host=host, port=port, mode=mode.value, ctx=ctx, parallel=parallel, api_key=api_key,
-        rollback=rollback.value, n_threads=offload.threads, offload=offload)  # threads per slot
+        rollback=rollback.value, n_threads=offload.threads, offload=offload, **_rpc(rpc))  # threads per slot
 
 
 @app.command()

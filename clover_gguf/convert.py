@@ -17,7 +17,7 @@ from clover_gguf.config import CloverConfig, read_json
 from clover_gguf.errors import UserError
 from clover_gguf.fsutil import atomic_output, check_free_disk, check_output
 from clover_gguf.gguf_header import BOOL, F32, HPARAMS, U32
-from clover_gguf.metadata import ARCH, GenerationDefaults, hparam
+from clover_gguf.metadata import ARCH, GenerationDefaults
 from clover_gguf.tensor_map import (EXPERT_KINDS, FUSED_RE, PER_EXPERT_RE, REORDER_ONLY, TRANSFORMS, TensorRule,
                                     expert_shape, gguf_names, match_rule, mtp_as_layer, out_shape)
 from clover_gguf.vocab import Vocab, load_vocab
@@ -78,10 +78,14 @@ def _output_type(rule_f32: bool, shape: tuple[int, ...], outtype: QT) -> QT:
 # conv widths llama.cpp's CUDA ssm_conv has kernels for (ggml-cuda/ssm-conv.cu of the pinned tree; patch 0002 makes
 # its supports_op say so, so another width falls back to the CPU instead of aborting)
 CUDA_SSM_CONV_WIDTHS = (3, 4, 5, 9, 15)
+# --arch: a Clover GGUF, or llama.cpp's qwen35moe without the block-mode tensors and Clover's keys (AR decoding in
+# any llama.cpp that has qwen35moe)
+AR_ARCH = "qwen35moe"
+ARCHS = (ARCH, AR_ARCH)
 
 
-def plan_conversion(ck: Checkpoint, cfg: CloverConfig, outtype: str = "bf16", skip_unknown: bool = False
-                    ) -> ConversionPlan:
+def plan_conversion(ck: Checkpoint, cfg: CloverConfig, outtype: str = "bf16", skip_unknown: bool = False,
+                    arch: str = ARCH) -> ConversionPlan:
     if cfg.linear_key_head_dim != cfg.linear_value_head_dim:
         raise UserError(
             f"linear_key_head_dim ({cfg.linear_key_head_dim}) != linear_value_head_dim "
@@ -92,9 +96,11 @@ def plan_conversion(ck: Checkpoint, cfg: CloverConfig, outtype: str = "bf16", sk
     notices: list[str] = []
     if not cfg.is_clover:
         notices.append("plain Qwen3.5-MoE checkpoint: converting the causal model; block mode will be unavailable")
+    elif arch != ARCH:
+        notices.append(f"{arch}: the block-mode tensors and Clover's own keys are left out (AR decoding only)")
     if ck.dropped:
         notices.append(f"dropped {len(ck.dropped)} vision tensor(s) (model.visual.*): Clover is text-only")
-    if cfg.is_clover and cfg.right_kernel not in CUDA_SSM_CONV_WIDTHS:
+    if cfg.is_clover and arch == ARCH and cfg.right_kernel not in CUDA_SSM_CONV_WIDTHS:
         notices.append(f"right conv kernel {cfg.right_kernel}: llama.cpp's CUDA ssm_conv has kernels for widths "
                        f"{', '.join(map(str, CUDA_SSM_CONV_WIDTHS))} only, so on CUDA that op of block passes runs "
                        "on the CPU (slower, still correct)")
@@ -143,6 +149,8 @@ def plan_conversion(ck: Checkpoint, cfg: CloverConfig, outtype: str = "bf16", sk
         rule, bid = hit
         if bid is not None:
             check_layer(name, bid, j is not None)
+        if rule.clover_extra and arch != ARCH:
+            continue
         plan_rule(rule, name, n_layers if bid is None else bid)
 
     if unknown and not skip_unknown:
@@ -159,7 +167,7 @@ def plan_conversion(ck: Checkpoint, cfg: CloverConfig, outtype: str = "bf16", sk
     if beyond:
         raise UserError(f"tensor {beyond[0]} has no layer to belong to ({n_layers} layers, "
                         f"{len(mtp_layers)} MTP layers)")
-    _check_complete(cfg, by_gguf, n_layers, n_blocks)
+    _check_complete(cfg, by_gguf, n_layers, n_blocks, extras=arch == ARCH)
     order = sorted(by_gguf.values(), key=lambda t: _order_key(t.name))
     return ConversionPlan(cfg, order, notices, unknown, n_blocks)
 
@@ -204,19 +212,22 @@ def _plan_experts(ck: Checkpoint, cfg: CloverConfig, layer: int, kind: str, srcs
                                        raw)
 
 
-def _expected_names(cfg: CloverConfig, n_layers: int, n_blocks: int) -> list[str]:
+def _expected_names(cfg: CloverConfig, n_layers: int, n_blocks: int, extras: bool = True) -> list[str]:
     """Every GGUF tensor config.json implies: the tensor table (shapes.checkpoint_tensors, from TENSOR_RULES)
-    mapped to GGUF names."""
+    mapped to GGUF names; without the Clover extras for extras=False (a qwen35moe output)."""
     from clover_gguf.shapes import checkpoint_tensors
 
     names: dict[str, None] = {}
     for hf, _, _ in checkpoint_tensors(cfg, experts="fused", mtp=n_blocks - n_layers):
+        hit = match_rule(hf)
+        if not extras and hit is not None and hit[0].clover_extra:
+            continue
         names.update(dict.fromkeys(gguf_names(hf, n_layers)))
     return list(names)
 
 
-def _check_complete(cfg: CloverConfig, by_gguf: dict, n_layers: int, n_blocks: int) -> None:
-    missing = [n for n in _expected_names(cfg, n_layers, n_blocks) if n not in by_gguf]
+def _check_complete(cfg: CloverConfig, by_gguf: dict, n_layers: int, n_blocks: int, extras: bool = True) -> None:
+    missing = [n for n in _expected_names(cfg, n_layers, n_blocks, extras) if n not in by_gguf]
     if missing:
         shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
         raise UserError(f"checkpoint lacks {len(missing)} tensor(s) config.json implies: {shown}")
@@ -229,8 +240,22 @@ def _order_key(name: str) -> tuple:
 
 
 # ---- metadata -------------------------------------------------------------------------------------------------
+# The "<arch>.<key>" hyperparameters llama.cpp's qwen35moe reads: a clover file and a qwen35moe file carry the same
+# ones (export-ar renames them); every other "clover." key is Clover's own and stays out of a qwen35moe file.
+QWEN35MOE_HPARAMS = frozenset({
+    "context_length", "embedding_length", "block_count", "nextn_predict_layers", "attention.head_count",
+    "attention.head_count_kv", "attention.key_length", "attention.value_length", "attention.layer_norm_rms_epsilon",
+    "rope.freq_base", "rope.dimension_count", "rope.dimension_sections", "expert_count", "expert_used_count",
+    "expert_feed_forward_length", "expert_shared_feed_forward_length", "ssm.conv_kernel", "ssm.state_size",
+    "ssm.group_count", "ssm.time_step_rank", "ssm.inner_size", "full_attention_interval",
+    "attention.recurrent_layers",
+})
+
+
 def write_metadata(w: GGUFWriter, cfg: CloverConfig, vocab: Vocab, gen: GenerationDefaults, n_blocks: int,
-                   name: str) -> None:
+                   name: str, arch: str = ARCH) -> None:
+    """The hyperparameters, the card's defaults and the tokenizer; for arch qwen35moe only the keys llama.cpp's
+    qwen35moe reads (QWEN35MOE_HPARAMS), under its prefix."""
     rope_sections = list(cfg.rope_sections) + [0] * (4 - len(cfg.rope_sections))
     recurrent = [not cfg.is_full_attention(i) if i < cfg.num_hidden_layers else False for i in range(n_blocks)]
     w.add_name(name)
@@ -259,9 +284,13 @@ def write_metadata(w: GGUFWriter, cfg: CloverConfig, vocab: Vocab, gen: Generati
     write = {U32: lambda k, v: w.add_uint32(k, int(v)), F32: lambda k, v: w.add_float32(k, float(v)),
              BOOL: w.add_bool}
     for k, v in {**u32, **f32, **card, **flags}.items():
-        write[HPARAMS[k][0]](hparam(k), v)
-    w.add_array(hparam("rope.dimension_sections"), rope_sections)
-    w.add_array(hparam("attention.recurrent_layers"), recurrent)
+        if arch == ARCH or k in QWEN35MOE_HPARAMS:
+            write[HPARAMS[k][0]](f"{arch}.{k}", v)
+    w.add_array(f"{arch}.rope.dimension_sections", rope_sections)
+    w.add_array(f"{arch}.attention.recurrent_layers", recurrent)
+    # the card's repetition penalty where llama.cpp's own tools (llama-cli, llama-server) read sampling defaults;
+    # llama.cpp has no key for the presence and frequency penalties
+    w.add_sampling_penalty_repeat(float(gen.repetition_penalty))
 
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen35")
@@ -300,19 +329,22 @@ class ConvertResult:
 
 
 def convert(src: Path, out: Path, outtype: str = "bf16", skip_unknown: bool = False, dry_run: bool = False,
-            quiet: bool = False, force: bool = False, log=lambda msg: print(msg, file=sys.stderr)) -> ConvertResult:
+            quiet: bool = False, force: bool = False, log=lambda msg: print(msg, file=sys.stderr),
+            arch: str = ARCH) -> ConvertResult:
     """Convert the checkpoint folder `src` to the GGUF file `out`. A dry run plans and validates, writes nothing.
 
     `out` must not be one of the checkpoint's files or a special file, and an existing file is replaced only with
     `force` (fsutil.check_output)."""
     if outtype not in OUTTYPES:
         raise UserError(f"unknown --outtype {outtype!r}: choose one of {', '.join(OUTTYPES)}")
+    if arch not in ARCHS:
+        raise UserError(f"unknown --arch {arch!r}: choose one of {', '.join(ARCHS)}")
     src, out = Path(src), Path(out)
     cfg = CloverConfig.from_file(src)
     gen = read_generation_defaults(src)
     with Checkpoint(src) as ck:
         # the tensors' shapes are checked against config.json before anything (the vocabulary) is sized from it
-        plan = plan_conversion(ck, cfg, outtype, skip_unknown)
+        plan = plan_conversion(ck, cfg, outtype, skip_unknown, arch)
         vocab = load_vocab(src, cfg)
         for n in plan.notices:
             log(f"notice: {n}")
@@ -324,16 +356,17 @@ def convert(src: Path, out: Path, outtype: str = "bf16", skip_unknown: bool = Fa
         check_output(out, inputs, force=force)
         check_free_disk(out, plan.nbytes + 16 * 2**20)
         with atomic_output(out) as tmp:
-            _write(tmp, plan, vocab, gen, plan.n_blocks, src.name, quiet, after_tensor=ck.drop_resident_pages)
+            _write(tmp, plan, vocab, gen, plan.n_blocks, src.name, quiet, after_tensor=ck.drop_resident_pages,
+                   arch=arch)
     return ConvertResult(out, len(plan.tensors), plan.nbytes, plan.notices, plan.skipped_unknown, plan)
 
 
 def _write(path: Path, plan: ConversionPlan, vocab: Vocab, gen: GenerationDefaults, n_blocks: int, name: str,
-           quiet: bool, after_tensor: Callable[[], None] = lambda: None) -> None:
+           quiet: bool, after_tensor: Callable[[], None] = lambda: None, arch: str = ARCH) -> None:
     from tqdm import tqdm
 
-    w = GGUFWriter(path=None, arch=ARCH)
-    write_metadata(w, plan.cfg, vocab, gen, n_blocks, name)
+    w = GGUFWriter(path=None, arch=arch)
+    write_metadata(w, plan.cfg, vocab, gen, n_blocks, name, arch)
     for t in plan.tensors:
         nbytes = t.nbytes
         storage = {QT.F32: np.float32, QT.F16: np.float16, QT.BF16: np.uint16, QT.Q8_0: np.uint8}[t.qtype]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import mmap
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +48,7 @@ class GGUFHeader:
     alignment: int
     types: dict[str, tuple[int, int | None]] | None = None  # key -> (GGUF type, element type of an array)
     file_size: int = 0
+    offsets: dict[str, int] = field(default_factory=dict)  # tensor -> byte offset from data_offset
 
     @property
     def arch(self) -> str | None:
@@ -72,10 +73,15 @@ def tensor_bytes(qtype: QT, shape: tuple[int, ...]) -> int:
     return math.prod(shape) // block * size
 
 
-def read_header(path: Path) -> GGUFHeader:
+def read_header(path: Path, full: bool = False) -> GGUFHeader:
     """The header, checked as llama.cpp's gguf reader checks it (no nested arrays, no repeated key, known types,
-    at most 4 dimensions, a power-of-two alignment) and with every tensor's data inside the file."""
+    at most 4 dimensions, a power-of-two alignment) and with every tensor's data inside the file.
+
+    full=True reads every array whole (vocabularies too) and strings as they are stored (surrogateescape), so the
+    values can be written back unchanged (export-ar)."""
     path = Path(path)
+    max_array = None if full else MAX_ARRAY
+    errors = "surrogateescape" if full else "replace"
     if not path.is_file():
         raise UserError(f"no such file: {path}")
     with open(path, "rb") as f:
@@ -95,7 +101,7 @@ def read_header(path: Path) -> GGUFHeader:
         n = take("Q")
         if pos + n > len(m):
             raise ValueError("a string runs past the end of the file")
-        v = m[pos:pos + n].decode("utf-8", "replace")
+        v = m[pos:pos + n].decode("utf-8", errors)
         pos += n
         return v
 
@@ -109,7 +115,7 @@ def read_header(path: Path) -> GGUFHeader:
                 raise UserError(f"{path}: {key} is an array of arrays, which GGUF readers (llama.cpp's) refuse")
             if sub != STRING and sub not in _SCALAR:
                 raise ValueError(f"{key} has unknown element type {sub}")
-            if n <= MAX_ARRAY:
+            if max_array is None or n <= max_array:
                 return [value(key, sub) for _ in range(n)]
             if sub in _SCALAR:
                 pos += struct.calcsize("<" + _SCALAR[sub]) * n
@@ -142,7 +148,7 @@ def read_header(path: Path) -> GGUFHeader:
         align = kv.get("general.alignment", 32)
         if types.get("general.alignment", (U32,))[0] != U32 or align <= 0 or align & (align - 1):
             raise UserError(f"{path}: general.alignment must be a UINT32 power of two, not {align!r}")
-        tensors, ends = {}, []
+        tensors, offsets, ends = {}, {}, []
         for _ in range(n_tensors):
             name, nd = string(), take("I")
             if nd > MAX_DIMS:
@@ -152,6 +158,7 @@ def read_header(path: Path) -> GGUFHeader:
             if name in tensors:
                 raise UserError(f"{path}: tensor {name} appears twice")
             tensors[name] = (tuple(reversed(ne)), qt)
+            offsets[name] = offset
             ends.append((offset + tensor_bytes(qt, tuple(ne)), name))
         data_offset = (pos + align - 1) // align * align
     except (struct.error, ValueError, KeyError, IndexError, OverflowError) as e:
@@ -164,7 +171,7 @@ def read_header(path: Path) -> GGUFHeader:
         if data_offset + end > size:
             raise UserError(f"{path} is truncated: tensor {name} ends {data_offset + end - size} bytes past the end "
                             "of the file")
-    return GGUFHeader(path, kv, tensors, data_offset, align, types, size)
+    return GGUFHeader(path, kv, tensors, data_offset, align, types, size, offsets)
 
 
 # ---- the hyperparameters of a Clover GGUF -------------------------------------------------------------------------

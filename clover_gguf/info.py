@@ -10,6 +10,13 @@ import numpy as np
 
 from clover_gguf.errors import UserError
 
+# what each kind of file is for; `kind` in read_info
+KINDS = {
+    "clover": "Clover: block decoding (diffusion, draft-self) and AR; needs the patched llama.cpp",
+    "clover-causal": "Clover architecture without the block-mode tensors: AR only; needs the patched llama.cpp",
+    "qwen35moe": "qwen35moe (export-ar): AR only; loads in stock llama.cpp and the apps built on it",
+}
+
 
 def _as_written(value: Any, gguf_type: int | None) -> Any:
     """A FLOAT32 value as a person writes it: the shortest decimal that reads back as the same float32
@@ -56,11 +63,13 @@ def read_info(path: Path) -> dict[str, Any]:
         "coreset": hparams.get("moe_block_coreset.enabled", False) is True,
         "mtp": isinstance(nextn, int) and nextn > 0,
     }
+    kind = arch if arch != "clover" else ("clover" if features["block_mode"] else "clover-causal")
     tokens = h.kv.get("tokenizer.ggml.tokens")
     size = path.stat().st_size
     return {
         "path": str(path),
         "architecture": arch,
+        "kind": kind,
         "name": kv.get("general.name"),
         "file_type": kv.get("general.file_type"),
         "quant_recipe": kv.get(f"{prefix}quant.recipe"),
@@ -78,7 +87,8 @@ def read_info(path: Path) -> dict[str, Any]:
 
 def format_info(info: dict[str, Any]) -> str:
     lines = [f"file          {info['path']} ({info['file_size_gib']:.3f} GiB)",
-             f"architecture  {info['architecture']}   name: {info['name']}"]
+             f"architecture  {info['architecture']}   name: {info['name']}",
+             f"kind          {KINDS.get(info['kind'], 'not a Clover or qwen35moe file')}"]
     if info.get("quant_recipe"):
         lines.append(f"quant recipe  {info['quant_recipe']}")
     feats = info["features"]

@@ -77,6 +77,14 @@ def _clover_api(L: Any) -> Any:
     return lib
 
 
+def ggml_library() -> ctypes.CDLL:
+    """ctypes handle of the libggml next to the libllama the binding loaded (ggml's own calls: backends, devices)."""
+    from clover_gguf.build import _shared_lib_name
+
+    load_binding()
+    return ctypes.CDLL(str(Path(os.environ["LLAMA_CPP_LIB_PATH"]) / _shared_lib_name("ggml")))
+
+
 def _kv_overrides(L: Any, overrides: dict[str, bool | int | float]) -> Any:
     arr = (L.llama_model_kv_override * (len(overrides) + 1))()
     for i, (key, val) in enumerate(overrides.items()):
@@ -128,18 +136,26 @@ def block_count(path: Path) -> int:
     return n
 
 
-def _load_model(L: Any, path: Path, offload: Offload, overrides: dict | None, keep: list, no_alloc: bool = False):
-    """llama_model_load_from_file with our offload options; `keep` holds every buffer llama.cpp points into."""
+def _load_model(L: Any, path: Path, offload: Offload, overrides: dict | None, keep: list, no_alloc: bool = False,
+                rpc: Sequence[str] = ()):
+    """llama_model_load_from_file with our offload options; `keep` holds every buffer llama.cpp points into.
+    rpc: RPC servers (HOST:PORT) whose devices come first, then local GPUs, as llama.cpp's own --rpc places them."""
     L.llama_backend_init()
     L.llama_log_set(_quiet_log(L), ctypes.c_void_p())
     patterns = offload.expert_patterns(block_count(path)) if offload.cpu_moe or offload.n_cpu_moe else []
     supported = bool(L.llama_supports_gpu_offload())
     from clover_gguf.llama_memory import gpu_devices
 
-    if not gpu_devices():  # a CPU build, or one with GPU backends (RPC too) but no device to use
+    if not rpc and not gpu_devices():  # a CPU build, or one with GPU backends (RPC too) but no device to use
         no_offload_notice(offload)
     mp = L.llama_model_default_params()
     mp.n_gpu_layers = offload.n_gpu_layers(supported)
+    if rpc:
+        from clover_gguf import rpc as rpc_backend
+
+        devices = rpc_backend.devices(ggml_library(), rpc)
+        keep.append(devices)
+        mp.devices = ctypes.cast(devices, ctypes.c_void_p)
     if patterns:
         arr = _buft_overrides(L, patterns)
         keep.append(arr)
@@ -187,14 +203,14 @@ class LlamaContext:
                  n_seq_max: int = 2,
                  overrides: dict[str, bool | int | float] | None = None, n_rs_seq: int = 0, exact: bool = False,
                  n_threads: int | None = None, n_threads_batch: int | None = None, n_outputs_max: int = 0,
-                 offload: Offload | None = None):
+                 offload: Offload | None = None, rpc: Sequence[str] = ()):
         L = self.L = load_binding()
         path = Path(gguf)
         if not path.is_file():
             raise UserError(f"no such model file: {path}")
         offload = offload or Offload()
         self._keep: list[Any] = []  # buffers llama.cpp reads through pointers, alive as long as the model
-        self.model = _load_model(L, path, offload, overrides, self._keep)
+        self.model = _load_model(L, path, offload, overrides, self._keep, rpc=rpc)
         if not self.model:
             raise UserError(f"llama.cpp could not load {path} (not a Clover GGUF, or the library is not patched)")
         cp = _context_params(L, n_ctx, n_ubatch, n_batch, n_seq_max, n_rs_seq, exact, n_threads or offload.threads,

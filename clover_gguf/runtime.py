@@ -193,9 +193,10 @@ class CloverRuntime:
     def __init__(self, gguf: str | Path, n_ctx: int | None = None, rollback: str = "redecode",
                  coreset: bool | None = None, coreset_top_p: float | None = None, exact: bool = False,
                  n_threads: int | None = None, n_threads_batch: int | None = None, offload: Offload | None = None,
-                 block_size: int | None = None):
+                 block_size: int | None = None, rpc: Sequence[str] = ()):
         """block_size: the largest block a request may use (default: the GGUF's); the context keeps logits rows
-        for that many tokens and no more (see context_settings)."""
+        for that many tokens and no more (see context_settings). rpc: llama.cpp RPC servers (HOST:PORT) that hold
+        the layers (clover_gguf.rpc)."""
         from clover_gguf.gguf_header import check_model, read_header
 
         path = Path(gguf)
@@ -231,7 +232,7 @@ class CloverRuntime:
         self.max_block_size = max(int(block_size or 0), self.block_size)
         settings = context_settings(self.max_block_size, n_ctx, self.context_length, rollback, exact)
         self.ctx = LlamaContext(path, overrides=overrides or None, n_threads=n_threads,
-                                n_threads_batch=n_threads_batch, offload=offload, **settings)
+                                n_threads_batch=n_threads_batch, offload=offload, rpc=rpc, **settings)
         self.n_ctx = self.ctx.n_ctx
         self.eos_ids, self._control_text = self._scan_vocab()
         self.think_id = self._special("<think>")

@@ -212,6 +212,11 @@ MTP_LAYER = "mtp.layers.{j}.{rest}"
 MTP_LAYER_RE = _pattern(MTP_LAYER, j=r"\d+", rest=".+")
 
 
+# GGUF names of the Clover extras (the block-mode tensors a qwen35moe file leaves out)
+CLOVER_EXTRA_RE = re.compile("^(?:" + "|".join(re.escape(r.gguf).replace(r"\{i\}", r"\d+")
+                                               for r in TENSOR_RULES if r.clover_extra) + ")$")
+
+
 def expert_shape(cfg: CloverConfig, kind: str) -> Shape:
     i, h = cfg.moe_intermediate_size, cfg.hidden_size
     return (cfg.num_experts, h, i) if kind == "down" else (cfg.num_experts, i, h)

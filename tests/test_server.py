@@ -33,13 +33,12 @@ TIMEOUT = 60
 
 
 @pytest.fixture(scope="session")
-def served_model(make_checkpoint, tmp_path_factory) -> tuple[Path, list[str]]:
+def served_model(make_checkpoint, tmp_path_factory, request) -> tuple[Path, list[str]]:
     """-> (GGUF, prompts): the bundled trained model and its eval prompts, else a random tiny model."""
     out = tmp_path_factory.mktemp("serve") / "model.gguf"
     if (ASSET / "config.json").is_file():
-        convert(ASSET, out, outtype="f32", quiet=True)
-        rows = [json.loads(x) for x in (ASSET / "eval.jsonl").read_text().splitlines() if x.strip()]
-        prompts = [r["prompt"] for r in rows[::19]][:8]
+        out = request.getfixturevalue("bundled_gguf")
+        prompts = [r["prompt"] for r in request.getfixturevalue("bundled_eval")[::19]][:8]
     else:
         convert(make_checkpoint(seed=1), out, outtype="f32", quiet=True)
         prompts = ["Count from 3 to 9.", "What is 5 + 4?", "Reverse: a b c", "Copy: q r s", "Keys: cup=4. What is cup?",
