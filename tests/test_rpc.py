@@ -17,6 +17,7 @@ import pytest
 
 from clover_gguf.errors import UserError
 from clover_gguf.llama_context import LlamaContext
+from clover_gguf.offload import Offload
 from clover_gguf.rpc import parse_endpoints
 from clover_gguf.runtime import CloverRuntime
 from clover_gguf.testing.rpc_servers import rpc_servers
@@ -55,7 +56,7 @@ def test_block_pass_and_causal_logits_over_rpc(bundled_gguf, servers, monkeypatc
         mask = int(ctx.meta("tokenizer.ggml.mask_token_id"))
         block = [mask if m else t for m, t in zip(rng.random(32) < 0.6, rng.integers(0, 300, size=32).tolist())]
     got = {}
-    for where, kw in (("local", {}), ("rpc", {"rpc": servers, "n_gpu_layers": -1})):
+    for where, kw in (("local", {}), ("rpc", {"rpc": servers, "offload": Offload(gpu_layers="all")})):
         monkeypatch.setenv("CLOVER_GGUF_LLAMA_LOG", "1")
         capfd.readouterr()
         with LlamaContext(bundled_gguf, n_ctx=256, exact=True, n_threads=2, **kw) as ctx:
@@ -73,7 +74,7 @@ def test_block_pass_and_causal_logits_over_rpc(bundled_gguf, servers, monkeypatc
 def test_greedy_text_over_rpc_in_every_mode(bundled_gguf, bundled_eval, servers):
     prompts = [r["prompt"] for r in bundled_eval[::37]][:3]
     texts = {}
-    for where, kw in (("local", {}), ("rpc", {"rpc": servers, "n_gpu_layers": -1})):
+    for where, kw in (("local", {}), ("rpc", {"rpc": servers, "offload": Offload(gpu_layers="all")})):
         with CloverRuntime(bundled_gguf, n_ctx=256, exact=True, n_threads=2, **kw) as rt:
             texts[where] = {(m, p): rt.generate(p, mode=m, max_new_tokens=48).raw for m in MODES for p in prompts}
     assert texts["rpc"] == texts["local"]
