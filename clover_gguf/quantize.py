@@ -507,6 +507,10 @@ def _run_in_worker(spec: dict[str, Any], on_tensor: Callable[[str, QT | None], N
             proc.stdin.close()
         if failure is not None:
             raise UserError(failure)
+        if proc.returncode == -signal.SIGINT:
+            # a terminal's Ctrl-C reaches the whole process group: the child may die of it before this process
+            # takes its own KeyboardInterrupt; either way it is the user's interruption, not a llama.cpp failure
+            raise KeyboardInterrupt
         if done is None or proc.returncode != 0:
             err.seek(0)
             tail = [ln.strip() for ln in err.read().decode("utf-8", "replace").splitlines() if ln.strip()]
