@@ -636,10 +636,10 @@ def wide(tmp_path_factory) -> dict[str, Path]:
     return {"ck": root / "ck", "gguf": root / "m.gguf"}
 
 
-def _interrupt(argv: list, out_dir: Path, sig: int, group: bool) -> subprocess.CompletedProcess:
+def _interrupt(argv: list, out_dir: Path, sig: int, group: bool) -> subprocess.CompletedProcess | None:
     """Start the command, wait until its temporary output exists, then send `sig` (to its whole process group
     when `group`, as a terminal's Ctrl-C does). The process is stopped while the signal is sent, so it arrives
-    in the middle of the write however fast the machine is."""
+    in the middle of the write however fast the machine is. None: the write ended before the stop (try again)."""
     proc = subprocess.Popen([sys.executable, "-m", "clover_gguf", *map(str, argv)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, errors="replace", env=_env(), cwd=ROOT,
                             start_new_session=True, preexec_fn=_limits())
@@ -650,6 +650,11 @@ def _interrupt(argv: list, out_dir: Path, sig: int, group: bool) -> subprocess.C
                 raise AssertionError(f"no temporary file appeared; exit {proc.returncode}")
             time.sleep(0.002)
         os.killpg(proc.pid, signal.SIGSTOP)
+        if not any(".partial-" in p.name for p in out_dir.iterdir()):
+            # it finished writing between the look and the stop: the signal would come after the rename
+            os.killpg(proc.pid, signal.SIGCONT)
+            proc.communicate(timeout=TIMEOUT_S)
+            return None
         if group:
             os.killpg(proc.pid, sig)
         else:
@@ -687,7 +692,13 @@ def test_signal_leaves_nothing(wide, tmp_path, case):
         shutil.copytree(wide["ck"], src)
         argv = ["convert", src, "-o", out / "m.gguf", "--outtype", "q8_0", "--quiet"]
     before = snapshot(tmp_path)
-    p = _interrupt(argv, out, sig, group)
+    for _ in range(5):
+        p = _interrupt(argv, out, sig, group)
+        if p is not None:
+            break
+        for f in out.iterdir():  # the finished output of a run the signal came too late for
+            f.unlink()
+    assert p is not None, "the command finished before it could be stopped, five times"
     assert "Traceback" not in p.stderr, p.stderr[-3000:]
     assert p.returncode == 130, f"exit {p.returncode}: {p.stderr[-2000:]}"
     err = p.stderr.strip().splitlines()
