@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from measure import run_measured, warm  # noqa: E402
+from measure import measure, warm  # noqa: E402
 from quantize import OURS as QUANTIZE_OURS  # noqa: E402
 
 N_LAYERS_35B = 40
@@ -76,17 +76,19 @@ def bench_convert(ckpt: Path, bf16: Path, env: dict) -> dict:
     shutil.rmtree(copy_dir, ignore_errors=True)
     copy_dir.mkdir()
     warm(ckpt)
-    cp = run_measured(["cp", *map(str, shards(ckpt)), str(copy_dir)])
+    cp = measure(["cp", *map(str, shards(ckpt)), str(copy_dir)])
     shutil.rmtree(copy_dir)
     warm(ckpt)
-    ours = run_measured([sys.executable, "-m", "clover_gguf", "convert", str(ckpt), "-o", str(bf16), "--outtype",
-                         "bf16", "--quiet"], env)
-    print(f"{'run':<12} {'seconds':>8} {'MB/s':>8} {'peak RSS MiB':>13}")
-    for name, (wall, rss) in (("cp", cp), ("convert", ours)):
-        print(f"{name:<12} {wall:8.1f} {size / wall / MB:8.0f} {rss / 2**20:13.0f}")
-    print(f"convert speed / cp speed: {cp[0] / ours[0]:.2f}; convert peak RSS {ours[1] / 2**30:.3f} GiB "
-          f"(target < 1 GiB); checkpoint {size / 1e9:.2f} GB -> GGUF {bf16.stat().st_size / 1e9:.2f} GB")
-    return {"bytes": size, "cp_s": cp[0], "convert_s": ours[0], "convert_rss": ours[1], "cp_rss": cp[1]}
+    ours = measure([sys.executable, "-m", "clover_gguf", "convert", str(ckpt), "-o", str(bf16), "--outtype", "bf16",
+                    "--quiet"], env)
+    print(f"{'run':<12} {'wall s':>7} {'CPU s':>7} {'MB/s':>6} {'MB/CPU-s':>9} {'peak RSS MiB':>13}")
+    for name, m in (("cp", cp), ("convert", ours)):
+        print(f"{name:<12} {m.wall:7.1f} {m.cpu:7.1f} {size / m.wall / MB:6.0f} {size / m.cpu / MB:9.0f} "
+              f"{m.rss / 2**20:13.0f}")
+    print(f"convert speed / cp speed: {cp.wall / ours.wall:.2f} (wall), {cp.cpu / ours.cpu:.2f} (CPU); convert peak "
+          f"RSS {ours.rss / 2**30:.3f} GiB (target < 1 GiB); checkpoint {size / 1e9:.2f} GB -> GGUF "
+          f"{bf16.stat().st_size / 1e9:.2f} GB")
+    return {"bytes": size, "cp": cp.__dict__, "convert": ours.__dict__}
 
 
 # ---- 3. quantize ----------------------------------------------------------------------------------------------
@@ -98,7 +100,8 @@ def bench_quantize(bf16: Path, ckpt: Path, wd: Path, types: list[str], threads: 
     env = {**env, "LD_LIBRARY_PATH": os.pathsep.join(filter(None, [str(tool.parent), env.get("LD_LIBRARY_PATH")]))}
     size = bf16.stat().st_size
     out = {}
-    print(f"{'type':<7} {'run':<15} {'seconds':>8} {'MB/s':>7} {'peak RSS MiB':>13} {'file bytes':>14}")
+    print(f"{'type':<7} {'run':<15} {'wall s':>7} {'CPU s':>7} {'MB/s':>6} {'MB/CPU-s':>9} {'peak RSS MiB':>13} "
+          f"{'file bytes':>14}")
     for qtype in types:
         rows = {}
         for name in ("llama-quantize", "clover-gguf"):
@@ -106,20 +109,25 @@ def bench_quantize(bf16: Path, ckpt: Path, wd: Path, types: list[str], threads: 
             warm(bf16)
             cmd = ([str(tool), str(bf16), str(dst), qtype, str(threads)] if name == "llama-quantize" else
                    [sys.executable, "-c", QUANTIZE_OURS, str(bf16), str(dst), qtype, str(threads)])
-            wall, rss = run_measured(cmd, env)
-            rows[name] = (wall, rss, dst.stat().st_size)
-            print(f"{qtype:<7} {name:<15} {wall:8.1f} {size / wall / MB:7.0f} {rss / 2**20:13.0f} "
-                  f"{rows[name][2]:14d}", flush=True)
+            m = measure(cmd, env)
+            rows[name] = dict(m.__dict__, bytes=dst.stat().st_size)
+            print(f"{qtype:<7} {name:<15} {m.wall:7.1f} {m.cpu:7.1f} {size / m.wall / MB:6.0f} {size / m.cpu / MB:9.0f} "
+                  f"{m.rss / 2**20:13.0f} {rows[name]['bytes']:14d}", flush=True)
             if name == "llama-quantize":
                 dst.unlink()
-        predicted = plan(qtype, src=bf16).size_bytes
+        qp = plan(qtype, src=bf16)
         from_config = plan(qtype, config=ckpt / "config.json").size_bytes
-        got = rows["clover-gguf"][2]
-        print(f"{qtype:<7} throughput clover-gguf / llama-quantize {rows['llama-quantize'][0] / rows['clover-gguf'][0]:.2f}"
-              f", peak RSS ratio {rows['clover-gguf'][1] / rows['llama-quantize'][1]:.2f}; "
-              f"file {got} bytes, `quantize --plan` on the BF16 GGUF {predicted} ({got - predicted:+d}), "
-              f"on config.json alone {from_config} ({got - from_config:+d}: the tokenizer metadata)")
-        out[qtype] = dict(rows=rows, predicted=predicted, from_config=from_config)
+        base, ours, got = rows["llama-quantize"], rows["clover-gguf"], rows["clover-gguf"]["bytes"]
+        print(f"{qtype:<7} throughput clover-gguf / llama-quantize: {base['wall'] / ours['wall']:.2f} (wall), "
+              f"{base['cpu'] / ours['cpu']:.2f} (CPU); peak RSS ratio {ours['rss'] / base['rss']:.2f}")
+        print(f"{qtype:<7} file {got} bytes; `quantize --plan` on the BF16 GGUF: {qp.size_bytes} "
+              f"({got - qp.size_bytes:+d}); on config.json alone: {from_config} ({got - from_config:+d}, the "
+              f"tokenizer metadata); types: " +
+              ", ".join(f"{n} x{c} {b / 2**20:.0f} MiB" for n, (c, b) in
+                        sorted(qp.by_type().items(), key=lambda kv: -kv[1][1])))
+        for note in qp.notes:
+            print(f"{qtype:<7} note: {note}")
+        out[qtype] = dict(rows=rows, predicted=qp.size_bytes, from_config=from_config, notes=qp.notes)
     return out
 
 
@@ -221,58 +229,65 @@ class PassRunner:
 
 
 def bench_passes(q4: Path, threads: int, rounds: int, vocab_size: int) -> dict:
+    """Per pass kind: wall and CPU ms (medians), the output layer's part (from the graph's final norm to the logits
+    in Python's hands), the layers' part (the rest), both scaled to 40 layers, and the distinct experts routed to."""
     from clover_gguf.graph_probe import GraphProbe
 
-    header(f"CPU passes on the Q4_K_M slice ({threads} threads; {rounds} rounds, kinds interleaved; "
+    header(f"CPU passes on the Q4_K_M slice ({threads} thread(s); {rounds} rounds, kinds interleaved; "
            f"prefix {PREFIX_TOKENS} tokens)")
     # timings: no probe, every kind once per round (the machine's drift lands on all kinds alike)
     runner = PassRunner(q4, threads, vocab_size)
-    times: dict[str, list[float]] = {k: [] for k in PASSES}
+    wall: dict[str, list[float]] = {k: [] for k in PASSES}
+    cpu: dict[str, list[float]] = {k: [] for k in PASSES}
     try:
         for kind in PASSES:  # warm-up
             runner.run(kind)
         for _ in range(rounds):
             for kind in PASSES:
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 runner.run(kind)
-                times[kind].append(time.perf_counter() - t0)
+                wall[kind].append(time.perf_counter() - t0)
+                cpu[kind].append(time.process_time() - c0)
     finally:
         runner.close()
-    # the graph: experts routed per layer, and the time from the final norm to the logits in Python's hands (the
-    # output layer over the whole vocabulary and the logits copy), from probed contexts (slower, so not timed)
+    # the graph: experts routed per layer, and the output layer's part (probed contexts are slower: not timed)
     probe = GraphProbe(r"ffn_moe_topk-\d+|result_norm")
     runner = PassRunner(q4, threads, vocab_size, probe)
-    experts, head = {}, {}
+    experts, head_wall, head_cpu = {}, {k: [] for k in PASSES}, {k: [] for k in PASSES}
     try:
         for kind in PASSES:
-            head[kind] = []
             for rep in range(3):
                 probe.clear()
                 runner.run(kind)
-                t_end = time.perf_counter()
-                head[kind].append(t_end - [r.seconds for r in probe.records if r.name == "result_norm"][-1])
+                t_end, c_end = time.perf_counter(), time.process_time()
+                mark = [r for r in probe.records if r.name == "result_norm"][-1]
+                head_wall[kind].append(t_end - mark.seconds)
+                head_cpu[kind].append(c_end - mark.cpu_seconds)
                 if rep == 0:
                     experts[kind] = [len(e) for _, e in sorted(probe.experts_per_layer().items())]
     finally:
         runner.close()
     res = {}
     for kind in PASSES:
-        t = float(np.median(times[kind]))
-        h = min(float(np.median(head[kind])), t)
-        res[kind] = dict(ms=t * 1e3, spread=(min(times[kind]) * 1e3, max(times[kind]) * 1e3), head_ms=h * 1e3,
-                         layers_ms=(t - h) * 1e3, experts=experts[kind])
-    ar = res["AR step"]
+        r = res[kind] = dict(experts=experts[kind], wall_spread_ms=(min(wall[kind]) * 1e3, max(wall[kind]) * 1e3))
+        for key, t, h in (("wall", wall[kind], head_wall[kind]), ("cpu", cpu[kind], head_cpu[kind])):
+            total, out = float(np.median(t)) * 1e3, float(np.median(h)) * 1e3
+            out = min(out, total)
+            r[f"{key}_ms"], r[f"{key}_out_ms"], r[f"{key}_layers_ms"] = total, out, total - out
+            r[f"{key}_ms_35b"] = (total - out) * N_LAYERS_35B / 4 + out
     for r in res.values():
-        r["ms_35b"] = r["layers_ms"] * N_LAYERS_35B / 4 + r["head_ms"]
-        r["x_ar"] = r["ms"] / ar["ms"]
-        r["x_ar_35b"] = r["ms_35b"] / ar["ms_35b"]
-    print(f"{'pass':<22} {'ms (median)':>11} {'min-max':>15} {'x AR':>6} {'output ms':>10} {'layers ms':>10} "
-          f"{'35B ms':>8} {'35B x AR':>9}  distinct experts per layer")
+        for key in ("wall", "cpu"):
+            r[f"{key}_x_ar"] = r[f"{key}_ms"] / res["AR step"][f"{key}_ms"]
+            r[f"{key}_x_ar_35b"] = r[f"{key}_ms_35b"] / res["AR step"][f"{key}_ms_35b"]
+    print(f"{'pass':<22} {'CPU ms':>7} {'x AR':>5} {'output':>7} {'layers':>7} {'35B ms':>7} {'x AR':>5} | "
+          f"{'wall ms':>8} {'x AR':>5} {'35B ms':>7} {'x AR':>5} | distinct experts per layer")
     for kind, r in res.items():
-        print(f"{kind:<22} {r['ms']:11.1f} {r['spread'][0]:7.1f}-{r['spread'][1]:<7.1f} {r['x_ar']:6.2f} "
-              f"{r['head_ms']:10.1f} {r['layers_ms']:10.1f} {r['ms_35b']:8.0f} {r['x_ar_35b']:9.2f}  "
-              f"{r['experts']} (mean {np.mean(r['experts']):.1f})")
-    print("output ms: final norm -> logits copied out (lm_head over the vocabulary); 35B ms: layers x 40/4 + output")
+        print(f"{kind:<22} {r['cpu_ms']:7.1f} {r['cpu_x_ar']:5.2f} {r['cpu_out_ms']:7.1f} {r['cpu_layers_ms']:7.1f} "
+              f"{r['cpu_ms_35b']:7.0f} {r['cpu_x_ar_35b']:5.2f} | {r['wall_ms']:8.1f} {r['wall_x_ar']:5.2f} "
+              f"{r['wall_ms_35b']:7.0f} {r['wall_x_ar_35b']:5.2f} | {r['experts']} (mean {np.mean(r['experts']):.1f})")
+    print("medians; output: from the graph's final norm to the logits copied out (lm_head over the vocabulary); "
+          "layers: the rest; 35B ms: layers x 40/4 + output. CPU ms is the process's CPU time (the steadier "
+          "figure on a shared machine, and the work itself with one thread)")
     return res
 
 
@@ -322,18 +337,19 @@ def bench_mode_ratios(res: dict, mix: dict) -> dict:
         print(f"  {mode:<11} {m['tokens']:5d} tokens  {m['block_passes']:4d} block  {len(c):5d} causal "
               f"(mean {np.mean(c) if c else 0:.1f})  -> {m['tokens'] / (m['block_passes'] + len(c)):.2f} tokens/pass")
     out = {}
-    print(f"{'mode':<28} {'slice tok/s x AR':>17} {'35B tok/s x AR (40 layers)':>27}")
+    print(f"{'mode':<26} {'slice, CPU':>11} {'35B, CPU':>9} {'slice, wall':>12} {'35B, wall':>10}   (tok/s x AR)")
     for mode, m in mix.items():
         for coreset in (("on", "off") if mode != "ar" else ("-",)):
             row = {}
-            for key, label in (("ms", "slice"), ("ms_35b", "35B")):
+            for key in ("cpu_ms", "cpu_ms_35b", "wall_ms", "wall_ms_35b"):
                 block = res[f"block 32, coreset {coreset}"][key] if coreset != "-" else 0.0
                 total = m["block_passes"] * block + sum(pass_cost(res, n, key) for n in m["causal_passes"])
                 ar_total = m["tokens"] * res["AR step"][key]  # AR: one step per token
-                row[label] = ar_total / total
+                row[key] = ar_total / total
             name = mode if coreset == "-" else f"{mode}, coreset {coreset}"
             out[name] = row
-            print(f"{name:<28} {row['slice']:17.2f} {row['35B']:27.2f}")
+            print(f"{name:<26} {row['cpu_ms']:11.2f} {row['cpu_ms_35b']:9.2f} {row['wall_ms']:12.2f} "
+                  f"{row['wall_ms_35b']:10.2f}")
     return out
 
 
@@ -345,20 +361,20 @@ gguf, mode, coreset, threads = sys.argv[1], sys.argv[2], sys.argv[3] == "on", in
 rollback = "snapshot" if mode == "draft-self-snapshot" else "redecode"
 with CloverRuntime(gguf, n_ctx=1024, n_threads=threads, coreset=coreset, rollback=rollback) as rt:
     # threshold 0: every masked position resolves in the first pass (random weights resolve nothing otherwise)
-    a = rt.generate("Count from 3 to 90.", mode=mode.replace("-snapshot", ""), max_new_tokens=64, threshold=0.0)
+    a = rt.generate("Count from 3 to 90.", mode=mode.replace("-snapshot", ""), max_new_tokens=32, threshold=0.0)
     print(a.stats.generated_tokens, a.stats.forward_passes, file=sys.stderr)
 """
 
 
 def bench_memory(q4: Path, threads: int, env: dict) -> dict:
-    header("peak RSS of the runtime per decoding mode (own process each: load, a 64-token answer)")
+    header("peak RSS of the runtime per decoding mode (own process each: load, a 32-token answer)")
     out = {}
     for mode, coreset in (("ar", "on"), ("diffusion", "on"), ("diffusion", "off"), ("draft-self", "on"),
                           ("draft-self-snapshot", "on")):
-        wall, rss = run_measured([sys.executable, "-c", MODE_RUN, str(q4), mode, coreset, str(threads)], env)
+        m = measure([sys.executable, "-c", MODE_RUN, str(q4), mode, coreset, str(threads)], env)
         name = f"{mode}, coreset {coreset}" if mode != "ar" else mode
-        out[name] = rss
-        print(f"  {name:<32} peak RSS {rss / 2**20:7.0f} MiB  ({wall:.0f} s)", flush=True)
+        out[name] = m.rss
+        print(f"  {name:<32} peak RSS {m.rss / 2**20:7.0f} MiB  ({m.wall:.0f} s wall, {m.cpu:.0f} s CPU)", flush=True)
     print(f"  Q4_K_M file: {q4.stat().st_size / 2**20:.0f} MiB")
     has_fit = subprocess.run([sys.executable, "-m", "clover_gguf", "fit", "--help"], env=env,
                              capture_output=True).returncode == 0
@@ -375,7 +391,8 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=Path("/work/scratch-slice"))
     ap.add_argument("--num-experts", type=int, default=None, help="cheaper variant (default: the 35B's 256)")
     ap.add_argument("--vocab-size", type=int, default=None, help="cheaper variant (default: the 35B's 248,320)")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="llama.cpp threads (1: on a shared machine two spinning threads wait on each other)")
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds of each pass kind")
     ap.add_argument("--prompts", type=int, default=30, help="bundled-model prompts for the pass mix")
     ap.add_argument("--keep", action="store_true", help="keep the slice and its GGUFs for another run")

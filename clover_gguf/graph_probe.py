@@ -66,6 +66,7 @@ def _ggml_base() -> ctypes.CDLL:
 class Record:
     name: str
     seconds: float  # time.perf_counter() when the tensor was computed
+    cpu_seconds: float  # time.process_time() then
     data: np.ndarray | None  # numpy order: [ne3, ne2, ne1, ne0]
 
 
@@ -89,7 +90,8 @@ class GraphProbe:
             name = t.name.decode("utf-8", "replace")
             if ask:
                 return self.pattern.fullmatch(name) is not None
-            self.records.append(Record(name, time.perf_counter(), self._read(ptr, t) if self._ggml else None))
+            now, cpu = time.perf_counter(), time.process_time()
+            self.records.append(Record(name, now, cpu, self._read(ptr, t) if self._ggml else None))
         except Exception as e:  # noqa: BLE001 - report after the decode, never raise into C
             self.error = f"{type(e).__name__}: {e}"
         return True
