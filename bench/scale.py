@@ -2,7 +2,7 @@
 costs, each against a peer measured in the same run (docs/scale.md reads the figures).
 
     python bench/scale.py [--workdir /work/scratch-slice] [--num-experts 256] [--vocab-size 248320]
-        [--threads 2] [--rounds 5] [--keep]
+        [--threads 1] [--quantize-threads 2] [--rounds 5] [--keep]
 
 1. `make_tiny --preset slice35b` (4 layers: 3 GDN + 1 attention, hidden 2048, 256 experts top-8 of width 512,
    vocabulary 248,320, BF16), made once in the work folder (`--keep` keeps everything for another run).
@@ -392,7 +392,9 @@ def main() -> None:
     ap.add_argument("--num-experts", type=int, default=None, help="cheaper variant (default: the 35B's 256)")
     ap.add_argument("--vocab-size", type=int, default=None, help="cheaper variant (default: the 35B's 248,320)")
     ap.add_argument("--threads", type=int, default=1,
-                    help="llama.cpp threads (1: on a shared machine two spinning threads wait on each other)")
+                    help="llama.cpp threads for decoding (1: on a shared machine, two threads spin waiting on each "
+                         "other at every op)")
+    ap.add_argument("--quantize-threads", type=int, default=2, help="threads for both quantizers")
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds of each pass kind")
     ap.add_argument("--prompts", type=int, default=30, help="bundled-model prompts for the pass mix")
     ap.add_argument("--keep", action="store_true", help="keep the slice and its GGUFs for another run")
@@ -407,7 +409,7 @@ def main() -> None:
     ckpt, bf16 = wd / "ckpt", wd / "slice-bf16.gguf"
     make_slice(ckpt, a.num_experts, a.vocab_size)
     conv = bench_convert(ckpt, bf16, env)
-    quant = bench_quantize(bf16, ckpt, wd, ["Q4_K_M", "Q8_0"], a.threads, env)
+    quant = bench_quantize(bf16, ckpt, wd, ["Q4_K_M", "Q8_0"], a.quantize_threads, env)
     q4 = wd / "slice-q4_k_m-clover-gguf.gguf"
     (wd / "slice-q8_0-clover-gguf.gguf").unlink()
     if not a.keep:
