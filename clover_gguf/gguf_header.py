@@ -41,6 +41,7 @@ class GGUFHeader:
     tensors: dict[str, tuple[tuple[int, ...], QT]]  # name -> (numpy-order shape, type), in file order
     data_offset: int
     alignment: int
+    header_bytes: int = 0  # where the tensor infos end: data_offset is this padded to the alignment
 
     @property
     def arch(self) -> str | None:
@@ -125,4 +126,4 @@ def read_header(path: Path) -> GGUFHeader:
         raise UserError(f"{path}: damaged GGUF header ({e})") from None
     finally:
         m.close()
-    return GGUFHeader(path, kv, tensors, data_offset, align)
+    return GGUFHeader(path, kv, tensors, data_offset, align, header_bytes=pos)
