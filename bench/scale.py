@@ -137,51 +137,50 @@ def bench_vocab(ckpt: Path, q4: Path, threads: int) -> dict:
 
     from clover_gguf.config import CloverConfig, GenerationDefaults
     from clover_gguf.convert import ARCH, write_metadata
-    from clover_gguf.llama_context import load_binding
+    from clover_gguf.llama_context import _quiet_log, load_binding
     from clover_gguf.runtime import CloverRuntime
     from clover_gguf.vocab import load_vocab
 
-    header("vocabulary and start-up")
+    header("vocabulary and start-up (wall / CPU seconds)")
+
+    def timed(fn):
+        t0, c0 = time.perf_counter(), time.process_time()
+        out = fn()
+        return out, time.perf_counter() - t0, time.process_time() - c0
+
     cfg = CloverConfig.from_file(ckpt)
-    t0 = time.perf_counter()
-    vocab = load_vocab(ckpt, cfg)
-    t_load = time.perf_counter() - t0
+    vocab, read_w, read_c = timed(lambda: load_vocab(ckpt, cfg))
     with tempfile.TemporaryDirectory(dir=q4.parent) as tmp:
-        t0 = time.perf_counter()
-        w = GGUFWriter(path=None, arch=ARCH)
-        write_metadata(w, cfg, vocab, GenerationDefaults(), cfg.num_hidden_layers, "slice")
-        w.open_output_file(Path(tmp) / "meta.gguf")
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.close()
-        t_write = time.perf_counter() - t0
-        meta_bytes = (Path(tmp) / "meta.gguf").stat().st_size
+        def write() -> int:
+            w = GGUFWriter(path=None, arch=ARCH)
+            write_metadata(w, cfg, vocab, GenerationDefaults(), cfg.num_hidden_layers, "slice")
+            w.open_output_file(Path(tmp) / "meta.gguf")
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.close()
+            return (Path(tmp) / "meta.gguf").stat().st_size
+
+        meta_bytes, write_w, write_c = timed(write)
     L = load_binding()
     L.llama_backend_init()
-    from clover_gguf.llama_context import _quiet_log
-
     L.llama_log_set(_quiet_log(L), None)
     mp = L.llama_model_default_params()
     mp.vocab_only = True
-    t0 = time.perf_counter()
-    model = L.llama_model_load_from_file(str(q4).encode(), mp)
-    t_vocab_only = time.perf_counter() - t0
+    model, vocab_w, vocab_c = timed(lambda: L.llama_model_load_from_file(str(q4).encode(), mp))
     n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
     L.llama_model_free(model)
-    t0 = time.perf_counter()
-    rt = CloverRuntime(q4, n_ctx=1024, n_threads=threads)
-    t_runtime = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    rt._end_tokens()
-    t_eog = time.perf_counter() - t0
+    rt, rt_w, rt_c = timed(lambda: CloverRuntime(q4, n_ctx=1024, n_threads=threads))
+    _, eog_w, eog_c = timed(rt._end_tokens)
     rt.close()
     n_real = sum(1 for t in vocab.tokens if not t.startswith("[PAD"))
     print(f"tokenizer.json ({n_real:,} tokens, {len(vocab.merges):,} merges, {cfg.vocab_size:,} rows) read: "
-          f"{t_load:.2f} s; written as GGUF metadata ({meta_bytes / 2**20:.1f} MiB): {t_write:.2f} s")
-    print(f"llama.cpp vocabulary-only load ({n_vocab:,} tokens): {t_vocab_only:.2f} s")
-    print(f"runtime start-up (CloverRuntime on the Q4_K_M file, n_ctx 1024): {t_runtime:.2f} s, of which the "
-          f"end-token scan over the vocabulary {t_eog:.2f} s")
-    return dict(read_s=t_load, write_s=t_write, vocab_only_s=t_vocab_only, runtime_s=t_runtime, eog_s=t_eog)
+          f"{read_w:.2f} / {read_c:.2f} s; written as GGUF metadata ({meta_bytes / 2**20:.1f} MiB): "
+          f"{write_w:.2f} / {write_c:.2f} s")
+    print(f"llama.cpp loading the vocabulary alone ({n_vocab:,} tokens): {vocab_w:.2f} / {vocab_c:.2f} s")
+    print(f"runtime start-up (CloverRuntime on the Q4_K_M file, n_ctx 1024): {rt_w:.2f} / {rt_c:.2f} s, of which the "
+          f"end-token scan over the vocabulary {eog_w:.2f} / {eog_c:.2f} s")
+    return dict(read=(read_w, read_c), write=(write_w, write_c), vocab_only=(vocab_w, vocab_c),
+                runtime=(rt_w, rt_c), eog_scan=(eog_w, eog_c), meta_bytes=meta_bytes)
 
 
 # ---- 5. passes -------------------------------------------------------------------------------------------------
@@ -280,14 +279,14 @@ def bench_passes(q4: Path, threads: int, rounds: int, vocab_size: int) -> dict:
             r[f"{key}_x_ar"] = r[f"{key}_ms"] / res["AR step"][f"{key}_ms"]
             r[f"{key}_x_ar_35b"] = r[f"{key}_ms_35b"] / res["AR step"][f"{key}_ms_35b"]
     print(f"{'pass':<22} {'CPU ms':>7} {'x AR':>5} {'output':>7} {'layers':>7} {'35B ms':>7} {'x AR':>5} | "
-          f"{'wall ms':>8} {'x AR':>5} {'35B ms':>7} {'x AR':>5} | distinct experts per layer")
+          f"{'wall ms':>8} {'x AR':>5} | distinct experts per layer")
     for kind, r in res.items():
         print(f"{kind:<22} {r['cpu_ms']:7.1f} {r['cpu_x_ar']:5.2f} {r['cpu_out_ms']:7.1f} {r['cpu_layers_ms']:7.1f} "
-              f"{r['cpu_ms_35b']:7.0f} {r['cpu_x_ar_35b']:5.2f} | {r['wall_ms']:8.1f} {r['wall_x_ar']:5.2f} "
-              f"{r['wall_ms_35b']:7.0f} {r['wall_x_ar_35b']:5.2f} | {r['experts']} (mean {np.mean(r['experts']):.1f})")
-    print("medians; output: from the graph's final norm to the logits copied out (lm_head over the vocabulary); "
-          "layers: the rest; 35B ms: layers x 40/4 + output. CPU ms is the process's CPU time (the steadier "
-          "figure on a shared machine, and the work itself with one thread)")
+              f"{r['cpu_ms_35b']:7.0f} {r['cpu_x_ar_35b']:5.2f} | {r['wall_ms']:8.1f} {r['wall_x_ar']:5.2f} | "
+              f"{r['experts']} (mean {np.mean(r['experts']):.1f})")
+    print("medians. CPU ms: the process's CPU time (with one thread the work itself; the steadier figure on a shared "
+          "machine); output: from the graph's final norm to the logits copied out (lm_head over the vocabulary); "
+          "layers: the rest; 35B ms: layers x 40/4 + output")
     return res
 
 
@@ -336,20 +335,25 @@ def bench_mode_ratios(res: dict, mix: dict) -> dict:
         c = m["causal_passes"]
         print(f"  {mode:<11} {m['tokens']:5d} tokens  {m['block_passes']:4d} block  {len(c):5d} causal "
               f"(mean {np.mean(c) if c else 0:.1f})  -> {m['tokens'] / (m['block_passes'] + len(c)):.2f} tokens/pass")
+    # the bundled answers fit in one block, so diffusion never commits one; a long answer commits each 32-token
+    # block with one causal pass of 32 tokens
+    d = mix["diffusion"]
+    long_answers = dict(tokens=PASS_TOKENS * d["tokens"], block_passes=PASS_TOKENS * d["block_passes"],
+                        causal_passes=[PASS_TOKENS] * d["tokens"])
     out = {}
-    print(f"{'mode':<26} {'slice, CPU':>11} {'35B, CPU':>9} {'slice, wall':>12} {'35B, wall':>10}   (tok/s x AR)")
-    for mode, m in mix.items():
+    print(f"{'mode':<40} {'slice, CPU':>11} {'35B, CPU':>9} {'slice, wall':>12}   (tok/s x AR)")
+    for mode, m in [*mix.items(), ("diffusion, long answers", long_answers)]:
         for coreset in (("on", "off") if mode != "ar" else ("-",)):
             row = {}
-            for key in ("cpu_ms", "cpu_ms_35b", "wall_ms", "wall_ms_35b"):
+            for key in ("cpu_ms", "cpu_ms_35b", "wall_ms"):
                 block = res[f"block 32, coreset {coreset}"][key] if coreset != "-" else 0.0
                 total = m["block_passes"] * block + sum(pass_cost(res, n, key) for n in m["causal_passes"])
                 ar_total = m["tokens"] * res["AR step"][key]  # AR: one step per token
                 row[key] = ar_total / total
             name = mode if coreset == "-" else f"{mode}, coreset {coreset}"
             out[name] = row
-            print(f"{name:<26} {row['cpu_ms']:11.2f} {row['cpu_ms_35b']:9.2f} {row['wall_ms']:12.2f} "
-                  f"{row['wall_ms_35b']:10.2f}")
+            print(f"{name:<40} {row['cpu_ms']:11.2f} {row['cpu_ms_35b']:9.2f} {row['wall_ms']:12.2f}")
+    print("long answers: the diffusion mix with a 32-token causal commit for every 32 tokens")
     return out
 
 
@@ -375,7 +379,13 @@ def bench_memory(q4: Path, threads: int, env: dict) -> dict:
         name = f"{mode}, coreset {coreset}" if mode != "ar" else mode
         out[name] = m.rss
         print(f"  {name:<32} peak RSS {m.rss / 2**20:7.0f} MiB  ({m.wall:.0f} s wall, {m.cpu:.0f} s CPU)", flush=True)
-    print(f"  Q4_K_M file: {q4.stat().st_size / 2**20:.0f} MiB")
+    print(f"  Q4_K_M file: {q4.stat().st_size / 2**20:.0f} MiB; llama.cpp's buffers for that runtime (its log):")
+    log = subprocess.run([sys.executable, "-c", "import sys; from clover_gguf.runtime import CloverRuntime; "
+                          "CloverRuntime(sys.argv[1], n_ctx=1024, n_threads=1).close()", str(q4)],
+                         env={**env, "CLOVER_GGUF_LLAMA_LOG": "1"}, capture_output=True, text=True).stderr
+    for line in log.splitlines():
+        if "buffer size" in line and "~llama_context" not in line:
+            print("   ", line.split(":", 1)[-1].strip())
     has_fit = subprocess.run([sys.executable, "-m", "clover_gguf", "fit", "--help"], env=env,
                              capture_output=True).returncode == 0
     if has_fit:
