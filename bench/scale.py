@@ -2,7 +2,7 @@
 costs, each against a peer measured in the same run (docs/scale.md reads the figures).
 
     python bench/scale.py [--workdir /work/scratch-slice] [--num-experts 256] [--vocab-size 248320]
-        [--threads 1] [--quantize-threads 2] [--rounds 5] [--keep]
+        [--threads 1] [--quantize-threads 2] [--rounds 7] [--keep]
 
 1. `make_tiny --preset slice35b` (4 layers: 3 GDN + 1 attention, hidden 2048, 256 experts top-8 of width 512,
    vocabulary 248,320, BF16), made once in the work folder (`--keep` keeps everything for another run).
@@ -227,66 +227,94 @@ class PassRunner:
             c.close()
 
 
+def _callback_cost(probe) -> float:
+    """Seconds one ask-call of the probe costs, calling it through ctypes as llama.cpp does (from C it is cheaper:
+    an upper bound)."""
+    import ctypes
+
+    from clover_gguf.graph_probe import _GGMLTensor
+
+    t = _GGMLTensor()
+    t.name = b"not-asked-for"
+    ptr = ctypes.cast(ctypes.pointer(t), ctypes.c_void_p)
+    n = 20_000
+    c0 = time.process_time()
+    for _ in range(n):
+        probe.callback(ptr, True, None)
+    return (time.process_time() - c0) / n
+
+
 def bench_passes(q4: Path, threads: int, rounds: int, vocab_size: int) -> dict:
-    """Per pass kind: wall and CPU ms (medians), the output layer's part (from the graph's final norm to the logits
-    in Python's hands), the layers' part (the rest), both scaled to 40 layers, and the distinct experts routed to."""
+    """Per pass kind: wall and CPU ms (medians), split at the graph's final norm into the layers' part and the output
+    part (the output layer over the whole vocabulary and the logits copied out), the layers scaled to 40, and the
+    distinct experts the pass routed to."""
     from clover_gguf.graph_probe import GraphProbe
 
     header(f"CPU passes on the Q4_K_M slice ({threads} thread(s); {rounds} rounds, kinds interleaved; "
            f"prefix {PREFIX_TOKENS} tokens)")
-    # timings: no probe, every kind once per round (the machine's drift lands on all kinds alike)
-    runner = PassRunner(q4, threads, vocab_size)
-    wall: dict[str, list[float]] = {k: [] for k in PASSES}
-    cpu: dict[str, list[float]] = {k: [] for k in PASSES}
+    # every kind once per round (the machine's drift lands on all kinds alike); each pass is split where the graph
+    # computes `result_norm`, so the split and the total come from the same pass
+    mark = GraphProbe("result_norm", read_data=False)
+    runner = PassRunner(q4, threads, vocab_size, mark)
+    samples: dict[str, dict[str, list[float]]] = {k: {f: [] for f in ("wall", "cpu", "wall_out", "cpu_out")}
+                                                  for k in PASSES}
+    asked = {}
     try:
         for kind in PASSES:  # warm-up
             runner.run(kind)
         for _ in range(rounds):
             for kind in PASSES:
+                mark.clear()
                 t0, c0 = time.perf_counter(), time.process_time()
                 runner.run(kind)
-                wall[kind].append(time.perf_counter() - t0)
-                cpu[kind].append(time.process_time() - c0)
+                t1, c1 = time.perf_counter(), time.process_time()
+                m = mark.records[-1]
+                x = samples[kind]
+                x["wall"].append(t1 - t0)
+                x["cpu"].append(c1 - c0)
+                x["wall_out"].append(t1 - m.seconds)
+                x["cpu_out"].append(c1 - m.cpu_seconds)
+                asked[kind] = mark.asked
+        per_call = _callback_cost(mark)
     finally:
         runner.close()
-    # the graph: experts routed per layer, and the output layer's part (probed contexts are slower: not timed)
-    probe = GraphProbe(r"ffn_moe_topk-\d+|result_norm")
+    mark.check()
+    # the experts each pass routed to, from the top-k tensors of every MoE layer (a pass of each kind, not timed)
+    probe = GraphProbe(r"ffn_moe_topk-\d+")
     runner = PassRunner(q4, threads, vocab_size, probe)
-    experts, head_wall, head_cpu = {}, {k: [] for k in PASSES}, {k: [] for k in PASSES}
+    experts = {}
     try:
         for kind in PASSES:
-            for rep in range(3):
-                probe.clear()
-                runner.run(kind)
-                t_end, c_end = time.perf_counter(), time.process_time()
-                mark = [r for r in probe.records if r.name == "result_norm"][-1]
-                head_wall[kind].append(t_end - mark.seconds)
-                head_cpu[kind].append(c_end - mark.cpu_seconds)
-                if rep == 0:
-                    experts[kind] = [len(e) for _, e in sorted(probe.experts_per_layer().items())]
+            probe.clear()
+            runner.run(kind)
+            experts[kind] = [len(e) for _, e in sorted(probe.experts_per_layer().items())]
     finally:
         runner.close()
     res = {}
     for kind in PASSES:
-        r = res[kind] = dict(experts=experts[kind], wall_spread_ms=(min(wall[kind]) * 1e3, max(wall[kind]) * 1e3))
-        for key, t, h in (("wall", wall[kind], head_wall[kind]), ("cpu", cpu[kind], head_cpu[kind])):
-            total, out = float(np.median(t)) * 1e3, float(np.median(h)) * 1e3
-            out = min(out, total)
+        x = samples[kind]
+        r = res[kind] = dict(experts=experts[kind], callbacks=asked[kind], callback_ms=asked[kind] * per_call * 1e3)
+        for key in ("wall", "cpu"):
+            total, out = float(np.median(x[key])) * 1e3, float(np.median(x[f"{key}_out"])) * 1e3
             r[f"{key}_ms"], r[f"{key}_out_ms"], r[f"{key}_layers_ms"] = total, out, total - out
             r[f"{key}_ms_35b"] = (total - out) * N_LAYERS_35B / 4 + out
+            r[f"{key}_range_ms"] = (min(x[key]) * 1e3, max(x[key]) * 1e3)
     for r in res.values():
         for key in ("wall", "cpu"):
             r[f"{key}_x_ar"] = r[f"{key}_ms"] / res["AR step"][f"{key}_ms"]
             r[f"{key}_x_ar_35b"] = r[f"{key}_ms_35b"] / res["AR step"][f"{key}_ms_35b"]
-    print(f"{'pass':<22} {'CPU ms':>7} {'x AR':>5} {'output':>7} {'layers':>7} {'35B ms':>7} {'x AR':>5} | "
-          f"{'wall ms':>8} {'x AR':>5} | distinct experts per layer")
+    print(f"{'pass':<22} {'CPU ms':>7} {'min-max':>13} {'x AR':>5} {'output':>7} {'layers':>7} {'35B ms':>7} "
+          f"{'x AR':>5} | {'wall ms':>8} {'x AR':>5} | distinct experts per layer")
     for kind, r in res.items():
-        print(f"{kind:<22} {r['cpu_ms']:7.1f} {r['cpu_x_ar']:5.2f} {r['cpu_out_ms']:7.1f} {r['cpu_layers_ms']:7.1f} "
-              f"{r['cpu_ms_35b']:7.0f} {r['cpu_x_ar_35b']:5.2f} | {r['wall_ms']:8.1f} {r['wall_x_ar']:5.2f} | "
-              f"{r['experts']} (mean {np.mean(r['experts']):.1f})")
+        lo, hi = r["cpu_range_ms"]
+        print(f"{kind:<22} {r['cpu_ms']:7.1f} {lo:6.0f}-{hi:<6.0f} {r['cpu_x_ar']:5.2f} {r['cpu_out_ms']:7.1f} "
+              f"{r['cpu_layers_ms']:7.1f} {r['cpu_ms_35b']:7.0f} {r['cpu_x_ar_35b']:5.2f} | {r['wall_ms']:8.1f} "
+              f"{r['wall_x_ar']:5.2f} | {r['experts']} (mean {np.mean(r['experts']):.1f})")
     print("medians. CPU ms: the process's CPU time (with one thread the work itself; the steadier figure on a shared "
-          "machine); output: from the graph's final norm to the logits copied out (lm_head over the vocabulary); "
-          "layers: the rest; 35B ms: layers x 40/4 + output")
+          "machine); output: from the graph's final norm to the logits copied out (the output layer over the whole "
+          "vocabulary); layers: the rest; 35B ms: layers x 40/4 + output. The split costs each pass "
+          + ", ".join(f"{r['callbacks']} node callbacks (<= {r['callback_ms']:.1f} ms)" for r in res.values())
+          + " in the layers' part, kinds in the order above")
     return res
 
 
@@ -405,7 +433,7 @@ def main() -> None:
                     help="llama.cpp threads for decoding (1: on a shared machine, two threads spin waiting on each "
                          "other at every op)")
     ap.add_argument("--quantize-threads", type=int, default=2, help="threads for both quantizers")
-    ap.add_argument("--rounds", type=int, default=5, help="timed rounds of each pass kind")
+    ap.add_argument("--rounds", type=int, default=7, help="timed rounds of each pass kind")
     ap.add_argument("--prompts", type=int, default=30, help="bundled-model prompts for the pass mix")
     ap.add_argument("--keep", action="store_true", help="keep the slice and its GGUFs for another run")
     a = ap.parse_args()
