@@ -1,4 +1,4 @@
-"""Named tensors of llama.cpp's graph, read while it computes: the scheduler's eval callback
+r"""Named tensors of llama.cpp's graph, read while it computes: the scheduler's eval callback
 (llama_context_params.cb_eval), for measurements that only the graph knows.
 
     probe = GraphProbe(r"ffn_moe_topk-\d+")
