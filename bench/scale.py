@@ -1,7 +1,7 @@
 """The 35B's real per-layer sizes end to end, on a 4-layer slice: convert, quantize, vocabulary and CPU decoding
 costs, each against a peer measured in the same run (docs/scale.md reads the figures).
 
-    python bench/scale.py [--workdir /work/scratch-slice] [--num-experts 256] [--vocab-size 248320]
+    python bench/scale.py [--workdir out/scale] [--num-experts 256] [--vocab-size 248320]
         [--threads 1] [--quantize-threads 2] [--rounds 7] [--keep]
 
 1. `make_tiny --preset slice35b` (4 layers: 3 GDN + 1 attention, hidden 2048, 256 experts top-8 of width 512,
@@ -414,19 +414,32 @@ def bench_memory(q4: Path, threads: int, env: dict) -> dict:
     for line in log.splitlines():
         if "buffer size" in line and "~llama_context" not in line:
             print("   ", line.split(":", 1)[-1].strip())
-    has_fit = subprocess.run([sys.executable, "-m", "clover_gguf", "fit", "--help"], env=env,
-                             capture_output=True).returncode == 0
-    if has_fit:
-        # TODO(fit): print `clover-gguf fit --measure` beside each row once its output format is settled
-        print("  against fit --measure: `clover-gguf fit` exists, the row is not wired yet (TODO)")
-    else:
-        print("  against fit --measure: TODO - `clover-gguf fit` is not on this branch yet (issue: fit)")
+    print("  against `clover-gguf fit --measure` at the same context (prediction / llama.cpp's bytes, MiB):")
+    print(f"  {'mode':<32} {'weights':>15} {'kv+recurrent':>15} {'compute':>15} {'total':>15} {'peak RSS':>9}")
+    out["fit"] = {}
+    for mode, rollback, name in (("ar", "redecode", "ar"), ("diffusion", "redecode", "diffusion, coreset on"),
+                                 ("draft-self", "redecode", "draft-self, coreset on"),
+                                 ("draft-self", "snapshot", "draft-self-snapshot, coreset on")):
+        p = subprocess.run([sys.executable, "-m", "clover_gguf", "fit", str(q4), "--ctx", "1024", "--mode", mode,
+                            "--rollback", rollback, "--measure", "--json"], env=env, capture_output=True, text=True)
+        if p.returncode != 0:
+            raise SystemExit(f"clover-gguf fit failed: {p.stderr.strip()[-500:]}")
+        f = json.loads(p.stdout)
+        pred, meas = f["parts"], f["measured"]
+        mib = lambda d, *ks: sum(d[k] for k in ks) / 2**20  # noqa: E731
+        cols = [("weights_device", "weights_host"), ("kv", "recurrent"), ("compute",),
+                ("weights_device", "weights_host", "kv", "recurrent", "compute")]
+        cells = [f"{mib(pred, *k):6.0f} / {mib(meas, *k):6.0f}" for k in cols]
+        print(f"  {name:<32} {cells[0]:>15} {cells[1]:>15} {cells[2]:>15} {cells[3]:>15} {out[name] / 2**20:9.0f}")
+        out["fit"][name] = {"predicted": pred, "measured": meas}
+    print("  (on the CPU llama.cpp also holds a CPU_REPACK copy of the weights its kernels repack, listed above: fit "
+          "counts the file's bytes once, docs/hardware.md)")
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workdir", type=Path, default=Path("/work/scratch-slice"))
+    ap.add_argument("--workdir", type=Path, default=ROOT / "out" / "scale")
     ap.add_argument("--num-experts", type=int, default=None, help="cheaper variant (default: the 35B's 256)")
     ap.add_argument("--vocab-size", type=int, default=None, help="cheaper variant (default: the 35B's 248,320)")
     ap.add_argument("--threads", type=int, default=1,
