@@ -49,6 +49,7 @@ class GGUFHeader:
     types: dict[str, tuple[int, int | None]] | None = None  # key -> (GGUF type, element type of an array)
     file_size: int = 0
     offsets: dict[str, int] = field(default_factory=dict)  # tensor -> byte offset from data_offset
+    header_bytes: int = 0  # where the tensor infos end: data_offset is this padded to the alignment
 
     @property
     def arch(self) -> str | None:
@@ -171,7 +172,7 @@ def read_header(path: Path, full: bool = False) -> GGUFHeader:
         if data_offset + end > size:
             raise UserError(f"{path} is truncated: tensor {name} ends {data_offset + end - size} bytes past the end "
                             "of the file")
-    return GGUFHeader(path, kv, tensors, data_offset, align, types, size, offsets)
+    return GGUFHeader(path, kv, tensors, data_offset, align, types, size, offsets, header_bytes=pos)
 
 
 # ---- the hyperparameters of a Clover GGUF -------------------------------------------------------------------------

@@ -203,7 +203,8 @@ class LlamaContext:
                  n_seq_max: int = 2,
                  overrides: dict[str, bool | int | float] | None = None, n_rs_seq: int = 0, exact: bool = False,
                  n_threads: int | None = None, n_threads_batch: int | None = None, n_outputs_max: int = 0,
-                 offload: Offload | None = None, rpc: Sequence[str] = ()):
+                 offload: Offload | None = None, rpc: Sequence[str] = (), eval_callback: Any = None):
+        """eval_callback: llama.cpp's graph eval callback (a GraphProbe's .callback, clover_gguf.graph_probe)."""
         L = self.L = load_binding()
         path = Path(gguf)
         if not path.is_file():
@@ -215,6 +216,9 @@ class LlamaContext:
             raise UserError(f"llama.cpp could not load {path} (not a Clover GGUF, or the library is not patched)")
         cp = _context_params(L, n_ctx, n_ubatch, n_batch, n_seq_max, n_rs_seq, exact, n_threads or offload.threads,
                              n_threads_batch, n_outputs_max)
+        if eval_callback is not None:
+            self._eval_callback = eval_callback  # kept alive for as long as the context may call it
+            cp.cb_eval = eval_callback
         self.n_outputs_max = n_outputs_max or cp.n_batch
         self.max_outputs = 0  # the most logits rows one call asked for: llama.cpp's output buffer grew to that
         self.ctx = L.llama_init_from_model(self.model, cp)

@@ -335,7 +335,8 @@ def _make_plan(h: GGUFHeader, recipe: Recipe, run: _Run, source: str) -> QuantPl
             if t.type != qtype:
                 notes.append(f"rule {pattern!r} -> {qtype.name}: {t.name} is {t.type.name} "
                              f"(llama.cpp {'never quantizes it' if t.type == t.src_type else 'fell back'})")
-    header = h.data_offset + _added_kv_bytes(h, run.kvs)
+    # the input's header as it is (not padded: llama.cpp pads once, after the keys it adds)
+    header = h.header_bytes + _added_kv_bytes(h, run.kvs)
     return QuantPlan(recipe.ftype, recipe, tensors, header, h.alignment, _dedupe(notes), source)
 
 

@@ -115,6 +115,7 @@ def test_recipe_output_matches_plan(wide, tmp_path, qtype):
     got = read_header(res.out)
     assert {t.name: t.type for t in p.tensors} == {n: qt for n, (_, qt) in got.tensors.items()}
     assert res.size_bytes == p.size_bytes  # the predicted size is the file size, to the byte
+    assert got.header_bytes == p.header_bytes  # exactly, not only after padding to the alignment
     assert got.file_type == FTYPES[qtype]
     # the Clover invariants every recipe carries
     for name, (shape, qt) in got.tensors.items():
