@@ -2,7 +2,7 @@
 costs, each against a peer measured in the same run (docs/scale.md reads the figures).
 
     python bench/scale.py [--workdir out/scale] [--num-experts 256] [--vocab-size 248320]
-        [--threads 1] [--quantize-threads 2] [--rounds 7] [--keep]
+        [--threads 1] [--quantize-threads 2] [--rounds 7] [--keep] [--reuse]
 
 1. `make_tiny --preset slice35b` (4 layers: 3 GDN + 1 attention, hidden 2048, 256 experts top-8 of width 512,
    vocabulary 248,320, BF16), made once in the work folder (`--keep` keeps everything for another run).
@@ -16,7 +16,9 @@ costs, each against a peer measured in the same run (docs/scale.md reads the fig
    timed from the graph's `result_norm`), the distinct experts each pass routes to per layer (read from the graph),
    and the ratios; the tok/s each decoding mode would reach at this shape from the bundled model's pass mix
    (its tokens per pass and pass kinds, measured here on the bundled model), on the slice and scaled to 40 layers.
-6. peak RSS of the runtime decoding in each mode (own process each).
+6. peak RSS of the runtime decoding in each mode (own process each), beside `clover-gguf fit --measure`.
+--reuse: sections 4-6 only, on the slice and Q4_K_M file an earlier `--keep` run left in the work folder (after a
+change that moves only those figures, e.g. a retrained bundled model; 1-3 are not run and not printed).
 No asserts on timings: the figures are printed, ratios beside them.
 """
 
@@ -449,6 +451,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7, help="timed rounds of each pass kind")
     ap.add_argument("--prompts", type=int, default=30, help="bundled-model prompts for the pass mix")
     ap.add_argument("--keep", action="store_true", help="keep the slice and its GGUFs for another run")
+    ap.add_argument("--reuse", action="store_true", help="sections 4-6 on an earlier --keep run's slice and Q4_K_M")
     a = ap.parse_args()
     t_start, cpu_start = time.perf_counter(), os.times()
     from clover_gguf.llama_context import load_binding
@@ -458,13 +461,19 @@ def main() -> None:
     wd = a.workdir
     wd.mkdir(parents=True, exist_ok=True)
     ckpt, bf16 = wd / "ckpt", wd / "slice-bf16.gguf"
-    make_slice(ckpt, a.num_experts, a.vocab_size)
-    conv = bench_convert(ckpt, bf16, env)
-    quant = bench_quantize(bf16, ckpt, wd, ["Q4_K_M", "Q8_0"], a.quantize_threads, env)
     q4 = wd / "slice-q4_k_m-clover-gguf.gguf"
-    (wd / "slice-q8_0-clover-gguf.gguf").unlink()
-    if not a.keep:
-        bf16.unlink()
+    if a.reuse:
+        if not (ckpt / "config.json").is_file() or not q4.is_file():
+            raise SystemExit(f"--reuse needs {ckpt} and {q4} from an earlier --keep run")
+        conv, quant = None, {}
+        print(f"--reuse: the slice and {q4.name} from an earlier run; convert and quantize not run")
+    else:
+        make_slice(ckpt, a.num_experts, a.vocab_size)
+        conv = bench_convert(ckpt, bf16, env)
+        quant = bench_quantize(bf16, ckpt, wd, ["Q4_K_M", "Q8_0"], a.quantize_threads, env)
+        (wd / "slice-q8_0-clover-gguf.gguf").unlink()
+        if not a.keep:
+            bf16.unlink()
     vocab = bench_vocab(ckpt, q4, a.threads)
     from clover_gguf.config import CloverConfig
 
@@ -481,7 +490,7 @@ def main() -> None:
     (wd / "scale.json").write_text(json.dumps(summary, indent=1, default=float) + "\n")
     header(f"bench/scale.py: {wall / 60:.1f} min wall, {cpu / 60:.1f} min CPU (this process and its children); "
            f"figures in {wd / 'scale.json'}")
-    if not a.keep:
+    if not a.keep and not a.reuse:
         shutil.rmtree(ckpt)
         q4.unlink()
 
