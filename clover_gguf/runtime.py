@@ -250,8 +250,10 @@ class CloverRuntime:
     def stream(self, messages: Sequence[dict[str, str]] | str, mode: str = "draft-self", max_new_tokens: int = 512,
                block_size: int | None = None, threshold: float | None = None, accept: str = "exact",
                temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None, think: bool = True,
-               controls: Controls | None = None, raw_prompt: bool = False) -> Iterator[tuple[str, RunStats]]:
-        """Yield (new text, running stats) as tokens are accepted; the last item carries the final stats."""
+               controls: Controls | None = None, raw_prompt: bool = False,
+               end_rule: str = decoding.DEFAULT_END_RULE) -> Iterator[tuple[str, RunStats]]:
+        """Yield (new text, running stats) as tokens are accepted; the last item carries the final stats.
+        end_rule: how block passes resolve end tokens (decoding.END_RULES; "plain" is the card's rule)."""
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
         prompt = messages[0]["content"] if raw_prompt else self.render(messages, think=think)
@@ -279,7 +281,7 @@ class CloverRuntime:
         pending = b""
         for chunk in decoding.generate(self.backend, ids, mode=mode, max_new_tokens=max_new_tokens,
                                        block_size=block_size, threshold=self.threshold if threshold is None else threshold,
-                                       accept=accept, sampler=sampler, logits_processors=procs):
+                                       accept=accept, sampler=sampler, logits_processors=procs, end_rule=end_rule):
             now = time.perf_counter()
             if chunk.tokens and stats.time_to_first_token_s is None:
                 stats.time_to_first_token_s = now - t0
