@@ -10,6 +10,7 @@ from typing import Optional
 
 import typer
 
+from clover_gguf.decoding import DEFAULT_END_RULE, END_RULES
 from clover_gguf.errors import UserError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -190,6 +191,9 @@ class Rollback(str, Enum):
     snapshot = "snapshot"
 
 
+EndRule = Enum("EndRule", {r: r for r in END_RULES}, type=str)
+
+
 @app.command()
 def generate(
     model: Path = typer.Argument(..., help="a Clover GGUF"),
@@ -206,6 +210,9 @@ def generate(
     think: bool = typer.Option(True, "--think/--no-think", help="let the model think first"),
     ctx: Optional[int] = typer.Option(None, "--ctx", help="context size (default: enough for the request)"),
     rollback: Rollback = typer.Option(Rollback.redecode, "--rollback", help="draft-self rollback strategy"),
+    end_rule: EndRule = typer.Option(DEFAULT_END_RULE, "--end-rule",
+                                     help="end tokens in block passes: prefix (once every position before is "
+                                          "resolved) or plain (the card's rule); see docs/tiny-model.md"),
     presence_penalty: Optional[float] = typer.Option(None, "--presence-penalty", help="default: the GGUF's (0.9)"),
     frequency_penalty: Optional[float] = typer.Option(None, "--frequency-penalty", help="default: the GGUF's (0.0)"),
     repetition_penalty: Optional[float] = typer.Option(None, "--repetition-penalty", min=0.01,
@@ -226,7 +233,7 @@ def generate(
         controls = replace(controls, **{k: v for k, v in overrides.items() if v is not None})
         kw = dict(mode=mode.value, max_new_tokens=max_new_tokens, block_size=block_size, threshold=threshold,
                   accept=accept.value, temp=temp, top_p=top_p, top_k=top_k, seed=seed, think=think,
-                  controls=controls)
+                  controls=controls, end_rule=end_rule.value)
         if as_json:
             ans = rt.generate(prompt, **kw)
             typer.echo(json.dumps(ans.to_json()))

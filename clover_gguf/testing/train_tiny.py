@@ -524,6 +524,7 @@ def evaluate_rows(model, tok, rows: list[dict], mode: str = "ar", accept: str = 
 
     backend = ReferenceBackend(model)
     correct, gen_tokens, passes, drafted, accepted, outputs = 0, 0, 0, 0, 0, []
+    kinds: dict[str, list[int]] = {}  # kind -> [correct, rows]
     for row in rows:
         ids = tok.encode(row_conversation(row).prompt_text()).ids
         out, stats = generate_all(backend, ids, mode=mode, max_new_tokens=max_new_tokens, threshold=threshold,
@@ -531,6 +532,8 @@ def evaluate_rows(model, tok, rows: list[dict], mode: str = "ar", accept: str = 
         text = strip_thinking(tok.decode(out, skip_special_tokens=True))
         ok = row["answer"] in text
         correct += ok
+        k = kinds.setdefault(row_kind(row), [0, 0])
+        k[0], k[1] = k[0] + ok, k[1] + 1
         gen_tokens += stats.generated_tokens
         passes += stats.forward_passes
         drafted += stats.drafted_tokens
@@ -539,6 +542,7 @@ def evaluate_rows(model, tok, rows: list[dict], mode: str = "ar", accept: str = 
         if verbose and not ok:
             print(f"MISS {row['prompt']!r}: want {row['answer']!r} got {text!r}", file=sys.stderr)
     return {"mode": mode, "n": len(rows), "accuracy": correct / max(1, len(rows)),
+            "by_kind": {k: c / n for k, (c, n) in kinds.items()},
             "tokens_per_pass": gen_tokens / max(1, passes), "generated_tokens": gen_tokens, "forward_passes": passes,
             "acceptance_rate": accepted / drafted if drafted else None, "outputs": outputs}
 
