@@ -9,8 +9,9 @@ answers appear without their thinking, and the answered (last) turn either think
 follows the empty thinking span that `enable_thinking=False` puts into the prompt. Tokenized with a small byte-level
 BPE trained here.
 
-Objective per step (two micro-batches), on the last turn's answer only:
-  * causal next-token loss on the assistant turn (thinking, answer, <|im_end|>);
+Objective per step (two micro-batches):
+  * causal next-token loss on the answered assistant turn (thinking, answer, <|im_end|>), and on the earlier
+    answers in the history after their first token (history_targets);
   * block-diffusion loss, BD3-LM / SDAR style: a clean prefix (prompt + part of the answer) is run causally, then
     one block of `block_size` tokens follows in *block mode* (spec section 3: right convolution, intra-block
     softmax, bidirectional attention, coreset routing) with a random share t ~ U(0, 1) of its positions replaced
@@ -336,6 +337,19 @@ def fast_path():
 class Example:
     prompt: list[int]  # the rendered conversation up to the answered turn's assistant header (and empty thinking)
     answer: list[int]  # thinking (when on) + answer + <|im_end|>
+    history_targets: tuple[int, ...] = ()  # prompt positions with a causal loss: earlier answers (see history_targets)
+
+
+def history_targets(prompt: list[int], header: list[int], end: int) -> tuple[int, ...]:
+    """The positions of the earlier answers in a prompt that carry a causal loss: each answer's tokens after its
+    first, and its <|im_end|>. The first is left out: after the assistant header the answered turn starts with
+    <think> (thinking on) while a history answer starts at once, and the model is not to learn the latter."""
+    out, n = [], len(header)
+    for h in range(len(prompt) - n + 1):
+        if prompt[h:h + n] == header and end in prompt[h + n:]:
+            e = prompt.index(end, h + n)
+            out += range(h + n + 1, e + 1)
+    return tuple(out)
 
 
 class Data:
@@ -350,7 +364,8 @@ class Data:
         convs = [draw_conversation(rng) for _ in range(size)]
         prompts = tok.encode_batch([c.prompt_text() for c in convs])
         answers = tok.encode_batch([c.target_text() for c in convs])
-        self.examples = [Example(p.ids, a.ids) for p, a in zip(prompts, answers)]
+        header, end = tok.encode("<|im_start|>assistant\n").ids, tok.token_to_id("<|im_end|>")
+        self.examples = [Example(p.ids, a.ids, history_targets(p.ids, header, end)) for p, a in zip(prompts, answers)]
         self.lp = np.array([len(e.prompt) for e in self.examples])
         self.la = np.array([len(e.answer) for e in self.examples])
 
@@ -395,6 +410,8 @@ def tensors_for(batch: list[Example], pos: int, block: int, special: dict[str, i
         ids[i, :len(s)] = torch.tensor(s)
         lp = len(e.prompt)
         tgt[i, lp - 1:len(s) - 1] = torch.tensor(e.answer)  # logits at j predict token j+1
+        for j in e.history_targets:
+            tgt[i, j - 1] = s[j]
     clean = ids[:, pos:pos + block]
     rate = torch.rand(len(batch), 1, generator=gen)
     masked = torch.rand(len(batch), block, generator=gen) < rate
