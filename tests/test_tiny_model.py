@@ -72,6 +72,24 @@ def test_eval_rows_are_held_out_and_training_never_sees_a_held_out_prompt():
     assert any(len(p.split()[2]) == 1 for p in adds) and any(len(p.split()[2]) == 2 for p in adds)  # 0-99
 
 
+def test_history_loss_covers_each_earlier_answer_after_its_first_token(tiny):
+    import random
+
+    from clover_gguf.testing.train_tiny import Conversation, history_targets
+
+    tok = tiny[1]
+    header, end = tok.encode("<|im_start|>assistant\n").ids, tok.token_to_id("<|im_end|>")
+    rng = random.Random(3)
+    for think in (True, False):
+        c = Conversation(tuple(draw_conversation(rng, n_turns=1).turns[0] for _ in range(3)), think)
+        ids = tok.encode(c.prompt_text()).ids
+        got = [ids[j] for j in history_targets(ids, header, end)]
+        want = [t for _, a in c.turns[:-1] for t in tok.encode(a).ids[1:] + [end]]  # each answer on its own
+        assert got == want and len(want) > 4
+    single = tok.encode(Conversation((c.turns[-1],)).prompt_text()).ids
+    assert history_targets(single, header, end) == ()  # nothing before a first turn
+
+
 def test_clover_extras_are_trained_and_non_zero(tiny):
     model = tiny[0]
     for layer in model.layers:
