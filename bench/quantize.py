@@ -41,7 +41,8 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the F16 GGUF for another run")
     a = ap.parse_args()
     from clover_gguf.llama_context import load_binding
-    from clover_gguf.quantize import llama_tool, read_header
+    from clover_gguf.build import llama_tool
+    from clover_gguf.quantize import read_header
 
     load_binding()  # sets LLAMA_CPP_LIB_PATH to the patched build when it is not set
     tool = llama_tool("llama-quantize")

@@ -1,16 +1,16 @@
 """Build the patched llama.cpp that Clover runs on, cache it, and point llama-cpp-python at it.
 
-The pinned source is the llama.cpp tree vendored in the llama-cpp-python 0.3.36 sdist (commit 0c1e57098), or an
-upstream checkout of that commit given by the user. Every patches/*.patch is applied in name order, then cmake
-builds the shared libraries and the command-line tools. The result is installed into
+The pinned source is the llama.cpp tree vendored in the llama-cpp-python 0.3.36 sdist (commit 0c1e57098), verified
+before anything reads it (llama_sdist.py). Every patches/*.patch is applied in name order (none for
+`patched=False`), then cmake builds the shared libraries and the tools into
 
-    <cache>/clover-gguf/llama-<hash>/bin/      (libllama.so, libggml*.so, llama-cli, llama-server, ...)
+    <cache>/clover-gguf/llama-<hash>/bin/      (libllama, libggml*, llama-server, ggml-rpc-server, ...; rpath $ORIGIN)
     <cache>/clover-gguf/llama-<hash>/clover-build.json
 
-where <hash> covers the source, the bytes of every patch, the backend and the cmake options. The stamp file is
-written last and the folder is renamed into place, so a folder that has a matching stamp is always complete.
-
-Everything here is a plain function; the CLI wires them up.
+where <hash> covers everything that changes the binary: the source, the bytes of every patch, the backend, the cmake
+options (CUDA architectures included) and the host (CPU features, since the build is native; the compilers and their
+versions). The stamp is written last and the folder renamed into place, so a folder with a matching stamp is always
+complete. docs/build.md explains the choices. Everything here is a plain function; the CLI wires them up.
 """
 
 from __future__ import annotations
@@ -22,43 +22,53 @@ import hashlib
 import importlib.metadata
 import json
 import os
+import platform
 import re
 import shutil
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from pathlib import Path
 from typing import Iterator, Sequence
 
 from clover_gguf.errors import UserError
-
-LLAMA_CPP_PYTHON_VERSION = "0.3.36"
-SDIST_NAME = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"
-SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
-SDIST_VENDOR_PREFIX = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}/vendor/llama.cpp/"
-LLAMA_CPP_COMMIT = "0c1e57098"
+from clover_gguf.llama_sdist import (
+    LLAMA_CPP_COMMIT,
+    LLAMA_CPP_PYTHON_VERSION,
+    SDIST_SHA256,
+    extract_binding_source,
+    extract_llama_source,
+    fetch_sdist,
+)
 
 BACKENDS = ("cpu", "cuda", "metal", "vulkan")
 LIB_TARGETS = ("llama", "ggml")
+# Only the tools something here runs (tests, bench, the runtime, the docs): each one adds compile time on 2 cores.
+# ggml-rpc-server is the pinned tree's name for upstream's rpc-server; test-llama-archs is llama.cpp's own test of
+# every architecture (run by tests/test_llama_archs.py).
 TOOL_TARGETS = (
     "llama-cli",
     "llama-server",
     "llama-quantize",
     "llama-imatrix",
-    "llama-bench",
-    "llama-perplexity",
+    "llama-fit-params",
+    "ggml-rpc-server",
+    "test-llama-archs",
 )
+# CUDA architectures of a build when no NVIDIA GPU is visible (a build for another machine): machine code for the
+# RTX 30 (86) and RTX 40 (89) cards, PTX that the driver compiles on first run for Turing (75), Ampere (80), Hopper
+# and later (90, Blackwell included). `--cuda-arch` overrides it; with a GPU present its own architecture is used.
+DEFAULT_CUDA_ARCHS = "75-virtual;80-virtual;86-real;89-real;90-virtual"
 STAMP_NAME = "clover-build.json"
 # Bump when the way a build is made changes in a way the cmake options do not show (file layout, stamp format).
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
 # Rough size of a CPU build tree (sources + objects + install); checked before starting.
 BUILD_DISK_BYTES = 2 * 2**30
 
-ENV_SDIST = "CLOVER_GGUF_SDIST"
 ENV_CACHE = "CLOVER_GGUF_CACHE_DIR"
 ENV_PATCHES = "CLOVER_GGUF_PATCHES"
+ENV_BACKEND = "CLOVER_GGUF_BACKEND"
 ENV_LIB_PATH = "LLAMA_CPP_LIB_PATH"
 
 
@@ -71,13 +81,16 @@ class BuildInfo:
     backend: str  # cpu | cuda | metal | vulkan | unknown
     build_hash: str | None  # None for a library not built by us (LLAMA_CPP_LIB_PATH without a stamp)
     patch_hash: str | None
-    source: str | None  # "sdist:<sha256>" or "git:<commit>"
+    source: str | None  # "sdist:<sha256>"
+    cpu: str | None = None  # cpu_key() of the machine it was built for
+    created: float = 0.0
     cached: bool = False  # True when build_llama found it already built
     seconds: float = 0.0  # wall time of build_llama
+    chosen: str = ""  # why find_library picked it
 
     @property
     def lib_dir(self) -> Path:
-        """The folder to put in LLAMA_CPP_LIB_PATH."""
+        """The folder to put in LLAMA_CPP_LIB_PATH (it holds libllama)."""
         return self.bin_dir
 
     @property
@@ -85,8 +98,7 @@ class BuildInfo:
         return self.bin_dir / _shared_lib_name("llama")
 
     def tool(self, name: str) -> Path:
-        exe = name + (".exe" if sys.platform == "win32" else "")
-        return self.bin_dir / exe
+        return self.bin_dir / _exe(name)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -105,8 +117,8 @@ def cache_root() -> Path:
 def patches_dir() -> Path:
     """The folder holding the llama.cpp patches shipped with clover-gguf.
 
-    Order of search: $CLOVER_GGUF_PATCHES, the repository's patches/ (clover_gguf/../patches), a copy installed as
-    package data (clover_gguf/patches). A missing folder is a packaging bug, reported as a UserError.
+    Order of search: $CLOVER_GGUF_PATCHES, the package's own copy (clover_gguf/patches: package data in an install, a
+    link to the repository's patches/ in a checkout), the repository's patches/. A missing folder is a UserError.
     """
     override = os.environ.get(ENV_PATCHES)
     if override:
@@ -115,10 +127,10 @@ def patches_dir() -> Path:
             raise UserError(f"{ENV_PATCHES} is not a folder: {p}")
         return p
     here = Path(__file__).resolve().parent
-    for candidate in (here.parent / "patches", here / "patches"):
+    for candidate in (here / "patches", here.parent / "patches"):
         if candidate.is_dir():
             return candidate
-    raise UserError(f"cannot find the llama.cpp patches folder (looked in {here.parent / 'patches'})")
+    raise UserError(f"cannot find the llama.cpp patches folder (looked in {here / 'patches'})")
 
 
 def patch_files(folder: Path | None = None) -> list[Path]:
@@ -129,14 +141,6 @@ def patch_files(folder: Path | None = None) -> list[Path]:
 
 # --------------------------------------------------------------------------------------------------------------------
 # hashing
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _feed(h: "hashlib._Hash", tag: str, data: bytes) -> None:
@@ -150,7 +154,7 @@ def _patch_bytes(p: Path | bytes) -> bytes:
 
 def patch_hash(patches: Sequence[Path | bytes] | None = None) -> str:
     """sha256 over the bytes of every patch, in order. Identifies "the current patches" in stamps and doctor().
-    Items are patch files or their contents."""
+    Items are patch files or their contents; an empty list identifies an unpatched build."""
     patches = patch_files() if patches is None else patches
     h = hashlib.sha256()
     for p in patches:
@@ -158,7 +162,8 @@ def patch_hash(patches: Sequence[Path | bytes] | None = None) -> str:
     return h.hexdigest()
 
 
-def build_hash(source_id: str, patches: Sequence[Path | bytes], backend: str, options: Sequence[str]) -> str:
+def build_hash(source_id: str, patches: Sequence[Path | bytes], backend: str, options: Sequence[str],
+               host: dict[str, str]) -> str:  # fmt: skip
     """sha256 over everything that decides what a build contains (patches: files or their contents, in order)."""
     h = hashlib.sha256()
     _feed(h, "recipe", str(RECIPE_VERSION).encode())
@@ -168,18 +173,102 @@ def build_hash(source_id: str, patches: Sequence[Path | bytes], backend: str, op
     _feed(h, "backend", backend.encode())
     for opt in options:
         _feed(h, "option", opt.encode())
+    _feed(h, "host", json.dumps(host, sort_keys=True).encode())
     return h.hexdigest()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the host: what besides the options changes the binary
+
+
+def _output(cmd: Sequence[str]) -> str:
+    """stdout of a short probe command; "" when it is missing or fails."""
+    try:
+        proc = subprocess.run(list(cmd), capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return proc.stdout.strip() if proc.returncode == 0 else ""
+
+
+def cpu_key() -> str:
+    """The CPU a native build (GGML_NATIVE, i.e. -march=native) is compiled for: OS, architecture and a digest of the
+    instruction-set features (the flags of /proc/cpuinfo on Linux, sysctl on macOS)."""
+    features = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("flags", "Features"):
+                features = " ".join(sorted(value.split()))
+                break
+    if not features and sys.platform == "darwin":
+        features = _output(["sysctl", "hw.optional", "machdep.cpu"])
+    digest = hashlib.sha256((features or platform.processor()).encode()).hexdigest()[:16]
+    return f"{sys.platform}-{platform.machine().lower()}-{digest}"
+
+
+def _tool_version(env: str, name: str, last_line: bool = False) -> str:
+    """"<real path> <version line>" of the program cmake would use ($env names it, else `name` on PATH), or ""."""
+    path = shutil.which(os.environ.get(env) or name) or shutil.which(name, path="/usr/local/cuda/bin")
+    if path is None:
+        return ""
+    lines = _output([path, "--version"]).splitlines() or [""]
+    return f"{os.path.realpath(path)} {lines[-1] if last_line else lines[0]}".strip()
+
+
+def host_key(backend: str) -> dict[str, str]:
+    """The machine's part of the build hash: the CPU (the build is native), the C and C++ compilers with their
+    versions, and the backend's own compiler (nvcc, glslc). An empty compiler entry means it is missing."""
+    key = {"cpu": cpu_key(), "cc": _tool_version("CC", "cc"), "cxx": _tool_version("CXX", "c++")}
+    if backend == "cuda":
+        key["nvcc"] = _tool_version("CUDACXX", "nvcc", last_line=True)
+    if backend == "vulkan":
+        key["glslc"] = _tool_version("GLSLC", "glslc")
+    return key
+
+
+def nvidia_compute_caps() -> list[str]:
+    """CUDA architectures of the GPUs nvidia-smi sees ("8.6" -> "86"), unique and sorted; [] without one."""
+    out = _output(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"])
+    caps = {ln.strip().replace(".", "") for ln in out.splitlines() if re.fullmatch(r"\d+\.\d+", ln.strip())}
+    return sorted(caps, key=int)
+
+
+def cuda_architectures(requested: str | None = None) -> str:
+    """CMAKE_CUDA_ARCHITECTURES of a CUDA build: `requested` ("86;89" or "86,89"), else the GPUs present, else
+    DEFAULT_CUDA_ARCHS, so that a machine without a GPU still configures."""
+    if not requested:
+        return ";".join(nvidia_compute_caps()) or DEFAULT_CUDA_ARCHS
+    archs = [a for a in re.split(r"[;,\s]+", requested) if a]
+    bad = [a for a in archs if not re.fullmatch(r"\d{2,3}[af]?(-real|-virtual)?", a)]
+    if bad or not archs:
+        raise UserError(f"--cuda-arch {requested!r}: give CUDA architectures such as 86 or 75-virtual;86;89")
+    return ";".join(archs)
+
+
+def gpu_present(backend: str) -> bool:
+    """Whether the device a GPU backend runs on is here: a GPU nvidia-smi sees (cuda), macOS (metal), a DRI render
+    node or Windows (vulkan)."""
+    if backend == "cuda":
+        return bool(nvidia_compute_caps())
+    if backend == "metal":
+        return sys.platform == "darwin"
+    if backend == "vulkan":
+        return sys.platform == "win32" or any(Path("/dev/dri").glob("renderD*"))
+    return False
 
 
 # --------------------------------------------------------------------------------------------------------------------
 # cmake options
 
 
-def cmake_options(backend: str) -> list[str]:
+def cmake_options(backend: str, cuda_arch: str | None = None, system: str = sys.platform,
+                  machine: str = platform.machine()) -> list[str]:  # fmt: skip
     """The -D options of a build. Part of the build hash, so any change here makes a new cache entry."""
     if backend not in BACKENDS:
         raise UserError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")
-    rpath = "@loader_path" if sys.platform == "darwin" else "$ORIGIN"
+    if cuda_arch and backend != "cuda":
+        raise UserError(f"--cuda-arch is for --backend cuda, not {backend}")
+    rpath = "@loader_path" if system == "darwin" else "$ORIGIN"
     opts = [
         "-DCMAKE_BUILD_TYPE=Release",
         "-DBUILD_SHARED_LIBS=ON",
@@ -188,10 +277,11 @@ def cmake_options(backend: str) -> list[str]:
         f"-DCMAKE_INSTALL_RPATH={rpath}",
         "-DGGML_NATIVE=ON",
         "-DGGML_BACKEND_DL=OFF",
+        "-DGGML_RPC=ON",  # the RPC backend (in libggml) and ggml-rpc-server: layers on other machines
         "-DLLAMA_BUILD_COMMON=ON",
         "-DLLAMA_BUILD_TOOLS=ON",
         "-DLLAMA_BUILD_SERVER=ON",  # llama-cli and llama-server live behind this switch in the pinned tree
-        "-DLLAMA_BUILD_TESTS=OFF",
+        "-DLLAMA_BUILD_TESTS=ON",  # for test-llama-archs; only the targets below are compiled
         "-DLLAMA_BUILD_EXAMPLES=OFF",
         "-DLLAMA_BUILD_APP=OFF",
         "-DLLAMA_BUILD_UI=OFF",
@@ -200,7 +290,7 @@ def cmake_options(backend: str) -> list[str]:
         f"-DLLAMA_BUILD_COMMIT={LLAMA_CPP_COMMIT}",
         "-DLLAMA_BUILD_NUMBER=0",
     ]
-    if _is_x86():
+    if machine.lower() in ("x86_64", "amd64", "i386", "i686", "x86"):
         # GGML_NATIVE enables AMX on CPUs that have it (Sapphire Rapids and later), and the pinned tree's AMX matmul
         # segfaults on every quantized type there (seen on a Xeon with amx_tile/amx_int8: Q8_0, Q4_0, Q4_K_M, Q6_K);
         # without AMX the same CPU runs the AVX-512 kernels and the weight repacking as usual
@@ -208,17 +298,13 @@ def cmake_options(backend: str) -> list[str]:
         opts += [f"-DCMAKE_C_FLAGS={no_amx}", f"-DCMAKE_CXX_FLAGS={no_amx}"]
     opts += {
         "cpu": [],
-        "cuda": ["-DGGML_CUDA=ON"],
+        "cuda": ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={cuda_architectures(cuda_arch)}"],
         "metal": ["-DGGML_METAL=ON", "-DGGML_METAL_EMBED_LIBRARY=ON"],
         "vulkan": ["-DGGML_VULKAN=ON"],
     }[backend]
+    if system == "darwin" and backend != "metal":
+        opts.append("-DGGML_METAL=OFF")  # on by default on macOS: the backend asked for is the only one built
     return opts
-
-
-def _is_x86() -> bool:
-    import platform
-
-    return platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
 
 
 def build_targets() -> list[str]:
@@ -226,164 +312,18 @@ def build_targets() -> list[str]:
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# source
-
-
-def fetch_sdist(cache: Path | None = None, quiet: bool = False) -> Path:
-    """Path of the verified llama-cpp-python sdist: $CLOVER_GGUF_SDIST, else the cached copy, else pip download."""
-    override = os.environ.get(ENV_SDIST)
-    if override:
-        path = Path(override).expanduser()
-        if not path.is_file():
-            raise UserError(f"{ENV_SDIST} does not name a file: {path}")
-        verify_sdist(path)
-        return path
-    folder = (cache or cache_root()) / "sdist"
-    target = folder / SDIST_NAME
-    if target.is_file():
-        verify_sdist(target, hint=f"delete {target} to download it again")
-        return target
-    folder.mkdir(parents=True, exist_ok=True)
-    if not quiet:
-        print(f"downloading llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} source from PyPI ...", file=sys.stderr)
-    with tempfile.TemporaryDirectory(prefix=".download-", dir=folder) as tmp:
-        cmd = [
-            sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-            f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", tmp,
-        ]  # fmt: skip
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        got = Path(tmp) / SDIST_NAME
-        if proc.returncode != 0 or not got.is_file():
-            last = _last_nonempty(proc.stderr) or _last_nonempty(proc.stdout) or f"exit code {proc.returncode}"
-            raise UserError(
-                f"could not download llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} with pip: {last} "
-                f"(or set {ENV_SDIST}=path/to/{SDIST_NAME})"
-            )
-        verify_sdist(got)
-        os.replace(got, target)
-    return target
-
-
-def verify_sdist(path: Path, hint: str = "") -> None:
-    digest = sha256_file(path)
-    if digest != SDIST_SHA256:
-        extra = f"; {hint}" if hint else ""
-        raise UserError(f"sha256 mismatch for {path}: got {digest}, expected {SDIST_SHA256}{extra}")
-
-
-def extract_llama_source(sdist: Path, dest: Path) -> Path:
-    """Extract vendor/llama.cpp of the sdist into dest (created; must not exist). Returns dest."""
-    dest = Path(dest)
-    dest.mkdir(parents=True)
-    n = 0
-    with tarfile.open(sdist, "r:gz") as tar:
-        members = []
-        for m in tar.getmembers():
-            if not m.name.startswith(SDIST_VENDOR_PREFIX):
-                continue
-            rel = m.name[len(SDIST_VENDOR_PREFIX) :]
-            if not rel:
-                continue
-            m.name = rel
-            members.append(m)
-        n = len(members)
-        if n == 0:
-            raise UserError(f"{sdist} has no {SDIST_VENDOR_PREFIX} folder")
-        _safe_extract(tar, members, dest)
-    remove_stray_git(dest)
-    return dest
-
-
-def _safe_extract(tar: tarfile.TarFile, members: list[tarfile.TarInfo], dest: Path) -> None:
-    if hasattr(tarfile, "data_filter"):
-        tar.extractall(dest, members=members, filter="data")
-        return
-    root = dest.resolve()
-    for m in members:  # pragma: no cover - only on old Pythons without extraction filters
-        target = (dest / m.name).resolve()
-        if root not in target.parents and target != root:
-            raise UserError(f"refusing to extract {m.name!r}: it leaves the target folder")
-        if m.issym() or m.islnk():
-            link = (target.parent / m.linkname).resolve()
-            if root not in link.parents:
-                raise UserError(f"refusing to extract link {m.name!r} -> {m.linkname!r}")
-    tar.extractall(dest, members=members)
-
-
-def remove_stray_git(tree: Path) -> bool:
-    """Remove a `.git` *file* (a submodule pointer such as `gitdir: ../../.git/modules/vendor/llama.cpp`) whose
-    target does not exist. Left in place it makes git and cmake's build-info treat the tree as a broken repository.
-    Returns True when a file was removed. A real .git folder is left alone."""
-    marker = Path(tree) / ".git"
-    if not marker.is_file() or marker.is_symlink():
-        return False
-    text = marker.read_text(errors="replace").strip()
-    if text.startswith("gitdir:"):
-        gitdir = Path(text[len("gitdir:") :].strip())
-        if not gitdir.is_absolute():
-            gitdir = marker.parent / gitdir
-        if gitdir.is_dir():
-            return False
-    marker.unlink()
-    return True
-
-
-def source_commit(source: Path) -> str:
-    """Full commit hash of a user-supplied llama.cpp checkout; it must be the pinned commit."""
-    source = Path(source)
-    if not (source / "CMakeLists.txt").is_file() or not (source / "include" / "llama.h").is_file():
-        raise UserError(f"{source} does not look like a llama.cpp source tree (no CMakeLists.txt / include/llama.h)")
-    proc = subprocess.run(
-        ["git", "-C", str(source), "rev-parse", "HEAD"], capture_output=True, text=True
-    )
-    if proc.returncode != 0:
-        raise UserError(
-            f"{source} is not a git checkout, so its commit cannot be checked; clone llama.cpp and "
-            f"`git checkout {LLAMA_CPP_COMMIT}`, or build from the pinned sdist (no --source)"
-        )
-    commit = proc.stdout.strip()
-    if not commit.startswith(LLAMA_CPP_COMMIT):
-        raise UserError(f"{source} is at commit {commit[:12]}, the patches need llama.cpp {LLAMA_CPP_COMMIT}")
-    dirty = subprocess.run(
-        ["git", "-C", str(source), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
-    )
-    if dirty.returncode == 0 and dirty.stdout.strip():
-        raise UserError(f"{source} has uncommitted changes; the build must start from a clean {LLAMA_CPP_COMMIT}")
-    return commit
-
-
-def copy_source_tree(source: Path, dest: Path) -> Path:
-    """Copy a checkout without its .git and top-level build folders (the user's tree is never modified)."""
-    source = Path(source).resolve()
-
-    def ignore(folder: str, names: list[str]) -> list[str]:
-        skip = [n for n in names if n == ".git"]
-        if Path(folder).resolve() == source:
-            skip += [n for n in names if n == "build" or n.startswith("build-")]
-        return skip
-
-    shutil.copytree(source, dest, symlinks=True, ignore=ignore)
-    return Path(dest)
-
-
-# --------------------------------------------------------------------------------------------------------------------
 # patches
-
-
-def _git_env(tree: Path) -> dict[str, str]:
-    env = dict(os.environ)
-    # never let git find a repository above the tree (paths in the patch must be relative to the tree itself)
-    env["GIT_CEILING_DIRECTORIES"] = str(Path(tree).resolve().parent)
-    env.pop("GIT_DIR", None)
-    env.pop("GIT_WORK_TREE", None)
-    return env
 
 
 def apply_patches(tree: Path, patches: Sequence[Path]) -> None:
     """Apply each patch in order with `git apply`; a patch that does not apply is named in a one-line UserError."""
     if patches and shutil.which("git") is None:
         raise UserError("git is needed to apply the llama.cpp patches: install git")
-    env = _git_env(tree)
+    env = dict(os.environ)
+    # never let git find a repository above the tree (paths in the patch must be relative to the tree itself)
+    env["GIT_CEILING_DIRECTORIES"] = str(Path(tree).resolve().parent)
+    env.pop("GIT_DIR", None)
+    env.pop("GIT_WORK_TREE", None)
     for patch in patches:
         patch = Path(patch).resolve()
         for args in (["--check"], []):
@@ -392,21 +332,17 @@ def apply_patches(tree: Path, patches: Sequence[Path]) -> None:
                 cwd=tree, env=env, capture_output=True, text=True,
             )  # fmt: skip
             if proc.returncode != 0:
-                raise UserError(
-                    f"patch {patch.name} does not apply to llama.cpp {LLAMA_CPP_COMMIT}: {_git_apply_reason(proc.stderr)}"
-                )
+                reason = _git_apply_reason(proc.stderr)
+                raise UserError(f"patch {patch.name} does not apply to llama.cpp {LLAMA_CPP_COMMIT}: {reason}")
 
 
 def _git_apply_reason(stderr: str) -> str:
     """The most useful line of `git apply` errors: the failing file and hunk position."""
     lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
     failed_at = next((ln for ln in lines if ln.startswith("error: patch failed:")), None)
-    detail = next(
-        (ln for ln in lines if ln.startswith("error:") and not ln.startswith("error: patch failed:")), None
-    )
     if failed_at:
-        where = failed_at[len("error: patch failed:") :].strip()  # file:line of the hunk
-        return f"hunk at {where} does not match"
+        return f"hunk at {failed_at[len('error: patch failed:') :].strip()} does not match"  # file:line of the hunk
+    detail = next((ln for ln in lines if ln.startswith("error:")), None)
     if detail:
         return detail[len("error:") :].strip()
     return lines[-1] if lines else "git apply failed"
@@ -416,36 +352,16 @@ def _git_apply_reason(stderr: str) -> str:
 # running cmake
 
 
-_COMPILER_ERROR = re.compile(r"(?:^|[\s:])(?:fatal )?error[:\s]", re.IGNORECASE)
-_PRIORITY = (
-    re.compile(r":\d+(?::\d+)?: (?:fatal )?error: "),  # gcc / clang / nvcc  file:line:col: error: ...
-    re.compile(r"undefined reference to|ld(?:\.\w+)?: error|collect2: error"),
-    re.compile(r"^CMake Error"),
-    re.compile(r"^-- Could NOT find|not found", re.IGNORECASE),
-)
+# a compiler's `file:line:col: error:`, a linker's, cmake's; the first one in a log is the cause, later ones often
+# follow from it (or from the other jobs of a parallel build stopping)
+_ERROR_LINE = re.compile(r":\d+(?::\d+)?: (?:fatal )?error: |undefined reference to|ld(?:\.\w+)?: error|^CMake Error|"
+                         r"(?:^|\s)(?:fatal )?error:", re.IGNORECASE)  # fmt: skip
 
 
 def last_error_line(log_text: str) -> str:
-    """The line of a build log that best explains a failure (the last compiler error, else the last error)."""
-    lines = [ln.rstrip() for ln in log_text.splitlines() if ln.strip()]
-    for pattern in _PRIORITY:
-        hits = [ln for ln in lines if pattern.search(ln)]
-        if hits:
-            return hits[-1].strip() if pattern is not _PRIORITY[0] else _first_of_last_group(lines, pattern)
-    hits = [ln for ln in lines if _COMPILER_ERROR.search(ln) and not ln.startswith("ninja: build stopped")]
-    if hits:
-        return hits[-1].strip()
-    return lines[-1].strip() if lines else "no output"
-
-
-def _first_of_last_group(lines: list[str], pattern: re.Pattern[str]) -> str:
-    # the first compiler error of the last failing file is usually the cause; later ones are often follow-ups
-    hits = [ln for ln in lines if pattern.search(ln)]
-    last_file = hits[-1].split(":", 1)[0]
-    for ln in hits:
-        if ln.split(":", 1)[0] == last_file:
-            return ln.strip()
-    return hits[-1].strip()  # pragma: no cover
+    """The line of a build log that best explains a failure: its first error line, else its last line."""
+    lines = [ln.strip() for ln in log_text.splitlines() if ln.strip()]
+    return next((ln for ln in lines if _ERROR_LINE.search(ln)), lines[-1] if lines else "no output")
 
 
 _NINJA_PROGRESS = re.compile(r"^\[(\d+)/(\d+)\]")
@@ -454,8 +370,8 @@ _MAKE_PROGRESS = re.compile(r"^\[\s*(\d+)%\]")
 
 def run_logged(cmd: Sequence[str], log_path: Path, what: str, cwd: Path | None = None,
                env: dict[str, str] | None = None, quiet: bool = False) -> None:  # fmt: skip
-    """Run a command, append all of its output to log_path, show a progress bar; on failure raise UserError with
-    the most useful error line and the log path."""
+    """Run a command, append all of its output to log_path, show its progress; on failure raise UserError with the
+    most useful error line and the log path."""
     bar = None
     with open(log_path, "a", encoding="utf-8", errors="replace", buffering=1) as log:
         log.write(f"\n$ {' '.join(cmd)}\n")
@@ -468,9 +384,8 @@ def run_logged(cmd: Sequence[str], log_path: Path, what: str, cwd: Path | None =
             assert proc.stdout is not None
             for line in proc.stdout:
                 log.write(line)
-                if quiet:
-                    continue
-                bar = _progress(bar, line, what)
+                if not quiet:
+                    bar = _progress(bar, line, what)
             rc = proc.wait()
         except BaseException:
             proc.kill()
@@ -481,36 +396,28 @@ def run_logged(cmd: Sequence[str], log_path: Path, what: str, cwd: Path | None =
                 bar.close()
     if rc != 0:
         text = Path(log_path).read_text(encoding="utf-8", errors="replace")
-        # only the part of the log that belongs to this command
-        text = text[text.rfind(f"$ {' '.join(cmd)}") :]
+        text = text[text.rfind(f"$ {' '.join(cmd)}") :]  # only the part of the log that belongs to this command
         raise UserError(f"llama.cpp {what} failed: {last_error_line(text)} (full log: {log_path})")
 
 
 def _progress(bar, line: str, what: str):
-    m = _NINJA_PROGRESS.match(line)
-    total, done = None, None
-    if m:
-        done, total = int(m.group(1)), int(m.group(2))
-    else:
-        m = _MAKE_PROGRESS.match(line)
-        if m:
-            done, total = int(m.group(1)), 100
-    if total is None:
+    """Progress of a build from ninja's [n/total] (or make's [ p%]) lines: a tqdm bar on a terminal, else one plain
+    `what: n/total` line per tenth, so that logs and `make test` show it too. Returns the new state."""
+    m = _NINJA_PROGRESS.match(line) or _MAKE_PROGRESS.match(line)
+    if m is None:
         return bar
+    done, total = int(m.group(1)), int(m.group(2)) if m.re is _NINJA_PROGRESS else 100
     if not sys.stderr.isatty():
-        # logs and pipes: one plain line per 10 %, not a redrawn bar
-        decile = done * 10 // max(total, 1)
-        if bar is None or decile > bar:
-            print(f"{what}: {done}/{total}", file=sys.stderr, flush=True)
-            return decile
+        tenth = done * 10 // max(total, 1)
+        if bar is None or tenth > bar:
+            print(f"llama.cpp {what}: {done}/{total}", file=sys.stderr, flush=True)
+            return tenth
         return bar
     if bar is None:
         from tqdm import tqdm
 
-        bar = tqdm(total=total, desc=what, unit="step", file=sys.stderr, dynamic_ncols=True)
-    if bar.total != total:
-        bar.total = total
-    bar.n = done
+        bar = tqdm(total=total, desc=f"llama.cpp {what}", unit="step", file=sys.stderr, dynamic_ncols=True)
+    bar.total, bar.n = total, done
     bar.refresh()
     return bar
 
@@ -532,6 +439,10 @@ def configure_and_build(src: Path, build_dir: Path, backend: str, options: Seque
     return build_dir / "bin"
 
 
+def _exe(name: str) -> str:
+    return name + (".exe" if sys.platform == "win32" else "")
+
+
 def _shared_lib_name(base: str) -> str:
     if sys.platform == "win32":
         return f"{base}.dll"
@@ -541,21 +452,17 @@ def _shared_lib_name(base: str) -> str:
 
 
 def stage_install(built_bin: Path, stage: Path) -> Path:
-    """Copy the shared libraries and tools out of the build tree into stage/bin."""
-    bin_dir = stage / "bin"
-    bin_dir.mkdir(parents=True)
-    wanted_tools = {t + (".exe" if sys.platform == "win32" else "") for t in TOOL_TARGETS}
-    lib_re = re.compile(r"^(lib)?[\w.+-]+\.(so(\.\d+)*|dylib|dll)$")
-    for item in sorted(Path(built_bin).iterdir()):
-        if item.name in wanted_tools or lib_re.match(item.name):
-            if item.is_symlink():
-                os.symlink(os.readlink(item), bin_dir / item.name)
-            elif item.is_file():
-                shutil.copy2(item, bin_dir / item.name)
-    missing = [n for n in [_shared_lib_name("llama"), _shared_lib_name("ggml"), *sorted(wanted_tools)]
-               if not (bin_dir / n).exists()]  # fmt: skip
+    """Move the build tree's bin/ (only the targets built: the libraries and the tools) to stage/bin.
+
+    Not `cmake --install`: it installs every target that has an install rule (all ~20 tools; the tests too with
+    LLAMA_TESTS_INSTALL) and stops at the first one not built, and building them all would not fit CI's budget."""
+    bin_dir = Path(stage) / "bin"
+    bin_dir.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(built_bin, bin_dir)
+    names = [_shared_lib_name("llama"), _shared_lib_name("ggml"), *map(_exe, TOOL_TARGETS)]
+    missing = [n for n in names if not (bin_dir / n).exists()]
     if missing:
-        raise UserError(f"llama.cpp build finished but did not produce: {', '.join(missing)} (in {built_bin})")
+        raise UserError(f"llama.cpp build finished but did not produce: {', '.join(missing)} (in {bin_dir})")
     return bin_dir
 
 
@@ -579,6 +486,8 @@ def _info_from_stamp(prefix: Path, stamp: dict, cached: bool = False, seconds: f
         build_hash=stamp.get("build_hash"),
         patch_hash=stamp.get("patch_hash"),
         source=stamp.get("source"),
+        cpu=(stamp.get("host") or {}).get("cpu"),
+        created=float(stamp.get("created", 0.0)),
         cached=cached,
         seconds=seconds,
     )
@@ -594,71 +503,74 @@ def is_complete(prefix: Path, want_hash: str | None = None) -> bool:
 
 
 @contextlib.contextmanager
-def _lock(path: Path) -> Iterator[None]:
-    """An exclusive advisory lock so two processes never build the same thing at once."""
+def _lock(path: Path, wait: bool = True) -> Iterator[bool]:
+    """An exclusive advisory lock, held while the block runs. Yields True when held; with wait=False, False at once
+    when another process holds it (also where locks are unsupported: nothing can then be shown to be unused)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
         try:
             import fcntl
         except ImportError:  # pragma: no cover - Windows
-            yield
+            yield wait
             return
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
         try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        yield True  # closing the file releases the lock
+
+
+def remove_stale_work(folder: Path, root: Path) -> list[Path]:
+    """Remove the work folders (.work-llama-<key>-*) of builds that were killed. A build holds locks/llama-<key>.lock
+    while its work folder exists, so a folder whose lock nobody holds is stale. Returns the removed folders."""
+    removed = []
+    for work in sorted(Path(folder).glob(".work-llama-*")):
+        key = work.name[len(".work-llama-") :].split("-")[0]
+        locks = (root / "locks").glob(f"llama-{key}*.lock")  # also the longer names of older versions
+        with contextlib.ExitStack() as held:
+            if key and all(held.enter_context(_lock(p, wait=False)) for p in locks):
+                shutil.rmtree(work, ignore_errors=True)
+                removed.append(work)
+    return removed
 
 
 def _move_into_place(stage: Path, final: Path) -> None:
-    """Rename stage to final. An existing final (an older or broken build of ours) is swapped out first."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    old = None
-    if final.exists() or final.is_symlink():
-        old = final.with_name(f".{final.name}.old-{os.getpid()}")
-        os.replace(final, old)
+    """Rename stage to final, replacing an older or broken build of ours there."""
+    shutil.rmtree(final, ignore_errors=True)
     os.replace(stage, final)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
-def _check_tools(backend: str) -> None:
-    missing = [t for t in ("cmake",) if shutil.which(t) is None]
-    if not any(shutil.which(c) for c in ("c++", "g++", "clang++", os.environ.get("CXX", "") or "c++")):
-        missing.append("a C++ compiler (g++ or clang++)")
-    if backend == "cuda" and shutil.which("nvcc") is None and not Path("/usr/local/cuda/bin/nvcc").exists():
-        missing.append("nvcc (the CUDA toolkit)")
-    if backend == "vulkan" and shutil.which("glslc") is None:
-        missing.append("glslc (the Vulkan SDK shader compiler)")
+_TOOL_NAMES = {"cxx": "a C++ compiler (g++ or clang++)", "nvcc": "nvcc (the CUDA toolkit)",
+               "glslc": "glslc (the Vulkan SDK shader compiler)"}  # fmt: skip
+
+
+def _check_tools(backend: str, host: dict[str, str]) -> None:
+    missing = [] if shutil.which("cmake") else ["cmake"]
+    missing += [what for key, what in _TOOL_NAMES.items() if key in host and not host[key]]
     if missing:
-        raise UserError(f"building llama.cpp needs {', '.join(missing)}: install it and retry")
+        raise UserError(f"building llama.cpp ({backend}) needs {', '.join(missing)}: install it and retry")
 
 
-def build_llama(backend: str = "cpu", jobs: int | None = None, source: Path | str | None = None,
-                prefix: Path | str | None = None, quiet: bool = False) -> BuildInfo:  # fmt: skip
-    """Build (or find in the cache) the patched llama.cpp for `backend` and return where it is installed."""
+def build_llama(backend: str = "cpu", jobs: int | None = None, prefix: Path | str | None = None, quiet: bool = False,
+                cuda_arch: str | None = None, patched: bool = True) -> BuildInfo:  # fmt: skip
+    """Build (or find in the cache) llama.cpp for `backend` and return where it is installed. patched=False builds
+    the pinned tree without our patches (its own cache entry; find_library never picks it unless asked)."""
     t0 = time.monotonic()
-    options = cmake_options(backend)
+    options = cmake_options(backend, cuda_arch)
+    host = host_key(backend)
     # read the patches once: the hash, the stamp and the applied content must agree even if a file changes meanwhile
-    patches = patch_files()
+    patches = patch_files() if patched else []
     patch_data = [p.read_bytes() for p in patches]
     if jobs is not None and jobs < 1:
         raise UserError(f"jobs must be at least 1, got {jobs}")
     jobs = jobs or os.cpu_count() or 1
     root = cache_root()
-
-    sdist: Path | None = None
-    if source is not None:
-        source = Path(source).expanduser()
-        if not source.is_dir():
-            raise UserError(f"--source is not a folder: {source}")
-        source_id = f"git:{source_commit(source)}"
-    else:
-        source_id = f"sdist:{SDIST_SHA256}"  # the sdist itself is fetched (and verified) only if a build is needed
-
-    digest = build_hash(source_id, patch_data, backend, options)
-    final = Path(prefix).expanduser().resolve() if prefix is not None else root / f"llama-{digest[:16]}"
-
+    source_id = f"sdist:{SDIST_SHA256}"  # the sdist itself is fetched (and verified) only if a build is needed
+    digest = build_hash(source_id, patch_data, backend, options, host)
+    key = digest[:16]
+    final = Path(prefix).expanduser().resolve() if prefix is not None else root / f"llama-{key}"
+    remove_stale_work(final.parent, root)
     if is_complete(final, digest):
         return _info_from_stamp(final, read_stamp(final) or {}, cached=True, seconds=time.monotonic() - t0)
 
@@ -667,13 +579,11 @@ def build_llama(backend: str = "cpu", jobs: int | None = None, source: Path | st
     if final.exists() and any(final.iterdir()) and read_stamp(final) is None:
         raise UserError(f"{final} exists and is not a clover-gguf llama.cpp build; choose an empty or new folder")
 
-    root.mkdir(parents=True, exist_ok=True)
-    with _lock(root / "locks" / f"llama-{digest[:16]}.lock"):
+    with _lock(root / "locks" / f"llama-{key}.lock"):
         if is_complete(final, digest):  # another process finished it while we waited
             return _info_from_stamp(final, read_stamp(final) or {}, cached=True, seconds=time.monotonic() - t0)
-        _check_tools(backend)
-        if source is None:
-            sdist = fetch_sdist(root, quiet=quiet)
+        _check_tools(backend, host)
+        sdist = fetch_sdist(root / "sdist", quiet=quiet)
         final.parent.mkdir(parents=True, exist_ok=True)
         free = shutil.disk_usage(final.parent).free
         if free < BUILD_DISK_BYTES:
@@ -681,23 +591,19 @@ def build_llama(backend: str = "cpu", jobs: int | None = None, source: Path | st
                 f"not enough disk space in {final.parent} to build llama.cpp: need about "
                 f"{BUILD_DISK_BYTES / 2**30:.0f} GiB, {free / 2**30:.2f} GiB free"
             )
-        logs = root / "logs"
-        logs.mkdir(parents=True, exist_ok=True)
-        log_path = logs / f"llama-{digest[:16]}.log"
+        log_path = root / "logs" / f"llama-{key}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
         log_path.write_text(
             f"clover-gguf llama.cpp build {digest}\nsource: {source_id}\nbackend: {backend}\n"
-            f"patches: {', '.join(p.name for p in patches) or '(none)'}\n"
+            f"patches: {', '.join(p.name for p in patches) or '(none)'}\nhost: {json.dumps(host)}\n"
         )
         # the work folder sits beside the final one so the last step is a same-file-system rename
-        work = Path(tempfile.mkdtemp(prefix=f".work-llama-{digest[:12]}-", dir=final.parent))
+        work = Path(tempfile.mkdtemp(prefix=f".work-llama-{key}-", dir=final.parent))
         try:
             src = work / "src"
             if not quiet:
                 print(f"preparing llama.cpp {LLAMA_CPP_COMMIT} with {len(patches)} patch(es) ...", file=sys.stderr)
-            if sdist is not None:
-                extract_llama_source(sdist, src)
-            else:
-                copy_source_tree(Path(source), src)  # type: ignore[arg-type]
+            extract_llama_source(sdist, src)
             snapshot = work / "patches"
             snapshot.mkdir()
             for p, data in zip(patches, patch_data):
@@ -716,6 +622,7 @@ def build_llama(backend: str = "cpu", jobs: int | None = None, source: Path | st
                 "source": source_id,
                 "llama_cpp_commit": LLAMA_CPP_COMMIT,
                 "cmake_options": options,
+                "host": host,
                 "targets": build_targets(),
                 "recipe": RECIPE_VERSION,
                 "created": time.time(),
@@ -747,32 +654,63 @@ def _info_for_lib_dir(lib_dir: Path) -> BuildInfo:
 def cached_builds(root: Path | None = None) -> list[BuildInfo]:
     """Every complete build in the cache, newest first."""
     root = cache_root() if root is None else root
-    found = []
-    for prefix in root.glob("llama-*"):
-        if prefix.is_dir() and is_complete(prefix):
-            stamp = read_stamp(prefix) or {}
-            found.append((float(stamp.get("created", 0.0)), _info_from_stamp(prefix, stamp)))
-    found.sort(key=lambda x: x[0], reverse=True)
-    return [info for _, info in found]
+    found = [_info_from_stamp(p, read_stamp(p) or {}) for p in root.glob("llama-*") if p.is_dir() and is_complete(p)]
+    return sorted(found, key=lambda info: info.created, reverse=True)
 
 
-def find_library(backend: str | None = None) -> BuildInfo | None:
+def _requested_backend(backend: str | None) -> tuple[str | None, str]:
+    """The backend asked for (the argument, else $CLOVER_GGUF_BACKEND) and how it was asked."""
+    asked = backend or os.environ.get(ENV_BACKEND) or None
+    how = f"asked for {asked}" if backend else f"{ENV_BACKEND}={asked}"
+    if asked is not None and asked not in BACKENDS:
+        raise UserError(f"unknown backend {asked!r} ({how}): choose one of {', '.join(BACKENDS)}")
+    return asked, how
+
+
+def find_library(backend: str | None = None, patched: bool = True) -> BuildInfo | None:
     """The llama.cpp build to run: the folder in $LLAMA_CPP_LIB_PATH if set (None when it holds no libllama), else
-    the newest complete cached build made from the current patches (of `backend`, when given)."""
+    the newest complete cached build of the current patches (of none with patched=False) made for this CPU, of
+    `backend` (else $CLOVER_GGUF_BACKEND; else a GPU build whose GPU is present, else the CPU build, else any).
+    BuildInfo.chosen says why."""
     override = os.environ.get(ENV_LIB_PATH)
     if override:
         lib_dir = Path(override).expanduser()
         if not (lib_dir / _shared_lib_name("llama")).exists():
             return None
-        return _info_for_lib_dir(lib_dir)
+        return dataclasses.replace(_info_for_lib_dir(lib_dir), chosen=f"{ENV_LIB_PATH} is set")
     try:
-        current = patch_hash()
+        want = patch_hash() if patched else patch_hash([])
     except UserError:
         return None
-    for info in cached_builds():
-        if info.patch_hash == current and (backend is None or info.backend == backend):
-            return info
-    return None
+    asked, how = _requested_backend(backend)
+    cpu = cpu_key()
+    builds = [b for b in cached_builds() if b.patch_hash == want and b.cpu == cpu]
+    if asked is not None:
+        pick = next((b for b in builds if b.backend == asked), None)
+        return dataclasses.replace(pick, chosen=how) if pick else None
+    present = {name: gpu_present(name) for name in {b.backend for b in builds}}
+    # a stable sort: newest first within each rank
+    ranked = sorted(builds, key=lambda b: 0 if present[b.backend] else 1 if b.backend == "cpu" else 2)
+    if not ranked:
+        return None
+    pick = ranked[0]
+    if present[pick.backend]:
+        why = "its GPU is present"
+    elif pick.backend == "cpu":
+        why = "no cached GPU build whose GPU is present"
+    else:
+        why = "the only build; its GPU was not detected"
+    return dataclasses.replace(pick, chosen=why)
+
+
+def llama_tool(name: str) -> Path:
+    """A tool (llama-server, llama-imatrix, ...) of the build find_library() picks; a UserError saying how to get it
+    when there is none."""
+    info = find_library()
+    path = info.tool(name) if info is not None else None
+    if path is None or not path.is_file() or not os.access(path, os.X_OK):
+        raise UserError(f"{name} not found ({path or 'no patched llama.cpp build'}): run `clover-gguf build-llama`")
+    return path
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -792,60 +730,44 @@ def binding_env(info: BuildInfo) -> dict[str, str]:
     return {ENV_LIB_PATH: str(info.lib_dir)}
 
 
-def extract_binding_source(sdist: Path, dest: Path) -> Path:
-    """Extract the sdist without vendor/ (the binding is pure Python when LLAMA_BUILD=OFF). Returns the root."""
-    top = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}/"
-    with tarfile.open(sdist, "r:gz") as tar:
-        members = [m for m in tar.getmembers() if m.name.startswith(top) and not m.name.startswith(top + "vendor/")]
-        _safe_extract(tar, members, Path(dest))
-    return Path(dest) / top.rstrip("/")
-
-
-def install_binding(info: BuildInfo | None = None, python: str | None = None, quiet: bool = False,
-                    force: bool = False) -> str:  # fmt: skip
-    """Install llama-cpp-python 0.3.36 into `python` (default: this interpreter) without compiling llama.cpp, and
-    check that it imports against `info`'s library. Returns the installed version. A no-op when 0.3.36 is there."""
-    here = python is None
-    python = python or sys.executable
-    installed = _binding_version_of(None if here else python)
-    if installed != LLAMA_CPP_PYTHON_VERSION or force:
-        sdist = fetch_sdist(quiet=quiet)
+def install_binding(info: BuildInfo | None = None, quiet: bool = False, force: bool = False) -> str:
+    """Install llama-cpp-python 0.3.36 into this interpreter from the verified sdist, without compiling llama.cpp,
+    and check that it imports against `info`'s library. Returns the installed version. A no-op when it is there."""
+    install = binding_version() != LLAMA_CPP_PYTHON_VERSION or force
+    if install:
+        sdist = fetch_sdist(cache_root() / "sdist", quiet=quiet)
         if not quiet:
             print(f"installing llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} (no llama.cpp compile) ...", file=sys.stderr)
         with tempfile.TemporaryDirectory(prefix="clover-binding-") as tmp:
             root = extract_binding_source(sdist, Path(tmp))
-            env = dict(os.environ)
-            env["CMAKE_ARGS"] = "-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF -DMTMD_BUILD=OFF"
-            cmd = [python, "-m", "pip", "install", "--no-cache-dir", *(["--force-reinstall", "--no-deps"] if force else []),
-                   str(root)]  # fmt: skip
+            env = dict(os.environ, CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF -DMTMD_BUILD=OFF")
+            cmd = [sys.executable, "-m", "pip", "install", "--no-cache-dir",
+                   *(["--force-reinstall", "--no-deps"] if force else []), str(root)]  # fmt: skip
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if proc.returncode != 0:
                 reason = last_error_line(proc.stderr + proc.stdout)
                 raise UserError(f"pip could not install llama-cpp-python {LLAMA_CPP_PYTHON_VERSION}: {reason}")
-        installed = _binding_version_of(None if here else python)
-        if installed != LLAMA_CPP_PYTHON_VERSION:
-            raise UserError(f"llama-cpp-python install finished but reports version {installed}")
-    if info is not None:
-        check_binding(info, python)
-    return installed  # type: ignore[return-value]
-
-
-def _binding_version_of(python: str | None) -> str | None:
-    """Version of llama-cpp-python in `python` (None: this interpreter)."""
-    if python is None:
         importlib.invalidate_caches()
-        return binding_version()
-    code = "import importlib.metadata as m\ntry: print(m.version('llama_cpp_python'))\nexcept Exception: print('')"
-    proc = subprocess.run([python, "-c", code], capture_output=True, text=True)
-    return proc.stdout.strip() or None
+        if binding_version() != LLAMA_CPP_PYTHON_VERSION:
+            raise UserError(f"llama-cpp-python install finished but reports version {binding_version()}")
+    if info is not None:
+        check_binding(info, full=install or not info.cached)
+    return LLAMA_CPP_PYTHON_VERSION
 
 
-def check_binding(info: BuildInfo, python: str | None = None) -> None:
-    """Import llama_cpp in a fresh interpreter against the build's library; UserError when it fails."""
-    env = dict(os.environ)
-    env.update(binding_env(info))
+def check_binding(info: BuildInfo, full: bool = True) -> None:
+    """Import llama_cpp in a fresh interpreter against the build's library (its declarations look up every symbol);
+    with full=False only load the library here, which keeps a cached `build-llama` under a second (the binding was
+    checked against that build when either was new). UserError when it fails."""
+    if not full:
+        try:
+            ctypes.CDLL(str(info.libllama))
+            return
+        except OSError as e:
+            raise UserError(f"{info.libllama} does not load: {e}") from None
     code = "import llama_cpp; llama_cpp.llama_backend_init(); print(llama_cpp.__version__)"
-    proc = subprocess.run([python or sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, **binding_env(info)}, capture_output=True,
+                          text=True)  # fmt: skip
     if proc.returncode != 0:
         raise UserError(f"llama_cpp does not load {info.libllama}: {_last_nonempty(proc.stderr)}")
 
@@ -854,8 +776,9 @@ def check_binding(info: BuildInfo, python: str | None = None) -> None:
 # doctor
 
 
-def doctor() -> dict:
-    """What the runtime would use, and what is missing. Never raises for a missing piece: it lists it."""
+def doctor(backend: str | None = None) -> dict:
+    """What the runtime would use (of `backend`, as find_library chooses), and what is missing. Never raises for a
+    missing piece: it lists it."""
     missing: list[str] = []
     warnings: list[str] = []
     try:
@@ -863,21 +786,21 @@ def doctor() -> dict:
     except UserError as e:
         current = None
         missing.append(str(e))
-
-    info = find_library()
+    asked, _ = _requested_backend(backend)
+    info = find_library(backend)
     override = os.environ.get(ENV_LIB_PATH)
-    if info is None:
-        if override:
-            missing.append(f"{ENV_LIB_PATH}={override} holds no {_shared_lib_name('llama')}")
-        else:
-            stale = cached_builds()
-            if stale:
-                missing.append(
-                    f"the cached llama.cpp build(s) were made from other patches (newest: {stale[0].prefix}); "
-                    "run `clover-gguf build-llama`"
-                )
-            else:
-                missing.append("no llama.cpp build found: run `clover-gguf build-llama`")
+    cpu = cpu_key()
+    usable = [b for b in cached_builds() if b.patch_hash == current and b.cpu == cpu]
+    if info is None and override:
+        missing.append(f"{ENV_LIB_PATH}={override} holds no {_shared_lib_name('llama')}")
+    elif info is None:
+        others = [b for b in cached_builds() if b not in usable]
+        why = sorted({"for another CPU" if b.cpu != cpu else "unpatched" if b.patch_hash == patch_hash([]) else
+                      "of other patches" for b in others})  # fmt: skip
+        what = f"no {asked} llama.cpp build" if asked else "no llama.cpp build"
+        more = f" (cached: builds {', '.join(why)})" if why else ""
+        missing.append(f"{what} of the current patches for this CPU{more}: run `clover-gguf build-llama"
+                       f"{' --backend ' + asked if asked else ''}`")  # fmt: skip
     else:
         if info.patch_hash is None:
             warnings.append(f"{info.lib_dir} was not built by clover-gguf: its patches cannot be checked")
@@ -885,9 +808,7 @@ def doctor() -> dict:
             missing.append(f"the library in {info.lib_dir} was built from other patches: run `clover-gguf build-llama`")
         for tool in TOOL_TARGETS:
             if not info.tool(tool).exists():
-                (missing if tool in ("llama-quantize", "llama-cli") else warnings).append(
-                    f"{tool} not found in {info.bin_dir}"
-                )
+                (missing if info.build_hash else warnings).append(f"{tool} not found in {info.bin_dir}")
         try:
             ctypes.CDLL(str(info.libllama))
         except OSError as e:
@@ -904,6 +825,8 @@ def doctor() -> dict:
         "library_path": str(info.lib_dir) if info else None,
         "bin_dir": str(info.bin_dir) if info else None,
         "backend": info.backend if info else None,
+        "backend_choice": info.chosen if info else None,
+        "cached_backends": sorted({b.backend for b in usable}),
         "patch_hash": info.patch_hash if info else None,
         "current_patch_hash": current,
         "build_hash": info.build_hash if info else None,

@@ -10,10 +10,12 @@ from typing import Optional
 
 import typer
 
-from clover_gguf.decoding import DEFAULT_END_RULE, END_RULES
+from clover_gguf.decoding import ACCEPT_MODES, DEFAULT_END_RULE, END_RULES, MODES
 from clover_gguf.errors import UserError
+from clover_gguf.runtime import ROLLBACKS
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+# rich_markup_mode=None: plain help (no boxes, no `<bool>` after every flag); errors are ours (main)
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Clover block-diffusion MoE on your own machine: convert, quantize, build llama.cpp, decode.")
 
 
@@ -24,6 +26,11 @@ class OutType(str, Enum):
     q8_0 = "q8_0"
 
 
+class Arch(str, Enum):
+    clover = "clover"
+    qwen35moe = "qwen35moe"
+
+
 class Backend(str, Enum):
     cpu = "cpu"
     cuda = "cuda"
@@ -31,8 +38,44 @@ class Backend(str, Enum):
     vulkan = "vulkan"
 
 
+RPC_HELP = ("HOST:PORT[,HOST:PORT...]: put the model's layers on these ggml-rpc-servers, as llama.cpp's --rpc does "
+            "(unauthenticated: trusted networks only)")
+
+
+def _rpc(spec: Optional[str]) -> dict:
+    """--rpc -> CloverRuntime keywords (the layers --gpu-layers offloads, all by default, go to the servers)."""
+    from clover_gguf import rpc
+
+    return {"rpc": rpc.parse_endpoints(spec)}
+
+
 def _err(msg: str) -> None:
     typer.echo(f"clover-gguf: error: {msg}", err=True)
+
+
+def offload_options(command):
+    """Adds the offload options every model-running command shares (clover_gguf.offload.OPTIONS, their one
+    definition); the command receives them as one `offload` argument."""
+    import functools
+    import inspect
+
+    from clover_gguf.offload import OPTIONS, Offload
+
+    types = {"gpu_layers": str, "cpu_moe": bool, "n_cpu_moe": int, "threads": Optional[int], "mmap": bool}
+    extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=types[name],
+                               default=typer.Option(default, *flags, help=help_, show_default=default is not None))
+             for name, flags, default, help_ in OPTIONS]
+    sig = inspect.signature(command)
+    own = [p for p in sig.parameters.values() if p.name != "offload"]
+
+    @functools.wraps(command)
+    def wrapper(**kw):
+        offload = Offload(**{name: kw.pop(name) for name, *_ in OPTIONS})
+        return command(**kw, offload=offload)
+
+    wrapper.__signature__ = sig.replace(parameters=own + extra)
+    wrapper.__annotations__ = {p.name: p.annotation for p in own + extra}
+    return wrapper
 
 
 @app.command()
@@ -40,15 +83,18 @@ def convert(
     src: Path = typer.Argument(..., help="checkpoint folder (config.json, safetensors, tokenizer)"),
     out: Path = typer.Option(..., "-o", "--out", help="output GGUF file"),
     outtype: OutType = typer.Option(OutType.bf16, "--outtype", help="storage type of the weight matrices"),
+    arch: Arch = typer.Option(Arch.clover, "--arch", help="clover, or qwen35moe: AR only, for stock llama.cpp"),
     skip_unknown: bool = typer.Option(False, "--skip-unknown", help="drop tensors the map does not know (warns)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="validate and print the plan; write nothing"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
+    force: bool = typer.Option(False, "--force", help="overwrite OUT"),
     as_json: bool = typer.Option(False, "--json", help="print a JSON summary"),
 ) -> None:
     """Clover safetensors -> GGUF (streaming)."""
     from clover_gguf.convert import convert as run
 
-    res = run(src, out, outtype.value, skip_unknown=skip_unknown, dry_run=dry_run, quiet=quiet or as_json)
+    res = run(src, out, outtype.value, skip_unknown=skip_unknown, dry_run=dry_run, quiet=quiet or as_json,
+              force=force, arch=arch.value)
     summary = {"out": str(res.out) if res.out else None, "tensors": res.n_tensors, "bytes": res.nbytes,
                "dry_run": dry_run, "notices": res.notices, "skipped_unknown": res.skipped_unknown}
     if as_json:
@@ -62,6 +108,25 @@ def convert(
         typer.echo(f"dry run: {res.n_tensors} tensors, {res.nbytes / 2**30:.3f} GiB; nothing written")
     else:
         typer.echo(f"wrote {res.out}: {res.n_tensors} tensors, {res.nbytes / 2**30:.3f} GiB")
+
+
+@app.command("export-ar")
+def export_ar(
+    src: Path = typer.Argument(..., help="a Clover GGUF (any type, quantized too)"),
+    out: Path = typer.Argument(..., help="output qwen35moe GGUF"),
+    force: bool = typer.Option(False, "--force", help="overwrite OUT"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Clover GGUF -> qwen35moe GGUF for stock llama.cpp, Ollama, LM Studio (AR only; tensors copied as they are)."""
+    from clover_gguf.export import export_ar as run
+
+    res = run(src, out, force=force, quiet=quiet or as_json)
+    if as_json:
+        typer.echo(json.dumps({"out": str(res.out), "tensors": res.n_tensors, "size_bytes": res.size_bytes,
+                               "dropped_tensors": res.dropped_tensors, "dropped_keys": res.dropped_keys}))
+    else:
+        typer.echo(f"wrote {res.out}: qwen35moe, {res.n_tensors} tensors, {res.size_bytes / 2**30:.3f} GiB")
 
 
 @app.command()
@@ -116,22 +181,21 @@ def quantize(
 
 
 @app.command()
+@offload_options
 def imatrix(
     model: Path = typer.Argument(..., help="a Clover GGUF (F32/F16/BF16 preferred)"),
     text: Path = typer.Option(..., "--text", help="calibration text file (at least 2 x --ctx tokens)"),
     out: Path = typer.Option(..., "-o", "--out", help="output imatrix GGUF"),
     ctx: int = typer.Option(512, "--ctx", help="tokens per chunk"),
     chunks: Optional[int] = typer.Option(None, "--chunks", help="at most this many chunks"),
-    threads: Optional[int] = typer.Option(None, "--threads"),
-    gpu_layers: int = typer.Option(0, "--gpu-layers", "-ngl", help="layers to offload (GPU builds)"),
     force: bool = typer.Option(False, "--force", help="overwrite OUT"),
     quiet: bool = typer.Option(False, "--quiet", "-q"),
+    offload=None,
 ) -> None:
     """Importance matrix through the patched llama-imatrix, for IQ types and importance-weighted K-quants."""
     from clover_gguf.quantize import imatrix as run
 
-    path = run(model, text, out, threads=threads, ctx=ctx, chunks=chunks, force=force, quiet=quiet,
-               gpu_layers=gpu_layers)
+    path = run(model, text, out, ctx=ctx, chunks=chunks, force=force, quiet=quiet, offload=offload)
     typer.echo(f"wrote {path}")
 
 
@@ -139,7 +203,10 @@ def imatrix(
 def build_llama(
     backend: Backend = typer.Option(Backend.cpu, "--backend", help="ggml backend to build"),
     jobs: Optional[int] = typer.Option(None, "--jobs", "-j", help="parallel compile jobs (default: all cores)"),
-    source: Optional[Path] = typer.Option(None, "--source", help="an upstream llama.cpp checkout of 0c1e57098"),
+    cuda_arch: Optional[str] = typer.Option(None, "--cuda-arch", help="CUDA architectures, e.g. 86 or '75;86;89' "
+                                            "(default: the GPUs present, else the list in docs/build.md)"),
+    patches: bool = typer.Option(True, "--patches/--no-patches", help="--no-patches: the pinned llama.cpp unpatched "
+                                 "(its own cache entry; the runtime never picks it)"),
     prefix: Optional[Path] = typer.Option(None, "--prefix", help="install here instead of the user cache"),
     binding: bool = typer.Option(True, "--binding/--no-binding", help="install llama-cpp-python's binding too"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress output"),
@@ -147,24 +214,31 @@ def build_llama(
     """Download, verify, patch and build llama.cpp with the clover architecture (cached)."""
     from clover_gguf import build
 
-    info = build.build_llama(backend.value, jobs=jobs, source=source, prefix=prefix, quiet=quiet)
+    info = build.build_llama(backend.value, jobs=jobs, prefix=prefix, quiet=quiet, cuda_arch=cuda_arch,
+                             patched=patches)
     if binding:
         build.install_binding(info, quiet=quiet)
     state = "cached" if info.cached else f"built in {info.seconds:.0f} s"
-    typer.echo(f"llama.cpp ({info.backend}) {state}: {info.bin_dir}")
+    typer.echo(f"llama.cpp ({info.backend}{'' if patches else ', unpatched'}) {state}: {info.bin_dir}")
     typer.echo(f"export LLAMA_CPP_LIB_PATH={info.lib_dir}")
 
 
 @app.command()
-def doctor(as_json: bool = typer.Option(False, "--json", help="print one JSON object")) -> None:
-    """The llama.cpp library clover-gguf would use, its backend and patch hash, and what is missing."""
+def doctor(
+    backend: Optional[Backend] = typer.Option(None, "--backend", help="the build of this backend (default: "
+                                              "$CLOVER_GGUF_BACKEND, else a GPU build whose GPU is present, else cpu)"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """The llama.cpp library clover-gguf would use, its backend and why, its patch hash, and what is missing.
+    Exit code 2 when not ready."""
     from clover_gguf import build
 
-    d = build.doctor()
+    d = build.doctor(backend.value if backend else None)
     if as_json:
         typer.echo(json.dumps(d))
     else:
-        for key in ("library_path", "bin_dir", "backend", "patch_hash", "binding_version", "cache_dir"):
+        for key in ("library_path", "bin_dir", "backend", "backend_choice", "cached_backends", "patch_hash",
+                    "binding_version", "cache_dir"):
             typer.echo(f"{key:<16} {d.get(key)}")
         for w in d.get("warnings", []):
             typer.echo(f"warning: {w}")
@@ -175,26 +249,21 @@ def doctor(as_json: bool = typer.Option(False, "--json", help="print one JSON ob
         raise typer.Exit(2)
 
 
-class Mode(str, Enum):
-    ar = "ar"
-    diffusion = "diffusion"
-    draft_self = "draft-self"
+def _choices(name: str, values: tuple[str, ...]) -> type[Enum]:
+    """A typer choice type over one of the tuples the modules define (the lists live there, once)."""
+    return Enum(name, {v.replace("-", "_"): v for v in values}, type=str)
 
 
-class Accept(str, Enum):
-    exact = "exact"
-    threshold = "threshold"
+Mode = _choices("Mode", MODES)
+Accept = _choices("Accept", ACCEPT_MODES)
+Rollback = _choices("Rollback", ROLLBACKS)
 
 
-class Rollback(str, Enum):
-    redecode = "redecode"
-    snapshot = "snapshot"
-
-
-EndRule = Enum("EndRule", {r: r for r in END_RULES}, type=str)
+EndRule = _choices("EndRule", END_RULES)
 
 
 @app.command()
+@offload_options
 def generate(
     model: Path = typer.Argument(..., help="a Clover GGUF"),
     prompt: str = typer.Option(..., "-p", "--prompt", help="the user message"),
@@ -208,7 +277,8 @@ def generate(
     top_k: int = typer.Option(0, "--top-k", min=0),
     seed: Optional[int] = typer.Option(None, "--seed"),
     think: bool = typer.Option(True, "--think/--no-think", help="let the model think first"),
-    ctx: Optional[int] = typer.Option(None, "--ctx", help="context size (default: enough for the request)"),
+    ctx: Optional[int] = typer.Option(None, "--ctx", min=16, help="context size (default: min(8192, the model's); "
+                                      "llama.cpp rounds it up to a multiple of 256)"),
     rollback: Rollback = typer.Option(Rollback.redecode, "--rollback", help="draft-self rollback strategy"),
     end_rule: EndRule = typer.Option(DEFAULT_END_RULE, "--end-rule",
                                      help="end tokens in block passes: prefix (once every position before is "
@@ -218,19 +288,23 @@ def generate(
     repetition_penalty: Optional[float] = typer.Option(None, "--repetition-penalty", min=0.01,
                                                        help="default: the GGUF's (1.05)"),
     no_controls: bool = typer.Option(False, "--no-controls", help="turn every generation control off"),
-    stats: bool = typer.Option(False, "--stats", help="print decoding stats to stderr"),
+    rpc: Optional[str] = typer.Option(None, "--rpc", help=RPC_HELP),
+    stats: bool = typer.Option(False, "--stats", help="print a one-line stats summary to stderr (all of them: --json)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object: text, thinking, stats"),
+    offload=None,
 ) -> None:
     """Answer one prompt, streaming the answer as tokens are accepted."""
-    from clover_gguf.runtime import CloverRuntime
-
     from dataclasses import replace
 
-    with CloverRuntime(model, n_ctx=ctx, rollback=rollback.value) as rt:
-        controls = rt.controls.off() if no_controls else rt.controls
-        overrides = {"presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty,
-                     "repetition_penalty": repetition_penalty}
-        controls = replace(controls, **{k: v for k, v in overrides.items() if v is not None})
+    from clover_gguf.metadata import Controls
+    from clover_gguf.runtime import CloverRuntime, check_sampling
+
+    overrides = {k: v for k, v in {"presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty,
+                                   "repetition_penalty": repetition_penalty}.items() if v is not None}
+    check_sampling(temp, top_p, top_k, threshold, replace(Controls(), **overrides))  # before the model loads
+    with CloverRuntime(model, n_ctx=ctx, rollback=rollback.value, offload=offload, block_size=block_size,
+                       **_rpc(rpc)) as rt:
+        controls = replace(rt.controls.off() if no_controls else rt.controls, **overrides)
         kw = dict(mode=mode.value, max_new_tokens=max_new_tokens, block_size=block_size, threshold=threshold,
                   accept=accept.value, temp=temp, top_p=top_p, top_k=top_k, seed=seed, think=think,
                   controls=controls, end_rule=end_rule.value)
@@ -238,16 +312,16 @@ def generate(
             ans = rt.generate(prompt, **kw)
             typer.echo(json.dumps(ans.to_json()))
             return
-        raw, run = "", None
+        run = None
         for text, run in rt.stream(prompt, **kw):
-            raw += text
             typer.echo(text, nl=False)
         typer.echo("")
         if stats and run is not None:
-            typer.echo(json.dumps(run.__dict__), err=True)
+            typer.echo(run.summary(), err=True)
 
 
 @app.command()
+@offload_options
 def chat(
     model: Path = typer.Argument(..., help="a Clover GGUF"),
     mode: Mode = typer.Option(Mode.draft_self, "--mode"),
@@ -256,16 +330,25 @@ def chat(
     show_thinking: bool = typer.Option(True, "--show-thinking/--hide-thinking", help="thinking dimmed, or hidden"),
     temp: float = typer.Option(0.0, "--temp", min=0.0),
     seed: Optional[int] = typer.Option(None, "--seed"),
-    ctx: Optional[int] = typer.Option(None, "--ctx"),
+    ctx: Optional[int] = typer.Option(None, "--ctx", min=16),
+    rollback: Rollback = typer.Option(Rollback.redecode, "--rollback", help="draft-self rollback strategy"),
+    json_stats: bool = typer.Option(False, "--json-stats", help="each answer's stats as one JSON object, not a line"),
+    rpc: Optional[str] = typer.Option(None, "--rpc", help=RPC_HELP),
+    offload=None,
 ) -> None:
     """Chat in the terminal: /reset, /mode ar|diffusion|draft-self, /stats, /quit; Ctrl-C stops an answer."""
     from clover_gguf.chat import ChatSession
+    from clover_gguf.runtime import check_sampling
+
+    check_sampling(temp)
 
     ChatSession(model, mode=mode.value, max_new_tokens=max_new_tokens, think=think, show_thinking=show_thinking,
-                temp=temp, seed=seed, n_ctx=ctx).loop()
+                temp=temp, seed=seed, n_ctx=ctx, json_stats=json_stats, rollback=rollback.value,
+                offload=offload, **_rpc(rpc)).loop()
 
 
 @app.command()
+@offload_options
 def serve(
     model: Path = typer.Argument(..., help="a Clover GGUF"),
     host: str = typer.Option("127.0.0.1", "--host", help="bind address (loopback by default)"),
@@ -276,35 +359,62 @@ def serve(
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="CLOVER_GGUF_API_KEY",
                                           help="require Authorization: Bearer KEY (also from $CLOVER_GGUF_API_KEY)"),
     rollback: Rollback = typer.Option(Rollback.redecode, "--rollback", help="draft-self rollback strategy"),
-    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="CPU threads per slot"),
-    gpu_layers: int = typer.Option(0, "--gpu-layers", "-ngl", help="layers to offload (GPU builds)"),
+    rpc: Optional[str] = typer.Option(None, "--rpc", help=RPC_HELP),
+    offload=None,
 ) -> None:
     """An OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models, /health."""
     from clover_gguf.server import serve as run
 
     run(model, host=host, port=port, mode=mode.value, ctx=ctx, parallel=parallel, api_key=api_key,
-        rollback=rollback.value, n_threads=threads, n_gpu_layers=gpu_layers)
+        rollback=rollback.value, n_threads=offload.threads, offload=offload, **_rpc(rpc))  # threads per slot
 
 
-def main() -> None:
-    import click
+@app.command()
+def fit(
+    model: Optional[Path] = typer.Argument(None, help="a Clover GGUF (or use --config and --type)"),
+    config: Optional[Path] = typer.Option(None, "--config", help="plan from a config.json alone (with --type)"),
+    qtype: Optional[str] = typer.Option(None, "--type", "-t", help="with --config: the file type, e.g. Q4_K_M"),
+    vram: Optional[str] = typer.Option(None, "--vram", help="GPU memory, e.g. 16GiB (default: the GPU llama.cpp "
+                                       "reports, else none)"),
+    ram: Optional[str] = typer.Option(None, "--ram", help="host memory, e.g. 32GiB (default: this machine's)"),
+    unified: Optional[bool] = typer.Option(None, "--unified/--discrete", help="the GPU shares host memory "
+                                           "(Apple silicon; default: as llama.cpp reports the GPU, else discrete)"),
+    ctx: Optional[int] = typer.Option(None, "--ctx", help="the context you want (default: the largest that fits)"),
+    mode: Mode = typer.Option(Mode.draft_self, "--mode"),
+    parallel: int = typer.Option(1, "--parallel", min=1, help="server slots (each holds its own model and context)"),
+    rollback: Rollback = typer.Option(Rollback.redecode, "--rollback", help="draft-self rollback strategy"),
+    mmap: bool = typer.Option(True, "--mmap/--no-mmap", help="as the run would load the file"),
+    measure: bool = typer.Option(False, "--measure", help="also load MODEL.gguf here and show what llama.cpp "
+                                 "allocates next to the prediction"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Which offload and context fit a GPU or Mac, the predicted memory part by part, and the command to run."""
+    from clover_gguf.fit import fit as run
 
+    res = run(model, config=config, qtype=qtype, vram=vram, ram=ram, ctx=ctx, mode=mode.value, parallel=parallel,
+              rollback=rollback.value, mmap=mmap, unified=unified, do_measure=measure)
+    typer.echo(json.dumps(res.to_json()) if as_json else res.format())
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The entry point: every error is one line on stderr; usage and input errors exit 2, Ctrl-C 130."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    if not args:  # bare `clover-gguf`: the help, as a usage error
+        app(args=["--help"], prog_name="clover-gguf", standalone_mode=False)
+        sys.exit(2)
     try:
-        rv = app(standalone_mode=False)
+        rv = app(args=args, prog_name="clover-gguf", standalone_mode=False)
     except UserError as e:
         _err(str(e))
         sys.exit(e.exit_code)
-    except click.exceptions.Abort:  # Ctrl-C inside click
+    except (typer.Abort, KeyboardInterrupt):
         _err("interrupted")
         sys.exit(130)
-    except KeyboardInterrupt:
+    except typer.TyperException as e:  # usage errors (typer's own click): one line, exit 2
+        ctx = getattr(e, "ctx", None)
+        hint = f" (see {ctx.command_path} --help)" if ctx is not None else ""
+        _err(" ".join(e.format_message().replace("Value error, ", "").split()) + hint)
+        sys.exit(2)
+    if rv == 130:  # typer turns a Ctrl-C inside a command into Exit(130)
         _err("interrupted")
-        sys.exit(130)
-    except click.ClickException as e:  # usage errors: click's own one-line message, exit 2
-        e.show()
-        sys.exit(e.exit_code)
     sys.exit(rv if isinstance(rv, int) else 0)
-
-
-if __name__ == "__main__":
-    main()

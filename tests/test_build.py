@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import fcntl
+import functools
 import hashlib
+import http.server
 import io
 import json
+import os
+import shutil
 import subprocess
+import sys
 import tarfile
+import threading
 from pathlib import Path
 
 import pytest
 
-from clover_gguf import build
+from clover_gguf import build, llama_sdist
 from clover_gguf.errors import UserError
 
 needs_git = pytest.mark.skipif(subprocess.run(["git", "--version"], capture_output=True).returncode != 0,
@@ -30,7 +37,8 @@ def env(tmp_path, monkeypatch):
     monkeypatch.setenv(build.ENV_CACHE, str(cache))
     monkeypatch.setenv(build.ENV_PATCHES, str(patches))
     monkeypatch.delenv(build.ENV_LIB_PATH, raising=False)
-    monkeypatch.delenv(build.ENV_SDIST, raising=False)
+    monkeypatch.delenv(build.ENV_BACKEND, raising=False)
+    monkeypatch.delenv(llama_sdist.ENV_SDIST, raising=False)
     return {"cache": cache, "patches": patches, "tmp": tmp_path}
 
 
@@ -42,7 +50,7 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
 
 def make_fake_sdist(path: Path, stray_git: bool = True) -> str:
     """A tiny sdist-shaped tarball; returns its sha256."""
-    top = f"llama_cpp_python-{build.LLAMA_CPP_PYTHON_VERSION}"
+    top = f"llama_cpp_python-{llama_sdist.LLAMA_CPP_PYTHON_VERSION}"
     with tarfile.open(path, "w:gz") as tar:
         _add(tar, f"{top}/pyproject.toml", b"[project]\nname='x'\n")
         _add(tar, f"{top}/vendor/llama.cpp/CMakeLists.txt", b"project(llama)\n")
@@ -78,44 +86,61 @@ def fake_cmake(calls: list, seen: dict | None = None):
         bin_dir.mkdir(parents=True)
         for name in ["libllama.so", "libggml.so", "libggml-base.so", "libggml-cpu.so", *build.TOOL_TARGETS]:
             (bin_dir / name).write_bytes(b"fake")
+            (bin_dir / name).chmod(0o755)
         return bin_dir
 
     return run
 
 
 @pytest.fixture
-def fake_source(env, monkeypatch):
-    sdist = env["tmp"] / build.SDIST_NAME
+def machine(monkeypatch):
+    """A fake host: what build_llama puts in the cache key and find_library compares (edit it to change machine)."""
+    host = {"cpu": "linux-x86_64-cpu-a", "cc": "/usr/bin/gcc-12 gcc 12.2", "cxx": "/usr/bin/g++-12 g++ 12.2"}
+    monkeypatch.setattr(build, "cpu_key", lambda: host["cpu"])
+    monkeypatch.setattr(build, "host_key", lambda backend: dict(host))
+    monkeypatch.setattr(build, "nvidia_compute_caps", lambda: [])
+    return host
+
+
+@pytest.fixture
+def fake_source(env, machine, monkeypatch):
+    sdist = env["tmp"] / llama_sdist.SDIST_NAME
     digest = make_fake_sdist(sdist)
-    monkeypatch.setenv(build.ENV_SDIST, str(sdist))
-    monkeypatch.setattr(build, "SDIST_SHA256", digest)
-    monkeypatch.setattr(build, "_check_tools", lambda backend: None)
+    monkeypatch.setenv(llama_sdist.ENV_SDIST, str(sdist))
+    monkeypatch.setattr(llama_sdist, "SDIST_SHA256", digest)
+    monkeypatch.setattr(build, "_check_tools", lambda backend, host: None)
     monkeypatch.setattr(build, "_shared_lib_name", lambda base: f"lib{base}.so")
     return sdist
 
 
 # ------------------------------------------------------------------------------------------------------------ hashes
 
+HOST = {"cpu": "linux-x86_64-aaaa", "cc": "/usr/bin/gcc-12 gcc 12.2", "cxx": "/usr/bin/g++-12 g++ 12.2"}
 
-def test_build_hash_stable_and_sensitive(tmp_path):
+
+def test_build_hash_stable_and_sensitive(tmp_path, machine):
     p1, p2 = tmp_path / "0001-a.patch", tmp_path / "0002-b.patch"
     p1.write_bytes(b"patch one\n")
     p2.write_bytes(b"patch two\n")
     opts = build.cmake_options("cpu")
-    h = build.build_hash("sdist:x", [p1, p2], "cpu", opts)
+    h = build.build_hash("sdist:x", [p1, p2], "cpu", opts, HOST)
 
-    assert h == build.build_hash("sdist:x", [p1, p2], "cpu", list(opts))  # stable
+    assert h == build.build_hash("sdist:x", [p1, p2], "cpu", list(opts), dict(HOST))  # stable
     assert len(h) == 64
-    assert build.build_hash("sdist:x", [p1, p2], "cuda", build.cmake_options("cuda")) != h
-    assert build.build_hash("sdist:x", [p1, p2], "cuda", opts) != h  # the backend itself is hashed
-    assert build.build_hash("git:abc", [p1, p2], "cpu", opts) != h
-    assert build.build_hash("sdist:x", [p2, p1], "cpu", opts) != h  # order matters
-    assert build.build_hash("sdist:x", [p1], "cpu", opts) != h
-    assert build.build_hash("sdist:x", [p1, p2], "cpu", opts + ["-DX=1"]) != h
+    assert build.build_hash("sdist:x", [p1, p2], "cuda", build.cmake_options("cuda"), HOST) != h
+    assert build.build_hash("sdist:x", [p1, p2], "cuda", opts, HOST) != h  # the backend itself is hashed
+    assert build.build_hash("sdist:y", [p1, p2], "cpu", opts, HOST) != h
+    assert build.build_hash("sdist:x", [p2, p1], "cpu", opts, HOST) != h  # order matters
+    assert build.build_hash("sdist:x", [p1], "cpu", opts, HOST) != h
+    assert build.build_hash("sdist:x", [], "cpu", opts, HOST) != h  # unpatched
+    assert build.build_hash("sdist:x", [p1, p2], "cpu", opts + ["-DX=1"], HOST) != h
+    for key, other in (("cpu", "linux-x86_64-bbbb"), ("cc", "/usr/bin/gcc-13 gcc 13.1"), ("cxx", "clang 17")):
+        assert build.build_hash("sdist:x", [p1, p2], "cpu", opts, {**HOST, key: other}) != h
+    assert build.build_hash("sdist:x", [p1, p2], "cpu", opts, {**HOST, "nvcc": "cuda_12.4"}) != h
 
     ph = build.patch_hash([p1, p2])
     p2.write_bytes(b"patch twO\n")  # one byte changed
-    assert build.build_hash("sdist:x", [p1, p2], "cpu", opts) != h
+    assert build.build_hash("sdist:x", [p1, p2], "cpu", opts, HOST) != h
     assert build.patch_hash([p1, p2]) != ph
 
 
@@ -129,15 +154,64 @@ def test_hash_has_no_concatenation_ambiguity(tmp_path):
     assert build.patch_hash([a, b]) != build.patch_hash([c, d])
 
 
-def test_cmake_options_per_backend():
+def test_host_key_reads_the_compilers_it_would_use(tmp_path, monkeypatch):
+    fake = tmp_path / "fake-c++"
+    fake.write_text("#!/bin/sh\necho 'fake c++ 1.0'\necho 'second line'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("CXX", str(fake))
+    one = build.host_key("cpu")
+    assert one["cxx"] == f"{os.path.realpath(fake)} fake c++ 1.0"
+    assert one["cpu"] == build.cpu_key() and one["cpu"].startswith(f"{sys.platform}-")
+    fake.write_text("#!/bin/sh\necho 'fake c++ 2.0'\n")  # the compiler was upgraded
+    assert build.host_key("cpu")["cxx"].endswith("fake c++ 2.0")
+    assert "nvcc" in build.host_key("cuda") and "nvcc" not in one and "glslc" in build.host_key("vulkan")
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    assert build.host_key("cpu")["cxx"] == ""  # missing: _check_tools names it
+    with pytest.raises(UserError, match="C\\+\\+ compiler"):
+        build._check_tools("cpu", build.host_key("cpu"))
+
+
+def test_cmake_options_per_backend_and_platform(machine):
     assert "-DGGML_CUDA=ON" in build.cmake_options("cuda")
-    assert "-DGGML_METAL=ON" in build.cmake_options("metal")
+    assert "-DGGML_METAL=ON" in build.cmake_options("metal", system="darwin")
     assert "-DGGML_VULKAN=ON" in build.cmake_options("vulkan")
-    cpu = build.cmake_options("cpu")
-    assert "-DBUILD_SHARED_LIBS=ON" in cpu and "-DGGML_NATIVE=ON" in cpu
+    cpu = build.cmake_options("cpu", system="linux", machine="x86_64")
+    for opt in ("-DBUILD_SHARED_LIBS=ON", "-DGGML_NATIVE=ON", "-DGGML_RPC=ON", "-DLLAMA_BUILD_TESTS=ON",
+                "-DCMAKE_INSTALL_RPATH=$ORIGIN", "-DLLAMA_BUILD_SERVER=ON"):
+        assert opt in cpu
     assert not any("CUDA" in o or "METAL" in o or "VULKAN" in o for o in cpu)
+    # the AMX matmul of the pinned tree segfaults: no AMX on x86, nothing of it elsewhere
+    assert "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" in cpu
+    assert not any("amx" in o for o in build.cmake_options("cpu", system="linux", machine="aarch64"))
+    # macOS turns Metal on by default: a CPU (or Vulkan) build turns it off
+    mac_cpu = build.cmake_options("cpu", system="darwin", machine="arm64")
+    assert "-DGGML_METAL=OFF" in mac_cpu and "-DCMAKE_INSTALL_RPATH=@loader_path" in mac_cpu
+    assert "-DGGML_METAL=OFF" in build.cmake_options("vulkan", system="darwin", machine="arm64")
+    assert "-DGGML_METAL=OFF" not in build.cmake_options("metal", system="darwin", machine="arm64")
     with pytest.raises(UserError, match="unknown backend"):
         build.cmake_options("rocm")
+
+
+def test_cuda_architectures(machine, monkeypatch):
+    arch = [o for o in build.cmake_options("cuda") if o.startswith("-DCMAKE_CUDA_ARCHITECTURES=")]
+    assert arch == [f"-DCMAKE_CUDA_ARCHITECTURES={build.DEFAULT_CUDA_ARCHS}"]  # no GPU here: the documented list
+    monkeypatch.setattr(build, "nvidia_compute_caps", lambda: ["86", "89"])
+    assert "-DCMAKE_CUDA_ARCHITECTURES=86;89" in build.cmake_options("cuda")  # the GPUs present
+    assert "-DCMAKE_CUDA_ARCHITECTURES=75-virtual;90" in build.cmake_options("cuda", cuda_arch="75-virtual, 90")
+    assert build.cuda_architectures("86;120a-real") == "86;120a-real"
+    for bad in ("sm_86", "native", ";", "8.6"):
+        with pytest.raises(UserError, match="--cuda-arch"):
+            build.cuda_architectures(bad)
+    with pytest.raises(UserError, match="--cuda-arch is for --backend cuda"):
+        build.cmake_options("cpu", cuda_arch="86")
+
+
+def test_nvidia_compute_caps_parses_nvidia_smi(monkeypatch):
+    monkeypatch.setattr(build, "_output", lambda cmd: "8.9\n8.6\n8.9\n" if cmd[0] == "nvidia-smi" else "")
+    assert build.nvidia_compute_caps() == ["86", "89"]
+    assert build.gpu_present("cuda") is True
+    monkeypatch.setattr(build, "_output", lambda cmd: "")  # no nvidia-smi, or no GPU
+    assert build.nvidia_compute_caps() == [] and build.gpu_present("cuda") is False
 
 
 def test_patch_files_sorted(env):
@@ -146,60 +220,160 @@ def test_patch_files_sorted(env):
     assert [p.name for p in build.patch_files()] == ["0001-a.patch", "0002-b.patch", "0010-c.patch"]
 
 
+def test_installed_package_ships_the_patches(tmp_path):
+    """A non-editable install carries clover_gguf/patches (package data) and build.py finds them there."""
+    repo = Path(build.__file__).resolve().parents[1]
+    tree = tmp_path / "tree"
+    shutil.copytree(repo / "clover_gguf", tree / "clover_gguf", symlinks=True,
+                    ignore=shutil.ignore_patterns("__pycache__", "assets"))  # fmt: skip
+    for name in ("patches", "quant_recipes"):
+        shutil.copytree(repo / name, tree / name)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(repo / name, tree / name)
+    target = tmp_path / "site"
+    pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                          "--target", str(target), str(tree)], capture_output=True, text=True)  # fmt: skip
+    assert pip.returncode == 0, pip.stderr[-2000:]
+    installed = sorted((target / "clover_gguf" / "patches").glob("*.patch"))
+    assert [p.name for p in installed] == [p.name for p in sorted((repo / "patches").glob("*.patch"))] != []
+    assert not (target / "clover_gguf" / "patches").is_symlink()
+    (target / "patches").mkdir()  # another distribution's top-level "patches" folder beside the package
+    (target / "patches" / "0001-other.patch").write_text("not ours\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CLOVER_GGUF")}
+    code = "from clover_gguf import build; print(build.patches_dir()); print(build.patch_hash())"
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={**env, "PYTHONPATH": str(target)},
+                         capture_output=True, text=True)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    folder, digest = out.stdout.split()
+    assert Path(folder) == target / "clover_gguf" / "patches"
+    assert digest == build.patch_hash(sorted((repo / "patches").glob("*.patch")))
+
+
 # ------------------------------------------------------------------------------------------------------------- sdist
 
 
 def test_sdist_sha256_mismatch_is_user_error(env, monkeypatch):
-    bogus = env["tmp"] / build.SDIST_NAME
+    bogus = env["tmp"] / llama_sdist.SDIST_NAME
     bogus.write_bytes(b"not the real sdist")
-    monkeypatch.setenv(build.ENV_SDIST, str(bogus))
+    monkeypatch.setenv(llama_sdist.ENV_SDIST, str(bogus))
     with pytest.raises(UserError, match="sha256 mismatch"):
-        build.fetch_sdist()
+        llama_sdist.fetch_sdist(env["cache"] / "sdist")
 
 
 def test_cached_sdist_is_verified_too(env):
-    cached = env["cache"] / "sdist" / build.SDIST_NAME
+    cached = env["cache"] / "sdist" / llama_sdist.SDIST_NAME
     cached.parent.mkdir(parents=True)
     cached.write_bytes(b"corrupt")
     with pytest.raises(UserError, match="sha256 mismatch") as e:
-        build.fetch_sdist()
+        llama_sdist.fetch_sdist(cached.parent)
     assert "\n" not in str(e.value)
 
 
 def test_sdist_good_hash_accepted(env, fake_source):
-    assert build.fetch_sdist() == fake_source
+    assert llama_sdist.fetch_sdist(env["cache"] / "sdist") == fake_source
 
 
-# ------------------------------------------------------------------------------------------------------ stray .git
+@pytest.fixture
+def index(tmp_path, monkeypatch):
+    """A PEP 503 simple index on 127.0.0.1 (PIP_INDEX_URL points at it); write files under index["root"]."""
+    root = tmp_path / "index"
+    (root / "simple" / "llama-cpp-python").mkdir(parents=True)
+    (root / "files").mkdir()
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Handler, directory=str(root)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("PIP_INDEX_URL", f"http://127.0.0.1:{server.server_port}/simple")
+    monkeypatch.delenv(llama_sdist.ENV_SDIST, raising=False)
+    yield {"root": root, "url": f"http://127.0.0.1:{server.server_port}"}
+    server.shutdown()
+    server.server_close()
 
 
-def test_extract_removes_stray_git_file(env, fake_source):
+def _publish(index: dict, data: bytes) -> None:
+    name = llama_sdist.SDIST_NAME
+    (index["root"] / "files" / name).write_bytes(data)
+    (index["root"] / "files" / "llama_cpp_python-0.3.35.tar.gz").write_bytes(b"another version")
+    (index["root"] / "simple" / "llama-cpp-python" / "index.html").write_text(
+        '<html><body>\n<a href="../../files/llama_cpp_python-0.3.35.tar.gz">llama_cpp_python-0.3.35.tar.gz</a>\n'
+        f'<a href="../../files/{name}#sha256={hashlib.sha256(data).hexdigest()}" data-requires-python="&gt;=3.8">'
+        f"{name}</a><br />\n</body></html>\n"
+    )
+
+
+def test_download_is_verified_before_it_is_kept_and_runs_nothing(env, index, monkeypatch):
+    sdist = env["tmp"] / "made.tar.gz"
+    monkeypatch.setattr(llama_sdist, "SDIST_SHA256", make_fake_sdist(sdist))
+    _publish(index, sdist.read_bytes())
+    folder = env["cache"] / "sdist"
+
+    def no_process(*a, **k):
+        raise AssertionError("the download started a process")
+
+    monkeypatch.setattr(subprocess, "Popen", no_process)
+    got = llama_sdist.fetch_sdist(folder, quiet=True)
+    assert got == folder / llama_sdist.SDIST_NAME and got.read_bytes() == sdist.read_bytes()
+    assert sorted(p.name for p in folder.iterdir()) == [llama_sdist.SDIST_NAME]  # no temporary file left
+
+
+def test_download_with_a_wrong_hash_keeps_nothing(env, index, monkeypatch):
+    _publish(index, b"tampered bytes")
+    folder = env["cache"] / "sdist"
+    with pytest.raises(UserError, match="sha256 mismatch.*downloaded from http://127.0.0.1"):
+        llama_sdist.fetch_sdist(folder, quiet=True)
+    assert list(folder.iterdir()) == []
+
+
+def test_index_without_the_file_is_one_line(env, index):
+    (index["root"] / "simple" / "llama-cpp-python" / "index.html").write_text("<a href='x.tar.gz'>x.tar.gz</a>")
+    with pytest.raises(UserError, match=f"does not list {llama_sdist.SDIST_NAME}.*{llama_sdist.ENV_SDIST}"):
+        llama_sdist.fetch_sdist(env["cache"] / "sdist", quiet=True)
+    shutil.rmtree(index["root"] / "simple" / "llama-cpp-python")  # no such project on the index
+    with pytest.raises(UserError, match="could not download .*404"):
+        llama_sdist.fetch_sdist(env["cache"] / "sdist", quiet=True)
+
+
+def test_index_url_follows_pip(tmp_path, monkeypatch):
+    monkeypatch.setenv("PIP_INDEX_URL", "https://mirror.example/pypi/simple")
+    assert llama_sdist.index_url() == "https://mirror.example/pypi/simple/"
+    monkeypatch.delenv("PIP_INDEX_URL")
+    conf = tmp_path / "pip.conf"
+    conf.write_text("[global]\nextra-index-url = https://extra.example/simple\nindex-url = https://conf.example/s\n")
+    monkeypatch.setenv("PIP_CONFIG_FILE", str(conf))
+    assert llama_sdist.index_url() == "https://conf.example/s/"
+
+
+def test_install_binding_uses_only_the_verified_sdist(env, fake_source, monkeypatch):
+    installed: list = []
+    versions = [None, llama_sdist.LLAMA_CPP_PYTHON_VERSION]
+
+    def fake_run(cmd, **kw):
+        assert cmd[:4] == [sys.executable, "-m", "pip", "install"]
+        installed.append((Path(cmd[-1]) / "pyproject.toml").read_text())  # what pip would build: the sdist's tree
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(build, "binding_version", lambda: versions.pop(0))
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    assert build.install_binding(None, quiet=True) == llama_sdist.LLAMA_CPP_PYTHON_VERSION
+    assert installed == ["[project]\nname='x'\n"]
+
+    fake_source.write_bytes(fake_source.read_bytes() + b"tampered")
+    versions[:] = [None]
+    with pytest.raises(UserError, match="sha256 mismatch"):
+        build.install_binding(None, quiet=True)
+    assert len(installed) == 1  # pip never saw the tampered file
+
+
+def test_extract_leaves_out_the_stray_git_file(env, fake_source):
     dest = env["tmp"] / "src"
-    build.extract_llama_source(fake_source, dest)
+    llama_sdist.extract_llama_source(fake_source, dest)
     assert (dest / "CMakeLists.txt").is_file()
     assert (dest / "src" / "a.cpp").read_text().startswith("line 1")
     assert not (dest / ".git").exists()
     assert not (dest / "pyproject.toml").exists()  # only vendor/llama.cpp is extracted
-
-
-def test_remove_stray_git_keeps_real_repositories(tmp_path):
-    stray = tmp_path / "stray"
-    stray.mkdir()
-    (stray / ".git").write_text("gitdir: ../../.git/modules/vendor/llama.cpp\n")
-    assert build.remove_stray_git(stray) is True
-    assert not (stray / ".git").exists()
-
-    pointing = tmp_path / "pointing"
-    (tmp_path / "real-gitdir").mkdir()
-    pointing.mkdir()
-    (pointing / ".git").write_text("gitdir: ../real-gitdir\n")
-    assert build.remove_stray_git(pointing) is False
-    assert (pointing / ".git").is_file()
-
-    repo = tmp_path / "repo"
-    (repo / ".git").mkdir(parents=True)
-    assert build.remove_stray_git(repo) is False
-    assert (repo / ".git").is_dir()
 
 
 # ----------------------------------------------------------------------------------------------------------- patches
@@ -266,12 +440,12 @@ def test_cache_hit_skips_work(env, fake_source, monkeypatch):
     assert stamp["backend"] == "cpu" and stamp["patch_hash"] == build.patch_hash() and stamp["complete"] is True
     assert not list(env["cache"].glob(".work-*"))  # the temporary tree is gone
 
-    monkeypatch.setenv(build.ENV_SDIST, str(env["tmp"] / "gone.tar.gz"))  # a cache hit needs no source at all
+    monkeypatch.setenv(llama_sdist.ENV_SDIST, str(env["tmp"] / "gone.tar.gz"))  # a cache hit needs no source at all
     second = build.build_llama("cpu", jobs=1, quiet=True)
     assert calls == ["cpu"]  # nothing rebuilt
     assert second.cached is True and second.prefix == first.prefix and second.build_hash == first.build_hash
 
-    monkeypatch.setenv(build.ENV_SDIST, str(fake_source))
+    monkeypatch.setenv(llama_sdist.ENV_SDIST, str(fake_source))
     other = build.build_llama("vulkan", jobs=1, quiet=True)
     assert calls == ["cpu", "vulkan"] and other.prefix != first.prefix
 
@@ -312,6 +486,101 @@ def test_prefix_override_and_refusal(env, fake_source, monkeypatch):
     assert (foreign / "important.txt").read_text() == "keep me"
 
 
+@needs_git
+def test_cache_is_not_reused_on_another_cpu_or_compiler(env, fake_source, machine, monkeypatch):
+    calls: list = []
+    monkeypatch.setattr(build, "configure_and_build", fake_cmake(calls))
+    first = build.build_llama("cpu", quiet=True)
+    assert build.build_llama("cpu", quiet=True).cached is True and len(calls) == 1
+
+    machine["cxx"] = "/usr/bin/g++-13 g++ 13.1"  # another compiler
+    other_compiler = build.build_llama("cpu", quiet=True)
+    assert len(calls) == 2 and other_compiler.cached is False and other_compiler.prefix != first.prefix
+
+    machine["cpu"] = "linux-x86_64-cpu-b"  # another CPU (a cache folder shared by two machines)
+    assert build.find_library() is None  # neither build was made for this CPU: neither is run here
+    assert any("cached: builds for another CPU" in m for m in build.doctor()["missing"])
+    other_cpu = build.build_llama("cpu", quiet=True)
+    assert len(calls) == 3 and other_cpu.prefix not in (first.prefix, other_compiler.prefix)
+    assert build.find_library().prefix == other_cpu.prefix
+    stamp = json.loads((other_cpu.prefix / build.STAMP_NAME).read_text())
+    assert stamp["host"] == machine
+
+    machine["cpu"], machine["cxx"] = "linux-x86_64-cpu-a", "/usr/bin/g++-12 g++ 12.2"  # back on the first machine
+    again = build.build_llama("cpu", quiet=True)
+    assert again.cached is True and again.prefix == first.prefix and len(calls) == 3
+
+
+@needs_git
+def test_no_patches_build_is_its_own_entry_and_never_picked(env, fake_source, monkeypatch):
+    seen: dict = {}
+    monkeypatch.setattr(build, "configure_and_build", fake_cmake([], seen))
+    (env["patches"] / "0001-x.patch").write_bytes(git_patch("line 1\nline 2\nline 3\n", "line 1\nPATCHED\nline 3\n"))
+    plain = build.build_llama("cpu", quiet=True, patched=False)
+    assert seen["a.cpp"] == "line 1\nline 2\nline 3\n"  # the pinned tree as it is
+    assert json.loads((plain.prefix / build.STAMP_NAME).read_text())["patches"] == []
+    assert build.find_library() is None  # the runtime never takes an unpatched build by accident
+    assert any("cached: builds unpatched" in m for m in build.doctor()["missing"])
+    assert build.find_library(patched=False).prefix == plain.prefix
+
+    patched = build.build_llama("cpu", quiet=True)
+    assert seen["a.cpp"] == "line 1\nPATCHED\nline 3\n" and patched.prefix != plain.prefix
+    assert build.find_library().prefix == patched.prefix
+    assert build.build_llama("cpu", quiet=True, patched=False).cached is True
+
+
+def test_cli_build_llama_no_patches_prints_the_library_folder(env, fake_source, monkeypatch):
+    from typer.testing import CliRunner
+
+    from clover_gguf.cli import app
+
+    monkeypatch.setattr(build, "configure_and_build", fake_cmake([]))
+    result = CliRunner().invoke(app, ["build-llama", "--no-patches", "--no-binding", "--quiet"])
+    assert result.exit_code == 0, result.output
+    info = build.find_library(patched=False)
+    assert "llama.cpp (cpu, unpatched) built in" in result.output
+    assert f"export LLAMA_CPP_LIB_PATH={info.lib_dir}\n" in result.output
+
+
+def test_stale_work_folders_are_removed_live_ones_kept(env, fake_source, monkeypatch):
+    cache, locks = env["cache"], env["cache"] / "locks"
+    locks.mkdir(parents=True)
+    killed = cache / ".work-llama-aaaaaaaaaaaaaaaa-k1"  # its build was killed: the lock file stayed, unheld
+    (killed / "src").mkdir(parents=True)
+    (locks / "llama-aaaaaaaaaaaaaaaa.lock").touch()
+    orphan = cache / ".work-llama-bbbbbbbbbbbbbbbb-k2"  # no lock file at all
+    orphan.mkdir()
+    live = cache / ".work-llama-cccccccccccccccc-l1"  # another process is building it right now
+    live.mkdir()
+    older = cache / ".work-llama-dddddddddddd-l2"  # an older version's name (12 hex digits; its lock has 16)
+    older.mkdir()
+    holders = [open(locks / name, "a") for name in ("llama-cccccccccccccccc.lock", "llama-dddddddddddd0123.lock")]
+    for f in holders:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)  # a second open file: flock treats it as another process
+    try:
+        monkeypatch.setattr(build, "configure_and_build", fake_cmake([]))
+        build.build_llama("cpu", quiet=True)
+        assert not killed.exists() and not orphan.exists()
+        assert live.is_dir() and older.is_dir()
+    finally:
+        for f in holders:
+            f.close()
+    assert build.build_llama("cpu", quiet=True).cached is True  # a cached call cleans up too
+    assert not live.exists() and not older.exists()
+
+
+def test_progress_shows_without_a_terminal(tmp_path, capsys):
+    log = tmp_path / "build.log"
+    log.write_text("")
+    script = 'i=1; while [ $i -le 50 ]; do echo "[$i/50] Building CXX object x$i.o"; i=$((i+1)); done'
+    build.run_logged(["sh", "-c", script], log, "build")
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("llama.cpp build: ")]
+    assert lines[0] == "llama.cpp build: 1/50" and lines[-1] == "llama.cpp build: 50/50"
+    assert len(lines) == 11  # one line per tenth (and the first), not one per step
+    build.run_logged(["sh", "-c", script], log, "build", quiet=True)
+    assert capsys.readouterr().err == ""
+
+
 def test_build_failure_reports_compiler_error_and_log(tmp_path):
     log = tmp_path / "build.log"
     log.write_text("")
@@ -340,7 +609,9 @@ def test_last_error_line_prefers_linker_over_noise():
 # ------------------------------------------------------------------------------------------------ find, doctor, env
 
 
+@needs_git
 def test_find_library_and_doctor(env, fake_source, monkeypatch):
+    (env["patches"] / "0001-x.patch").write_bytes(git_patch("line 1\nline 2\nline 3\n", "line 1\nPATCHED\nline 3\n"))
     assert build.find_library() is None
     report = build.doctor()
     assert report["ok"] is False and report["library_path"] is None
@@ -360,9 +631,9 @@ def test_find_library_and_doctor(env, fake_source, monkeypatch):
     assert any("does not load" in m for m in report["missing"])  # the fake libllama.so is not a library
 
     # new patches: the old build no longer counts
-    (env["patches"] / "0001-new.patch").write_text("diff")
+    (env["patches"] / "0002-new.patch").write_text("diff")
     assert build.find_library() is None
-    assert any("other patches" in m for m in build.doctor()["missing"])
+    assert any("builds of other patches" in m for m in build.doctor()["missing"])
 
 
 def test_find_library_honours_env(env, fake_source, monkeypatch):
@@ -384,16 +655,85 @@ def test_find_library_honours_env(env, fake_source, monkeypatch):
     assert any("holds no" in m for m in build.doctor()["missing"])
 
 
-@needs_git
-def test_source_checkout_must_be_pinned_commit(tmp_path):
-    repo = tmp_path / "llama.cpp"
-    (repo / "include").mkdir(parents=True)
-    (repo / "CMakeLists.txt").write_text("project(x)\n")
-    (repo / "include" / "llama.h").write_text("\n")
-    with pytest.raises(UserError, match="not a git checkout"):
-        build.source_commit(repo)
-    subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
-    subprocess.run(["git", "add", "."], cwd=repo, check=True)
-    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x"], cwd=repo, check=True)
-    with pytest.raises(UserError, match=build.LLAMA_CPP_COMMIT):
-        build.source_commit(repo)
+def test_find_library_chooses_by_backend_and_says_why(env, fake_source, monkeypatch):
+    monkeypatch.setattr(build, "configure_and_build", fake_cmake([]))
+    for backend in ("cuda", "cpu", "vulkan"):  # vulkan is the newest
+        build.build_llama(backend, quiet=True)
+    gpus: set = set()
+    monkeypatch.setattr(build, "gpu_present", lambda backend: backend in gpus)
+
+    found = build.find_library()  # no GPU here: the CPU build, not the newest
+    assert found.backend == "cpu" and "no cached GPU build" in found.chosen
+    gpus.add("cuda")
+    found = build.find_library()
+    assert found.backend == "cuda" and found.chosen == "its GPU is present"
+    assert build.find_library("vulkan").backend == "vulkan" and build.find_library("vulkan").chosen == "asked for vulkan"
+    monkeypatch.setenv(build.ENV_BACKEND, "vulkan")
+    assert build.find_library().backend == "vulkan" and build.find_library().chosen == f"{build.ENV_BACKEND}=vulkan"
+    assert build.find_library("cpu").backend == "cpu"  # the argument wins over the variable
+    report = build.doctor()
+    assert report["backend"] == "vulkan" and report["backend_choice"] == f"{build.ENV_BACKEND}=vulkan"
+    assert report["cached_backends"] == ["cpu", "cuda", "vulkan"]
+
+    assert build.find_library("metal") is None
+    assert any("no metal llama.cpp build" in m and "--backend metal" in m for m in build.doctor("metal")["missing"])
+    monkeypatch.setenv(build.ENV_BACKEND, "rocm")
+    with pytest.raises(UserError, match="unknown backend 'rocm'"):
+        build.find_library()
+
+
+def test_llama_tool_is_the_one_way_to_a_tool(env, fake_source, monkeypatch):
+    from clover_gguf import quantize
+
+    assert quantize.llama_tool is build.llama_tool
+    with pytest.raises(UserError, match="llama-server not found.*build-llama"):
+        build.llama_tool("llama-server")
+    monkeypatch.setattr(build, "configure_and_build", fake_cmake([]))
+    info = build.build_llama("cpu", quiet=True)
+    for tool in build.TOOL_TARGETS:
+        assert build.llama_tool(tool) == info.bin_dir / tool
+    own = env["tmp"] / "own"  # a library folder of the user's own: its tools are next to libllama
+    own.mkdir()
+    (own / "libllama.so").write_bytes(b"x")
+    (own / "llama-imatrix").write_text("#!/bin/sh\n")
+    (own / "llama-imatrix").chmod(0o755)
+    monkeypatch.setenv(build.ENV_LIB_PATH, str(own))
+    assert build.llama_tool("llama-imatrix") == own / "llama-imatrix"
+    with pytest.raises(UserError, match="llama-server not found"):
+        build.llama_tool("llama-server")
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_doctor_exits_2_when_not_ready(env, as_json):
+    cmd = [sys.executable, "-m", "clover_gguf", "doctor", *(["--json"] if as_json else [])]
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(build.__file__).resolve().parents[1])
+    assert p.returncode == 2, p.stderr
+    if as_json:
+        report = json.loads(p.stdout)
+        assert report["ok"] is False and report["missing"]
+    else:
+        assert p.stdout.splitlines()[-1] == "not ready"
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_doctor_exits_0_when_ready(monkeypatch, as_json):
+    from typer.testing import CliRunner
+
+    from clover_gguf.cli import app
+
+    ready = {"ok": True, "library_path": "/x/bin", "backend": "cpu", "missing": [], "warnings": []}
+    monkeypatch.setattr(build, "doctor", lambda backend=None: ready)
+    result = CliRunner().invoke(app, ["doctor", *(["--json"] if as_json else [])])
+    assert result.exit_code == 0 and (json.loads(result.output) == ready if as_json else "ok" in result.output)
+
+
+def test_binding_check_is_full_unless_both_were_there(monkeypatch):
+    """A cached build-llama must return in under a second: the import check in a fresh interpreter (0.4 s of CPU)
+    runs when the binding or the build is new, a plain load of libllama otherwise."""
+    checks: list = []
+    monkeypatch.setattr(build, "check_binding", lambda info, full=True: checks.append(full))
+    monkeypatch.setattr(build, "binding_version", lambda: llama_sdist.LLAMA_CPP_PYTHON_VERSION)
+    info = build.BuildInfo(Path("/x"), Path("/x/bin"), "cpu", "h", "p", "s")
+    build.install_binding(info, quiet=True)
+    build.install_binding(build.dataclasses.replace(info, cached=True), quiet=True)
+    assert checks == [True, False]

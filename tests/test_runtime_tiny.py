@@ -12,10 +12,13 @@ import torch
 
 from clover_gguf.chat import ChatSession
 from clover_gguf.convert import convert
-from clover_gguf.decoding import MODES, ReferenceBackend, generate_all
+from clover_gguf.decoding import MODES, generate_all
+from clover_gguf.reference import ReferenceBackend
 from clover_gguf.runtime import CloverRuntime
 from clover_gguf.testing.train_tiny import (ASSET_DIR, EVAL_ROWS, chat_prompt, load_eval, load_tiny,
                                             row_conversation, row_kind, strip_thinking)
+
+pytestmark = pytest.mark.slow  # minutes of decoding on the trained model: `make test` runs it
 
 STRIDE = 12  # every 12th eval row: 25 rows, all three kinds and all five tasks
 TARGET_ACCURACY = 0.95

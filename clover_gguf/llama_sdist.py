@@ -1,0 +1,154 @@
+"""The pinned source: the llama-cpp-python 0.3.36 sdist, which vendors llama.cpp at commit 0c1e57098.
+
+It is fetched as a plain file from the package index pip uses (a PEP 503 simple page), written to a temporary name
+and renamed only once its sha256 matches: nothing in it is run or unpacked before (`pip download` would run the
+sdist's build backend to prepare its metadata). Out of the verified file come the llama.cpp tree that build.py
+patches and builds, and the pure-Python binding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import html
+import http.client
+import os
+import re
+import subprocess
+import sys
+import tarfile
+import tempfile
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+from clover_gguf.errors import UserError
+
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+SDIST_NAME = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"
+SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
+SDIST_TOP = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}/"
+SDIST_VENDOR_PREFIX = SDIST_TOP + "vendor/llama.cpp/"
+LLAMA_CPP_COMMIT = "0c1e57098"
+DEFAULT_INDEX_URL = "https://pypi.org/simple/"
+ENV_SDIST = "CLOVER_GGUF_SDIST"
+
+
+def fetch_sdist(folder: Path, quiet: bool = False) -> Path:
+    """Path of the verified sdist: $CLOVER_GGUF_SDIST, else the copy in `folder`, else a download into `folder`."""
+    override = os.environ.get(ENV_SDIST)
+    if override:
+        path = Path(override).expanduser()
+        if not path.is_file():
+            raise UserError(f"{ENV_SDIST} does not name a file: {path}")
+        verify_sdist(path)
+        return path
+    target = Path(folder) / SDIST_NAME
+    if target.is_file():
+        verify_sdist(target, hint=f"delete {target} to download it again")
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    url = sdist_url(index_url())
+    fd, tmp = tempfile.mkstemp(prefix=".download-", dir=target.parent)
+    try:
+        from tqdm import tqdm
+
+        with os.fdopen(fd, "wb") as out, _open_url(url) as resp:
+            size = int(resp.headers.get("Content-Length") or 0) or None
+            with tqdm(total=size, unit="B", unit_scale=True, desc=SDIST_NAME, disable=quiet, file=sys.stderr) as bar:
+                for chunk in iter(lambda: resp.read(1 << 20), b""):
+                    out.write(chunk)
+                    bar.update(len(chunk))
+        verify_sdist(Path(tmp), hint=f"downloaded from {url}")
+        os.replace(tmp, target)
+    except (OSError, http.client.HTTPException) as e:
+        raise UserError(f"could not download {url}: {e} (or set {ENV_SDIST}=path/to/{SDIST_NAME})") from None
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+    return target
+
+
+def index_url() -> str:
+    """The package index pip would use: $PIP_INDEX_URL, else the index-url of pip's configuration, else PyPI."""
+    url = os.environ.get("PIP_INDEX_URL")
+    if not url:
+        config = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True)
+        found = re.search(r"^(?:download|global|install)\.index-url='([^']+)'", config.stdout, re.M)
+        url = found.group(1) if found else DEFAULT_INDEX_URL
+    return url.rstrip("/") + "/"
+
+
+def _open_url(url: str):
+    try:
+        return urllib.request.urlopen(urllib.request.Request(url, headers={"User-Agent": "clover-gguf"}), timeout=60)
+    except (OSError, ValueError) as e:
+        raise UserError(f"could not download {url}: {e} (or set {ENV_SDIST}=path/to/{SDIST_NAME})") from None
+
+
+def sdist_url(index: str) -> str:
+    """The sdist's address, read from the project's page on a PEP 503 simple index."""
+    page = index + "llama-cpp-python/"
+    with _open_url(page) as resp:
+        text = resp.read().decode("utf-8", errors="replace")
+    for href in re.findall(r"""href\s*=\s*["']([^"']+)["']""", text):
+        url = urllib.parse.urldefrag(urllib.parse.urljoin(page, html.unescape(href)))[0]
+        if urllib.parse.urlsplit(url).path.rsplit("/", 1)[-1] == SDIST_NAME:
+            return url
+    raise UserError(f"{page} does not list {SDIST_NAME} (or set {ENV_SDIST}=path/to/{SDIST_NAME})")
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def verify_sdist(path: Path, hint: str = "") -> None:
+    digest = sha256_file(path)
+    if digest != SDIST_SHA256:
+        extra = f"; {hint}" if hint else ""
+        raise UserError(f"sha256 mismatch for {path}: got {digest}, expected {SDIST_SHA256}{extra}")
+
+
+def extract_llama_source(sdist: Path, dest: Path) -> Path:
+    """Extract vendor/llama.cpp of the sdist into dest (created; must not exist). Returns dest. Its `.git` (a file
+    pointing at a submodule folder the sdist does not have) is left out: it makes git and cmake's build-info treat
+    the tree as a broken repository."""
+    dest = Path(dest)
+    dest.mkdir(parents=True)
+    with tarfile.open(sdist, "r:gz") as tar:
+        members = []
+        for m in tar.getmembers():
+            rel = m.name[len(SDIST_VENDOR_PREFIX) :] if m.name.startswith(SDIST_VENDOR_PREFIX) else ""
+            if rel and rel != ".git" and not rel.startswith(".git/"):
+                m.name = rel
+                members.append(m)
+        if not members:
+            raise UserError(f"{sdist} has no {SDIST_VENDOR_PREFIX} folder")
+        _safe_extract(tar, members, dest)
+    return dest
+
+
+def extract_binding_source(sdist: Path, dest: Path) -> Path:
+    """Extract the sdist without vendor/ (the binding is pure Python when LLAMA_BUILD=OFF). Returns its root."""
+    with tarfile.open(sdist, "r:gz") as tar:
+        members = [m for m in tar.getmembers() if m.name.startswith(SDIST_TOP)
+                   and not m.name.startswith(SDIST_TOP + "vendor/")]  # fmt: skip
+        _safe_extract(tar, members, Path(dest))
+    return Path(dest) / SDIST_TOP.rstrip("/")
+
+
+def _safe_extract(tar: tarfile.TarFile, members: list[tarfile.TarInfo], dest: Path) -> None:
+    if hasattr(tarfile, "data_filter"):
+        tar.extractall(dest, members=members, filter="data")
+        return
+    root = dest.resolve()
+    for m in members:  # pragma: no cover - only on old Pythons without extraction filters
+        target = (dest / m.name).resolve()
+        link = (target.parent / m.linkname).resolve() if m.issym() or m.islnk() else target
+        if root not in target.parents or (link != target and root not in link.parents):
+            raise UserError(f"refusing to extract {m.name!r}: it leaves the target folder")
+    tar.extractall(dest, members=members)
