@@ -63,7 +63,7 @@ def answer_of(text: str, think: bool) -> str:
 
 
 def run_rows(rt: CloverRuntime, rows, mode: str, end_rule: str = decoding.DEFAULT_END_RULE, controls: bool = False,
-             max_new: int = 96):
+             max_new: int = 96, threshold: float = 0.95):
     from clover_gguf.controls import make_processors
 
     out = []
@@ -76,7 +76,7 @@ def run_rows(rt: CloverRuntime, rows, mode: str, end_rule: str = decoding.DEFAUL
         rt.backend.keep_backup = mode == "draft-self"
         try:
             toks, stats = decoding.generate_all(rt.backend, ids, mode=mode, max_new_tokens=max_new,
-                                                end_rule=end_rule, logits_processors=procs)
+                                                threshold=threshold, end_rule=end_rule, logits_processors=procs)
         finally:
             del rt.backend.block_logits
         text = rt.detokenize(toks)
@@ -117,13 +117,14 @@ def main(argv=None) -> int:
     ap.add_argument("--controls", action="store_true", help="the card's controls on (off by default)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--show-misses", action="store_true")
+    ap.add_argument("--threshold", type=float, default=0.95, help="block-pass confidence threshold (the card's 0.95)")
     a = ap.parse_args(argv)
     rows = load_eval(a.model)
     if a.limit:
         rows = rows[::max(1, len(rows) // a.limit)]
     a.workdir.mkdir(parents=True, exist_ok=True)
     gguf = a.workdir / "tiny-f32.gguf"
-    convert(a.model, gguf, outtype="f32", quiet=True)
+    convert(a.model, gguf, outtype="f32", quiet=True, force=True)
     report: dict = {"rows": len(rows)}
     modes = a.modes.split(",")
     with CloverRuntime(gguf, n_ctx=1024, n_threads=a.threads) as rt:
@@ -139,7 +140,7 @@ def main(argv=None) -> int:
                 for mode in ("diffusion", "draft-self"):
                     if mode not in modes:
                         continue
-                    res = run_rows(rt, rows, mode, rule, controls=a.controls)
+                    res = run_rows(rt, rows, mode, rule, controls=a.controls, threshold=a.threshold)
                     s = summary(res)
                     if mode == "draft-self" and ar is not None:
                         s["rows_differing_from_ar"] = sum(x["tokens"] != y["tokens"] for x, y in zip(ar, res))

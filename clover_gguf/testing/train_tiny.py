@@ -400,7 +400,8 @@ class Data:
 
 
 def tensors_for(batch: list[Example], pos: int, block: int, special: dict[str, int], gen):
-    """-> ids [N, T], causal targets [N, T] (-100 = no loss), noisy block [N, B], block targets [N, B]."""
+    """-> ids [N, T], causal targets [N, T] (-100 = no loss), noisy blocks [2N, B], block targets [2N, B] (the
+    block with a random mask, then with the complementary mask)."""
     import torch
 
     pad, mask = special["<|endoftext|>"], special["<|mask|>"]
@@ -418,6 +419,10 @@ def tensors_for(batch: list[Example], pos: int, block: int, special: dict[str, i
     rate = torch.rand(len(batch), 1, generator=gen)
     masked = torch.rand(len(batch), block, generator=gen) < rate
     masked[torch.arange(len(batch)), torch.randint(0, block, (len(batch),), generator=gen)] = True
+    # complementary masks: a second copy of the block masks exactly the positions the first keeps, so every block
+    # position is a target once per step (twice the block-mode signal for one more 32-token pass)
+    masked = torch.cat([masked, ~masked])  # [2N, B]
+    clean = torch.cat([clean, clean])
     noisy = torch.where(masked, torch.full_like(clean, mask), clean)
     btgt = torch.where(masked, clean, torch.full_like(clean, -100))
     return ids, tgt, noisy, btgt
@@ -433,7 +438,9 @@ def step_loss(model, batch, pos, block, special, gen):
     logits_b, _ = model.run(ids[:, pos:n], state)
     logits = torch.cat([logits_a, logits_b], dim=1)
     causal = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt[:, :n].reshape(-1), ignore_index=-100)
-    blogits, _ = model.run(noisy, state, block=True)
+    n_seq = len(batch)
+    blogits = torch.cat([model.run(noisy[:n_seq], state, block=True)[0],
+                         model.run(noisy[n_seq:], state, block=True)[0]])  # both copies after the same prefix state
     diff = F.cross_entropy(blogits.reshape(-1, blogits.shape[-1]), btgt.reshape(-1), ignore_index=-100)
     return causal, diff
 
@@ -570,7 +577,7 @@ def evaluate_rows(model, tok, rows: list[dict], mode: str = "ar", accept: str = 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m clover_gguf.testing.train_tiny", description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
-    ap.add_argument("--steps", type=int, default=4400)
+    ap.add_argument("--steps", type=int, default=3200)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--lr", type=float, default=3e-3)
