@@ -10,7 +10,7 @@ from typing import Optional
 
 import typer
 
-from clover_gguf.decoding import ACCEPT_MODES, MODES
+from clover_gguf.decoding import ACCEPT_MODES, DEFAULT_END_RULE, END_RULES, MODES
 from clover_gguf.errors import UserError
 from clover_gguf.runtime import ROLLBACKS
 
@@ -259,6 +259,9 @@ Accept = _choices("Accept", ACCEPT_MODES)
 Rollback = _choices("Rollback", ROLLBACKS)
 
 
+EndRule = _choices("EndRule", END_RULES)
+
+
 @app.command()
 @offload_options
 def generate(
@@ -277,6 +280,9 @@ def generate(
     ctx: Optional[int] = typer.Option(None, "--ctx", min=16, help="context size (default: min(8192, the model's); "
                                       "llama.cpp rounds it up to a multiple of 256)"),
     rollback: Rollback = typer.Option(Rollback.redecode, "--rollback", help="draft-self rollback strategy"),
+    end_rule: EndRule = typer.Option(DEFAULT_END_RULE, "--end-rule",
+                                     help="end tokens in block passes: prefix (once every position before is "
+                                          "resolved) or plain (the card's rule); see docs/tiny-model.md"),
     presence_penalty: Optional[float] = typer.Option(None, "--presence-penalty", help="default: the GGUF's (0.9)"),
     frequency_penalty: Optional[float] = typer.Option(None, "--frequency-penalty", help="default: the GGUF's (0.0)"),
     repetition_penalty: Optional[float] = typer.Option(None, "--repetition-penalty", min=0.01,
@@ -301,7 +307,7 @@ def generate(
         controls = replace(rt.controls.off() if no_controls else rt.controls, **overrides)
         kw = dict(mode=mode.value, max_new_tokens=max_new_tokens, block_size=block_size, threshold=threshold,
                   accept=accept.value, temp=temp, top_p=top_p, top_k=top_k, seed=seed, think=think,
-                  controls=controls)
+                  controls=controls, end_rule=end_rule.value)
         if as_json:
             ans = rt.generate(prompt, **kw)
             typer.echo(json.dumps(ans.to_json()))

@@ -137,18 +137,59 @@ def _first_end(block: list[int], resolved: list[bool], eos: frozenset[int]) -> i
     return None
 
 
+# How a block pass may resolve end tokens (docs/tiny-model.md, "The end token in block decoding"):
+#   "plain"  the card's rule: an end token is filled like any other token;
+#   "prefix" an end token is filled only where every position before it is resolved (or filled in the same pass);
+#   "strict" an end token must be more confident than END_THRESHOLD (not just the block threshold) to be filled
+#            while positions before it are masked;
+#   "tail"   the card's rule, and once an end token is resolved, the masked positions after it are filled with end
+#            tokens in the same pass.
+END_RULES = ("prefix", "plain", "strict", "tail")
+DEFAULT_END_RULE = "prefix"
+END_THRESHOLD = 0.999
+
+
+def _end_rule_fill(end_rule: str, is_end: np.ndarray, conf: np.ndarray, threshold: float) -> list[int]:
+    """The masked positions (indices into the pass's masked list, in block order) a pass fills under `end_rule`."""
+    over = conf > threshold
+    if end_rule == "strict":
+        # an end token behind a masked position needs END_THRESHOLD; at the first masked position nothing is behind
+        over &= ~is_end | (conf > END_THRESHOLD) | (np.arange(len(conf)) == 0)
+    if end_rule == "prefix":
+        keep, all_before = [], True  # all_before: every masked position so far is filled in this pass
+        for m in range(len(conf)):
+            ok = bool(over[m]) and (all_before or not is_end[m])
+            keep.append(ok)
+            all_before &= ok
+        over = np.array(keep, dtype=bool)
+    fill = np.flatnonzero(over).tolist()
+    if fill:
+        return fill
+    # none over the threshold: the single most confident position, where the rule lets an end token be
+    allowed = np.ones(len(conf), dtype=bool)
+    if end_rule in ("prefix", "strict"):
+        allowed = ~is_end | (np.arange(len(conf)) == 0)
+        if end_rule == "strict":
+            allowed |= conf > END_THRESHOLD
+    return [int(np.argmax(np.where(allowed, conf, -1.0)))]
+
+
 def resolve_block(backend: Backend, block: list[int], resolved: list[bool], generated: Sequence[int],
                   threshold: float, sampler: Sampler, processors: Sequence[Processor],
-                  stats: GenerationStats) -> int:
+                  stats: GenerationStats, end_rule: str = DEFAULT_END_RULE) -> int:
     """Fill the masked positions of `block` in place by block-mode passes (the card's LowConfidence rule).
 
     Each pass fills every masked position whose confidence exceeds `threshold`, or, if none does, the single most
-    confident masked position (the lowest index on ties). Stops when every position is resolved, or when an end
-    token is resolved with every position before it resolved (what follows it is never used).
+    confident masked position (the lowest index on ties); end tokens as `end_rule` says (END_RULES). Stops when
+    every position is resolved, or when an end token is resolved with every position before it resolved (what
+    follows it is never used).
     -> the number of positions that matter: index of the first end token + 1, or len(block).
     """
+    if end_rule not in END_RULES:
+        raise ValueError(f"end_rule must be one of {END_RULES}, not {end_rule!r}")
+    eos = backend.eos_ids
     while True:
-        end = _first_end(block, resolved, backend.eos_ids)
+        end = _first_end(block, resolved, eos)
         if end is not None:
             return end + 1
         if all(resolved):
@@ -163,12 +204,17 @@ def resolve_block(backend: Backend, block: list[int], resolved: list[bool], gene
             else:
                 masked.append(i)
                 history.append(list(before))
-        tok, conf = _pick(process(processors, history, logits[masked]), sampler)  # [M], [M]
-        fill = [m for m, c in zip(range(len(masked)), conf) if c > threshold]
-        if not fill:
-            fill = [int(np.argmax(conf))]
-        for m in fill:
+        processed = process(processors, history, logits[masked])  # [M, V]
+        tok, conf = _pick(processed, sampler)  # [M], [M]
+        is_end = np.isin(tok, list(eos))  # [M]
+        for m in _end_rule_fill(end_rule, is_end, conf, threshold):
             block[masked[m]], resolved[masked[m]] = int(tok[m]), True
+        if end_rule == "tail":
+            first = next((i for i, (t, r) in enumerate(zip(block, resolved)) if r and t in eos), None)
+            ends = sorted(eos)
+            for m, i in enumerate(masked):
+                if first is not None and i > first and not resolved[i]:
+                    block[i], resolved[i] = ends[int(np.argmax(processed[m, ends]))], True
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -177,7 +223,7 @@ def resolve_block(backend: Backend, block: list[int], resolved: list[bool], gene
 def generate(backend: Backend, prompt_ids: Sequence[int], mode: str = "diffusion", max_new_tokens: int = 256,
              block_size: int | None = None, threshold: float = 0.95, accept: str = "exact",
              sampler: Sampler | None = None, logits_processors: Sequence[Processor] = (),
-             stats: GenerationStats | None = None) -> Iterator[Chunk]:
+             stats: GenerationStats | None = None, end_rule: str = DEFAULT_END_RULE) -> Iterator[Chunk]:
     """Decode an answer after `prompt_ids`, yielding Chunks as tokens resolve; the last one has finished=True.
 
     mode "ar": one causal pass per token. "diffusion": blocks of `block_size` positions start all-mask and are
@@ -187,11 +233,14 @@ def generate(backend: Backend, prompt_ids: Sequence[int], mode: str = "diffusion
     the causal probability a draft token needs to be kept). The backend is reset first.
     stats: the object to count into (a caller's subclass with more fields, e.g. runtime.RunStats); by default a
     new GenerationStats. The chunks carry it.
+    end_rule: how block passes resolve end tokens (END_RULES; "plain" is the card's rule).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
     if accept not in ACCEPT_MODES:
         raise ValueError(f"accept must be one of {ACCEPT_MODES}, not {accept!r}")
+    if end_rule not in END_RULES:
+        raise ValueError(f"end_rule must be one of {END_RULES}, not {end_rule!r}")
     if not len(prompt_ids):
         raise ValueError("the prompt is empty")
     sampler = sampler or greedy
@@ -203,10 +252,10 @@ def generate(backend: Backend, prompt_ids: Sequence[int], mode: str = "diffusion
         gen = _ar(backend, prompt_ids, max_new_tokens, sampler, logits_processors, stats)
     elif mode == "diffusion":
         gen = _diffusion(backend, prompt_ids, max_new_tokens, block_size, threshold, sampler, logits_processors,
-                         stats)
+                         stats, end_rule)
     else:
         gen = _draft_self(backend, prompt_ids, max_new_tokens, block_size, threshold, accept, sampler,
-                          logits_processors, stats)
+                          logits_processors, stats, end_rule)
     yield from gen
 
 
@@ -252,13 +301,14 @@ def _ar(backend, prompt_ids, max_new, sampler, processors, stats) -> Iterator[Ch
         stats.forward_passes += 1
 
 
-def _diffusion(backend, prompt_ids, max_new, block_size, threshold, sampler, processors, stats) -> Iterator[Chunk]:
+def _diffusion(backend, prompt_ids, max_new, block_size, threshold, sampler, processors, stats, end_rule
+               ) -> Iterator[Chunk]:
     backend.prefill(prompt_ids)  # commits the prompt; its logits are not used (blocks start all-mask)
     stats.forward_passes += 1
     out: list[int] = []
     while True:
         block, resolved = [backend.mask_token_id] * block_size, [False] * block_size
-        n = resolve_block(backend, block, resolved, out, threshold, sampler, processors, stats)
+        n = resolve_block(backend, block, resolved, out, threshold, sampler, processors, stats, end_rule)
         ended = block[n - 1] in backend.eos_ids
         body = block[:n - 1] if ended else block
         took, full = _emit(body, out, max_new, stats)
@@ -273,7 +323,7 @@ def _diffusion(backend, prompt_ids, max_new, block_size, threshold, sampler, pro
         stats.forward_passes += 1
 
 
-def _draft_self(backend, prompt_ids, max_new, block_size, threshold, accept, sampler, processors, stats
+def _draft_self(backend, prompt_ids, max_new, block_size, threshold, accept, sampler, processors, stats, end_rule
                 ) -> Iterator[Chunk]:
     eos, out = backend.eos_ids, []
     last = backend.prefill(prompt_ids)  # [V]: causal logits predicting the first answer token
@@ -283,7 +333,7 @@ def _draft_self(backend, prompt_ids, max_new, block_size, threshold, accept, sam
         # draft: the block's first position is the pending causal token, the rest start masked
         block = [pending] + [backend.mask_token_id] * (block_size - 1)  # [B]
         resolved = [True] + [False] * (block_size - 1)
-        d = resolve_block(backend, block, resolved, out, threshold, sampler, processors, stats)
+        d = resolve_block(backend, block, resolved, out, threshold, sampler, processors, stats, end_rule)
         draft = block[:d]  # [D]: draft[0] = pending, draft[1:] proposed; ends at the first end token if any
         # verify: one causal pass commits all D tokens; ver[i] predicts the token after draft[i]
         ver = backend.commit(draft)  # [D, V]

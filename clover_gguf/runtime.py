@@ -353,10 +353,12 @@ class CloverRuntime:
     def stream_ids(self, ids: Sequence[int], mode: str = "draft-self", max_new_tokens: int = 512,
                    block_size: int | None = None, threshold: float | None = None, accept: str = "exact",
                    temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-                   controls: Controls | None = None) -> Iterator[tuple[str, RunStats]]:
+                   controls: Controls | None = None, end_rule: str = decoding.DEFAULT_END_RULE
+                   ) -> Iterator[tuple[str, RunStats]]:
         """Yield (new raw text, running stats) as tokens are accepted after the prompt `ids`; the last item carries
         the final stats. The text is what the model wrote, <think> tags included: thinking.ThinkSplitter with
-        thinking_at_start(ids) splits it."""
+        thinking_at_start(ids) splits it. end_rule: how block passes resolve end tokens (decoding.END_RULES;
+        "plain" is the card's rule)."""
         if not len(ids):
             raise UserError("the prompt is empty")
         block_size = int(block_size or self.block_size)
@@ -373,7 +375,8 @@ class CloverRuntime:
         pending = b""
         for chunk in decoding.generate(self.backend, ids, mode=mode, max_new_tokens=max_new_tokens,
                                        block_size=block_size, threshold=self.threshold if threshold is None else threshold,
-                                       accept=accept, sampler=sampler, logits_processors=procs, stats=stats):
+                                       accept=accept, sampler=sampler, logits_processors=procs, stats=stats,
+                                       end_rule=end_rule):
             now = time.perf_counter()
             if chunk.tokens and stats.time_to_first_token_s is None:
                 stats.time_to_first_token_s = now - t0

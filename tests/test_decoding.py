@@ -284,3 +284,80 @@ def test_max_new_tokens_cuts_every_mode():
         toks, stats = generate_all(FakeBackend(m.causal, m.block), PROMPT, mode=mode, max_new_tokens=4)
         assert len(whole) > 4 and toks == whole[:4] and stats.finish_reason == "length", mode
         assert stats.generated_tokens == 4
+
+
+# ---- end tokens in block passes (decoding.END_RULES) ------------------------------------------------------------
+def _early_end_block(prefix, blk, k):
+    """Pass 0 is sure the answer is two tokens long (end tokens from position 2 on) but unsure of the two; a later
+    pass fills whatever the block leaves room for: 4 5 6 then the end when position 2 is free, 4 5 before an end
+    already sitting at 2 (the cut answer)."""
+    if k == 0:
+        return np.stack([dist(4, 0.5), dist(5, 0.5)] + [dist(EOS, 0.99)] * (B - 2))
+    if blk[2] == EOS:
+        return np.stack([dist(4, 0.99), dist(5, 0.99)] + [dist(EOS, 0.99)] * (B - 2))
+    return np.stack([dist(4, 0.99), dist(5, 0.99), dist(6, 0.99)] + [dist(EOS, 0.99)] * (B - 3))
+
+
+@pytest.mark.parametrize("rule, answer, first_pass_fills", [
+    ("plain", [4, 5], [MASK, MASK] + [EOS] * (B - 2)),  # the card's rule: the end tokens go in first, the answer is cut
+    ("tail", [4, 5], [MASK, MASK] + [EOS] * (B - 2)),
+    ("prefix", [4, 5, 6], [4] + [MASK] * (B - 1)),  # no end token behind a masked position: the fallback fills 0
+    ("strict", [4, 5, 6], [4] + [MASK] * (B - 1)),  # 0.99 < END_THRESHOLD
+])
+def test_end_rule_decides_whether_an_early_end_token_cuts_the_answer(rule, answer, first_pass_fills):
+    be = FakeBackend(lambda c: dist(0, 0.5), _early_end_block)
+    toks, stats = generate_all(be, PROMPT, mode="diffusion", max_new_tokens=100, end_rule=rule)
+    blocks = [c[1] for c in be.calls if c[0] == "block"]
+    assert blocks[1] == first_pass_fills
+    assert toks == answer and stats.finish_reason == "stop"
+
+
+def test_strict_end_rule_takes_an_end_token_above_end_threshold(monkeypatch):
+    import clover_gguf.decoding as decoding
+
+    monkeypatch.setattr(decoding, "END_THRESHOLD", 0.98)  # now the pass-0 end tokens (0.99) clear it
+    toks, _ = generate_all(FakeBackend(lambda c: dist(0, 0.5), _early_end_block), PROMPT, mode="diffusion",
+                           max_new_tokens=100, end_rule="strict")
+    assert toks == [4, 5]
+
+
+def test_prefix_rule_takes_an_end_token_whose_prefix_fills_in_the_same_pass():
+    passes = [[(4, 0.99), (5, 0.99), (EOS, 0.99), (EOS, 0.99), (7, 0.3), (7, 0.3)]]
+    be = FakeBackend(lambda c: dist(0, 0.5), scripted(passes))
+    toks, stats = generate_all(be, PROMPT, mode="diffusion", max_new_tokens=100, end_rule="prefix")
+    assert toks == [4, 5] and stats.block_passes == 1
+
+
+def test_prefix_rule_fallback_may_take_an_end_token_at_the_first_masked_position():
+    passes = [[(EOS, 0.6), (5, 0.3), (6, 0.3), (7, 0.3), (8, 0.3), (9, 0.3)]]  # the end is the likeliest there
+    toks, stats = generate_all(FakeBackend(lambda c: dist(0, 0.5), scripted(passes)), PROMPT, mode="diffusion",
+                               max_new_tokens=100, end_rule="prefix")
+    assert toks == [] and stats.finish_reason == "stop" and stats.block_passes == 1
+
+
+def test_tail_rule_fills_the_positions_after_a_resolved_end_token_at_once():
+    passes = [[(4, 0.5), (5, 0.5), (EOS, 0.99), (7, 0.3), (8, 0.3), (9, 0.3)],
+              [(4, 0.99), (5, 0.99), (EOS, 0.99), (7, 0.3), (8, 0.3), (9, 0.3)]]
+    blocks = {}
+    for rule in ("plain", "tail"):
+        be = FakeBackend(lambda c: dist(0, 0.5), scripted(passes))
+        toks, _ = generate_all(be, PROMPT, mode="diffusion", max_new_tokens=100, end_rule=rule)
+        assert toks == [4, 5]
+        blocks[rule] = [c[1] for c in be.calls if c[0] == "block"][1]
+    assert blocks["plain"] == [MASK, MASK, EOS, MASK, MASK, MASK]
+    assert blocks["tail"] == [MASK, MASK, EOS, EOS, EOS, EOS]
+
+
+def test_unknown_end_rule_is_refused():
+    with pytest.raises(ValueError, match="end_rule"):
+        generate_all(FakeBackend(lambda c: dist(0, 0.5)), PROMPT, mode="diffusion", end_rule="eager")
+
+
+@pytest.mark.parametrize("rule", ["plain", "prefix", "strict", "tail"])
+@pytest.mark.parametrize("seed", range(4))
+def test_draft_self_exact_equals_ar_under_every_end_rule(rule, seed):
+    m = _HashModel(seed)
+    ar, _ = generate_all(FakeBackend(m.causal, m.block), PROMPT, mode="ar", max_new_tokens=40)
+    ds, _ = generate_all(FakeBackend(m.causal, m.block), PROMPT, mode="draft-self", max_new_tokens=40,
+                         accept="exact", end_rule=rule)
+    assert ds == ar

@@ -1,5 +1,6 @@
 """The committed tiny Clover (clover_gguf/assets/tiny-clover) keeps the figures docs/tiny-model.md states, with
-the reference model and clover_gguf.decoding, on the whole held-out eval set (150 rows; about 30 s on one core).
+the reference model and clover_gguf.decoding, on every third row of the held-out eval set (100 of 300 rows, all
+three row kinds; tests/test_runtime_tiny.py runs all 300 through llama.cpp). The eval set is held out by rule.
 """
 
 from __future__ import annotations
@@ -11,18 +12,20 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("tokenizers")
 
-from clover_gguf.testing.train_tiny import (ASSET_DIR, TASKS, fast_path, load_tiny, parallel_delta_rule,  # noqa: E402
-                                            evaluate_rows)
+from clover_gguf.testing.train_tiny import (ASSET_DIR, EVAL_ROWS, TASKS, draw_conversation, evaluate_rows,  # noqa: E402
+                                            fast_path, is_held_out, load_tiny, make_eval_set, parallel_delta_rule,
+                                            row_conversation, row_kind)
 
 TARGET_ACCURACY = 0.95
 MIN_TOKENS_PER_PASS = 3.0
+STRIDE = 3  # every third eval row: 50 single, 25 multi-turn and 25 no-think rows
 
 
 @pytest.fixture(scope="module")
 def tiny():
     torch.set_num_threads(1)
     model, tok, rows = load_tiny(ASSET_DIR)
-    return model, tok, rows
+    return model, tok, rows[::STRIDE]
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +50,44 @@ def test_asset_is_a_complete_small_checkpoint():
     assert cfg["linear_num_key_heads"] < cfg["linear_num_value_heads"]
     assert cfg["linear_key_head_dim"] == cfg["linear_value_head_dim"]
     rows = [json.loads(line) for line in (ASSET_DIR / "eval.jsonl").read_text().splitlines()]
-    assert len(rows) == 30 * len(TASKS) and all(set(r) == {"prompt", "answer"} for r in rows)
+    assert rows == make_eval_set()  # the committed eval set is the one the rule makes
+    assert all(set(r) <= {"prompt", "answer", "history", "think"} for r in rows)
+    kinds = [row_kind(r) for r in rows]
+    assert {k: kinds.count(k) for k in EVAL_ROWS} == {k: n * len(TASKS) for k, n in EVAL_ROWS.items()}
+    assert {len(row_conversation(r).turns) for r in rows if row_kind(r) == "multi"} == {2, 3}
+    assert {len(row_conversation(r).turns) for r in rows if row_kind(r) == "no-think"} == {1, 2, 3}
+
+
+def test_eval_rows_are_held_out_and_training_never_sees_a_held_out_prompt():
+    import random
+
+    rows = make_eval_set()
+    prompts = [p for r in rows for p, _ in row_conversation(r).turns]  # history turns included
+    assert prompts and all(is_held_out(p) for p in prompts)
+    rng = random.Random(0)
+    train = [draw_conversation(rng) for _ in range(3000)]
+    assert not any(is_held_out(p) for c in train for p, _ in c.turns)
+    assert {len(c.turns) for c in train} == {1, 2, 3} and {c.think for c in train} == {True, False}
+    adds = [c.prompt for c in train if c.prompt.startswith("What is")]
+    assert any(len(p.split()[2]) == 1 for p in adds) and any(len(p.split()[2]) == 2 for p in adds)  # 0-99
+
+
+def test_history_loss_covers_each_earlier_answer_after_its_first_token(tiny):
+    import random
+
+    from clover_gguf.testing.train_tiny import Conversation, history_targets
+
+    tok = tiny[1]
+    header, end = tok.encode("<|im_start|>assistant\n").ids, tok.token_to_id("<|im_end|>")
+    rng = random.Random(3)
+    for think in (True, False):
+        c = Conversation(tuple(draw_conversation(rng, n_turns=1).turns[0] for _ in range(3)), think)
+        ids = tok.encode(c.prompt_text()).ids
+        got = [ids[j] for j in history_targets(ids, header, end)]
+        want = [t for _, a in c.turns[:-1] for t in tok.encode(a).ids[1:] + [end]]  # each answer on its own
+        assert got == want and len(want) > 4
+    single = tok.encode(Conversation((c.turns[-1],)).prompt_text()).ids
+    assert history_targets(single, header, end) == ()  # nothing before a first turn
 
 
 def test_clover_extras_are_trained_and_non_zero(tiny):
@@ -85,6 +125,18 @@ def test_training_fast_path_equals_the_reference_loop(tiny):
     assert reference.GatedDeltaNet.delta_rule is not parallel_delta_rule
 
 
+def test_fast_path_is_restored_when_the_body_raises():
+    from clover_gguf import reference
+
+    forward = reference.SparseMoe.forward
+    with pytest.raises(RuntimeError):
+        with fast_path():
+            assert reference.GatedDeltaNet.delta_rule is parallel_delta_rule
+            raise RuntimeError("interrupted")
+    assert reference.GatedDeltaNet.delta_rule is reference.gated_delta_rule
+    assert reference.SparseMoe.forward is forward
+
+
 @pytest.mark.slow
 def test_causal_greedy_accuracy(ar_result):
     assert ar_result["accuracy"] >= TARGET_ACCURACY, ar_result["accuracy"]
@@ -119,7 +171,7 @@ def test_draft_self_exact_equals_causal_greedy(tiny, ar_result):
 def test_training_is_seeded_and_resumable(tmp_path):
     from clover_gguf.testing.train_tiny import train
 
-    kw = dict(steps=3, seed=5, micro=3, save_every=100, log_every=100)
+    kw = dict(steps=3, seed=5, micro=3, save_every=100, log_every=100, pool=200)
     train(tmp_path / "a", **kw)
     train(tmp_path / "b", stop_after=2, **kw)
     train(tmp_path / "b", resume=True, **kw)

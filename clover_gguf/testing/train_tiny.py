@@ -4,10 +4,14 @@
     python -m clover_gguf.testing.train_tiny OUT --eval-only [--mode ar|diffusion|draft-self] [--limit N]
 
 Synthetic chat tasks with checkable answers (counting, addition, reversing/copying letters, key -> value
-recall), every answer behind the same short thinking span, tokenized with a small byte-level BPE trained here.
+recall) in conversations of 1-3 turns, rendered with the chat template as the runtime renders them: earlier
+answers appear without their thinking, and the answered (last) turn either thinks (a fixed short thinking span) or
+follows the empty thinking span that `enable_thinking=False` puts into the prompt. Tokenized with a small byte-level
+BPE trained here.
 
 Objective per step (two micro-batches):
-  * causal next-token loss on the assistant turn (thinking, answer, <|im_end|>);
+  * causal next-token loss on the answered assistant turn (thinking, answer, <|im_end|>), and on the earlier
+    answers in the history after their first token (history_targets);
   * block-diffusion loss, BD3-LM / SDAR style: a clean prefix (prompt + part of the answer) is run causally, then
     one block of `block_size` tokens follows in *block mode* (spec section 3: right convolution, intra-block
     softmax, bidirectional attention, coreset routing) with a random share t ~ U(0, 1) of its positions replaced
@@ -16,13 +20,15 @@ Objective per step (two micro-batches):
 
 The reference model takes one prefix length per batch, so each micro-batch holds sequences whose block starts at
 the same position: either all blocks start right at the answer (same prompt length), or at one shared position
-inside the answers. Data and masks come from generators seeded by (seed, step), so --resume continues exactly.
-OUT/train_state.pt holds model + optimizer every --save-every steps; the finished checkpoint is written to OUT.
+inside the answers. Conversations come from a pool drawn once from the seed (bucketed by prompt length), batches
+from generators seeded by (seed, step), so --resume continues exactly. OUT/train_state.pt holds model + optimizer
+every --save-every steps; the finished checkpoint is written to OUT.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import random
@@ -33,19 +39,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
-THINK = "<think>\nLet me work it out.\n</think>\n\n"  # the fixed thinking span before every answer
+THINK = "<think>\nLet me work it out.\n</think>\n\n"  # the fixed thinking span before every thinking answer
 WORDS = ["apple", "sky", "cat", "dog", "tree", "moon", "fish", "star", "rock", "lamp", "cup", "book", "rain",
          "leaf", "ship", "bird", "door", "milk", "sand", "king"]
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 TASKS = ("count", "add", "reverse", "copy", "recall")
-# training draws addition twice as often: carries are what the model learns last (the other four tasks were at
-# 29-30 of 30 while addition was at 26 of 30 in the first checkpoint)
+# training draws addition twice as often for the answered turn: carries are what the model learns last (the other
+# four tasks were at 29-30 of 30 while addition was at 26 of 30 in the first checkpoint)
 TASK_WEIGHTS = (1, 2, 1, 1, 1)
-HOLDOUT_MOD = 16  # prompts whose crc32 % HOLDOUT_MOD == 0 are held out (never trained on)
+ONE_DIGIT_SHARE = 0.25  # an addition operand is 0-9 this often, else 10-99 ("What is 7 + 8?" must work too)
+TURN_WEIGHTS = (2, 1, 1)  # conversations of 1, 2 and 3 turns
+NO_THINK_SHARE = 0.3  # answered with enable_thinking=False (the prompt holds the empty thinking span)
+HOLDOUT_MOD = 16  # prompts whose crc32 % HOLDOUT_MOD == 0 are held out (never trained on, in any turn)
+EVAL_ROWS = {"single": 30, "multi": 15, "no-think": 15}  # eval rows per task and row kind
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Tasks
+# Tasks and conversations
 # ---------------------------------------------------------------------------------------------------------------
 def make_task(rng: random.Random, task: str) -> tuple[str, str]:
     """-> (user prompt, answer text after the thinking span)."""
@@ -54,7 +64,7 @@ def make_task(rng: random.Random, task: str) -> tuple[str, str]:
         b = a + rng.randint(2, 7)
         return f"Count from {a} to {b}.", " ".join(str(i) for i in range(a, b + 1))
     if task == "add":
-        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        a, b = (rng.randint(0, 9) if rng.random() < ONE_DIGIT_SHARE else rng.randint(10, 99) for _ in range(2))
         return f"What is {a} + {b}?", f"{a} + {b} = {a + b}"
     if task in ("reverse", "copy"):
         s = [rng.choice(LETTERS) for _ in range(rng.randint(3, 6))]
@@ -73,9 +83,74 @@ def is_held_out(prompt: str) -> bool:
     return zlib.crc32(prompt.encode()) % HOLDOUT_MOD == 0
 
 
-def chat_prompt(user: str) -> str:
-    """The chat template (clover_gguf.testing.tokenizer.CHAT_TEMPLATE) with add_generation_prompt."""
-    return f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+def draw_task(rng: random.Random, task: str, held_out: bool) -> tuple[str, str]:
+    """make_task until the prompt is on the wanted side of the hold-out rule."""
+    while True:
+        p, a = make_task(rng, task)
+        if is_held_out(p) == held_out:
+            return p, a
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """Turns (user prompt, answer); the last one is the turn answered, the earlier ones are history."""
+
+    turns: tuple[tuple[str, str], ...]
+    think: bool = True
+
+    @property
+    def prompt(self) -> str:
+        return self.turns[-1][0]
+
+    @property
+    def answer(self) -> str:
+        return self.turns[-1][1]
+
+    @property
+    def history(self) -> list[dict[str, str]]:
+        """Earlier turns as chat messages; an earlier answer is its text alone (the template drops thinking)."""
+        return [{"role": r, "content": c} for p, a in self.turns[:-1] for r, c in (("user", p), ("assistant", a))]
+
+    @property
+    def messages(self) -> list[dict[str, str]]:
+        return self.history + [{"role": "user", "content": self.prompt}]
+
+    def prompt_text(self) -> str:
+        return chat_prompt(self.messages, self.think)
+
+    def target_text(self) -> str:
+        """What the model is trained to generate after the prompt: thinking (when on), answer, end token."""
+        return (THINK if self.think else "") + self.answer + "<|im_end|>"
+
+
+def draw_conversation(rng: random.Random, held_out: bool = False, last_task: str | None = None,
+                      n_turns: int | None = None, think: bool | None = None) -> Conversation:
+    """A conversation of 1-3 turns (TURN_WEIGHTS); every prompt on the given side of the hold-out rule."""
+    n_turns = n_turns or rng.choices((1, 2, 3), TURN_WEIGHTS)[0]
+    if think is None:
+        think = rng.random() >= NO_THINK_SHARE
+    last_task = last_task or rng.choices(TASKS, TASK_WEIGHTS)[0]
+    turns = [draw_task(rng, rng.choice(TASKS), held_out) for _ in range(n_turns - 1)]
+    return Conversation(tuple(turns + [draw_task(rng, last_task, held_out)]), think)
+
+
+_TEMPLATE = None
+
+
+def chat_prompt(messages: list[dict[str, str]] | str, think: bool = True) -> str:
+    """The chat template (clover_gguf.testing.tokenizer.CHAT_TEMPLATE) with add_generation_prompt, rendered as
+    CloverRuntime.render renders a GGUF's template (a test checks the two agree). A string is one user turn."""
+    global _TEMPLATE
+    if _TEMPLATE is None:
+        import jinja2.sandbox
+
+        from clover_gguf.testing.tokenizer import CHAT_TEMPLATE
+
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=False, lstrip_blocks=False)
+        _TEMPLATE = env.from_string(CHAT_TEMPLATE)
+    if isinstance(messages, str):
+        messages = [{"role": "user", "content": messages}]
+    return _TEMPLATE.render(messages=list(messages), add_generation_prompt=True, enable_thinking=think)
 
 
 def strip_thinking(text: str) -> str:
@@ -84,15 +159,40 @@ def strip_thinking(text: str) -> str:
     return split_thinking(text)[1]
 
 
-def make_eval_set(n_per_task: int = 30, seed: int = 12345) -> list[dict]:
-    rng, out, seen = random.Random(seed), [], set()
-    for task in TASKS:
-        n = 0
-        while n < n_per_task:
-            p, a = make_task(rng, task)
-            if is_held_out(p) and p not in seen:
-                seen.add(p)
-                out.append({"prompt": p, "answer": a})
+def row_kind(row: dict) -> str:
+    """An eval row's kind: "no-think" (answered with thinking off), "multi" (history before it) or "single"."""
+    if not row.get("think", True):
+        return "no-think"
+    return "multi" if row.get("history") else "single"
+
+
+def row_conversation(row: dict) -> Conversation:
+    hist = row.get("history", [])
+    turns = [(hist[i]["content"], hist[i + 1]["content"]) for i in range(0, len(hist), 2)]
+    return Conversation(tuple(turns + [(row["prompt"], row["answer"])]), row.get("think", True))
+
+
+def make_eval_set(per_task: dict[str, int] = EVAL_ROWS, seed: int = 12345) -> list[dict]:
+    """Held-out rows: every prompt in them, history included, is held out (so no training conversation has it).
+    Kinds in order: single (one thinking turn), multi (2-3 turns, thinking), no-think (1-3 turns, thinking off);
+    within a kind, tasks in TASKS order. A row: prompt, answer, and history / think when not single."""
+    rng, out = random.Random(seed), []
+    for kind, n_per_task in per_task.items():
+        seen = set()  # last prompts are distinct within a kind (counting has only ~36 held-out prompts)
+        for task in TASKS:
+            n = 0
+            while n < n_per_task:
+                turns = 1 if kind == "single" else rng.choice((2, 3)) if kind == "multi" else rng.choice((1, 2, 3))
+                c = draw_conversation(rng, held_out=True, last_task=task, n_turns=turns, think=kind != "no-think")
+                if c.prompt in seen:
+                    continue
+                seen.add(c.prompt)
+                row = {"prompt": c.prompt, "answer": c.answer}
+                if c.history:
+                    row["history"] = c.history
+                if not c.think:
+                    row["think"] = False
+                out.append(row)
                 n += 1
     return out
 
@@ -101,8 +201,8 @@ def bpe_corpus(n: int = 1500, seed: int = 7) -> str:
     rng = random.Random(seed)
     texts = []
     for i in range(n):
-        p, a = make_task(rng, TASKS[i % len(TASKS)])
-        texts.append(chat_prompt(p) + THINK + a + "<|im_end|>\n")
+        c = draw_conversation(rng, last_task=TASKS[i % len(TASKS)])
+        texts.append(c.prompt_text() + c.target_text() + "\n")
     return "".join(texts)
 
 
@@ -216,22 +316,20 @@ def _fast_moe_forward(self, x, coreset_top_p):
     return out + torch.sigmoid(self.shared_expert_gate(x)) * shared
 
 
-class fast_path:
-    """Context manager: the reference model's delta rule and MoE layers use the parallel forms above."""
+@contextlib.contextmanager
+def fast_path():
+    """While inside: the reference model's delta rule and MoE layers use the parallel forms above (restored on
+    exit, also when the body raises)."""
+    from clover_gguf import reference
 
-    def __enter__(self):
-        from clover_gguf import reference
-
-        self.saved = reference.GatedDeltaNet.delta_rule, reference.SparseMoe.forward
-        reference.GatedDeltaNet.delta_rule = staticmethod(parallel_delta_rule)
-        reference.SparseMoe.forward = _fast_moe_forward
-        return self
-
-    def __exit__(self, *exc):
-        from clover_gguf import reference
-
-        reference.GatedDeltaNet.delta_rule = staticmethod(self.saved[0])
-        reference.SparseMoe.forward = self.saved[1]
+    saved = reference.GatedDeltaNet.delta_rule, reference.SparseMoe.forward
+    reference.GatedDeltaNet.delta_rule = staticmethod(parallel_delta_rule)
+    reference.SparseMoe.forward = _fast_moe_forward
+    try:
+        yield
+    finally:
+        reference.GatedDeltaNet.delta_rule = staticmethod(saved[0])
+        reference.SparseMoe.forward = saved[1]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -239,51 +337,71 @@ class fast_path:
 # ---------------------------------------------------------------------------------------------------------------
 @dataclass
 class Example:
-    prompt: list[int]
-    answer: list[int]  # thinking + answer + <|im_end|>
+    prompt: list[int]  # the rendered conversation up to the answered turn's assistant header (and empty thinking)
+    answer: list[int]  # thinking (when on) + answer + <|im_end|>
+    history_targets: tuple[int, ...] = ()  # prompt positions with a causal loss: earlier answers (see history_targets)
+
+
+def history_targets(prompt: list[int], header: list[int], end: int) -> tuple[int, ...]:
+    """The positions of the earlier answers in a prompt that carry a causal loss: each answer's tokens after its
+    first, and its <|im_end|>. The first is left out: after the assistant header the answered turn starts with
+    <think> (thinking on) while a history answer starts at once, and the model is not to learn the latter."""
+    out, n = [], len(header)
+    for h in range(len(prompt) - n + 1):
+        if prompt[h:h + n] == header and end in prompt[h + n:]:
+            e = prompt.index(end, h + n)
+            out += range(h + n + 1, e + 1)
+    return tuple(out)
 
 
 class Data:
-    def __init__(self, tok, special: dict[str, int]):
-        self.tok, self.special = tok, special
-        self.cache: dict[str, Example] = {}
+    """A pool of `size` training conversations drawn once from `seed` (no held-out prompt in any turn), tokenized,
+    with their prompt and answer lengths as arrays so a micro-batch finds the sequences that fit its block
+    position without drawing conversations until one fits."""
 
-    def example(self, rng: random.Random) -> Example:
-        while True:
-            p, a = make_task(rng, rng.choices(TASKS, TASK_WEIGHTS)[0])
-            if not is_held_out(p):
-                break
-        if p not in self.cache:
-            self.cache[p] = Example(self.tok.encode(chat_prompt(p)).ids, self.tok.encode(THINK + a + "<|im_end|>").ids)
-        return self.cache[p]
+    def __init__(self, tok, size: int, seed: int):
+        import numpy as np
+
+        rng = random.Random(seed * 7_919 + 1)
+        convs = [draw_conversation(rng) for _ in range(size)]
+        prompts = tok.encode_batch([c.prompt_text() for c in convs])
+        answers = tok.encode_batch([c.target_text() for c in convs])
+        header, end = tok.encode("<|im_start|>assistant\n").ids, tok.token_to_id("<|im_end|>")
+        self.examples = [Example(p.ids, a.ids, history_targets(p.ids, header, end)) for p, a in zip(prompts, answers)]
+        self.lp = np.array([len(e.prompt) for e in self.examples])
+        self.la = np.array([len(e.answer) for e in self.examples])
+
+    def _pick(self, rng: random.Random, anchor: int, fits, n: int) -> list[Example]:
+        """The anchor and up to n - 1 other pool entries where `fits` (a boolean array) holds."""
+        import numpy as np
+
+        fits = fits.copy()
+        fits[anchor] = False
+        idx = np.flatnonzero(fits)
+        others = [int(idx[i]) for i in rng.sample(range(len(idx)), min(n - 1, len(idx)))]
+        return [self.examples[anchor]] + [self.examples[i] for i in others]
 
     def micro_batch(self, rng: random.Random, n: int, block: int, boundary_share: float = 0.0
                     ) -> tuple[list[Example], int]:
-        """n examples whose block starts at one shared position P -> (examples, P)."""
-        anchor = self.example(rng)
-        lp = len(anchor.prompt)
+        """Up to n examples whose block starts at one shared position P -> (examples, P)."""
+        i = rng.randrange(len(self.examples))
+        lp, la = int(self.lp[i]), int(self.la[i])
         r = rng.random()
-        if r < boundary_share and len(anchor.answer) > block:  # the second block of a long answer
+        if r < boundary_share and la > block:  # the second block of a long answer
             pos = lp + block
-            fits = lambda e: len(e.prompt) == lp and len(e.answer) > block  # noqa: E731
+            fits = (self.lp == lp) & (self.la > block)
         elif r < 0.5:  # block at the answer start: same prompt length
-            fits = lambda e: len(e.prompt) == lp  # noqa: E731
             pos = lp
+            fits = self.lp == lp
         else:  # block somewhere inside the answers
-            pos = lp + rng.randrange(len(anchor.answer))
-            fits = lambda e: len(e.prompt) <= pos < len(e.prompt) + len(e.answer)  # noqa: E731
-        out = [anchor]
-        for _ in range(4000):
-            if len(out) == n:
-                break
-            e = self.example(rng)
-            if fits(e):
-                out.append(e)
-        return out, pos
+            pos = lp + rng.randrange(la)
+            fits = (self.lp <= pos) & (pos < self.lp + self.la)
+        return self._pick(rng, i, fits, n), pos
 
 
 def tensors_for(batch: list[Example], pos: int, block: int, special: dict[str, int], gen):
-    """-> ids [N, T], causal targets [N, T] (-100 = no loss), noisy block [N, B], block targets [N, B]."""
+    """-> ids [N, T], causal targets [N, T] (-100 = no loss), noisy blocks [2N, B], block targets [2N, B] (the
+    block with a random mask, then with the complementary mask)."""
     import torch
 
     pad, mask = special["<|endoftext|>"], special["<|mask|>"]
@@ -295,10 +413,16 @@ def tensors_for(batch: list[Example], pos: int, block: int, special: dict[str, i
         ids[i, :len(s)] = torch.tensor(s)
         lp = len(e.prompt)
         tgt[i, lp - 1:len(s) - 1] = torch.tensor(e.answer)  # logits at j predict token j+1
+        for j in e.history_targets:
+            tgt[i, j - 1] = s[j]
     clean = ids[:, pos:pos + block]
     rate = torch.rand(len(batch), 1, generator=gen)
     masked = torch.rand(len(batch), block, generator=gen) < rate
     masked[torch.arange(len(batch)), torch.randint(0, block, (len(batch),), generator=gen)] = True
+    # complementary masks: a second copy of the block masks exactly the positions the first keeps, so every block
+    # position is a target once per step (twice the block-mode signal for one more 32-token pass)
+    masked = torch.cat([masked, ~masked])  # [2N, B]
+    clean = torch.cat([clean, clean])
     noisy = torch.where(masked, torch.full_like(clean, mask), clean)
     btgt = torch.where(masked, clean, torch.full_like(clean, -100))
     return ids, tgt, noisy, btgt
@@ -309,11 +433,14 @@ def step_loss(model, batch, pos, block, special, gen):
     import torch
 
     ids, tgt, noisy, btgt = tensors_for(batch, pos, block, special, gen)
+    n = max(len(e.prompt) + len(e.answer) for e in batch)  # past it only block padding: no causal loss, not run
     logits_a, state = model.run(ids[:, :pos])
-    logits_b, _ = model.run(ids[:, pos:], state)
+    logits_b, _ = model.run(ids[:, pos:n], state)
     logits = torch.cat([logits_a, logits_b], dim=1)
-    causal = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), ignore_index=-100)
-    blogits, _ = model.run(noisy, state, block=True)
+    causal = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt[:, :n].reshape(-1), ignore_index=-100)
+    n_seq = len(batch)
+    blogits = torch.cat([model.run(noisy[:n_seq], state, block=True)[0],
+                         model.run(noisy[n_seq:], state, block=True)[0]])  # both copies after the same prefix state
     diff = F.cross_entropy(blogits.reshape(-1, blogits.shape[-1]), btgt.reshape(-1), ignore_index=-100)
     return causal, diff
 
@@ -339,7 +466,7 @@ def prepare(out: Path, seed: int):
 
 def train(out: Path, steps: int, seed: int = 0, resume: bool = False, micro: int = 16, lr: float = 3e-3,
           save_every: int = 100, log_every: int = 20, stop_after: int | None = None,
-          boundary_share: float = 0.2) -> None:
+          boundary_share: float = 0.2, pool: int = 100_000) -> None:
     import torch
 
     tok, special, cfg = prepare(out, seed)
@@ -354,7 +481,7 @@ def train(out: Path, steps: int, seed: int = 0, resume: bool = False, micro: int
         opt.load_state_dict(st["opt"])
         start = st["step"]
         print(f"resumed at step {start}", file=sys.stderr)
-    data = Data(tok, special)
+    data = Data(tok, pool, seed)
     warm = 100
 
     def lr_at(s: int) -> float:
@@ -364,31 +491,29 @@ def train(out: Path, steps: int, seed: int = 0, resume: bool = False, micro: int
 
     t0 = time.time()
     acc = {"c": 0.0, "d": 0.0}
-    fast = fast_path()
-    fast.__enter__()  # parallel GDN / MoE forms while training (tests check them against the reference loop)
     end = steps if stop_after is None else min(steps, start + stop_after)
-    for s in range(start, end):
-        rng = random.Random(seed * 1_000_003 + s)
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + s)
-        for g in opt.param_groups:
-            g["lr"] = lr_at(s)
-        opt.zero_grad(set_to_none=True)
-        for _ in range(2):
-            batch, pos = data.micro_batch(rng, micro, cfg.block_size, boundary_share)
-            causal, diff = step_loss(model, batch, pos, cfg.block_size, special, gen)
-            ((causal + diff) / 2).backward()
-            acc["c"] += causal.item() / 2
-            acc["d"] += diff.item() / 2
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        if (s + 1) % log_every == 0:
-            print(f"step {s + 1} causal {acc['c'] / log_every:.4f} block {acc['d'] / log_every:.4f} "
-                  f"lr {lr_at(s):.2e} {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
-            acc = {"c": 0.0, "d": 0.0}
-        if (s + 1) % save_every == 0 or s + 1 == end:
-            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": s + 1}, state_path)
-            save_checkpoint(model, out)
-    fast.__exit__()
+    with fast_path():  # parallel GDN / MoE forms while training (tests check them against the reference loop)
+        for s in range(start, end):
+            rng = random.Random(seed * 1_000_003 + s)
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + s)
+            for g in opt.param_groups:
+                g["lr"] = lr_at(s)
+            opt.zero_grad(set_to_none=True)
+            for _ in range(2):
+                batch, pos = data.micro_batch(rng, micro, cfg.block_size, boundary_share)
+                causal, diff = step_loss(model, batch, pos, cfg.block_size, special, gen)
+                ((causal + diff) / 2).backward()
+                acc["c"] += causal.item() / 2
+                acc["d"] += diff.item() / 2
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            if (s + 1) % log_every == 0:
+                print(f"step {s + 1} causal {acc['c'] / log_every:.4f} block {acc['d'] / log_every:.4f} "
+                      f"lr {lr_at(s):.2e} {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
+                acc = {"c": 0.0, "d": 0.0}
+            if (s + 1) % save_every == 0 or s + 1 == end:
+                torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": s + 1}, state_path)
+                save_checkpoint(model, out)
     save_checkpoint(model, out)
     print(f"trained {end - start} steps in {time.time() - t0:.0f}s", file=sys.stderr)
 
@@ -426,13 +551,16 @@ def evaluate_rows(model, tok, rows: list[dict], mode: str = "ar", accept: str = 
 
     backend = ReferenceBackend(model)
     correct, gen_tokens, passes, drafted, accepted, outputs = 0, 0, 0, 0, 0, []
+    kinds: dict[str, list[int]] = {}  # kind -> [correct, rows]
     for row in rows:
-        ids = tok.encode(chat_prompt(row["prompt"])).ids
+        ids = tok.encode(row_conversation(row).prompt_text()).ids
         out, stats = generate_all(backend, ids, mode=mode, max_new_tokens=max_new_tokens, threshold=threshold,
                                   accept=accept)
         text = strip_thinking(tok.decode(out, skip_special_tokens=True))
         ok = row["answer"] in text
         correct += ok
+        k = kinds.setdefault(row_kind(row), [0, 0])
+        k[0], k[1] = k[0] + ok, k[1] + 1
         gen_tokens += stats.generated_tokens
         passes += stats.forward_passes
         drafted += stats.drafted_tokens
@@ -441,6 +569,7 @@ def evaluate_rows(model, tok, rows: list[dict], mode: str = "ar", accept: str = 
         if verbose and not ok:
             print(f"MISS {row['prompt']!r}: want {row['answer']!r} got {text!r}", file=sys.stderr)
     return {"mode": mode, "n": len(rows), "accuracy": correct / max(1, len(rows)),
+            "by_kind": {k: c / n for k, (c, n) in kinds.items()},
             "tokens_per_pass": gen_tokens / max(1, passes), "generated_tokens": gen_tokens, "forward_passes": passes,
             "acceptance_rate": accepted / drafted if drafted else None, "outputs": outputs}
 
@@ -448,7 +577,7 @@ def evaluate_rows(model, tok, rows: list[dict], mode: str = "ar", accept: str = 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m clover_gguf.testing.train_tiny", description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
-    ap.add_argument("--steps", type=int, default=3800)
+    ap.add_argument("--steps", type=int, default=3200)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--lr", type=float, default=3e-3)
@@ -458,6 +587,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--boundary-share", type=float, default=0.2,
                     help="share of micro-batches whose block starts 32 tokens into a long answer")
     ap.add_argument("--stop-after", type=int, default=None, help="stop after this many steps (resume later)")
+    ap.add_argument("--pool", type=int, default=100_000, help="training conversations drawn once from the seed")
     ap.add_argument("--eval-only", action="store_true")
     ap.add_argument("--mode", default="ar", choices=["ar", "diffusion", "draft-self"])
     ap.add_argument("--limit", type=int, default=None)
@@ -474,7 +604,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({**r, "seconds": round(time.time() - t0, 1)}))
         return 0
     train(a.out, a.steps, seed=a.seed, resume=a.resume, micro=a.micro, lr=a.lr, save_every=a.save_every,
-          stop_after=a.stop_after, boundary_share=a.boundary_share)
+          stop_after=a.stop_after, boundary_share=a.boundary_share, pool=a.pool)
     return 0
 
 

@@ -1,0 +1,162 @@
+"""The bundled tiny Clover's held-out eval through the patched llama.cpp, and the end-token study of block decoding.
+
+    python bench/tiny_eval.py [--model clover_gguf/assets/tiny-clover] [--workdir out/tiny-eval] [--limit N]
+                              [--rules prefix,plain,strict,strict@0.99,tail] [--controls] [--json]
+
+Converts the checkpoint to an F32 GGUF, then decodes every eval row (greedy; the card's controls off unless
+--controls) with the runtime's chat template and tokenizer:
+1. ar, and draft-self (exact acceptance, the default end rule) compared token for token with ar;
+2. diffusion under each end rule of clover_gguf.decoding.END_RULES ("strict@X" sets END_THRESHOLD to X), and
+   draft-self's tokens per pass under each.
+Per rule it counts the blocks and rows in which a block pass was handed an end token with a masked position before
+it (an end token resolved early), the wrong rows among those, and the "cut" rows: wrong, with an early end, and the
+answer text a strict prefix of the right answer (the answer ended too soon; for a thinking row, no answer at all
+after a cut thinking span counts too). Accuracy is per row kind (single, multi, no-think; train_tiny.row_kind).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from clover_gguf import decoding  # noqa: E402
+from clover_gguf.convert import convert  # noqa: E402
+from clover_gguf.runtime import CloverRuntime  # noqa: E402
+from clover_gguf.testing.train_tiny import ASSET_DIR, load_eval, row_conversation, row_kind  # noqa: E402
+
+
+class EarlyEndProbe:
+    """Wraps a backend's block_logits: counts block passes handed an end token with a masked position before it."""
+
+    def __init__(self, backend):
+        self.backend, self.inner = backend, backend.block_logits
+        self.blocks_seen: set[int] = set()
+        self.events = 0
+        self.block_id = 0
+        self._last: list[int] | None = None
+
+    def __call__(self, block):
+        b = list(block)
+        mask, eos = self.backend.mask_token_id, self.backend.eos_ids
+        first_mask = next((i for i, t in enumerate(b) if t == mask), None)
+        if self._last is None or sum(t == mask for t in b) >= sum(t == mask for t in self._last):
+            self.block_id += 1  # a new block (no fewer masks than the last pass)
+        self._last = b
+        if first_mask is not None and any(t in eos for t in b[first_mask + 1:]):
+            self.events += 1
+            self.blocks_seen.add(self.block_id)
+        return self.inner(block)
+
+
+def answer_of(text: str, think: bool) -> str:
+    """The answer part of a decoded text; a thinking row whose thinking never closed has none."""
+    if "</think>" in text:
+        return text.split("</think>", 1)[1].strip()
+    return "" if think else text.strip()
+
+
+def run_rows(rt: CloverRuntime, rows, mode: str, end_rule: str = decoding.DEFAULT_END_RULE, controls: bool = False,
+             max_new: int = 96, threshold: float = 0.95):
+    from clover_gguf.controls import make_processors
+
+    out = []
+    for row in rows:
+        conv = row_conversation(row)
+        ids = rt.ctx.tokenize(rt.render(conv.messages, think=conv.think), special=True)
+        procs = make_processors(rt.controls, rt.eos_ids, rt.think_id, rt.think_end_id, False) if controls else ()
+        probe = EarlyEndProbe(rt.backend)
+        rt.backend.block_logits = probe
+        rt.backend.keep_backup = mode == "draft-self"
+        try:
+            toks, stats = decoding.generate_all(rt.backend, ids, mode=mode, max_new_tokens=max_new,
+                                                threshold=threshold, end_rule=end_rule, logits_processors=procs)
+        finally:
+            del rt.backend.block_logits
+        text = rt.detokenize(toks)
+        ans = answer_of(text, conv.think)
+        ok = row["answer"] in ans
+        early = probe.events > 0
+        cut = early and not ok and row["answer"].startswith(ans) and ans != row["answer"]
+        out.append(dict(kind=row_kind(row), ok=ok, tokens=toks, generated=stats.generated_tokens,
+                        passes=stats.forward_passes, early_blocks=len(probe.blocks_seen), early=early, cut=cut,
+                        drafted=stats.drafted_tokens, accepted=stats.accepted_tokens, text=text))
+    return out
+
+
+def summary(res) -> dict:
+    kinds = defaultdict(lambda: [0, 0])
+    for r in res:
+        kinds[r["kind"]][0] += r["ok"]
+        kinds[r["kind"]][1] += 1
+    gen, passes = sum(r["generated"] for r in res), sum(r["passes"] for r in res)
+    drafted = sum(r["drafted"] for r in res)
+    return {"accuracy": round(sum(r["ok"] for r in res) / len(res), 4), "n": len(res),
+            "by_kind": {k: f"{c}/{n} = {100 * c / n:.1f}%" for k, (c, n) in sorted(kinds.items())},
+            "tokens_per_pass": round(gen / passes, 3), "generated": gen, "passes": passes,
+            "acceptance": round(sum(r["accepted"] for r in res) / drafted, 4) if drafted else None,
+            "rows_with_early_end": sum(r["early"] for r in res), "blocks_with_early_end": sum(r["early_blocks"]
+                                                                                            for r in res),
+            "early_end_rows_wrong": sum(r["early"] and not r["ok"] for r in res),
+            "cut_rows": sum(r["cut"] for r in res)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=ASSET_DIR)
+    ap.add_argument("--workdir", type=Path, default=ROOT / "out" / "tiny-eval")
+    ap.add_argument("--limit", type=int, default=None, help="every k-th row so that about N rows are decoded")
+    ap.add_argument("--rules", default="prefix,plain,strict,strict@0.99,tail")
+    ap.add_argument("--modes", default="ar,draft-self,diffusion")
+    ap.add_argument("--controls", action="store_true", help="the card's controls on (off by default)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--show-misses", action="store_true")
+    ap.add_argument("--threshold", type=float, default=0.95, help="block-pass confidence threshold (the card's 0.95)")
+    a = ap.parse_args(argv)
+    rows = load_eval(a.model)
+    if a.limit:
+        rows = rows[::max(1, len(rows) // a.limit)]
+    a.workdir.mkdir(parents=True, exist_ok=True)
+    gguf = a.workdir / "tiny-f32.gguf"
+    convert(a.model, gguf, outtype="f32", quiet=True, force=True)
+    report: dict = {"rows": len(rows)}
+    modes = a.modes.split(",")
+    with CloverRuntime(gguf, n_ctx=1024, n_threads=a.threads) as rt:
+        t0 = time.time()
+        ar = run_rows(rt, rows, "ar", controls=a.controls) if "ar" in modes else None
+        if ar is not None:
+            report["ar"] = summary(ar)
+        for spec in a.rules.split(","):
+            rule, _, thr = spec.partition("@")
+            saved = decoding.END_THRESHOLD
+            decoding.END_THRESHOLD = float(thr) if thr else saved
+            try:
+                for mode in ("diffusion", "draft-self"):
+                    if mode not in modes:
+                        continue
+                    res = run_rows(rt, rows, mode, rule, controls=a.controls, threshold=a.threshold)
+                    s = summary(res)
+                    if mode == "draft-self" and ar is not None:
+                        s["rows_differing_from_ar"] = sum(x["tokens"] != y["tokens"] for x, y in zip(ar, res))
+                    report[f"{mode} [{spec}]"] = s
+                    print(f"{mode} [{spec}]: {json.dumps(s)}", file=sys.stderr, flush=True)
+                    if a.show_misses:
+                        for row, r in zip(rows, res):
+                            if not r["ok"]:
+                                print(f"  MISS {row_kind(row)} {row['prompt']!r} want {row['answer']!r} got "
+                                      f"{r['text']!r}{' (early end)' if r['early'] else ''}", file=sys.stderr)
+            finally:
+                decoding.END_THRESHOLD = saved
+        report["seconds"] = round(time.time() - t0, 1)
+    print(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
