@@ -85,7 +85,7 @@ def bench_block_cost(workdir: Path) -> None:
     import torch
 
     from clover_gguf.llama_context import LlamaContext
-    from clover_gguf.reference import CloverModel
+    from clover_gguf.reference import CloverModel, recorded_routes
     from clover_gguf.testing.make_tiny import make_tiny
 
     ckpt = workdir / "small"
@@ -117,21 +117,10 @@ def bench_block_cost(workdir: Path) -> None:
     model = CloverModel.from_pretrained(ckpt)
     with torch.no_grad():
         _, st = model.prefill(prefix)
-        h = model.embed_tokens[torch.tensor([block])]
-        for name, top_p in (("on", model.cfg.moe_block_coreset_top_p), ("off", None)):
-            touched = []
-            x = h
-            for layer, ls in zip(model.layers, st.layers):
-                from clover_gguf.reference import zero_centred_rms_norm
-
-                y = zero_centred_rms_norm(x, layer.input_layernorm, model.cfg.rms_norm_eps)
-                mixed, _ = (layer.self_attn(y, ls, st.n_past, True) if layer.full_attention
-                            else layer.linear_attn(y, ls, True))
-                x = x + mixed
-                z = zero_centred_rms_norm(x, layer.post_attention_layernorm, model.cfg.rms_norm_eps)
-                idx, _ = layer.mlp.route(z, top_p)
-                touched.append(int(idx.unique().numel()))
-                x = x + layer.mlp(z, top_p)
+        for name, coreset in (("on", True), ("off", False)):
+            with recorded_routes(model) as calls:
+                model.block_logits(None, block, coreset=coreset, state=st)
+            touched = [int(idx.unique().numel()) for _, idx in calls]
             print(f"  coreset {name:<3}: distinct experts per layer per block pass {touched} "
                   f"(mean {np.mean(touched):.1f} of {model.cfg.num_experts})")
 

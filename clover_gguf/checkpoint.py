@@ -142,18 +142,20 @@ class Checkpoint:
                 self._maps[shard] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         return self._maps[shard]
 
-    def raw(self, name: str) -> np.ndarray:
-        """The stored elements without conversion (BF16 as uint16), a zero-copy view of the mmap."""
+    def raw(self, name: str, rows: slice | None = None) -> np.ndarray:
+        """The stored elements without conversion (BF16 as uint16), a zero-copy view of the mmap; `rows`: only
+        those indices of the first axis."""
         ref = self.tensors[name]
         if ref.dtype not in SAFETENSORS_DTYPES:
             raise UserError(f"tensor {ref.source_name} has unsupported dtype {ref.dtype} (supported: F32, F16, BF16)")
         buf = memoryview(self._map(ref.shard))[ref.begin:ref.end]
-        return np.frombuffer(buf, dtype=SAFETENSORS_DTYPES[ref.dtype]).reshape(ref.shape)
+        a = np.frombuffer(buf, dtype=SAFETENSORS_DTYPES[ref.dtype]).reshape(ref.shape)
+        return a if rows is None else a[rows]
 
-    def f32(self, name: str) -> np.ndarray:
-        """The tensor as float32 (a new array)."""
+    def f32(self, name: str, rows: slice | None = None) -> np.ndarray:
+        """The tensor (or those rows of its first axis) as float32, a new array."""
         ref = self.tensors[name]
-        a = self.raw(name)
+        a = self.raw(name, rows)
         if ref.dtype == "BF16":
             return (a.astype(np.uint32) << 16).view(np.float32)
         return a.astype(np.float32)

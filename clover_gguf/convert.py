@@ -6,7 +6,7 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 from gguf import GGMLQuantizationType as QT
@@ -26,6 +26,10 @@ OUTTYPES = {"f32": QT.F32, "f16": QT.F16, "bf16": QT.BF16, "q8_0": QT.Q8_0}
 # type is copied bit for bit
 SOURCE_TYPES = {"F32": QT.F32, "F16": QT.F16, "BF16": QT.BF16}
 BYTES_PER_ELEMENT = {QT.F32: 4.0, QT.F16: 2.0, QT.BF16: 2.0, QT.Q8_0: 34 / 32}
+# Large tensors (the 248k-row embedding and output, a layer's expert stack) are read, converted and written in
+# pieces of about this many source bytes, and the mapped source pages are dropped as the pieces go: a whole one in
+# memory plus its mapped pages would take the converter past 1 GiB (measured on the 35B's shapes: 1.16 GiB).
+PIECE_BYTES = 64 << 20
 
 
 @dataclass
@@ -33,8 +37,10 @@ class PlannedTensor:
     name: str
     shape: tuple[int, ...]  # numpy order
     qtype: QT
-    produce: Callable[[], np.ndarray]  # -> f32 array (transformed) or raw array when `raw` is set
-    raw: bool  # produce() returns stored bits already in the output type
+    # the tensor in pieces along its first axis (one piece for most): f32 and transformed, or when `raw` the
+    # stored bits, already in the output type
+    pieces: Callable[[], Iterator[np.ndarray]]
+    raw: bool
 
     @property
     def nbytes(self) -> int:
@@ -105,11 +111,13 @@ def plan_conversion(ck: Checkpoint, cfg: CloverConfig, outtype: str = "bf16", sk
         out_type = _output_type(rule.f32, out_shape, qt)
         gguf_name = rule.gguf.format(i=bid, L=n_layers)
         raw = rule.transform in REORDER_ONLY and SOURCE_TYPES[ref.dtype] == out_type
-        if raw:
-            produce = lambda: fn(ck.raw(src_name), cfg)  # noqa: E731 - bits moved, never converted
+        read = ck.raw if raw else ck.f32  # raw: bits moved, never converted
+        if rule.transform == "copy" and ref.nbytes > PIECE_BYTES:  # row by row is the same tensor
+            step = max(1, PIECE_BYTES // (ref.nbytes // want[0]))
+            pieces = lambda: (read(src_name, slice(r, r + step)) for r in range(0, want[0], step))  # noqa: E731
         else:
-            produce = lambda: fn(ck.f32(src_name), cfg)  # noqa: E731
-        by_gguf[gguf_name] = PlannedTensor(gguf_name, tuple(out_shape), out_type, produce, raw)
+            pieces = lambda: iter([fn(read(src_name), cfg)])  # noqa: E731
+        by_gguf[gguf_name] = PlannedTensor(gguf_name, tuple(out_shape), out_type, pieces, raw)
 
     for name in ck.names():
         if m := MTP_LAYER_RE.match(name):  # the MTP decoder layer is an ordinary layer at index L + j
@@ -159,10 +167,11 @@ def _plan_experts(ck: Checkpoint, cfg: CloverConfig, layer: int, kind: str, srcs
             out_type = _output_type(False, shape, qt)
             raw = SOURCE_TYPES.get(ref.dtype) == out_type
             read = ck.raw if raw else ck.f32
-            # [E, 2I, H]: gate rows first, then up rows
-            produce = (lambda n=name, r=rows, rd=read: rd(n) if r is None else rd(n)[:, r])
+            # [E, 2I, H]: gate rows first, then up rows; one expert per piece
+            pieces = (lambda n=name, r=rows, rd=read: (rd(n, slice(e, e + 1)) if r is None else
+                                                       rd(n, slice(e, e + 1))[:, r] for e in range(n_exp)))
             gguf_name = EXPERT_KINDS[part].format(i=layer)
-            by_gguf[gguf_name] = PlannedTensor(gguf_name, shape, out_type, produce, raw)
+            by_gguf[gguf_name] = PlannedTensor(gguf_name, shape, out_type, pieces, raw)
         return
     # per expert: [I, H] (gate, up) or [H, I] (down) each, stacked to [E, ...]
     if sorted(srcs) != list(range(n_exp)):
@@ -180,7 +189,8 @@ def _plan_experts(ck: Checkpoint, cfg: CloverConfig, layer: int, kind: str, srcs
     read = ck.raw if raw else ck.f32
     names = [srcs[e] for e in range(n_exp)]
     gguf_name = EXPERT_KINDS[kind].format(i=layer)
-    by_gguf[gguf_name] = PlannedTensor(gguf_name, shape, out_type, lambda ns=names, rd=read: np.stack([rd(n) for n in ns]),
+    # one expert per piece: the stack ([E, ...], 512 MiB a tensor in BF16 on the 35B) is never whole in memory
+    by_gguf[gguf_name] = PlannedTensor(gguf_name, shape, out_type, lambda ns=names, rd=read: (rd(n)[None] for n in ns),
                                        raw)
 
 
@@ -348,12 +358,30 @@ def _write(path: Path, plan: ConversionPlan, vocab: Vocab, gen: GenerationDefaul
         with tqdm(total=plan.nbytes, unit="B", unit_scale=True, unit_divisor=1024, desc="convert", disable=quiet,
                   dynamic_ncols=True) as bar:
             for t in plan.tensors:
-                data = t.produce()
-                if not t.raw:
-                    data = _encode(data, t.qtype)
-                w.write_tensor_data(np.ascontiguousarray(data))
-                bar.update(t.nbytes)
-                del data
-                after_tensor()
+                w.write_tensor_data(_TensorPieces(t, bar.update, after_tensor))
     finally:
         w.close()
+
+
+class _TensorPieces:
+    """What GGUFWriter.write_tensor_data uses of an array (nbytes, tofile), over a planned tensor's pieces: each is
+    encoded and written on its own, and the mapped source pages are dropped every PIECE_BYTES."""
+
+    def __init__(self, t: PlannedTensor, progress: Callable[[int], None], drop_pages: Callable[[], None]):
+        self.t, self.nbytes, self.progress, self.drop_pages = t, t.nbytes, progress, drop_pages
+
+    def tofile(self, f) -> None:
+        written = since_drop = 0
+        for piece in self.t.pieces():
+            data = np.ascontiguousarray(piece if self.t.raw else _encode(piece, self.t.qtype))
+            data.tofile(f)
+            written += data.nbytes
+            since_drop += data.nbytes
+            self.progress(data.nbytes)
+            del data, piece
+            if since_drop >= PIECE_BYTES:
+                self.drop_pages()
+                since_drop = 0
+        self.drop_pages()
+        if written != self.nbytes:
+            raise RuntimeError(f"{self.t.name}: wrote {written} bytes, the plan says {self.nbytes}")

@@ -85,7 +85,9 @@ class LlamaContext:
     def __init__(self, gguf: str | Path, n_ctx: int = 4096, n_ubatch: int = 512, n_batch: int | None = None,
                  n_seq_max: int = 2,
                  overrides: dict[str, bool | int | float] | None = None, n_rs_seq: int = 0, exact: bool = False,
-                 n_threads: int | None = None, n_gpu_layers: int = 0, n_threads_batch: int | None = None):
+                 n_threads: int | None = None, n_gpu_layers: int = 0, n_threads_batch: int | None = None,
+                 eval_callback: Any = None):
+        """eval_callback: llama.cpp's graph eval callback (a GraphProbe's .callback, clover_gguf.graph_probe)."""
         L = self.L = load_binding()
         path = Path(gguf)
         if not path.is_file():
@@ -110,6 +112,9 @@ class LlamaContext:
         # llama.cpp's split: n_threads for one-token calls, n_threads_batch for calls of several tokens
         threads = n_threads or max(1, min(8, os.cpu_count() or 1))
         cp.n_threads, cp.n_threads_batch = threads, n_threads_batch or threads
+        if eval_callback is not None:
+            self._eval_callback = eval_callback  # kept alive for as long as the context may call it
+            cp.cb_eval = eval_callback
         if exact:
             cp.flash_attn_type = 0
             cp.type_k = cp.type_v = GGML_TYPE_F32

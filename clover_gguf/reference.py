@@ -7,11 +7,12 @@ or float64, autograd works. Tensors carry a batch dimension `N` internally; the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -418,6 +419,23 @@ class CloverModel(nn.Module):
                     out[p + f"{e}.up_proj.weight"] = u[e]
                     out[p + f"{e}.down_proj.weight"] = d[e]
         return {k: v.contiguous() for k, v in out.items()}
+
+
+@contextlib.contextmanager
+def recorded_routes(model: CloverModel) -> Iterator[list[tuple[int, torch.Tensor]]]:
+    """[(layer, expert ids [N, T, k])] of every MoE call of the forward passes run inside the block, in call order:
+    the routing each layer decided (the block's coreset applied), read back without changing the model."""
+    calls: list[tuple[int, torch.Tensor]] = []
+
+    def hook(layer: int):
+        return lambda mlp, args, out: calls.append((layer, mlp.route(*args)[0]))
+
+    handles = [layer.mlp.register_forward_hook(hook(i)) for i, layer in enumerate(model.layers)]
+    try:
+        yield calls
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def _copy_checked(param: torch.Tensor, value: torch.Tensor, name: str) -> None:

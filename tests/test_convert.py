@@ -372,3 +372,25 @@ def test_info_json(tiny, tmp_path):
     assert info["file_size_bytes"] == out.stat().st_size
     p = _run_cli("info", tiny / "config.json")
     assert p.returncode == 2 and "not a readable GGUF" in p.stderr
+
+
+@pytest.mark.parametrize("opts,outtype", [
+    (dict(seed=9, dtype="bf16"), "f32"),  # converted piece by piece (bf16 -> f32)
+    (dict(seed=9, dtype="bf16", experts="fused", shard_size=300_000), "bf16"),  # bits copied piece by piece
+    (dict(seed=10), "q8_0"),  # quantized piece by piece
+], ids=["bf16-to-f32", "bf16-fused-raw", "f32-to-q8_0"])
+def test_large_tensors_written_in_pieces_are_the_same_file(make_checkpoint, tmp_path, monkeypatch, opts, outtype):
+    """Tensors above PIECE_BYTES (the 35B's embedding, output and expert stacks) are streamed in pieces: with a tiny
+    piece size every embedding and expert stack goes that way, and the file must not change by a byte."""
+    import clover_gguf.convert as conv
+    from clover_gguf.checkpoint import Checkpoint
+
+    src = make_checkpoint(**opts)
+    whole = convert(src, tmp_path / "whole.gguf", outtype=outtype, quiet=True).out.read_bytes()
+    monkeypatch.setattr(conv, "PIECE_BYTES", 2048)
+    with Checkpoint(src) as ck:
+        plan = conv.plan_conversion(ck, CloverConfig.from_file(src), outtype)
+        n_pieces = {t.name: sum(1 for _ in t.pieces()) for t in plan.tensors}
+    cfg = CloverConfig.from_file(src)
+    assert n_pieces["token_embd.weight"] > 1 and n_pieces["blk.0.ffn_up_exps.weight"] == cfg.num_experts
+    assert convert(src, tmp_path / "pieces.gguf", outtype=outtype, quiet=True).out.read_bytes() == whole

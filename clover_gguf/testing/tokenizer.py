@@ -106,9 +106,39 @@ def train_bpe(corpus: str, n_merges: int) -> tuple[dict[str, int], list[tuple[st
     return vocab, merges
 
 
-def write_tokenizer(out: Path, corpus: str = DEFAULT_CORPUS, n_merges: int = 200) -> dict[str, int]:
-    """Write tokenizer.json, tokenizer_config.json and chat_template.jinja; return the special token ids."""
+def grow_bpe(vocab: dict[str, int], merges: list[tuple[str, str]], n_vocab: int) -> None:
+    """Add merges (in place) until the BPE vocabulary has n_vocab entries: a real-sized vocabulary for load-time and
+    memory figures. Each new token is an existing word-like token (a lowercase run, with or without the leading
+    space byte) plus one lowercase letter, breadth first ("Ġa".."Ġz", "aa".."zz", "Ġaa", ...), so every merge's
+    parts and result are in the vocabulary, as HF tokenizers and llama.cpp require. They rank after the trained
+    merges, so the trained ones still apply first."""
+    b2u = bytes_to_unicode()
+    space, letters = b2u[ord(" ")], [b2u[b] for b in range(ord("a"), ord("z") + 1)]
+
+    def add(a: str, b: str) -> str:
+        if a + b not in vocab and len(vocab) < n_vocab:
+            vocab[a + b] = len(vocab)
+            merges.append((a, b))
+        return a + b
+
+    queue = collections.deque([add(space, c) for c in letters] + letters)
+    while len(vocab) < n_vocab:
+        word = queue.popleft()
+        queue.extend(add(word, c) for c in letters)
+
+
+def write_tokenizer(out: Path, corpus: str = DEFAULT_CORPUS, n_merges: int = 200, n_tokens: int | None = None
+                    ) -> dict[str, int]:
+    """Write tokenizer.json, tokenizer_config.json and chat_template.jinja; return the special token ids.
+
+    n_tokens: grow the vocabulary (grow_bpe) so that BPE tokens plus the added tokens number n_tokens."""
     vocab, merges = train_bpe(corpus, n_merges)
+    n_added = len(SPECIAL_TOKENS) + len(THINK_TOKENS)
+    if n_tokens is not None:
+        if n_tokens < len(vocab) + n_added:
+            raise ValueError(f"a tokenizer of {n_tokens} tokens is smaller than the trained one "
+                             f"({len(vocab) + n_added})")
+        grow_bpe(vocab, merges, n_tokens - n_added)
     added = []
     ids: dict[str, int] = {}
     for tok in SPECIAL_TOKENS + THINK_TOKENS:
