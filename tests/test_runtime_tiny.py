@@ -11,6 +11,7 @@ import torch
 from clover_gguf.convert import convert
 from clover_gguf.decoding import ReferenceBackend, generate_all
 from clover_gguf.runtime import CloverRuntime
+from clover_gguf.testing.device import env_offload_kwargs
 from clover_gguf.testing.train_tiny import ASSET_DIR, chat_prompt, load_tiny, strip_thinking
 
 STRIDE = 6  # every 6th eval row: 25 prompts, five per task (eval.jsonl lists 30 rows per task in task order)
@@ -48,7 +49,7 @@ def _decode_all(backend, tok, rows, **kw):
 def test_llama_diffusion_matches_the_reference_decode(tiny, ggufs):
     model, tok, rows = tiny
     ref_out, ref_passes = _decode_all(ReferenceBackend(model), tok, rows, mode="diffusion", threshold=0.95)
-    with CloverRuntime(ggufs["f32"], n_ctx=512, exact=True, n_threads=2) as rt:
+    with CloverRuntime(ggufs["f32"], n_ctx=512, exact=True, n_threads=2, **env_offload_kwargs()) as rt:
         out, passes = _decode_all(rt.backend, tok, rows, mode="diffusion", threshold=0.95)
     assert out == ref_out
     assert passes == ref_passes
@@ -62,7 +63,7 @@ def test_llama_diffusion_matches_the_reference_decode(tiny, ggufs):
 @pytest.mark.parametrize("rollback", ["redecode", "snapshot"])
 def test_draft_self_exact_equals_ar(tiny, ggufs, kind, rollback):
     _, tok, rows = tiny
-    with CloverRuntime(ggufs[kind], n_ctx=512, rollback=rollback, n_threads=2) as rt:
+    with CloverRuntime(ggufs[kind], n_ctx=512, rollback=rollback, n_threads=2, **env_offload_kwargs()) as rt:
         ar, _ = _decode_all(rt.backend, tok, rows, mode="ar")
         ds, _ = _decode_all(rt.backend, tok, rows, mode="draft-self", accept="exact")
     assert ds == ar
@@ -73,7 +74,7 @@ def test_draft_self_exact_equals_ar(tiny, ggufs, kind, rollback):
 def test_generate_with_the_cards_controls_answers(ggufs, tiny):
     """The user-facing path (GGUF chat template, llama tokenizer, the card's controls on) answers correctly."""
     _, _, rows = tiny
-    with CloverRuntime(ggufs["f32"], n_ctx=512, n_threads=2) as rt:
+    with CloverRuntime(ggufs["f32"], n_ctx=512, n_threads=2, **env_offload_kwargs()) as rt:
         for row in rows[::5]:
             for mode in ("ar", "diffusion", "draft-self"):
                 a = rt.generate(row["prompt"], mode=mode, max_new_tokens=96)
