@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -24,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from clover_gguf.convert import convert  # noqa: E402
+from clover_gguf.offload import Offload, add_argparse, from_namespace  # noqa: E402
 from clover_gguf.quantize import quantize  # noqa: E402
 from clover_gguf.runtime import CloverRuntime  # noqa: E402
 
@@ -38,12 +40,13 @@ MODES = (("ar", "ar", "redecode", None, None), ("diffusion", "diffusion", "redec
          ("ar, 1 decode thread", "ar", "redecode", 1, None))
 
 
-def bench_modes(gguf: Path, prompts: list[str], max_new: int, label: str, rounds: int = 3, threads: int = 2,
-                gpu_layers: int = 0) -> dict:
+def bench_modes(gguf: Path, prompts: list[str], max_new: int, label: str, rounds: int = 3,
+                offload: Offload = Offload(threads=2), ctx: int = 1024) -> dict:
     """Every mode answers every prompt, interleaved prompt by prompt, `rounds` times over: a shared machine's speed
     drifts within seconds, and interleaving puts the same drift into every mode's time."""
-    runtimes = {name: CloverRuntime(gguf, n_ctx=1024, rollback=rollback, n_threads=one or threads,
-                                    n_threads_batch=threads, n_gpu_layers=gpu_layers)
+    threads = offload.threads or max(1, min(8, os.cpu_count() or 1))
+    runtimes = {name: CloverRuntime(gguf, n_ctx=ctx, rollback=rollback, n_threads=one or threads,
+                                    n_threads_batch=threads, offload=offload)
                 for name, _, rollback, one, _ in MODES}
     rows = {name: dict(tokens=0, seconds=0.0, prompt_s=0.0, passes=0, rollback_passes=0) for name, *_ in MODES}
     try:
@@ -68,7 +71,7 @@ def bench_modes(gguf: Path, prompts: list[str], max_new: int, label: str, rounds
         r["decode_tps"] = r["tokens"] / (r["seconds"] - r["prompt_s"])
     base, dbase = rows["ar"]["tps"], rows["ar"]["decode_tps"]
     print(f"\n{label}: {len(prompts)} eval prompts x {rounds} rounds, greedy, {threads} threads for multi-token calls"
-          f"{f', {gpu_layers} layers offloaded' if gpu_layers else ''}. "
+          f"{', offload ' + ' '.join(offload.cli_args()) if offload.cli_args() else ''}. "
           f"tok/s counts the whole request (prompt pass included); decode tok/s the time after the prompt pass")
     print(f"{'mode':<22} {'tokens':>7} {'tok/s':>8} {'x ar':>6} {'decode tok/s':>13} {'x ar':>6} {'passes/tok':>11} "
           f"{'rollback passes':>16}")
@@ -81,7 +84,7 @@ def bench_modes(gguf: Path, prompts: list[str], max_new: int, label: str, rounds
     return ratios
 
 
-def bench_block_cost(workdir: Path) -> None:
+def bench_block_cost(workdir: Path, offload: Offload = Offload(threads=2)) -> None:
     import torch
 
     from clover_gguf.llama_context import LlamaContext
@@ -101,7 +104,7 @@ def bench_block_cost(workdir: Path) -> None:
     print(f"\nsmall random model: one 32-token block pass vs one AR step ({reps} reps each)")
     for coreset in (True, False):
         with LlamaContext(gguf, n_ctx=512, overrides={"clover.moe_block_coreset.enabled": coreset},
-                          n_threads=2) as ctx:
+                          n_threads=offload.threads or 2, offload=offload) as ctx:
             ctx.decode(prefix, 0, 0, logits=False)
             t0 = time.perf_counter()
             for i in range(reps):
@@ -131,8 +134,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=3, help="passes over the prompts (modes interleaved per prompt)")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--gpu-layers", type=int, default=0, help="layers offloaded (a CUDA / Metal build of the library)")
+    ap.add_argument("--ctx", type=int, default=1024, help="context of each runtime")
+    add_argparse(ap)  # --gpu-layers, --cpu-moe, --n-cpu-moe, --threads, --mmap: as on every clover-gguf command
     ap.add_argument("--workdir", type=Path, default=ROOT / "out" / "bench-decode")
     a = ap.parse_args()
     a.workdir.mkdir(parents=True, exist_ok=True)
@@ -144,8 +147,8 @@ def main() -> None:
     prompts = [e["prompt"] for e in evals]
     prompts = prompts[::max(1, len(prompts) // a.prompts)][:a.prompts]  # spread over the tasks (eval is in task order)
     for label, path in (("F32", gguf), ("Q8_0", q8)):
-        bench_modes(path, prompts, a.max_new_tokens, label, a.rounds, a.threads, a.gpu_layers)
-    bench_block_cost(a.workdir)
+        bench_modes(path, prompts, a.max_new_tokens, label, a.rounds, from_namespace(a), a.ctx)
+    bench_block_cost(a.workdir, from_namespace(a))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """`clover-gguf serve` throughput against the patched llama-server on the same GGUF, in one run.
 
     python bench/serve.py [--model clover_gguf/assets/tiny-clover] [--requests 16] [--max-tokens 64]
-                          [--clients 1,4] [--parallel 1] [--threads 1] [--workdir out/bench-serve]
+                          [--clients 1,4] [--parallel 1] [--threads 1] [offload options] [--workdir out/bench-serve]
 
 Both servers run as subprocesses on loopback and get the same greedy chat requests (eval prompts of the bundled
 model, round robin) from C client threads at a time. clover-gguf serve is asked for each mode through the request's
@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,6 +31,8 @@ import httpx  # noqa: E402
 from clover_gguf.build import llama_tool  # noqa: E402
 from clover_gguf.errors import UserError  # noqa: E402
 from clover_gguf.convert import convert  # noqa: E402
+from clover_gguf.llama_context import load_binding  # noqa: E402
+from clover_gguf.offload import add_argparse, from_namespace  # noqa: E402
 
 MODES = ("ar", "diffusion", "draft-self")
 
@@ -93,11 +96,12 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--clients", default="1,4", help="concurrent client counts, comma separated")
     ap.add_argument("--parallel", type=int, default=1, help="clover-gguf serve --parallel")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="llama.cpp threads per server and per clover slot (1 keeps a small shared machine stable)")
     ap.add_argument("--ctx", type=int, default=1024, help="context per sequence")
+    add_argparse(ap)  # --gpu-layers, --cpu-moe, --n-cpu-moe, --threads, --mmap: as on every clover-gguf command
+    ap.set_defaults(threads=1)  # llama.cpp threads per server and per clover slot: 1 keeps a small machine stable
     ap.add_argument("--workdir", type=Path, default=ROOT / "out" / "bench-serve")
     args = ap.parse_args()
+    offload = from_namespace(args)
     clients = [int(c) for c in args.clients.split(",")]
     args.workdir.mkdir(parents=True, exist_ok=True)
 
@@ -120,8 +124,9 @@ def main() -> None:
     # clover-gguf serve: one process, every mode through the request's `mode` field
     port = free_port()
     code = ("import sys; from clover_gguf.server import serve; "
+            f"from clover_gguf.offload import Offload; "
             f"serve({str(gguf)!r}, port={port}, parallel={args.parallel}, ctx={args.ctx}, "
-            f"n_threads={args.threads}, log_level='warning')")
+            f"n_threads={args.threads}, offload=Offload(**{asdict(offload)!r}), log_level='warning')")
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stderr=subprocess.PIPE, text=True)
     try:
         wait_ready(f"http://127.0.0.1:{port}", proc)
@@ -137,7 +142,8 @@ def main() -> None:
     port = free_port()
     n_par = max(clients)
     cmd = [str(llama_server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-c",
-           str(args.ctx * n_par), "-np", str(n_par), "-t", str(args.threads), "--jinja", "--no-webui"]
+           str(args.ctx * n_par), "-np", str(n_par), "--jinja", "--no-webui",
+           *offload.llama_args(bool(load_binding().llama_supports_gpu_offload()))]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         wait_ready(f"http://127.0.0.1:{port}", proc)

@@ -14,6 +14,7 @@ from typing import TextIO
 
 from clover_gguf.decoding import MODES
 from clover_gguf.errors import UserError
+from clover_gguf.offload import Offload
 from clover_gguf.runtime import CloverRuntime, RunStats, split_thinking
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"
@@ -63,8 +64,9 @@ class ThinkingRenderer:
 class ChatSession:
     def __init__(self, model: Path, mode: str = "draft-self", max_new_tokens: int = 1024, think: bool = True,
                  show_thinking: bool = True, temp: float = 0.0, seed: int | None = None, n_ctx: int | None = None,
-                 out: TextIO = sys.stdout, inp: TextIO = sys.stdin):
-        self.rt = CloverRuntime(model, n_ctx=n_ctx)
+                 out: TextIO = sys.stdout, inp: TextIO = sys.stdin, rollback: str = "redecode",
+                 offload: Offload | None = None):
+        self.rt = CloverRuntime(model, n_ctx=n_ctx, rollback=rollback, offload=offload)
         self.mode, self.max_new_tokens, self.think, self.show_thinking = mode, max_new_tokens, think, show_thinking
         self.temp, self.seed = temp, seed
         self.out, self.inp = out, inp

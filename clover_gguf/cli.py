@@ -34,6 +34,31 @@ def _err(msg: str) -> None:
     typer.echo(f"clover-gguf: error: {msg}", err=True)
 
 
+def offload_options(command):
+    """Adds the offload options every model-running command shares (clover_gguf.offload.OPTIONS, their one
+    definition); the command receives them as one `offload` argument."""
+    import functools
+    import inspect
+
+    from clover_gguf.offload import OPTIONS, Offload
+
+    types = {"gpu_layers": str, "cpu_moe": bool, "n_cpu_moe": int, "threads": Optional[int], "mmap": bool}
+    extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=types[name],
+                               default=typer.Option(default, *flags, help=help_, show_default=default is not None))
+             for name, flags, default, help_ in OPTIONS]
+    sig = inspect.signature(command)
+    own = [p for p in sig.parameters.values() if p.name != "offload"]
+
+    @functools.wraps(command)
+    def wrapper(**kw):
+        offload = Offload(**{name: kw.pop(name) for name, *_ in OPTIONS})
+        return command(**kw, offload=offload)
+
+    wrapper.__signature__ = sig.replace(parameters=own + extra)
+    wrapper.__annotations__ = {p.name: p.annotation for p in own + extra}
+    return wrapper
+
+
 @app.command()
 def convert(
     src: Path = typer.Argument(..., help="checkpoint folder (config.json, safetensors, tokenizer)"),
@@ -115,22 +140,21 @@ def quantize(
 
 
 @app.command()
+@offload_options
 def imatrix(
     model: Path = typer.Argument(..., help="a Clover GGUF (F32/F16/BF16 preferred)"),
     text: Path = typer.Option(..., "--text", help="calibration text file (at least 2 x --ctx tokens)"),
     out: Path = typer.Option(..., "-o", "--out", help="output imatrix GGUF"),
     ctx: int = typer.Option(512, "--ctx", help="tokens per chunk"),
     chunks: Optional[int] = typer.Option(None, "--chunks", help="at most this many chunks"),
-    threads: Optional[int] = typer.Option(None, "--threads"),
-    gpu_layers: int = typer.Option(0, "--gpu-layers", "-ngl", help="layers to offload (GPU builds)"),
     force: bool = typer.Option(False, "--force", help="overwrite OUT"),
     quiet: bool = typer.Option(False, "--quiet", "-q"),
+    offload=None,
 ) -> None:
     """Importance matrix through the patched llama-imatrix, for IQ types and importance-weighted K-quants."""
     from clover_gguf.quantize import imatrix as run
 
-    path = run(model, text, out, threads=threads, ctx=ctx, chunks=chunks, force=force, quiet=quiet,
-               gpu_layers=gpu_layers)
+    path = run(model, text, out, ctx=ctx, chunks=chunks, force=force, quiet=quiet, offload=offload)
     typer.echo(f"wrote {path}")
 
 
@@ -201,6 +225,7 @@ class Rollback(str, Enum):
 
 
 @app.command()
+@offload_options
 def generate(
     model: Path = typer.Argument(..., help="a Clover GGUF"),
     prompt: str = typer.Option(..., "-p", "--prompt", help="the user message"),
@@ -223,13 +248,14 @@ def generate(
     no_controls: bool = typer.Option(False, "--no-controls", help="turn every generation control off"),
     stats: bool = typer.Option(False, "--stats", help="print decoding stats to stderr"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object: text, thinking, stats"),
+    offload=None,
 ) -> None:
     """Answer one prompt, streaming the answer as tokens are accepted."""
     from clover_gguf.runtime import CloverRuntime
 
     from dataclasses import replace
 
-    with CloverRuntime(model, n_ctx=ctx, rollback=rollback.value) as rt:
+    with CloverRuntime(model, n_ctx=ctx, rollback=rollback.value, offload=offload, block_size=block_size) as rt:
         controls = rt.controls.off() if no_controls else rt.controls
         overrides = {"presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty,
                      "repetition_penalty": repetition_penalty}
@@ -251,6 +277,7 @@ def generate(
 
 
 @app.command()
+@offload_options
 def chat(
     model: Path = typer.Argument(..., help="a Clover GGUF"),
     mode: Mode = typer.Option(Mode.draft_self, "--mode"),
@@ -260,15 +287,18 @@ def chat(
     temp: float = typer.Option(0.0, "--temp", min=0.0),
     seed: Optional[int] = typer.Option(None, "--seed"),
     ctx: Optional[int] = typer.Option(None, "--ctx"),
+    rollback: Rollback = typer.Option(Rollback.redecode, "--rollback", help="draft-self rollback strategy"),
+    offload=None,
 ) -> None:
     """Chat in the terminal: /reset, /mode ar|diffusion|draft-self, /stats, /quit; Ctrl-C stops an answer."""
     from clover_gguf.chat import ChatSession
 
     ChatSession(model, mode=mode.value, max_new_tokens=max_new_tokens, think=think, show_thinking=show_thinking,
-                temp=temp, seed=seed, n_ctx=ctx).loop()
+                temp=temp, seed=seed, n_ctx=ctx, rollback=rollback.value, offload=offload).loop()
 
 
 @app.command()
+@offload_options
 def serve(
     model: Path = typer.Argument(..., help="a Clover GGUF"),
     host: str = typer.Option("127.0.0.1", "--host", help="bind address (loopback by default)"),
@@ -279,14 +309,40 @@ def serve(
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="CLOVER_GGUF_API_KEY",
                                           help="require Authorization: Bearer KEY (also from $CLOVER_GGUF_API_KEY)"),
     rollback: Rollback = typer.Option(Rollback.redecode, "--rollback", help="draft-self rollback strategy"),
-    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="CPU threads per slot"),
-    gpu_layers: int = typer.Option(0, "--gpu-layers", "-ngl", help="layers to offload (GPU builds)"),
+    offload=None,
 ) -> None:
     """An OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models, /health."""
     from clover_gguf.server import serve as run
 
     run(model, host=host, port=port, mode=mode.value, ctx=ctx, parallel=parallel, api_key=api_key,
-        rollback=rollback.value, n_threads=threads, n_gpu_layers=gpu_layers)
+        rollback=rollback.value, n_threads=offload.threads, offload=offload)  # threads per slot
+
+
+@app.command()
+def fit(
+    model: Optional[Path] = typer.Argument(None, help="a Clover GGUF (or use --config and --type)"),
+    config: Optional[Path] = typer.Option(None, "--config", help="plan from a config.json alone (with --type)"),
+    qtype: Optional[str] = typer.Option(None, "--type", "-t", help="with --config: the file type, e.g. Q4_K_M"),
+    vram: Optional[str] = typer.Option(None, "--vram", help="GPU memory, e.g. 16GiB (default: the GPU llama.cpp "
+                                       "reports, else none)"),
+    ram: Optional[str] = typer.Option(None, "--ram", help="host memory, e.g. 32GiB (default: this machine's)"),
+    unified: Optional[bool] = typer.Option(None, "--unified/--discrete", help="the GPU shares host memory "
+                                           "(Apple silicon; default: as llama.cpp reports the GPU, else discrete)"),
+    ctx: Optional[int] = typer.Option(None, "--ctx", help="the context you want (default: the largest that fits)"),
+    mode: Mode = typer.Option(Mode.draft_self, "--mode"),
+    parallel: int = typer.Option(1, "--parallel", min=1, help="server slots (each holds its own model and context)"),
+    rollback: Rollback = typer.Option(Rollback.redecode, "--rollback", help="draft-self rollback strategy"),
+    mmap: bool = typer.Option(True, "--mmap/--no-mmap", help="as the run would load the file"),
+    measure: bool = typer.Option(False, "--measure", help="also load MODEL.gguf here and show what llama.cpp "
+                                 "allocates next to the prediction"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Which offload and context fit a GPU or Mac, the predicted memory part by part, and the command to run."""
+    from clover_gguf.fit import fit as run
+
+    res = run(model, config=config, qtype=qtype, vram=vram, ram=ram, ctx=ctx, mode=mode.value, parallel=parallel,
+              rollback=rollback.value, mmap=mmap, unified=unified, do_measure=measure)
+    typer.echo(json.dumps(res.to_json()) if as_json else res.format())
 
 
 def main() -> None:

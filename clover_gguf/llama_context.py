@@ -8,16 +8,22 @@ block there with logits for every block token and drops the copy, so the committ
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
+import re
+import threading
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
 from clover_gguf.errors import UserError
+from clover_gguf.offload import Offload, no_offload_notice
 
 GGML_TYPE_F32 = 0
+GGML_BACKEND_DEVICE_TYPE_CPU = 0
+LOAD_MODE_NONE, LOAD_MODE_AUTO = 0, -1  # enum llama_load_mode
 
 
 def load_binding() -> Any:
@@ -76,48 +82,120 @@ def _kv_overrides(L: Any, overrides: dict[str, bool | int | float]) -> Any:
     return arr
 
 
+def _cpu_buffer_type(L: Any) -> int:
+    """ggml's CPU buffer type (the pointer llama.cpp compares overrides with), through the loaded ggml library:
+    the binding declares tensor_buft_overrides but not the ggml calls behind it."""
+    lib = L.llama_cpp._lib
+    by_type, buft = lib.ggml_backend_dev_by_type, lib.ggml_backend_dev_buffer_type
+    by_type.restype, by_type.argtypes = ctypes.c_void_p, [ctypes.c_int]
+    buft.restype, buft.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+    dev = by_type(GGML_BACKEND_DEVICE_TYPE_CPU)
+    if not dev:
+        raise RuntimeError("llama.cpp has no CPU device")
+    return buft(dev)
+
+
+class _BuftOverride(ctypes.Structure):
+    """struct llama_model_tensor_buft_override {const char * pattern; ggml_backend_buffer_type_t buft;}"""
+
+    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
+
+
+def _buft_overrides(L: Any, patterns: list[str]) -> Any:
+    arr = (_BuftOverride * (len(patterns) + 1))()  # zeroed: the last entry is the NULL terminator
+    cpu = _cpu_buffer_type(L)
+    for i, pattern in enumerate(patterns):
+        arr[i].pattern, arr[i].buft = pattern.encode(), cpu
+    return arr
+
+
+def block_count(path: Path) -> int:
+    from clover_gguf.gguf_header import read_header
+
+    kv = read_header(path).kv
+    n = kv.get(f"{kv.get('general.architecture')}.block_count")
+    if not isinstance(n, int):
+        raise UserError(f"{path}: no block_count in the GGUF metadata")
+    return n
+
+
+def _load_model(L: Any, path: Path, offload: Offload, overrides: dict | None, keep: list, no_alloc: bool = False):
+    """llama_model_load_from_file with our offload options; `keep` holds every buffer llama.cpp points into."""
+    L.llama_backend_init()
+    L.llama_log_set(_quiet_log(L), ctypes.c_void_p())
+    patterns = offload.expert_patterns(block_count(path)) if offload.cpu_moe or offload.n_cpu_moe else []
+    supported = bool(L.llama_supports_gpu_offload())
+    from clover_gguf.llama_memory import gpu_devices
+
+    if not gpu_devices():  # a CPU build, or one with GPU backends (RPC too) but no device to use
+        no_offload_notice(offload)
+    mp = L.llama_model_default_params()
+    mp.n_gpu_layers = offload.n_gpu_layers(supported)
+    if patterns:
+        arr = _buft_overrides(L, patterns)
+        keep.append(arr)
+        mp.tensor_buft_overrides = ctypes.cast(arr, ctypes.c_void_p)
+    if overrides:
+        kv = _kv_overrides(L, overrides)
+        keep.append(kv)
+        mp.kv_overrides = ctypes.cast(kv, ctypes.POINTER(L.llama_model_kv_override))
+    # auto = mmap unless a device cannot map host memory; none = read into memory (a dry run must not map)
+    mp.load_mode = LOAD_MODE_AUTO if offload.mmap and not no_alloc else LOAD_MODE_NONE
+    mp.no_alloc = no_alloc
+    return L.llama_model_load_from_file(str(path).encode(), mp)
+
+
+def _context_params(L: Any, n_ctx: int, n_ubatch: int, n_batch: int | None, n_seq_max: int, n_rs_seq: int,
+                    exact: bool, n_threads: int | None, n_threads_batch: int | None, n_outputs_max: int) -> Any:
+    cp = L.llama_context_default_params()
+    cp.n_ctx = n_ctx
+    cp.n_batch = max(n_batch or n_ctx, n_ubatch)  # tokens one decode call may take
+    cp.n_ubatch = max(n_ubatch, 1)  # a block must fit in one ubatch
+    cp.n_seq_max = n_seq_max
+    cp.n_rs_seq = n_rs_seq
+    # rows of logits one decode call may ask for; llama.cpp sizes the output buffer and the logits part of the
+    # compute buffer by it (0 = n_batch: on a 248k vocabulary, 512 rows are about 0.5 GB of compute buffer)
+    cp.n_outputs_max = n_outputs_max
+    cp.kv_unified = True  # seq_cp of the KV cache is then metadata only
+    # llama.cpp's split: n_threads for one-token calls, n_threads_batch for calls of several tokens
+    threads = n_threads or max(1, min(8, os.cpu_count() or 1))
+    cp.n_threads, cp.n_threads_batch = threads, n_threads_batch or threads
+    if exact:
+        cp.flash_attn_type = 0
+        cp.type_k = cp.type_v = GGML_TYPE_F32
+    return cp
+
+
 class LlamaContext:
     """One model and one context: causal decoding on sequence 0, block passes on scratch sequence 1.
 
     exact=True turns off flash attention and keeps K/V in F32, the settings parity with the reference needs
-    (CPU flash attention and an F16 cache alone differ by about 3e-4)."""
+    (CPU flash attention and an F16 cache alone differ by about 3e-4). n_outputs_max caps the logits rows of one
+    decode call (0: n_batch); a call asking for more raises instead of aborting inside llama.cpp.
+    `offload` places the weights (clover_gguf.offload); n_threads / n_threads_batch, when given, win over its threads."""
 
     def __init__(self, gguf: str | Path, n_ctx: int = 4096, n_ubatch: int = 512, n_batch: int | None = None,
                  n_seq_max: int = 2,
                  overrides: dict[str, bool | int | float] | None = None, n_rs_seq: int = 0, exact: bool = False,
-                 n_threads: int | None = None, n_gpu_layers: int = 0, n_threads_batch: int | None = None,
-                 eval_callback: Any = None):
+                 n_threads: int | None = None, n_threads_batch: int | None = None, n_outputs_max: int = 0,
+                 offload: Offload | None = None, eval_callback: Any = None):
         """eval_callback: llama.cpp's graph eval callback (a GraphProbe's .callback, clover_gguf.graph_probe)."""
         L = self.L = load_binding()
         path = Path(gguf)
         if not path.is_file():
             raise UserError(f"no such model file: {path}")
-        L.llama_backend_init()
-        L.llama_log_set(_quiet_log(L), ctypes.c_void_p())
-        mp = L.llama_model_default_params()
-        mp.n_gpu_layers = n_gpu_layers
-        self._overrides = _kv_overrides(L, overrides) if overrides else None
-        if self._overrides is not None:
-            mp.kv_overrides = ctypes.cast(self._overrides, ctypes.POINTER(L.llama_model_kv_override))
-        self.model = L.llama_model_load_from_file(str(path).encode(), mp)
+        offload = offload or Offload()
+        self._keep: list[Any] = []  # buffers llama.cpp reads through pointers, alive as long as the model
+        self.model = _load_model(L, path, offload, overrides, self._keep)
         if not self.model:
             raise UserError(f"llama.cpp could not load {path} (not a Clover GGUF, or the library is not patched)")
-        cp = L.llama_context_default_params()
-        cp.n_ctx = n_ctx
-        cp.n_batch = max(n_batch or n_ctx, n_ubatch)  # tokens one decode call may take
-        cp.n_ubatch = max(n_ubatch, 1)  # a block must fit in one ubatch
-        cp.n_seq_max = n_seq_max
-        cp.n_rs_seq = n_rs_seq
-        cp.kv_unified = True  # seq_cp of the KV cache is then metadata only
-        # llama.cpp's split: n_threads for one-token calls, n_threads_batch for calls of several tokens
-        threads = n_threads or max(1, min(8, os.cpu_count() or 1))
-        cp.n_threads, cp.n_threads_batch = threads, n_threads_batch or threads
+        cp = _context_params(L, n_ctx, n_ubatch, n_batch, n_seq_max, n_rs_seq, exact, n_threads or offload.threads,
+                             n_threads_batch, n_outputs_max)
         if eval_callback is not None:
             self._eval_callback = eval_callback  # kept alive for as long as the context may call it
             cp.cb_eval = eval_callback
-        if exact:
-            cp.flash_attn_type = 0
-            cp.type_k = cp.type_v = GGML_TYPE_F32
+        self.n_outputs_max = n_outputs_max or cp.n_batch
+        self.max_outputs = 0  # the most logits rows one call asked for: llama.cpp's output buffer grew to that
         self.ctx = L.llama_init_from_model(self.model, cp)
         if not self.ctx:
             L.llama_model_free(self.model)
@@ -181,11 +259,14 @@ class LlamaContext:
                 raise ValueError(f"{flags.size} logits flags for {len(ids)} tokens")
             want[:len(ids)] = flags
         want[len(ids):] = 1
+        n_out = int(np.count_nonzero(want))
+        if n_out > self.n_outputs_max:  # llama.cpp would abort the process
+            raise ValueError(f"{n_out} logits rows asked for, the context was made for at most {self.n_outputs_max}")
         batch.struct.n_tokens = n
         rc = self.L.llama_decode(self.ctx, batch.struct)
         if rc != 0:
             raise RuntimeError(f"llama_decode returned {rc}")
-        n_out = int(np.count_nonzero(want))
+        self.max_outputs = max(self.max_outputs, n_out)
         if not n_out:
             return np.empty((0, self.n_vocab), dtype=np.float32)
         # llama.cpp stores the requested rows contiguously, in batch order
@@ -273,17 +354,78 @@ class _Batch:
         b.logits = self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_byte))
 
 
-def _silent(level, text, user_data):
-    """llama.cpp's log goes nowhere unless CLOVER_GGUF_LLAMA_LOG is set."""
-    if os.environ.get("CLOVER_GGUF_LLAMA_LOG"):
-        os.write(2, text)
+# ---- llama.cpp's log -------------------------------------------------------------------------------------
+LOG_DEBUG, LOG_INFO, LOG_WARN, LOG_ERROR, LOG_CONT = 1, 2, 3, 4, 5  # ggml_log_level
 
 
-_LOG_CALLBACK = None  # kept alive for as long as the library may call it
+class LlamaLog:
+    """llama.cpp's log lines (level, text) collected while a `capture_llama_log()` block runs. llama.cpp writes a
+    line in pieces; a piece of level CONT continues the line before it."""
+
+    def __init__(self) -> None:
+        self.lines: list[tuple[int, str]] = []
+        self._buf = ""
+        self._level = LOG_INFO
+
+    def _feed(self, level: int, text: str) -> None:
+        if level != LOG_CONT and not self._buf:
+            self._level = level
+        self._buf += text
+        while "\n" in self._buf:
+            line, self._buf = self._buf.split("\n", 1)
+            self.lines.append((self._level, line))
+
+    def _flush(self) -> None:
+        if self._buf:
+            self.lines.append((self._level, self._buf))
+            self._buf = ""
+
+    def text(self, min_level: int = LOG_DEBUG) -> list[str]:
+        return [t for lv, t in self.lines if lv >= min_level]
+
+    def grep(self, pattern: str) -> list[re.Match]:
+        rx = re.compile(pattern)
+        return [m for _, t in self.lines if (m := rx.search(t))]
+
+
+_LOG_CALLBACK = None  # the one callback given to the library, kept alive for as long as it may call it
+_log_captures: list[LlamaLog] = []
+_log_lock = threading.Lock()
+
+
+def _on_log(level, text, user_data):
+    """Silent unless CLOVER_GGUF_LLAMA_LOG is set; collected by every active capture_llama_log()."""
+    try:
+        if os.environ.get("CLOVER_GGUF_LLAMA_LOG"):
+            os.write(2, text)
+        if _log_captures:
+            piece = text.decode("utf-8", "replace")
+            with _log_lock:
+                for cap in _log_captures:
+                    cap._feed(int(level), piece)
+    except Exception:  # noqa: BLE001 - an exception must never cross into C
+        pass
 
 
 def _quiet_log(L: Any) -> Any:
     global _LOG_CALLBACK
     if _LOG_CALLBACK is None:
-        _LOG_CALLBACK = L.llama_log_callback(_silent)
+        _LOG_CALLBACK = L.llama_log_callback(_on_log)
     return _LOG_CALLBACK
+
+
+@contextlib.contextmanager
+def capture_llama_log() -> Iterator[LlamaLog]:
+    """Collect llama.cpp's log (debug level included) while the block runs, e.g. around creating a LlamaContext,
+    a decode or close(). Still silent on stderr unless CLOVER_GGUF_LLAMA_LOG is set."""
+    L = load_binding()
+    L.llama_log_set(_quiet_log(L), ctypes.c_void_p())
+    cap = LlamaLog()
+    with _log_lock:
+        _log_captures.append(cap)
+    try:
+        yield cap
+    finally:
+        with _log_lock:
+            _log_captures.remove(cap)
+        cap._flush()

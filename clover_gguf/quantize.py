@@ -29,6 +29,7 @@ from clover_gguf.build import llama_tool
 from clover_gguf.errors import UserError
 from clover_gguf.fsutil import atomic_output, check_free_disk, check_writable_dir
 from clover_gguf.gguf_header import GGUF_MAGIC, GGUFHeader, read_header, tensor_bytes  # noqa: F401 - re-exported
+from clover_gguf.offload import Offload, no_offload_notice
 from clover_gguf.recipes import FTYPES, NEEDS_IMATRIX, Recipe, check_rules, recipe_for
 
 RECIPE_KEY = "clover.quant.recipe"
@@ -429,9 +430,10 @@ def quantize(src: Path, out: Path, type_name: str, recipe_file: Path | None = No
 
 
 # ---- imatrix ---------------------------------------------------------------------------------------------------
-def imatrix(model: Path, text: Path, out: Path, threads: int | None = None, ctx: int = 512,
-            chunks: int | None = None, force: bool = False, quiet: bool = False, gpu_layers: int = 0) -> Path:
-    """Importance matrix of `model` over the text file `text`, written by the patched llama-imatrix as GGUF."""
+def imatrix(model: Path, text: Path, out: Path, ctx: int = 512, chunks: int | None = None, force: bool = False,
+            quiet: bool = False, offload: Offload | None = None) -> Path:
+    """Importance matrix of `model` over the text file `text`, written by the patched llama-imatrix as GGUF, with
+    the offload options passed on as llama.cpp spells them."""
     model, text, out = Path(model), Path(text), Path(out)
     h = read_header(model)
     check_clover(h)
@@ -440,11 +442,14 @@ def imatrix(model: Path, text: Path, out: Path, threads: int | None = None, ctx:
     if out.exists() and not force:
         raise UserError(f"{out} exists (--force overwrites it)")
     tool = llama_tool("llama-imatrix")
+    offload = offload or Offload()
+    offload.cpu_moe_layers(int(h.kv.get(f"{h.arch}.block_count", 0)))  # --n-cpu-moe above the layer count: exit 2
+    gpu_offload = bool(_binding().llama_supports_gpu_offload())
+    if not gpu_offload:
+        no_offload_notice(offload)
     with atomic_output(out) as tmp:
         cmd = [str(tool), "-m", str(model), "-f", str(text), "-o", str(tmp), "--output-format", "gguf",
-               "-c", str(ctx), "--no-ppl", "-ngl", str(gpu_layers)]
-        if threads:
-            cmd += ["-t", str(threads)]
+               "-c", str(ctx), "--no-ppl", *offload.llama_args(gpu_offload)]
         if chunks:
             cmd += ["--chunks", str(chunks)]
         env = dict(os.environ)

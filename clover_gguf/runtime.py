@@ -27,8 +27,11 @@ from clover_gguf import decoding
 from clover_gguf.controls import Controls, make_processors, make_sampler, thinking_span
 from clover_gguf.errors import UserError
 from clover_gguf.llama_context import LlamaContext
+from clover_gguf.offload import Offload
 
 SEQ_MAIN, SEQ_BLOCK, SEQ_BACKUP = 0, 1, 2
+N_SEQ = 3
+DEFAULT_CTX = 8192  # context when none is asked for (capped by the model's)
 ROLLBACKS = ("redecode", "snapshot")
 
 
@@ -121,6 +124,18 @@ class LlamaBackend:
         self._last_commit = 0
 
 
+def context_settings(max_block_size: int, n_ctx: int | None, context_length: int, rollback: str = "redecode",
+                     exact: bool = False) -> dict:
+    """The LlamaContext settings of a runtime; `clover-gguf fit` predicts memory from these same settings.
+
+    Three sequences (main, block scratch, draft-self's rollback backup), one unified KV cache; a ubatch holds a
+    whole block; logits rows for one block (a prompt needs 1, a block pass or a committed block block_size);
+    snapshot rollback keeps block_size + 1 recurrent-state snapshots per sequence."""
+    return dict(n_ctx=min(n_ctx or DEFAULT_CTX, context_length), n_ubatch=max(512, max_block_size),
+                n_seq_max=N_SEQ, n_rs_seq=max_block_size + 1 if rollback == "snapshot" else 0,
+                n_outputs_max=max_block_size, exact=exact)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The model as a user sees it
 # ---------------------------------------------------------------------------------------------------------------
@@ -168,7 +183,10 @@ class CloverRuntime:
 
     def __init__(self, gguf: str | Path, n_ctx: int | None = None, rollback: str = "redecode",
                  coreset: bool | None = None, coreset_top_p: float | None = None, exact: bool = False,
-                 n_threads: int | None = None, n_gpu_layers: int = 0, n_threads_batch: int | None = None):
+                 n_threads: int | None = None, n_threads_batch: int | None = None, offload: Offload | None = None,
+                 block_size: int | None = None):
+        """block_size: the largest block a request may use (default: the GGUF's); the context keeps logits rows
+        for that many tokens and no more (see context_settings)."""
         from clover_gguf.gguf_header import read_header
 
         path = Path(gguf)
@@ -190,16 +208,15 @@ class CloverRuntime:
         self.chat_template = meta.get("tokenizer.chat_template")
         self._template = None
         self.controls = Controls.from_meta(lambda k: None if meta.get(k) is None else str(meta[k]))
-        n_ctx = min(n_ctx or 8192, self.context_length)
         overrides: dict[str, bool | float] = {}
         if coreset is not None:
             overrides["clover.moe_block_coreset.enabled"] = coreset
         if coreset_top_p is not None:
             overrides["clover.moe_block_coreset.top_p"] = coreset_top_p
-        n_rs_seq = self.block_size + 1 if rollback == "snapshot" else 0
-        self.ctx = LlamaContext(path, n_ctx=n_ctx, n_ubatch=max(512, self.block_size), n_seq_max=3,
-                                overrides=overrides or None, n_rs_seq=n_rs_seq, exact=exact, n_threads=n_threads,
-                                n_gpu_layers=n_gpu_layers, n_threads_batch=n_threads_batch)
+        self.max_block_size = max(int(block_size or 0), self.block_size)
+        settings = context_settings(self.max_block_size, n_ctx, self.context_length, rollback, exact)
+        self.ctx = LlamaContext(path, overrides=overrides or None, n_threads=n_threads,
+                                n_threads_batch=n_threads_batch, offload=offload, **settings)
         self.n_ctx = self.ctx.n_ctx
         self.eos_ids = self._end_tokens()
         self.think_id = self._special("<think>")
@@ -237,6 +254,9 @@ class CloverRuntime:
                                 f"use --mode ar")
             if self.mask_token_id is None:
                 raise UserError(f"{self.path.name} has no tokenizer.ggml.mask_token_id: block mode is unavailable")
+        if mode != "ar" and block_size > self.max_block_size:
+            raise UserError(f"block size {block_size} is above the {self.max_block_size} this model was loaded for "
+                            f"(its context keeps logits for that many tokens; load it with a larger block size)")
         room = block_size - 1 if mode != "ar" else 0  # a final block may run block_size - 1 past the limit
         need = n_prompt + max_new_tokens + room
         limit = min(self.context_length, self.n_ctx)

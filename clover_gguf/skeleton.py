@@ -1,7 +1,8 @@
 """A header-only GGUF of a Clover model: real metadata and tensor infos, the data section a sparse hole.
 
-`clover-gguf quantize --plan --config config.json` runs llama.cpp's quantizer in dry-run mode on it, so the plan
-for the 35B model needs its config.json and nothing else (no 69 GB of weights, and a few MB of disk: the file is
+`clover-gguf quantize --plan --config config.json` runs llama.cpp's quantizer in dry-run mode on it, and
+`clover-gguf fit --config` llama.cpp's graph allocator without allocating, so both work for the 35B model from its
+config.json and nothing else (no 69 GB of weights, and a few MB of disk: the file is
 sparse). The tensor list is the converter's own plan for a virtual BF16 checkpoint whose shapes come from the
 config (clover_gguf.shapes), so it names and shapes every tensor exactly as `clover-gguf convert` would.
 """
@@ -43,8 +44,9 @@ class VirtualCheckpoint:
 
 
 def placeholder_vocab(n: int) -> Vocab:
-    """n tokens named by their id: the tokenizer of the real model is not needed to plan a quantization."""
-    return Vocab(tokens=[f"<{i}>" for i in range(n)], token_types=[1] * n, merges=[])
+    """n tokens named by their id: the tokenizer of the real model is not needed to plan a quantization. One merge,
+    because llama.cpp refuses to load a BPE vocabulary without merges (`fit` dry-runs the model on the skeleton)."""
+    return Vocab(tokens=[f"<{i}>" for i in range(n)], token_types=[1] * n, merges=["<0> <1>"])
 
 
 def write_skeleton(config: Path, out: Path, outtype: str = "bf16") -> ConversionPlan:

@@ -21,6 +21,7 @@ from gguf import GGUFReader, GGUFWriter
 from clover_gguf.config import SHAPE_35B
 from clover_gguf.errors import UserError
 from clover_gguf.llama_context import LlamaContext, load_binding
+from clover_gguf.offload import Offload
 from clover_gguf.quantize import COMMUNITY_GIB, imatrix, plan, quantize, read_header
 from clover_gguf.recipes import BUILTIN, FTYPES, recipe_for
 
@@ -162,7 +163,7 @@ def test_imatrix_then_iq3_xxs(wide, tmp_path):
     with pytest.raises(UserError, match="importance matrix"):
         quantize(wide, tmp_path / "no.gguf", "IQ3_XXS", quiet=True)
     assert not (tmp_path / "no.gguf").exists()
-    im = imatrix(wide, text, tmp_path / "imatrix.gguf", ctx=64, chunks=8, threads=2, quiet=True)
+    im = imatrix(wide, text, tmp_path / "imatrix.gguf", ctx=64, chunks=8, quiet=True, offload=Offload(threads=2))
     r = GGUFReader(im)
     assert any(t.name.endswith(".in_sum2") for t in r.tensors)
     for qtype in ("IQ3_XXS", "Q4_K_M"):

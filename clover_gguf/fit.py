@@ -1,0 +1,578 @@
+"""`clover-gguf fit`: which offload and context fit a GPU (or a Mac) and what is left, predicted part by part before
+anything is downloaded; `--measure` loads the model and sets the prediction beside what llama.cpp allocates.
+
+The parts (bytes), for the settings the runtime really uses (runtime.context_settings):
+- weights on the device / in host memory: every tensor's bytes (the file's, or from `quantize --plan` for
+  `--config --type`: the same code), placed by llama.cpp's rule (offload.on_device)
+- kv: the full-attention layers' K and V for n_ctx cells (padded to 256; one unified cache for all sequences)
+- recurrent: the GDN layers' conv and delta-rule states, one per sequence the runtime keeps (main, block scratch,
+  rollback backup), times 1 + n_rs_seq with `--rollback snapshot`
+- compute: llama.cpp's compute buffers for the largest graph, from llama.cpp's own graph allocator run on the model
+  without allocating (llama_context.DryRun), plus the logits output buffer (rows x n_vocab floats). Hand arithmetic
+  would be wrong here: on the 35B shape the tensors alive at the peak of a prompt pass hold 57 MiB, the buffer is
+  76 MiB (the allocator's free blocks do not fit the next tensor). The buffer grows with the context through the
+  attention mask (n_ctx x n_ubatch halves), so two dry runs give it at any context.
+
+`--parallel N` multiplies everything but the mapped host weights: each server slot loads its own model and context.
+The plan keeps a 1 GiB margin on the device and in host memory; see docs/hardware.md.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from clover_gguf.errors import UserError
+from clover_gguf.offload import ALL, Offload, on_device
+
+GiB, MiB = 2**30, 2**20
+MARGIN = GiB
+CTX_PAD = 256  # llama.cpp rounds n_ctx up to this (llama-context.cpp)
+F16, F32 = 2, 4
+PARTS = ("weights_device", "weights_host", "kv", "recurrent", "compute")
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "kb": 10**3, "m": 2**20, "mib": 2**20, "mb": 10**6,
+          "g": 2**30, "gib": 2**30, "gb": 10**9, "t": 2**40, "tib": 2**40, "tb": 10**12}
+
+
+def parse_size(text: str) -> int:
+    """'24GiB', '16 GB', '16G' (= GiB), '12000MiB', '1e9' -> bytes. GiB/MiB are binary, GB/MB decimal."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    unit = m[2].lower() if m else None
+    if not m or unit not in _UNITS:
+        raise UserError(f"cannot read the size {text!r}: use a number with B, KiB, MiB, GiB, TiB (binary) or "
+                        "KB, MB, GB, TB (decimal), e.g. 24GiB")
+    return int(float(m[1]) * _UNITS[unit])
+
+
+def _pad(n: int, step: int) -> int:
+    return (n + step - 1) // step * step
+
+
+# ---- the model ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Shape:
+    """What memory depends on, from a Clover GGUF's metadata."""
+
+    n_layer: int
+    n_vocab: int
+    n_embd: int
+    context_length: int
+    block_size: int
+    recurrent: tuple[bool, ...]  # per layer: a GDN layer (recurrent state) or full attention (KV cache)
+    kv_per_cell: int  # K + V elements of one layer for one cell: n_head_kv * (key_length + value_length)
+    state_per_seq: int  # f32 elements of one GDN layer's state for one sequence: conv window + delta-rule state
+    block_mode: bool
+
+    @classmethod
+    def from_kv(cls, kv: dict[str, Any], where: str) -> "Shape":
+        from clover_gguf.gguf_header import ArrayInfo
+
+        if kv.get("general.architecture") != "clover":
+            raise UserError(f"{where} is not a Clover GGUF (architecture {kv.get('general.architecture')!r})")
+
+        def key(name: str, default: Any = None) -> Any:
+            v = kv.get(f"clover.{name}", default)
+            if v is None:
+                raise UserError(f"{where}: the GGUF has no clover.{name}")
+            return v
+
+        n_layer = int(key("block_count"))
+        recr = kv.get("clover.attention.recurrent_layers")
+        if not isinstance(recr, list) or len(recr) < n_layer:
+            interval = int(key("full_attention_interval", 4))
+            recr = [(i + 1) % interval != 0 for i in range(n_layer)]
+        n_head_kv = key("attention.head_count_kv")
+        if isinstance(n_head_kv, list):
+            n_head_kv = max(n_head_kv)
+        d_conv, d_inner = int(key("ssm.conv_kernel")), int(key("ssm.inner_size"))
+        d_state, n_group = int(key("ssm.state_size")), int(key("ssm.group_count"))
+        tokens = kv.get("tokenizer.ggml.tokens")
+        n_vocab = tokens.length if isinstance(tokens, ArrayInfo) else len(tokens or []) or int(key("vocab_size"))
+        return cls(
+            n_layer=n_layer, n_vocab=n_vocab, n_embd=int(key("embedding_length")),
+            context_length=int(key("context_length")), block_size=int(key("diffusion.block_size", 32)),
+            recurrent=tuple(bool(r) for r in recr[:n_layer]),
+            kv_per_cell=int(n_head_kv) * (int(key("attention.key_length")) + int(key("attention.value_length"))),
+            # llama.cpp's n_embd_r + n_embd_s (llama-hparams.cpp): (d_conv - 1) * conv channels + d_state * d_inner
+            state_per_seq=(d_conv - 1) * (d_inner + 2 * n_group * d_state) + d_state * d_inner,
+            block_mode=bool(kv.get("clover.block_mode", False)))
+
+
+@dataclass
+class Model:
+    """A model to fit: its shape, its weights (name -> bytes as stored, padded to the file's alignment), and a
+    GGUF llama.cpp can read for the compute dry run (the file itself, or a header-only skeleton)."""
+
+    shape: Shape
+    weights: dict[str, int]
+    gguf: Path
+    label: str
+    file_name: str
+    is_file: bool
+
+
+def model_from_file(path: Path) -> Model:
+    from clover_gguf.gguf_header import read_header, tensor_bytes
+    from clover_gguf.quantize import _pad as pad_to
+
+    path = Path(path)
+    try:
+        h = read_header(path)
+    except UserError as e:
+        raise UserError(f"{path} is not a readable GGUF file ({e})") from None
+    shape = Shape.from_kv(h.kv, str(path))
+    weights = {n: pad_to(tensor_bytes(qt, s), h.alignment) for n, (s, qt) in h.tensors.items()}
+    return Model(shape, weights, path, f"{path.name} ({_size(sum(weights.values()))} of weights)", str(path), True)
+
+
+def model_from_config(config: Path, qtype: str, workdir: Path) -> Model:
+    """The weights of `quantize --plan --config config.json --type T` (the same call), on a skeleton of the model."""
+    from clover_gguf.gguf_header import read_header
+    from clover_gguf.quantize import _pad as pad_to
+    from clover_gguf.quantize import plan
+    from clover_gguf.skeleton import write_skeleton
+
+    config = Path(config)
+    if not config.is_file():
+        raise UserError(f"no such config file: {config}")
+    qp = plan(qtype, config=config)
+    skeleton = workdir / "skeleton.gguf"
+    write_skeleton(config, skeleton)
+    shape = Shape.from_kv(read_header(skeleton).kv, str(config))
+    weights = {t.name: pad_to(t.bytes, qp.alignment) for t in qp.tensors}
+    return Model(shape, weights, skeleton, f"{config.name} as {qp.ftype} ({qp.size_gib:.2f} GiB file)",
+                 f"clover-{qp.ftype.lower()}.gguf", False)
+
+
+# ---- one configuration ------------------------------------------------------------------------------------------
+@dataclass
+class Setup:
+    """What the runtime is asked to do (fit's options) and how the weights are placed (the plan's choice)."""
+
+    mode: str = "draft-self"
+    rollback: str = "redecode"
+    parallel: int = 1
+    mmap: bool = True
+    n_gpu_layers: int = 0  # llama.cpp's meaning: ALL (-1) or a count, the output layer counting as one
+    n_cpu_moe: int = 0
+
+
+@dataclass
+class Prediction:
+    ctx: int
+    parts: dict[str, int]  # PARTS, for all slots
+    device_bytes: int
+    host_bytes: int
+
+
+class Predictor:
+    """Bytes of a model in a setup at a context, part by part."""
+
+    def __init__(self, model: Model, setup: Setup, compute_at: "ComputeCurve"):
+        self.model, self.setup, self.compute_at = model, setup, compute_at
+
+    def settings(self, ctx: int) -> dict:
+        from clover_gguf.runtime import context_settings
+
+        s = self.model.shape
+        return context_settings(s.block_size, ctx, s.context_length, self.setup.rollback)
+
+    def __call__(self, ctx: int, n_gpu_layers: int | None = None, n_cpu_moe: int | None = None) -> Prediction:
+        s, st = self.model.shape, self.setup
+        ngl = st.n_gpu_layers if n_gpu_layers is None else n_gpu_layers
+        k = st.n_cpu_moe if n_cpu_moe is None else n_cpu_moe
+        patterns = Offload(n_cpu_moe=k).expert_patterns(s.n_layer)
+        cs = self.settings(ctx)
+
+        w_dev = sum(b for n, b in self.model.weights.items() if on_device(n, s.n_layer, ngl, patterns))
+        w_host = sum(self.model.weights.values()) - w_dev
+        layer_dev = [on_device(f"blk.{i}.", s.n_layer, ngl, []) for i in range(s.n_layer)]
+        kv_layer = _pad(cs["n_ctx"], CTX_PAD) * s.kv_per_cell * (F32 if cs["exact"] else F16)
+        rs_layer = cs["n_seq_max"] * (1 + cs["n_rs_seq"]) * s.state_per_seq * F32
+        kv = {True: 0, False: 0}
+        rs = {True: 0, False: 0}
+        for i in range(s.n_layer):
+            if s.recurrent[i]:
+                rs[layer_dev[i]] += rs_layer
+            else:
+                kv[layer_dev[i]] += kv_layer
+        rows = 1 if st.mode == "ar" else cs["n_outputs_max"]
+        output = max(cs["n_seq_max"], rows) * s.n_vocab * F32  # host (pinned on a GPU build)
+        c_dev, c_host = self.compute_at(cs["n_ctx"], ngl, s)
+        n = st.parallel
+        device = n * (w_dev + kv[True] + rs[True] + c_dev)
+        host = (1 if st.mmap else n) * w_host + n * (kv[False] + rs[False] + c_host + output)
+        parts = {"weights_device": n * w_dev, "weights_host": (1 if st.mmap else n) * w_host,
+                 "kv": n * (kv[True] + kv[False]), "recurrent": n * (rs[True] + rs[False]),
+                 "compute": n * (c_dev + c_host + output)}
+        return Prediction(cs["n_ctx"], parts, device, host)
+
+
+class ComputeCurve:
+    """Compute-buffer bytes (device, host) by context, from llama.cpp's dry run at two contexts. In between it is
+    linear: the attention mask (n_ctx x n_ubatch) is the part that grows. The plan's final context is then dry-run
+    exactly (`exact`)."""
+
+    def __init__(self, dry: Any, settings_at: Any, lo: int, hi: int, gpu_here: bool):
+        self.dry, self.settings_at, self.gpu_here = dry, settings_at, gpu_here
+        self.points: dict[int, tuple[int, int]] = {}
+        for c in sorted({lo, hi}):
+            self.points[c] = self.measure(c)
+
+    def measure(self, ctx: int) -> tuple[int, int]:
+        b = self.dry.buffers(**self.settings_at(ctx))
+        comp = b.get("compute", {})
+        from clover_gguf.llama_memory import is_host_buffer
+
+        dev = sum(v for k, v in comp.items() if not is_host_buffer(k))
+        host = sum(v for k, v in comp.items() if is_host_buffer(k))
+        return dev, host
+
+    def exact(self, ctx: int) -> None:
+        n = _pad(ctx, CTX_PAD)
+        if n not in self.points:
+            self.points[n] = self.measure(n)
+
+    def _total(self, ctx: int) -> tuple[int, int]:
+        n = _pad(ctx, CTX_PAD)
+        if n in self.points:
+            return self.points[n]
+        (c0, v0), (c1, v1) = sorted(self.points.items())[0], sorted(self.points.items())[-1]
+        if c1 == c0:
+            return v0
+        t = (n - c0) / (c1 - c0)
+        return tuple(round(a + (b - a) * t) for a, b in zip(v0, v1))  # type: ignore[return-value]
+
+    def __call__(self, ctx: int, n_gpu_layers: int, shape: Shape) -> tuple[int, int]:
+        dev, host = self._total(ctx)
+        if self.gpu_here or n_gpu_layers == 0:
+            return dev, host  # what this machine's backends report for that placement
+        # planned for a GPU on a machine without one: the graph runs on the GPU; llama.cpp keeps the input
+        # embedding rows (n_embd x n_ubatch floats) on the CPU; with some layers on the CPU both sides need their
+        # own buffer for the largest layer (counted in full on both: an upper bound)
+        total = dev + host
+        inputs = shape.n_embd * max(512, shape.block_size) * F32
+        if 0 <= n_gpu_layers <= shape.n_layer:
+            return total, total
+        return total, inputs
+
+
+# ---- the plan ---------------------------------------------------------------------------------------------------
+@dataclass
+class Budget:
+    vram: int | None  # None: no GPU (everything in host memory)
+    ram: int
+    unified: bool  # Apple silicon: the GPU's memory is part of host memory
+    device: str  # where vram came from
+
+
+@dataclass
+class FitResult:
+    fits: bool
+    model: str
+    mode: str
+    parallel: int
+    rollback: str
+    gpu_layers: int  # layers on the GPU, the output layer counting as one (n_layer + 1 = all)
+    n_cpu_moe: int
+    ctx: int
+    n_layer: int
+    parts: dict[str, int]
+    device_bytes: int
+    host_bytes: int
+    budget: Budget
+    command: str
+    notes: list[str] = field(default_factory=list)
+    llama_fit: str | None = None
+    measured: dict[str, int] | None = None
+
+    def to_json(self) -> dict:
+        out = {"fits": self.fits, "gpu_layers": self.gpu_layers, "n_cpu_moe": self.n_cpu_moe, "ctx": self.ctx,
+               "device_bytes": self.device_bytes, "host_bytes": self.host_bytes, "parts": dict(self.parts),
+               "command": self.command, "model": self.model, "mode": self.mode, "parallel": self.parallel,
+               "rollback": self.rollback, "vram_bytes": self.budget.vram, "ram_bytes": self.budget.ram,
+               "unified_memory": self.budget.unified, "device": self.budget.device, "margin_bytes": MARGIN,
+               "notes": self.notes}
+        if self.llama_fit is not None:
+            out["llama_fit_params"] = self.llama_fit
+        if self.measured is not None:
+            out["measured"] = dict(self.measured)
+        return out
+
+    def format(self) -> str:
+        b = self.budget
+        where = (f"{_gib(b.vram)} GiB on the GPU ({b.device}){' shared with' if b.unified else ' +'} "
+                 f"{_gib(b.ram)} GiB of host memory" if b.vram is not None else
+                 f"no GPU ({b.device}): {_gib(b.ram)} GiB of host memory")
+        lines = [f"model    {self.model}", f"target   {where}, 1 GiB kept free on each",
+                 f"mode     {self.mode}" + (f", rollback {self.rollback}" if self.mode == "draft-self" else "")
+                 + (f", {self.parallel} slots" if self.parallel > 1 else "")]
+        verdict = "fits" if self.fits else "does NOT fit"
+        lines.append(f"plan     {verdict}: context {self.ctx}, {self._placement()}")
+        lines.append("")
+        meas = self.measured
+        head = f"  {'part':<16} {'predicted':>12}" + (f" {'measured':>12} {'pred/meas':>10}" if meas else "")
+        lines.append(head)
+        for p in PARTS:
+            row = f"  {p:<16} {_mib(self.parts[p]):>12}"
+            if meas:
+                m = meas.get(p, 0)
+                ratio = f"{self.parts[p] / m:10.3f}" if m else f"{'-':>10}"
+                row += f" {_mib(m):>12} {ratio}"
+            lines.append(row)
+        lines.append(f"  {'(MiB)':<16}")
+        left_dev = (b.vram - MARGIN - self.device_bytes) if b.vram is not None else None
+        host_room = b.ram - MARGIN - self.host_bytes - (self.device_bytes if b.unified else 0)
+        lines.append(f"device   {_gib(self.device_bytes)} GiB" + (f", {_gib(left_dev)} GiB left" if left_dev is not None
+                                                                 else ""))
+        lines.append(f"host     {_gib(self.host_bytes)} GiB, {_gib(host_room)} GiB left")
+        lines += [f"note     {n}" for n in self.notes]
+        if self.llama_fit is not None:
+            lines.append(f"llama.cpp's own fit (llama-fit-params): {self.llama_fit}")
+        lines.append(f"run      {self.command}")
+        return "\n".join(lines)
+
+    def _placement(self) -> str:
+        if self.budget.vram is None or self.gpu_layers == 0:
+            return "everything on the CPU"
+        bits = ["all layers on the GPU" if self.gpu_layers > self.n_layer else f"{self.gpu_layers} layers on the GPU"]
+        bits.append(f"routed experts of the first {self.n_cpu_moe} layers in host memory" if self.n_cpu_moe else
+                    "no expert offload")
+        return ", ".join(bits)
+
+
+def _size(n: int) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / MiB:.2f} MiB"
+
+
+def _gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / GiB:.2f}"
+
+
+def _mib(n: int) -> str:
+    return f"{n / MiB:.2f}"
+
+
+def host_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 16 * GiB
+
+
+def make_budget(vram: str | None, ram: str | None, unified: bool | None, has_library_gpu: list) -> Budget:
+    ram_b = parse_size(ram) if ram is not None else host_memory()
+    if vram is not None:
+        return Budget(parse_size(vram), ram_b, bool(unified), "--vram")
+    if has_library_gpu:
+        d = has_library_gpu[0]
+        return Budget(d.free, ram_b, d.integrated if unified is None else unified,
+                      f"{d.name}: {d.description}, free memory")
+    return Budget(None, ram_b, False, "none found by llama.cpp")
+
+
+def _fits(pred: Prediction, budget: Budget) -> bool:
+    if budget.vram is not None and pred.device_bytes > budget.vram - MARGIN:
+        return False
+    host = pred.host_bytes + (pred.device_bytes if budget.unified else 0)
+    return host <= budget.ram - MARGIN
+
+
+def _round_ctx(ctx: int) -> int:
+    return ctx // 1024 * 1024 if ctx >= 1024 else ctx // CTX_PAD * CTX_PAD
+
+
+def _step_down(ctx: int) -> int:
+    return ctx - 1024 if ctx > 1024 else ctx - CTX_PAD
+
+
+def _largest_ctx(predict: Predictor, budget: Budget, hi: int, ngl: int, k: int) -> int:
+    """The largest context (a multiple of 1024, or of 256 below 1024) up to `hi` that fits; 0 if none."""
+    if _fits(predict(hi, ngl, k), budget):
+        return hi
+    best, lo, top = 0, 1, hi // CTX_PAD  # binary search in units of CTX_PAD
+    while lo <= top:
+        mid = (lo + top) // 2
+        if _fits(predict(mid * CTX_PAD, ngl, k), budget):
+            best, lo = mid * CTX_PAD, mid + 1
+        else:
+            top = mid - 1
+    return _round_ctx(best)
+
+
+def plan(model: Model, budget: Budget, setup: Setup, ctx: int | None, dry: Any, gpu_here: bool) -> FitResult:
+    """The placement and context for `budget`: with --ctx, the least offload that holds it; without, the largest
+    context up to the model's that fits as it is, or, if that is below the runtime's default context, the least
+    offload that holds the default and then the largest context there. Experts leave the device before attention
+    layers do (--n-cpu-moe 1, 2, ... n_layer, then fewer --gpu-layers)."""
+    s = model.shape
+    notes = []
+    if ctx is not None and ctx > s.context_length:
+        notes.append(f"--ctx {ctx} is above the model's {s.context_length}: planned for {s.context_length}")
+    target = min(ctx or s.context_length, s.context_length)
+    floor = min(ctx or _default_ctx(), s.context_length)
+    predictor = Predictor(model, setup, None)  # type: ignore[arg-type]
+    curve = ComputeCurve(dry, predictor.settings, min(floor, 4096), target, gpu_here)
+    predictor.compute_at = curve
+
+    candidates: list[tuple[int, int]] = []
+    if budget.vram is not None:
+        candidates += [(ALL, k) for k in range(s.n_layer + 1)]
+        candidates += [(ngl, s.n_layer) for ngl in range(s.n_layer, 0, -1)]
+    candidates.append((0, 0))
+    chosen = None
+    for ngl, k in candidates:
+        c = _largest_ctx(predictor, budget, target, ngl, k)
+        while c >= floor:  # the estimate between the two dry runs is linear; check the final context exactly
+            curve.exact(c)
+            if _fits(predictor(c, ngl, k), budget):
+                break
+            c = _step_down(c)
+        if c >= floor:
+            chosen = (ngl, k, c)
+            break
+    fits = chosen is not None
+    if chosen is None:
+        chosen = (*candidates[-1], floor)
+        notes.append(f"nothing holds {floor} tokens of context: too little memory for this file")
+    ngl, k, c = chosen
+    curve.exact(c)
+    setup.n_gpu_layers, setup.n_cpu_moe = ngl, k
+    pred = predictor(c, ngl, k)
+    if not model.is_file:
+        notes.append("weights from `quantize --plan` of a header-only skeleton (tokenizer metadata not counted)")
+    if budget.vram is not None and not gpu_here:
+        notes.append("no GPU here: compute buffers sized by this machine's CPU backend running the same graph")
+    return FitResult(fits, model.label, setup.mode, setup.parallel, setup.rollback,
+                     s.n_layer + 1 if ngl == ALL else ngl, k, pred.ctx, s.n_layer, pred.parts, pred.device_bytes,
+                     pred.host_bytes, budget, _command(model, setup, pred.ctx, ngl, k, budget.vram is not None), notes)
+
+
+def _default_ctx() -> int:
+    from clover_gguf.runtime import DEFAULT_CTX
+
+    return DEFAULT_CTX
+
+
+def _command(model: Model, setup: Setup, ctx: int, ngl: int, k: int, gpu: bool) -> str:
+    """The command line to run; --gpu-layers left at its default (auto) when that is what the plan says."""
+    off = Offload(gpu_layers="auto" if ngl == ALL or not gpu else ngl, n_cpu_moe=k if k < model.shape.n_layer else 0,
+                  cpu_moe=k >= model.shape.n_layer and k > 0, mmap=setup.mmap)
+    cmd = ["clover-gguf", "serve" if setup.parallel > 1 else "chat", model.file_name, "--mode", setup.mode,
+           "--ctx", str(ctx), *off.cli_args()]
+    if setup.parallel > 1:
+        cmd += ["--parallel", str(setup.parallel)]
+    if setup.rollback != "redecode" and setup.mode == "draft-self":
+        cmd += ["--rollback", setup.rollback]
+    return " ".join(cmd)
+
+
+# ---- measuring ------------------------------------------------------------------------------------------------
+def measure(model: Model, result: FitResult, setup: Setup) -> dict[str, int]:
+    """Load the model with the plan's settings, answer one short prompt in the plan's mode (a block pass in the
+    block modes), and read what llama.cpp allocated: its buffer-size lines at load, and the compute size llama_free
+    reports after the passes. The logits output buffer grows at the first call that asks for more rows than the
+    sequences; a Release build of llama.cpp does not log that, so it is taken as rows x n_vocab floats with the
+    rows the run asked for (LlamaContext.max_outputs)."""
+    from clover_gguf.llama_context import capture_llama_log
+    from clover_gguf.llama_memory import buffer_sizes, is_host_buffer
+    from clover_gguf.runtime import CloverRuntime
+
+    off = Offload(gpu_layers="all" if setup.n_gpu_layers == ALL else setup.n_gpu_layers,
+                  n_cpu_moe=setup.n_cpu_moe, mmap=setup.mmap)
+    with capture_llama_log() as load_log:
+        rt = CloverRuntime(model.gguf, n_ctx=result.ctx, rollback=setup.rollback, offload=off)
+    try:
+        # threshold 0: a block pass resolves every position; then one block pass and one committed block (all its
+        # logits) reach the largest graphs of the mode: draft-self commits its draft before it emits a token,
+        # diffusion commits a block when the answer goes on past it
+        new = {"ar": 4, "draft-self": 1}.get(setup.mode, rt.block_size + 1)
+        rt.generate("Hello", mode=setup.mode, max_new_tokens=new, threshold=0.0, think=False)
+        rows = rt.ctx.max_outputs
+    finally:
+        with capture_llama_log() as free_log:
+            rt.close()
+    at_load, at_free = buffer_sizes(load_log), buffer_sizes(free_log)
+    model_b = at_load.get("model", {})
+    output = max(sum(at_load.get("output", {}).values()), rows * model.shape.n_vocab * F32)
+    return {"weights_device": sum(v for k, v in model_b.items() if not is_host_buffer(k)),
+            "weights_host": sum(v for k, v in model_b.items() if is_host_buffer(k)),
+            "kv": sum(at_load.get("KV", {}).values()), "recurrent": sum(at_load.get("RS", {}).values()),
+            "compute": sum((at_free.get("compute") or at_load.get("compute", {})).values()) + output}
+
+
+# ---- llama.cpp's own fitting -------------------------------------------------------------------------------------
+def llama_fit_params(model: Model, setup: Setup, ctx: int | None, floor: int) -> str:
+    """llama-fit-params on the same file and context settings: its `-c N -ngl N -ot ...` line, or why not."""
+    from clover_gguf.quantize import llama_tool
+
+    if not model.is_file:
+        return "not run: it needs the quantized file itself, not a config"
+    try:
+        tool = llama_tool("llama-fit-params")
+    except UserError:
+        return "not run: llama-fit-params is not in this build (`clover-gguf build-llama`)"
+    from clover_gguf.runtime import N_SEQ
+
+    cmd = [str(tool), "-m", str(model.gguf), "-ub", str(max(512, model.shape.block_size)), "-np", str(N_SEQ),
+           "-kvu", "--fit-target", str(MARGIN // MiB), "--fit-ctx", str(floor)]
+    if ctx:
+        cmd += ["-c", str(ctx)]
+    env = dict(os.environ)
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(tool.parent), env.get("LD_LIBRARY_PATH")]))
+    try:
+        p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
+                           timeout=600)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"failed: {e}"
+    out = [ln.strip() for ln in p.stdout.splitlines() if ln.strip().startswith("-c ")]
+    if p.returncode != 0 or not out:
+        err = [ln for ln in p.stderr.splitlines() if ln.strip()]
+        return f"failed (exit {p.returncode}): {err[-1].strip() if err else 'no output'}"
+    return out[-1]
+
+
+# ---- the command --------------------------------------------------------------------------------------------------
+def fit(model_path: Path | None = None, config: Path | None = None, qtype: str | None = None,
+        vram: str | None = None, ram: str | None = None, ctx: int | None = None, mode: str = "draft-self",
+        parallel: int = 1, rollback: str = "redecode", mmap: bool = True, unified: bool | None = None,
+        do_measure: bool = False) -> FitResult:
+    from clover_gguf.llama_memory import DryRun, gpu_devices
+
+    if (model_path is None) == (config is None):
+        raise UserError("give either MODEL.gguf or --config config.json --type T")
+    if config is not None and not qtype:
+        raise UserError("--config needs --type (the file you would download or make, e.g. Q4_K_M)")
+    if model_path is not None and qtype:
+        raise UserError("--type goes with --config; a GGUF file already has its types")
+    if do_measure and model_path is None:
+        raise UserError("--measure loads the model: give MODEL.gguf")
+    if parallel < 1:
+        raise UserError("--parallel must be at least 1")
+    if ctx is not None and ctx < CTX_PAD:
+        raise UserError(f"--ctx must be at least {CTX_PAD}")
+    budget_in = (vram, ram)
+    for v in budget_in:
+        if v is not None:
+            parse_size(v)  # bad units fail before any work
+    setup = Setup(mode=mode, rollback=rollback, parallel=parallel, mmap=mmap)
+    with tempfile.TemporaryDirectory(prefix="clover-fit-") as tmp:
+        model = model_from_file(Path(model_path)) if model_path is not None else \
+            model_from_config(Path(config), qtype, Path(tmp))  # type: ignore[arg-type]
+        if mode != "ar" and not model.shape.block_mode:
+            raise UserError(f"{model.label} has no Clover block-mode tensors: use --mode ar")
+        devices = gpu_devices()
+        budget = make_budget(vram, ram, unified, devices)
+        with DryRun(model.gguf) as dry:
+            result = plan(model, budget, setup, ctx, dry, gpu_here=bool(devices))
+        if devices:
+            result.llama_fit = llama_fit_params(model, setup, ctx, min(ctx or _default_ctx(),
+                                                                      model.shape.context_length))
+        if do_measure:
+            result.measured = measure(model, result, setup)
+    return result

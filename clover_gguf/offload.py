@@ -1,0 +1,167 @@
+"""Where the weights live: the offload options every command shares, and the placement rule `fit` predicts with.
+
+    --gpu-layers N|all|auto (-ngl)   layers on the GPU; auto = all when the library can offload, else 0
+    --cpu-moe / --n-cpu-moe N        routed-expert tensors of every layer / of the first N layers in host memory
+    --threads N                      CPU threads
+    --mmap / --no-mmap               map the file (llama.cpp's load mode auto) or read it into memory (none)
+
+The expert options match llama.cpp's options of the same names (common/arg.cpp): tensors matching
+EXPERT_PATTERN, restricted to `blk.i.` for the first N layers, get the CPU buffer type through
+llama_model_params.tensor_buft_overrides. `on_device` restates llama.cpp's layer assignment (llama-model.cpp,
+load_tensors): the input embedding always stays on the CPU, the last `gpu_layers` of the n_layer + 1 layers (the
+output layer counts as one) go to the GPU, and an override wins over the layer's device.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from clover_gguf.errors import UserError
+
+# the routed experts of a layer: gate/up/down (fused gate_up, chunked "ch" variants included), never the shared expert
+EXPERT_PATTERN = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
+ALL = -1  # n_gpu_layers for "every layer" (llama.cpp: a negative value means all layers)
+
+
+def parse_gpu_layers(value: str | int) -> str | int:
+    """'auto', 'all' or a layer count >= 0; anything else is a usage error."""
+    if isinstance(value, int):
+        n = value
+    else:
+        v = str(value).strip().lower()
+        if v in ("auto", "all"):
+            return v
+        try:
+            n = int(v)
+        except ValueError:
+            raise UserError(f"--gpu-layers must be a number, 'all' or 'auto', not {value!r}") from None
+    if n < 0:
+        raise UserError(f"--gpu-layers must be at least 0, not {n}")
+    return n
+
+
+@dataclass(frozen=True)
+class Offload:
+    """The offload options of one command line (see the module docstring)."""
+
+    gpu_layers: str | int = "auto"
+    cpu_moe: bool = False
+    n_cpu_moe: int = 0
+    threads: int | None = None
+    mmap: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "gpu_layers", parse_gpu_layers(self.gpu_layers))
+        if self.n_cpu_moe < 0:
+            raise UserError(f"--n-cpu-moe must be at least 0, not {self.n_cpu_moe}")
+        if self.threads is not None and self.threads < 1:
+            raise UserError(f"--threads must be at least 1, not {self.threads}")
+
+    @property
+    def asks_for_gpu(self) -> bool:
+        """True when an option only a GPU build can act on was given."""
+        return self.gpu_layers not in ("auto", 0) or self.cpu_moe or self.n_cpu_moe > 0
+
+    def n_gpu_layers(self, gpu_offload_supported: bool) -> int:
+        """llama_model_params.n_gpu_layers: ALL, or a count."""
+        if self.gpu_layers == "auto":
+            return ALL if gpu_offload_supported else 0
+        if self.gpu_layers == "all":
+            return ALL
+        return int(self.gpu_layers)
+
+    def cpu_moe_layers(self, n_layer: int) -> int:
+        """How many leading layers keep their experts in host memory (checked against the model's layer count)."""
+        if self.n_cpu_moe > n_layer:
+            raise UserError(f"--n-cpu-moe {self.n_cpu_moe} is above the model's {n_layer} layers")
+        return n_layer if self.cpu_moe else self.n_cpu_moe
+
+    def expert_patterns(self, n_layer: int) -> list[str]:
+        """The tensor-name regexes that go to the CPU buffer type, as llama.cpp's --cpu-moe / --n-cpu-moe make them."""
+        if self.cpu_moe:
+            return [EXPERT_PATTERN]
+        return [rf"blk\.{i}{EXPERT_PATTERN}" for i in range(self.cpu_moe_layers(n_layer))]
+
+    def llama_args(self, gpu_offload_supported: bool) -> list[str]:
+        """The same options for llama.cpp's own tools (llama-imatrix, llama-fit-params)."""
+        ngl = self.n_gpu_layers(gpu_offload_supported)
+        args = ["-ngl", "all" if ngl == ALL else str(ngl)]
+        if self.cpu_moe:
+            args.append("--cpu-moe")
+        elif self.n_cpu_moe:
+            args += ["--n-cpu-moe", str(self.n_cpu_moe)]
+        if self.threads:
+            args += ["-t", str(self.threads)]
+        args += ["--load-mode", "auto" if self.mmap else "none"]
+        return args
+
+    def cli_args(self) -> list[str]:
+        """These options as a clover-gguf command line would spell them (defaults left out)."""
+        out = [] if self.gpu_layers == "auto" else ["--gpu-layers", str(self.gpu_layers)]
+        if self.cpu_moe:
+            out.append("--cpu-moe")
+        elif self.n_cpu_moe:
+            out += ["--n-cpu-moe", str(self.n_cpu_moe)]
+        if self.threads:
+            out += ["--threads", str(self.threads)]
+        if not self.mmap:
+            out.append("--no-mmap")
+        return out
+
+
+def on_device(name: str, n_layer: int, n_gpu_layers: int, patterns: list[str]) -> bool:
+    """Whether llama.cpp puts the weight `name` on the GPU (see the module docstring)."""
+    if any(re.search(p, name) for p in patterns):
+        return False
+    ngl = n_layer + 1 if n_gpu_layers < 0 else min(n_gpu_layers, n_layer + 1)
+    first_gpu = n_layer + 1 - ngl
+    m = re.match(r"blk\.(\d+)\.", name)
+    if m:
+        return int(m[1]) >= first_gpu
+    if name.startswith("token_embd."):
+        return False  # the input layer always stays on the CPU
+    return ngl > 0  # output_norm, output: the output layer, the last of the n_layer + 1
+
+
+_NOTICE_GIVEN = False
+
+
+def no_offload_notice(offload: Offload) -> None:
+    """Said once per process: without a GPU the offload options are accepted and do nothing."""
+    global _NOTICE_GIVEN
+    if offload.asks_for_gpu and not _NOTICE_GIVEN:
+        _NOTICE_GIVEN = True
+        print("clover-gguf: note: llama.cpp has no GPU to offload to here; --gpu-layers, --cpu-moe and "
+              "--n-cpu-moe change nothing", file=sys.stderr)
+
+
+# ---- the one definition of the options, for typer (cli.py) and argparse (bench/) ---------------------------------
+# (name, flags, default, help); --mmap is a boolean pair
+OPTIONS: list[tuple[str, tuple[str, ...], Any, str]] = [
+    ("gpu_layers", ("--gpu-layers", "-ngl"), "auto",
+     "layers on the GPU: a number, 'all', or 'auto' (all when the llama.cpp build can offload, else 0)"),
+    ("cpu_moe", ("--cpu-moe",), False, "keep every layer's routed experts in host memory"),
+    ("n_cpu_moe", ("--n-cpu-moe",), 0, "keep the routed experts of the first N layers in host memory"),
+    ("threads", ("--threads",), None, "CPU threads (default: up to 8)"),
+    ("mmap", ("--mmap/--no-mmap",), True, "map the model file (default) or read it into memory"),
+]
+
+
+def add_argparse(ap: Any) -> None:
+    """The offload options on an argparse parser (the benches)."""
+    import argparse
+
+    for name, flags, default, help_ in OPTIONS:
+        if name == "mmap":
+            ap.add_argument("--mmap", action=argparse.BooleanOptionalAction, default=default, help=help_)
+        elif isinstance(default, bool):
+            ap.add_argument(*flags, dest=name, action="store_true", help=help_)
+        else:
+            ap.add_argument(*flags, dest=name, default=default, type=str if name == "gpu_layers" else int, help=help_)
+
+
+def from_namespace(ns: Any) -> Offload:
+    return Offload(**{name: getattr(ns, name) for name, *_ in OPTIONS})

@@ -1,0 +1,145 @@
+"""`clover-gguf fit`: the 35B plans for 24 and 16 GiB GPUs, weights from the same code as `quantize --plan`, the
+prediction against what llama.cpp allocates (bundled model and a random `small` one, AR and a block mode), and bad
+input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from clover_gguf import fit
+from clover_gguf.config import SHAPE_35B
+from clover_gguf.convert import convert
+from clover_gguf.errors import UserError
+from clover_gguf.llama_memory import DryRun
+from clover_gguf.quantize import _pad, plan
+from clover_gguf.testing.train_tiny import ASSET_DIR
+
+GiB = 2**30
+
+
+def _cli(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "clover_gguf", *map(str, args)], capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def q4_35b(tmp_path_factory):
+    """The 35B shape as Q4_K_M: its weights (quantize --plan) and a skeleton llama.cpp can dry-run."""
+    model = fit.model_from_config(SHAPE_35B, "Q4_K_M", tmp_path_factory.mktemp("fit35"))
+    with DryRun(model.gguf) as dry:
+        yield model, dry
+
+
+def _plan(model, dry, vram, ctx=None, ram="64GiB"):
+    budget = fit.make_budget(vram, ram, None, [])
+    return fit.plan(model, budget, fit.Setup(), ctx, dry, gpu_here=False)
+
+
+def test_35b_q4_k_m_on_24_gib_fits_without_expert_offload_at_a_stated_context():
+    r = _cli("fit", "--config", SHAPE_35B, "--type", "Q4_K_M", "--vram", "24GiB", "--ram", "64GiB", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["fits"] and out["n_cpu_moe"] == 0 and out["gpu_layers"] == 41
+    assert out["ctx"] == 131072  # the model's whole context
+    assert f"--ctx {out['ctx']}" in out["command"] and "--n-cpu-moe" not in out["command"]
+    assert set(out["parts"]) == set(fit.PARTS)
+    assert out["device_bytes"] <= 23 * GiB
+    # the KV cache and the states by the numbers in docs/hardware.md: 20 KiB per token, 3 x 62.8 MiB
+    assert out["parts"]["kv"] == 131072 * 20 * 1024
+    assert out["parts"]["recurrent"] == 3 * 30 * (3 * 8192 + 32 * 128 * 128) * 4
+    # weights: exactly what `quantize --plan` says for this type (its tensors, as llama.cpp pads them in the file)
+    qp = plan("Q4_K_M", config=SHAPE_35B)
+    assert out["parts"]["weights_device"] + out["parts"]["weights_host"] == \
+        sum(_pad(t.bytes, qp.alignment) for t in qp.tensors)
+    assert out["parts"]["weights_host"] == _pad(next(t.bytes for t in qp.tensors if t.name == "token_embd.weight"),
+                                                qp.alignment)
+
+
+def test_35b_q4_k_m_on_16_gib_fits_only_with_experts_in_host_memory(q4_35b):
+    model, dry = q4_35b
+    r = _plan(model, dry, "16GiB")
+    assert r.fits and r.n_cpu_moe > 0 and r.gpu_layers == 41 and r.ctx >= 8192
+    assert r.device_bytes <= 15 * GiB
+    assert f"--n-cpu-moe {r.n_cpu_moe}" in r.command
+    # one layer fewer of experts in host memory does not hold the default context
+    pred = fit.Predictor(model, fit.Setup(), None)
+    pred.compute_at = fit.ComputeCurve(dry, pred.settings, 4096, 8192, False)
+    assert pred(8192, -1, r.n_cpu_moe - 1).device_bytes > 15 * GiB
+    assert pred(8192, -1, r.n_cpu_moe).device_bytes <= 15 * GiB
+
+
+def test_35b_q3_k_s_on_16_gib_says_what_context_fits(tmp_path):
+    model = fit.model_from_config(SHAPE_35B, "Q3_K_S", tmp_path)
+    with DryRun(model.gguf) as dry:
+        r = _plan(model, dry, "16GiB")
+        asked = _plan(model, dry, "16GiB", ctx=65536)
+    assert r.fits and r.n_cpu_moe == 0 and 8192 <= r.ctx < 131072
+    text = r.format()
+    assert f"context {r.ctx}" in text and "no expert offload" in text
+    # more context than fits as it is: experts go to host memory to make room
+    assert asked.fits and asked.ctx == 65536 and asked.n_cpu_moe > 0
+
+
+@pytest.fixture(scope="module")
+def ggufs(make_checkpoint, tmp_path_factory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("fit")
+    out = {"tiny-clover": d / "tiny-clover.gguf", "small": d / "small.gguf"}
+    convert(ASSET_DIR, out["tiny-clover"], outtype="f32", quiet=True)
+    convert(make_checkpoint(seed=4, preset="small"), out["small"], outtype="f32", quiet=True)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["ar", "diffusion"])
+@pytest.mark.parametrize("name", ["tiny-clover", "small"])
+def test_prediction_is_within_5_percent_of_what_llama_cpp_allocates(ggufs, name, mode):
+    r = fit.fit(ggufs[name], mode=mode, do_measure=True)
+    assert r.fits and r.measured is not None
+    for part in fit.PARTS:
+        pred, meas = r.parts[part], r.measured[part]
+        if meas == 0:
+            assert pred == 0, part
+        else:
+            assert abs(pred - meas) <= 0.05 * meas, (part, pred, meas)
+    assert r.measured["kv"] > 0 and r.measured["recurrent"] > 0 and r.measured["compute"] > 0
+
+
+def test_rollback_snapshot_and_parallel_scale_the_states(ggufs):
+    one = fit.fit(ggufs["small"], mode="draft-self")
+    snap = fit.fit(ggufs["small"], mode="draft-self", rollback="snapshot")
+    two = fit.fit(ggufs["small"], mode="draft-self", parallel=2)
+    assert snap.parts["recurrent"] == one.parts["recurrent"] * (1 + 33)  # block_size + 1 snapshots per sequence
+    assert two.parts["kv"] == 2 * one.parts["kv"] and two.parts["weights_host"] == one.parts["weights_host"]
+    assert "serve" in two.command and "--parallel 2" in two.command
+
+
+def test_bad_input_gets_one_line_and_exit_2(ggufs, tmp_path):
+    from gguf import GGUFWriter
+
+    other = tmp_path / "llama.gguf"
+    w = GGUFWriter(other, arch="llama")
+    w.add_block_count(2)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    w.close()
+    cases = [(("fit", ggufs["tiny-clover"], "--vram", "16XB"), "cannot read the size '16XB'"),
+             (("fit", ggufs["tiny-clover"], "--ram", "lots"), "cannot read the size 'lots'"),
+             (("fit", other), "not a Clover GGUF"),
+             (("fit", "--config", SHAPE_35B), "--config needs --type"),
+             (("generate", ggufs["tiny-clover"], "-p", "hi", "--n-cpu-moe", "5"), "above the model's 4 layers")]
+    for args, message in cases:
+        r = _cli(*args)
+        errors = [ln for ln in r.stderr.splitlines() if ln.strip()]
+        assert r.returncode == 2 and len(errors) == 1 and message in errors[0], (args, r.stderr)
+
+
+def test_sizes():
+    assert fit.parse_size("24GiB") == 24 * GiB == fit.parse_size("24 g")
+    assert fit.parse_size("16GB") == 16 * 10**9
+    assert fit.parse_size("1.5MiB") == 3 * 2**19
+    with pytest.raises(UserError, match="cannot read the size"):
+        fit.parse_size("12 bananas")
