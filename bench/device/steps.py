@@ -349,10 +349,15 @@ def cmd_decode(a) -> None:
         place = offload_kwargs(a.gpu_layers, a.n_cpu_moe)
     except NotImplementedError as e:
         skip(a.name, f"skipped: {e} (branch fit adds --n-cpu-moe to the runtime)")
+    from clover_gguf.llama_context import capture_llama_log
+
     prompts = eval_prompts(a.prompts)
     t_load = time.perf_counter()
-    rt = CloverRuntime(gguf, n_ctx=a.ctx, **place)
+    with capture_llama_log() as log:  # where llama.cpp put the weights and how many pieces its graphs run in
+        rt = CloverRuntime(gguf, n_ctx=a.ctx, **place)
     load_s = time.perf_counter() - t_load
+    placement = [line.strip() for line in log.text()
+                 if re.search(r"offload|model buffer size|compute buffer size|splits|KV buffer size|RS buffer", line)]
     timer = PassTimer(rt)
     rows = {m: dict(tokens=0, seconds=0.0, prompt_s=0.0, passes=0, rollback_passes=0, answers=0) for m in MODES}
     try:
@@ -377,13 +382,15 @@ def cmd_decode(a) -> None:
         rt.close()
     out = {"gguf": str(gguf), "file_bytes": gguf.stat().st_size, "prompts": len(prompts),
            "max_new_tokens": a.max_new_tokens, "n_ctx": a.ctx, "gpu_layers": a.gpu_layers, "n_cpu_moe": a.n_cpu_moe,
-           "load_s": round(load_s, 2), "memory_breakdown": breakdown, "modes": {}}
+           "load_s": round(load_s, 2), "memory_breakdown": breakdown, "llama_log": placement, "modes": {}}
     for mode, r in rows.items():
         per_kind = {}
         for kind, ts in timer.times.get(mode, {}).items():
             per_kind[kind] = {"count": len(ts), "per_token": len(ts) / max(r["tokens"], 1),
                               "mean_ms": 1e3 * statistics.fmean(ts), "median_ms": 1e3 * statistics.median(ts)}
+        model_s = sum(sum(ts) for ts in timer.times.get(mode, {}).values())
         out["modes"][mode] = dict(r, tok_s=r["tokens"] / r["seconds"] if r["seconds"] else 0.0,
+                                  model_share=model_s / r["seconds"] if r["seconds"] else 0.0,
                                   decode_tok_s=r["tokens"] / (r["seconds"] - r["prompt_s"])
                                   if r["seconds"] > r["prompt_s"] else 0.0,
                                   passes_per_token=r["passes"] / max(r["tokens"], 1), passes=per_kind)
@@ -421,11 +428,13 @@ def project(this: dict, mix_from: dict) -> dict:
 def print_decode(name: str, d: dict) -> None:
     print(f"\n{name}: {Path(d['gguf']).name} ({d['file_bytes'] / 2**20:.0f} MiB), {d['prompts']} prompts, "
           f"max {d['max_new_tokens']} new tokens, gpu_layers {d['gpu_layers']}, n_cpu_moe {d['n_cpu_moe']}")
-    print(f"{'mode':<11} {'tokens':>6} {'tok/s':>8} {'decode':>8} {'pass/tok':>8}  ms per pass (median, count)")
+    print(f"{'mode':<11} {'tokens':>6} {'tok/s':>8} {'decode':>8} {'pass/tok':>8} {'model':>6}  "
+          f"ms per pass (median, count)")
     for mode, r in d["modes"].items():
         kinds = ", ".join(f"{k} {p['median_ms']:.2f} ({p['count']})" for k, p in r["passes"].items())
-        print(f"{mode:<11} {r['tokens']:>6} {r['tok_s']:8.1f} {r['decode_tok_s']:8.1f} {r['passes_per_token']:8.3f}  "
-              f"{kinds}")
+        print(f"{mode:<11} {r['tokens']:>6} {r['tok_s']:8.1f} {r['decode_tok_s']:8.1f} {r['passes_per_token']:8.3f} "
+              f"{r['model_share']:6.0%}  {kinds}")
+    print("model: the share of the wall time spent in llama.cpp calls (the rest is Python: sampling, softmax, ...)")
     for mode, p in d.get("projected", {}).items():
         print(f"projected {mode:<11} {p['tok_s']:8.1f} tok/s ({p.get('x_ar', 0):.2f} x ar), pass mix {p['mix']}")
 
@@ -466,8 +475,9 @@ def cmd_memory(a) -> None:
     fit_help = subprocess.run([sys.executable, "-m", "clover_gguf", "fit", "--help"], capture_output=True)
     has_fit = fit_help.returncode == 0
     if has_fit:
-        p = subprocess.run([sys.executable, "-m", "clover_gguf", "fit", str(gguf), "--ctx", str(a.ctx), "--json"],
-                           capture_output=True, text=True, timeout=300)
+        cmd = ["fit", str(gguf), "--ctx", str(a.ctx), "--measure", "--json"]  # prediction and llama.cpp's own bytes
+        p = subprocess.run([sys.executable, "-m", "clover_gguf", *cmd], capture_output=True, text=True, timeout=300)
+        data["clover_fit_cmd"] = "clover-gguf " + " ".join(cmd)
         try:
             data["clover_fit"] = json.loads(p.stdout)
         except ValueError:
@@ -567,15 +577,17 @@ def markdown(r: dict) -> str:
         lines += ["", f"## {name}: {Path(d['gguf']).name}", "",
                   f"{d['prompts']} prompts, max {d['max_new_tokens']} new tokens, gpu_layers {d['gpu_layers']}, "
                   f"n_cpu_moe {d['n_cpu_moe']}, load {d['load_s']} s", "",
-                  "| mode | tokens | tok/s | decode tok/s | passes/token | ms per pass (median, count) |",
-                  "|---|---|---|---|---|---|"]
+                  "| mode | tokens | tok/s | decode tok/s | passes/token | in llama.cpp | ms per pass (median, n) |",
+                  "|---|---|---|---|---|---|---|"]
         for mode, m in d["modes"].items():
             kinds = ", ".join(f"{k} {p['median_ms']:.2f} ({p['count']})" for k, p in m["passes"].items())
             lines.append(f"| {mode} | {m['tokens']} | {m['tok_s']:.1f} | {m['decode_tok_s']:.1f} | "
-                         f"{m['passes_per_token']:.3f} | {kinds} |")
+                         f"{m['passes_per_token']:.3f} | {m['model_share']:.0%} | {kinds} |")
         for mode, p in d.get("projected", {}).items():
-            lines.append(f"| {mode}, projected from the bundled model's pass mix | | {p['tok_s']:.1f} | | | "
+            lines.append(f"| {mode}, projected from the bundled model's pass mix | | {p['tok_s']:.1f} | | | | "
                          f"{p.get('x_ar', 0):.2f} x ar |")
+        if d.get("llama_log"):
+            lines += ["", "llama.cpp at load:", "", "```", *d["llama_log"][:24], "```"]
     m = sec.get("memory")
     if m:
         lines += ["", f"## memory: {Path(m['gguf']).name}, n_ctx {m['n_ctx']}", ""]
@@ -583,8 +595,19 @@ def markdown(r: dict) -> str:
             if key in m:
                 lines += [f"`{m[key]['cmd']}` (rc {m[key]['rc']}):", "", "```",
                           *(m[key]["stdout"] or m[key]["log"]), "```", ""]
-        if "clover_fit" in m:
-            lines += [f"clover-gguf fit: `{_cell(json.dumps(m['clover_fit']))[:1500]}`", ""]
+        fit = m.get("clover_fit") or {}
+        if "parts" in fit:
+            meas = fit.get("measured") or {}
+            lines += [f"`{m.get('clover_fit_cmd')}`: {'fits' if fit.get('fits') else 'does not fit'}, "
+                      f"gpu_layers {fit.get('gpu_layers')}, n_cpu_moe {fit.get('n_cpu_moe')}, ctx {fit.get('ctx')}; "
+                      f"llama-fit-params there: {_cell(fit.get('llama_fit_params', '-'))}", "",
+                      "| part | predicted MiB | measured MiB |", "|---|---|---|"]
+            for part, v in fit["parts"].items():
+                got = meas.get(part)
+                lines.append(f"| {part} | {v / 2**20:.1f} | {'-' if got is None else f'{got / 2**20:.1f}'} |")
+            lines.append("")
+        elif fit:
+            lines += [f"clover-gguf fit: {_cell(json.dumps(fit))[:1500]}", ""]
         rt = m.get("runtime")
         if rt:
             lines += ["| buffer | at creation (MiB) | after decoding (MiB) |", "|---|---|---|"]
