@@ -105,3 +105,53 @@ def test_trim_keeps_the_cuda_and_cpu_build_and_drops_the_rest(tmp_path):
     assert left == ["CMakeLists.txt", "ggml/src/ggml-cpu/a.c", "ggml/src/ggml-cuda/b.cu", "ggml/src/ggml-rpc/c.cpp",
                     "ggml/src/ggml.c", "scripts/ui-assets.cmake", "src/llama.cpp", "tests/test-x.cpp",
                     "tools/ui/CMakeLists.txt"]
+
+
+def test_pack_then_run_on_the_cpu(tmp_path):
+    """The scripts end to end on the CPU: pack a kit, then every step of run.sh's CPU profile from the kit's own copy
+    of the project, with the cached build (`--reuse-build`): each step ends ok or skipped with a reason, and each
+    section holds its figures. About 2 minutes on 2 cores."""
+    import json
+    import os
+    import subprocess
+
+    env = dict(os.environ, PYTHON=sys.executable)
+    kit_dir, work, out = tmp_path / "kit", tmp_path / "work", tmp_path / "out"
+    p = subprocess.run(["bash", str(ROOT / "bench/device/pack.sh"), str(kit_dir), "--quiet"], env=env,
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-2000:]
+    manifest = json.loads((kit_dir / "kit.json").read_text())
+    assert manifest["total_bytes"] <= kit.MAX_KIT_BYTES
+    assert {"llama.cpp.tar.xz", "binding.tar.xz", "project.tar.xz"} <= set(manifest["bytes"])
+    p = subprocess.run(["bash", str(ROOT / "bench/device/run.sh"), str(kit_dir), "--backend", "cpu", "--reuse-build",
+                        "--work", str(work), "--out", str(out)], env=env, capture_output=True, text=True,
+                       timeout=1800)
+    assert p.returncode == 0, p.stdout[-3000:]
+    res = json.loads((out / "results.json").read_text())
+    status = {s["step"]: s for s in res["steps"]}
+    assert res["run"]["finished"] and not res["not_reached"]
+    for name, s in status.items():
+        assert s["status"] == "ok" or (s["status"] == "skipped" and s["reason"]), s
+    assert status["parity_real_shape"]["status"] == "skipped"  # the CPU profile leaves it to CI's own run
+    sec = res["sections"]
+    # the kit's copy of the project, its binding and its wheels are what ran, not this checkout or this venv
+    assert sec["env"]["kit"]["patch_hash"] == manifest["patch_hash"]
+    for name, origin in sec["env"]["imports"].items():
+        assert origin.startswith(str(work / "kit")), (name, origin)
+    for name in ("parity_exact", "parity_defaults", "parity_runtime"):
+        assert sec[name]["passed"] > 0 and sec[name]["failed"] == 0, sec[name]
+    assert sec["parity_exact"]["max_rel_err"] <= 1e-4 < sec["parity_defaults"]["max_rel_err"]  # F16 K/V shows
+    for name in ("decode_bundled", "decode_slice", "decode_slice_cpu_moe"):
+        for mode in ("ar", "diffusion", "draft-self"):
+            m = sec[name]["modes"][mode]
+            assert m["tokens"] > 0 and m["tok_s"] > 0 and m["passes"], (name, mode, m)
+    d = sec["decode_bundled"]
+    n_ar, tokens = d["modes"]["ar"]["passes"]["AR step"]["count"], d["modes"]["ar"]["tokens"]
+    assert tokens - d["prompts"] <= n_ar <= tokens  # one AR step per token but the last of an answer cut by length
+    assert set(sec["decode_slice"]["projected"]) == {"ar", "diffusion", "draft-self"}
+    assert sec["decode_slice_cpu_moe"]["n_cpu_moe"] == 4
+    mem = sec["memory"]
+    assert mem["llama_fit_print"]["rc"] == 0 and mem["llama_fit_params"]["rc"] == 0
+    assert "parts" in mem["clover_fit"] and "measured" in mem["clover_fit"]
+    assert mem["runtime"]["breakdown_mib_at_creation"] == mem["runtime"]["breakdown_mib_after_decoding"]
+    assert (out / "results.md").read_text().startswith("# GPU check results (cpu)")

@@ -5,11 +5,11 @@
 #   on the device (CUDA, sm_90, 16 jobs, 540 s):  bash bench/device/run.sh out/device-kit
 #   here, as a test of the scripts (CPU):         bash bench/device/run.sh out/device-kit --backend cpu --reuse-build
 #
-# options: --backend cuda|cpu (cuda)  --cuda-arch A (90)  --jobs N (all cores)  --budget SECONDS (540)
+# options: --backend cuda|cpu (cuda)  --cuda-arch A (90)  --jobs N (all cores)  --budget SECONDS (540; cpu: 1500)
 #          --reuse-build: use the cached `make llama` build of the backend instead of compiling the kit's sources
 #          --work DIR (/tmp/clover-device-BACKEND)  --out DIR ($OUT, else out/device-run-BACKEND)
 #          --steps a,b,c: only these measuring steps (a second try on a warm machine: the build and the slice are
-#          reused, so unpack, env, slice_make and build take seconds)
+#          reused, so unpack, env, build and slice_make take seconds; slice_make runs only for the slice steps)
 # env: PYTHON (python3): an interpreter with torch, numpy, safetensors, typer, tqdm, transformers, jinja2, pytest.
 #
 # The kit (bench/device/pack.sh) brings the llama.cpp sources with our patches, the binding, the wheels the image
@@ -21,7 +21,7 @@ set -euo pipefail
 
 KIT=${1:?usage: run.sh KIT [--backend cuda|cpu] [--reuse-build] [--budget S] [--jobs N] [--cuda-arch A]}
 shift
-BACKEND=cuda CUDA_ARCH=90 JOBS=$(nproc) BUDGET=540 REUSE=0 WORK= OUTDIR=${OUT:-} ONLY=
+BACKEND=cuda CUDA_ARCH=90 JOBS=$(nproc) BUDGET= REUSE=0 WORK= OUTDIR=${OUT:-} ONLY=
 while (($#)); do
     case $1 in
         --backend) BACKEND=$2; shift ;;
@@ -37,6 +37,9 @@ while (($#)); do
     shift
 done
 [[ $BACKEND == cuda || $BACKEND == cpu ]] || { echo "run.sh: --backend cuda or cpu" >&2; exit 2; }
+if [[ -z $BUDGET ]]; then
+    if [[ $BACKEND == cuda ]]; then BUDGET=540; else BUDGET=1500; fi  # the H200 run: 9 minutes, build included
+fi
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)
 KIT=$(cd "$KIT" && pwd)
@@ -67,14 +70,15 @@ report() {
 # step NAME EXPECTED_S CAP_S COMMAND...: run COMMAND when EXPECTED_S still fits the budget, stop it at CAP_S (or at
 # the end of the budget), record how it ended (ok / failed / timed out / skipped, with the reason) and rewrite the
 # results. A failing step never stops the run.
-not_run() {  # not_run NAME REASON: a step this run does not make, recorded as skipped
+not_run() {  # not_run NAME REASON: a planned step this profile does not make, recorded as skipped
+    [[ ,$PLANNED, == *,$1,* ]] || return 0
     echo "== $1: skipped, $2"
     "$PY" "$STEPS_PY" record "$1" skipped 0 0 0 "$2"
     report
 }
 
 step() {
-    local name=$1 expected=$2 cap=$3 rc=0 status reason t
+    local name=$1 expected=$(($2 * SCALE)) cap=$(($3 * SCALE)) rc=0 status reason t
     shift 3
     if [[ ,$PLANNED, != *,$name,* && ,$SETUP_STEPS, != *,$name,* ]]; then
         return 0  # not among --steps
@@ -123,25 +127,34 @@ unpack() {
 # (a test of these scripts on a 2-core machine: CI runs the comparisons themselves) a few of each on smaller inputs.
 NOT_PARITY="not tokenizes and not patches_apply and not llama_cli and not llama_server"  # tools, tokenizer, sdist
 if [[ $BACKEND == cuda ]]; then
+    SCALE=1                                        # expected times and caps as written in STEPS
     GPU_LAYERS=-1                                  # every layer on the GPU
     SLICE=(--num-experts 256 --vocab-size 248320)  # make_tiny --preset slice35b at full width: 8.6 GB BF16
-    DECODE_PROMPTS=8 SLICE_PROMPTS=4 MAX_NEW=64 MEM_CTX=32768
+    DECODE_PROMPTS=8 SLICE_PROMPTS=3 MAX_NEW=64 MEM_CTX=32768
+    SLICE_DECODE=()                                # the model's threshold: random weights, ~1 token per block pass
+    THREADS=()                                     # the runtime's default (up to 8)
     PARITY_K=$NOT_PARITY
     RUNTIME_K="rejection or exact_equals_ar or matches_the_reference"
     REAL_SHAPE_K="parity"
 else
+    SCALE=3                                        # 2 shared cores: three times the H200's times
     GPU_LAYERS=0
-    SLICE=(--num-experts 16 --vocab-size 8192)     # the slice's layers with 16 experts, an 8k vocabulary: 0.75 GB
-    DECODE_PROMPTS=2 SLICE_PROMPTS=1 MAX_NEW=32 MEM_CTX=4096
+    SLICE=(--num-experts 8 --vocab-size 4096)      # the slice's layers with 8 experts, a 4k vocabulary: 0.5 GB
+    DECODE_PROMPTS=2 SLICE_PROMPTS=1 MAX_NEW=8 MEM_CTX=4096
+    SLICE_DECODE=(--threshold 0)                   # a whole block per pass: few passes on a slow machine
+    THREADS=(--threads 1)                          # on a shared machine two threads spin waiting for each other
     PARITY_K="test_causal_parity or block_parity_and_prefix_untouched"
     RUNTIME_K="rejection"
     REAL_SHAPE_K=""                                # tests/test_slice35b.py takes minutes here: CI runs it
 fi
 
-SETUP_STEPS=unpack,env,slice_make,build  # always made (the build and the slice are reused when already there)
-ALL_STEPS=$SETUP_STEPS,parity_exact,decode_bundled,slice_quantize,decode_slice,memory,parity_defaults
+SETUP_STEPS=unpack,env,build  # always made (the build is reused when it is already there)
+ALL_STEPS=$SETUP_STEPS,slice_make,parity_exact,decode_bundled,slice_quantize,decode_slice,memory,parity_defaults
 ALL_STEPS+=,decode_slice_cpu_moe,parity_runtime,parity_real_shape,llama_archs
 PLANNED=${ONLY:+$SETUP_STEPS,$ONLY}
+if [[ ,$PLANNED, =~ ,(slice_quantize|decode_slice|decode_slice_cpu_moe|memory), ]]; then
+    PLANNED+=,slice_make  # the slice steps need it (it reuses what a previous run made)
+fi
 PLANNED=${PLANNED:-$ALL_STEPS}
 for s in ${ONLY//,/ }; do [[ ,$ALL_STEPS, == *,$s,* ]] || { echo "run.sh: unknown step $s" >&2; exit 2; }; done
 echo "GPU check: backend $BACKEND, budget ${BUDGET} s, kit $KIT, work $WORK, results in $OUT; steps $PLANNED"
@@ -155,7 +168,7 @@ step env 10 30 "$PY" "$STEPS_PY" env --kit "$KIT" --backend "$BACKEND"
 # the slice's checkpoint and BF16 GGUF (numpy and our converter, no llama.cpp), in the background while the build runs:
 # about 100 s alone on one core (make_tiny streams 8.6 GB of random BF16 weights; convert copies them).
 (step slice_make 150 300 "$PY" "$STEPS_PY" slice slice_make "${SLICE[@]}") > "$WORK/logs/slice_make.bg" 2>&1 &
-SLICE_PID=$!
+SLICE_PID=$!  # (step returns at once when slice_make is not planned)
 # the build: libllama and libggml (CUDA for sm_90 only), llama-fit-params, test-llama-archs, with clover-gguf's own
 # cmake options (clover_gguf.build.cmake_options) and ccache off. 3-5 min. Reused on a rerun with the same kit.
 BUILD_OPTS=(--kit "$KIT" --build-dir "$BUILD_DIR" --backend "$BACKEND" --jobs "$JOBS")
@@ -179,25 +192,27 @@ step parity_exact 45 150 "$PY" "$STEPS_PY" parity parity_exact --settings exact 
 # 2. decoding on the bundled trained model (F32 GGUF): ar, diffusion, draft-self interleaved per prompt; tok/s,
 #    passes/token, ms per AR step / block pass / commit or verification pass / rollback. 25 s.
 step decode_bundled 25 90 "$PY" "$STEPS_PY" decode decode_bundled --bundled --prompts "$DECODE_PROMPTS" \
-    --max-new-tokens 96 --gpu-layers "$GPU_LAYERS"
+    --max-new-tokens 96 --gpu-layers "$GPU_LAYERS" "${THREADS[@]}"
 # 3. the slice (waited for), quantized to Q4_K_M by llama.cpp with every core. 30 s.
 wait "$SLICE_PID" || true
-cat "$WORK/logs/slice_make.bg"
+cat "$WORK/logs/slice_make.bg" 2>/dev/null || true
 step slice_quantize 30 120 "$PY" "$STEPS_PY" slice slice_quantize "${SLICE[@]}" --quantize Q4_K_M
 # 4. decoding on the Q4_K_M slice, every layer on the GPU: the same figures, and tok/s projected from the bundled
 #    model's pass mix (random weights resolve little per block pass). 40 s.
 step decode_slice 40 100 "$PY" "$STEPS_PY" decode decode_slice --gguf-from slice_quantize --prompts "$SLICE_PROMPTS" \
-    --max-new-tokens "$MAX_NEW" --gpu-layers "$GPU_LAYERS" --project-from decode_bundled
+    --max-new-tokens "$MAX_NEW" --gpu-layers "$GPU_LAYERS" --project-from decode_bundled "${SLICE_DECODE[@]}" \
+    "${THREADS[@]}"
 # 5. memory of the slice at one context size: llama-fit-params (its estimate and its fitted arguments) and
 #    clover-gguf fit's prediction, against llama.cpp's own breakdown after decoding, and nvidia-smi. 30 s.
-step memory 30 90 "$PY" "$STEPS_PY" memory memory --gguf-from slice_quantize --ctx "$MEM_CTX" --gpu-layers "$GPU_LAYERS"
+step memory 30 90 "$PY" "$STEPS_PY" memory memory --gguf-from slice_quantize --ctx "$MEM_CTX" \
+    --gpu-layers "$GPU_LAYERS" "${THREADS[@]}"
 # 6. parity in llama.cpp's default settings (flash attention on, F16 K/V): the errors stated, not held to 1e-4. 30 s.
 step parity_defaults 30 90 "$PY" "$STEPS_PY" parity parity_defaults --settings defaults --gpu-layers "$GPU_LAYERS" \
     -- tests/test_llama_parity.py -k "$PARITY_K"
 # 7. decoding on the slice, every layer's routed experts in host memory (--n-cpu-moe 4): expert offload's cost. 30 s.
 step decode_slice_cpu_moe 30 100 "$PY" "$STEPS_PY" decode decode_slice_cpu_moe --gguf-from slice_quantize \
     --prompts "$SLICE_PROMPTS" --max-new-tokens "$MAX_NEW" --gpu-layers "$GPU_LAYERS" --n-cpu-moe 4 \
-    --project-from decode_bundled
+    --project-from decode_bundled "${SLICE_DECODE[@]}" "${THREADS[@]}"
 # 8. the runtime on this build: rollback leaves no trace (redecode, snapshot), draft-self (exact) = ar, and the
 #    bundled model's diffusion decode = the reference's, token for token and pass for pass. 45 s.
 step parity_runtime 45 120 "$PY" "$STEPS_PY" parity parity_runtime --settings exact --gpu-layers "$GPU_LAYERS" -- \

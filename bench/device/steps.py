@@ -80,6 +80,7 @@ def sh(cmd: list[str], timeout: float | None = None) -> str:
 # ---- env ----------------------------------------------------------------------------------------------------------
 def cmd_env(a) -> None:
     """The machine, its tools and the kit, for the record."""
+    import importlib.util
     import platform
 
     import numpy
@@ -96,6 +97,8 @@ def cmd_env(a) -> None:
         "cmake": (sh(["cmake", "--version"]).splitlines() or ["not found"])[0],
         "ninja": sh(["ninja", "--version"]) or "not found",
         "kit": json.loads((Path(a.kit) / "kit.json").read_text()),
+        # where the project, the binding and the wheels come from (the kit's copies), found without importing them
+        "imports": {n: importlib.util.find_spec(n).origin for n in ("clover_gguf", "llama_cpp", "gguf", "diskcache")},
     }
     try:
         import torch
@@ -105,8 +108,10 @@ def cmd_env(a) -> None:
     except ImportError:
         info["torch"] = "not installed"
     for k, v in info.items():
-        if k != "kit":
+        if k not in ("kit", "imports"):
             print(f"{k:>10}: {v}")
+    for k, v in info["imports"].items():
+        print(f"{'import':>10}: {k} from {v}")
     print(f"{'kit':>10}: llama.cpp {info['kit']['llama_cpp_commit']}, patches {info['kit']['patches']}, project "
           f"{info['kit']['project_commit']}, made {info['kit']['created']}")
     write_section("env", info)
@@ -229,7 +234,7 @@ def cmd_parity(a) -> None:
         "pytest_rc": rc,
         "passed": sum(r["outcome"] == "passed" for r in tests),
         "failed": sum(r["outcome"] in ("failed", "error") for r in tests),
-        "skipped": sum(r["outcome"] == "skipped" for r in tests),
+        "skipped_tests": sum(r["outcome"] == "skipped" for r in tests),
         "max_rel_err": max(all_errs) if all_errs else None,
         "comparisons": len(all_errs),
         "seconds": round(time.monotonic() - t0, 1),
@@ -354,7 +359,7 @@ def cmd_decode(a) -> None:
     prompts = eval_prompts(a.prompts)
     t_load = time.perf_counter()
     with capture_llama_log() as log:  # where llama.cpp put the weights and how many pieces its graphs run in
-        rt = CloverRuntime(gguf, n_ctx=a.ctx, **place)
+        rt = CloverRuntime(gguf, n_ctx=a.ctx, n_threads=a.threads, **place)
     load_s = time.perf_counter() - t_load
     placement = [line.strip() for line in log.text()
                  if re.search(r"offload|model buffer size|compute buffer size|splits|KV buffer size|RS buffer", line)]
@@ -363,13 +368,13 @@ def cmd_decode(a) -> None:
     try:
         for mode in MODES:  # warm-up: first calls of each graph shape (and CUDA's first launches)
             timer.mode = mode
-            rt.generate(prompts[0], mode=mode, max_new_tokens=8)
+            rt.generate(prompts[0], mode=mode, max_new_tokens=8, threshold=a.threshold)
         timer.times.clear()
         for p in prompts:
             for mode in MODES:
                 timer.mode = mode
                 t0 = time.perf_counter()
-                ans = rt.generate(p, mode=mode, max_new_tokens=a.max_new_tokens)
+                ans = rt.generate(p, mode=mode, max_new_tokens=a.max_new_tokens, threshold=a.threshold)
                 r = rows[mode]
                 r["seconds"] += time.perf_counter() - t0
                 r["tokens"] += ans.stats.generated_tokens
@@ -381,7 +386,8 @@ def cmd_decode(a) -> None:
         breakdown = rt.ctx.memory_breakdown()
         rt.close()
     out = {"gguf": str(gguf), "file_bytes": gguf.stat().st_size, "prompts": len(prompts),
-           "max_new_tokens": a.max_new_tokens, "n_ctx": a.ctx, "gpu_layers": a.gpu_layers, "n_cpu_moe": a.n_cpu_moe,
+           "max_new_tokens": a.max_new_tokens, "threshold": a.threshold if a.threshold is not None else "the model's",
+           "n_ctx": a.ctx, "gpu_layers": a.gpu_layers, "n_cpu_moe": a.n_cpu_moe,
            "load_s": round(load_s, 2), "memory_breakdown": breakdown, "llama_log": placement, "modes": {}}
     for mode, r in rows.items():
         per_kind = {}
@@ -488,9 +494,13 @@ def cmd_memory(a) -> None:
         print(data["clover_fit"]["skipped"])
     write_section(a.name, data)
     before = gpu_used_mib()
-    with CloverRuntime(gguf, n_ctx=a.ctx, **offload_kwargs(a.gpu_layers)) as rt:
+    with CloverRuntime(gguf, n_ctx=a.ctx, n_threads=a.threads, **offload_kwargs(a.gpu_layers)) as rt:
         created = rt.ctx.memory_breakdown()
-        rt.generate("Count from 3 to 90.", mode="diffusion", max_new_tokens=32)  # block passes and a commit
+        b = rt.backend  # each kind of pass once: a prompt, a full block, a commit of it
+        b.prefill(rt.ctx.tokenize("Count from 3 to 90.", special=True))
+        block = [rt.mask_token_id] * rt.block_size
+        b.block_logits(block)
+        b.commit(block)
         after_block = rt.ctx.memory_breakdown()
         during = gpu_used_mib()
     mib = lambda b: {k: {f: round(v / 2**20, 1) for f, v in parts.items()} for k, parts in b.items()}  # noqa: E731
@@ -555,16 +565,17 @@ def markdown(r: dict) -> str:
         lines.append(f"| {s['step']} | {s['status']} | {s['seconds']} | {s['expected_s']} | {_cell(s['reason'])} |")
     env = sec.get("env")
     if env:
-        lines += ["", "## Machine", "", *[f"- {k}: {_cell(v)}" for k, v in env.items() if k != "kit"],
+        lines += ["", "## Machine", "", *[f"- {k}: {_cell(v)}" for k, v in env.items() if k not in ("kit", "imports")],
                   f"- kit: llama.cpp {env['kit']['llama_cpp_commit']}, patches {', '.join(env['kit']['patches'])}, "
                   f"project {env['kit']['project_commit']}"]
     for name in ("parity_exact", "parity_real_shape", "parity_runtime", "parity_defaults"):
         p = sec.get(name)
         if not p or "tests" not in p:
             continue
+        errs = (f"max relative error {_cell(p['max_rel_err'])} over {p['comparisons']} comparisons with the "
+                f"reference (tolerance {p['tolerance']})" if p["comparisons"] else "pass or fail: no logged errors")
         lines += ["", f"## {name}: {p['what']}", "",
-                  f"{p['passed']} passed, {p['failed']} failed; max relative error {_cell(p['max_rel_err'])} over "
-                  f"{p['comparisons']} comparisons (tolerance {p['tolerance']}), {p['seconds']} s", "",
+                  f"{p['passed']} passed, {p['failed']} failed; {errs}; {p['seconds']} s", "",
                   "| test | outcome | max rel err | s |", "|---|---|---|---|"]
         for t in p["tests"]:
             note = f" ({_cell(t['message'])})" if t.get("message") else ""
@@ -593,7 +604,8 @@ def markdown(r: dict) -> str:
         lines += ["", f"## memory: {Path(m['gguf']).name}, n_ctx {m['n_ctx']}", ""]
         for key in ("llama_fit_print", "llama_fit_params"):
             if key in m:
-                lines += [f"`{m[key]['cmd']}` (rc {m[key]['rc']}):", "", "```",
+                cols = " (per device: model, context, compute MiB)" if key == "llama_fit_print" else ""
+                lines += [f"`{m[key]['cmd']}` (rc {m[key]['rc']}){cols}:", "", "```",
                           *(m[key]["stdout"] or m[key]["log"]), "```", ""]
         fit = m.get("clover_fit") or {}
         if "parts" in fit:
@@ -610,13 +622,16 @@ def markdown(r: dict) -> str:
             lines += [f"clover-gguf fit: {_cell(json.dumps(fit))[:1500]}", ""]
         rt = m.get("runtime")
         if rt:
-            lines += ["| buffer | at creation (MiB) | after decoding (MiB) |", "|---|---|---|"]
+            lines += ["llama.cpp's own bytes (LlamaContext.memory_breakdown) with the runtime's settings, MiB of "
+                      "model / context (KV + recurrent states) / compute:", "",
+                      "| buffer | at creation | after a prompt, a block pass and a commit |", "|---|---|---|"]
+            fmt = lambda v: "-" if not v else f"{v['model']} / {v['context']} / {v['compute']}"  # noqa: E731
             for buft, v in rt["breakdown_mib_at_creation"].items():
-                lines.append(f"| {buft} | {_cell(v)} | {_cell(rt['breakdown_mib_after_decoding'].get(buft))} |")
+                lines.append(f"| {buft} | {fmt(v)} | {fmt(rt['breakdown_mib_after_decoding'].get(buft))} |")
             lines += ["", f"nvidia-smi before: {_cell(rt['nvidia_smi_before'])}; loaded: "
                       f"{_cell(rt['nvidia_smi_loaded'])}"]
     for name, s in sec.items():
-        if isinstance(s, dict) and "skipped" in s:
+        if isinstance(s, dict) and isinstance(s.get("skipped"), str):
             lines += ["", f"## {name}: skipped", "", s["skipped"]]
     return "\n".join(lines) + "\n"
 
@@ -654,12 +669,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ctx", type=int, default=1024)
     p.add_argument("--gpu-layers", type=int, default=-1)
     p.add_argument("--n-cpu-moe", type=int, default=0)
+    p.add_argument("--threads", type=int, help="llama.cpp threads (default: the runtime's)")
     p.add_argument("--project-from", help="a decode section whose pass mix projects tok/s")
+    p.add_argument("--threshold", type=float, help="block decoding's confidence threshold (default: the model's); 0 "
+                   "resolves a whole block per pass, whatever the weights")
     p = sub.add_parser("memory")
     p.add_argument("name")
     p.add_argument("--gguf-from", required=True)
     p.add_argument("--ctx", type=int, default=8192)
     p.add_argument("--gpu-layers", type=int, default=-1)
+    p.add_argument("--threads", type=int, help="llama.cpp threads (default: the runtime's)")
     p = sub.add_parser("record")
     p.add_argument("step")
     p.add_argument("status")
