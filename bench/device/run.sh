@@ -49,7 +49,11 @@ export WORK=${WORK:-${TMPDIR:-/tmp}/clover-device-$BACKEND}
 export OUT=${OUTDIR:-$REPO/out/device-run-$BACKEND}
 BUILD_DIR=$REPO/out/device-build-$BACKEND  # kept between calls on a warm device (not carried, so not replaced)
 mkdir -p "$OUT" "$WORK"
-rm -rf "$WORK/kit" "$WORK/sections" "$WORK/logs" "$WORK/steps.jsonl" "$WORK/parity"  # $WORK/models is reused
+rm -rf "$WORK/kit" "$WORK/sections" "$WORK/logs" "$WORK/steps.jsonl" "$WORK/parity"
+# the models made from this kit (bundled GGUF, slice) are kept for a second try with the same kit; another kit's go
+KIT_KEY=$(sha256sum "$KIT/project.tar.xz" | cut -c1-16)
+export MODELS=$WORK/models/$KIT_KEY
+find "$WORK/models" -mindepth 1 -maxdepth 1 ! -name "$KIT_KEY" -exec rm -rf {} + 2>/dev/null || true
 rm -f "$OUT/results.json" "$OUT/results.md" "$OUT/run.log" "$OUT/build.log"
 mkdir -p "$WORK/logs"
 exec > >(tee -a "$OUT/run.log") 2>&1

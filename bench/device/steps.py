@@ -39,6 +39,11 @@ def work() -> Path:
     return Path(os.environ["WORK"])
 
 
+def models() -> Path:
+    """Where the model files go: $MODELS (run.sh: one folder per kit, kept for a second try), else $WORK/models."""
+    return Path(os.environ.get("MODELS") or work() / "models")
+
+
 def section_path(name: str) -> Path:
     return work() / "sections" / f"{name}.json"
 
@@ -252,10 +257,10 @@ def cmd_parity(a) -> None:
 # ---- slice --------------------------------------------------------------------------------------------------------
 def cmd_slice(a) -> None:
     """make_tiny --preset slice35b (the 35B's layers at real size, 4 layers, random weights) converted to BF16 GGUF,
-    then (--quantize, which needs the library) quantized; files kept in $WORK/models for a rerun on a warm machine."""
+    then (--quantize, which needs the library) quantized; files kept in models() for a rerun on a warm machine."""
     from clover_gguf.convert import convert
 
-    d = work() / "models"
+    d = models()
     d.mkdir(parents=True, exist_ok=True)
     tag = f"slice35b-e{a.num_experts}-v{a.vocab_size}"
     bf16, done = d / f"{tag}-bf16.gguf", d / f"{tag}-bf16.done"
@@ -342,7 +347,7 @@ def cmd_decode(a) -> None:
     if a.bundled:  # the bundled trained model, converted to F32 once per work folder
         from clover_gguf.convert import convert
 
-        gguf = work() / "models" / "tiny-clover-f32.gguf"
+        gguf = models() / "tiny-clover-f32.gguf"
         if not gguf.is_file():
             gguf.parent.mkdir(parents=True, exist_ok=True)
             convert(ASSET, gguf, outtype="f32", quiet=True)
