@@ -1,28 +1,46 @@
-# clover-gguf developer targets. PY is the project's virtual environment when it exists.
-PY ?= $(shell test -x .venv/bin/python && echo .venv/bin/python || echo python3)
+# clover-gguf developer targets. Each of `make demo` and `make test` makes the virtual environment it needs first
+# (.venv, from pyproject.toml: the package for the demo, plus the test extra for the tests), then the patched
+# llama.cpp (cached in ~/.cache/clover-gguf). PY may name another interpreter, whose environment is then yours.
+VENV ?= .venv
+ifeq ($(origin PY),undefined)
+PY := $(VENV)/bin/python
+CORE_ENV := $(VENV)/.core
+TEST_ENV := $(VENV)/.test
+endif
 DEMO_DIR ?= out/demo
 
-.PHONY: venv test demo llama clean
+.PHONY: venv test test-fast demo llama clean
 
-venv:
-	python3 -m venv .venv
-	.venv/bin/python -m pip install -q --upgrade pip
-	.venv/bin/python -m pip install -q -e '.[test]'
+# the package alone (what the demo needs) and the package with its test extra; redone when pyproject.toml changes
+$(VENV)/.core: pyproject.toml
+	test -x $(VENV)/bin/python || python3 -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q --upgrade pip
+	$(VENV)/bin/python -m pip install -q -e .
+	touch $@
 
-# The tests. The llama.cpp parity tests need the patched library: `make llama` builds it once (cached).
-test: llama
+$(VENV)/.test: $(VENV)/.core
+	$(VENV)/bin/python -m pip install -q -e '.[test]'
+	touch $@
+
+venv: $(VENV)/.test
+
+# Every test, the slow ones included (`make test-fast`: pytest -m "not slow", under a minute).
+test: $(TEST_ENV) llama
 	$(PY) -m pytest -q
+
+test-fast: $(TEST_ENV) llama
+	$(PY) -m pytest -q -m "not slow"
 
 # Not --quiet: the first build takes minutes and prints its progress (a line per tenth when not on a terminal).
 BACKEND ?= cpu
-llama:
+llama: $(CORE_ENV)
 	$(PY) -m clover_gguf build-llama --backend $(BACKEND) $(if $(JOBS),--jobs $(JOBS)) $(if $(CUDA_ARCH),--cuda-arch '$(CUDA_ARCH)')
 
 # The main job on the bundled default model: convert, quantize, answer a few prompts in each mode with stats.
 DEMO_PROMPTS ?= "Count from 12 to 17." "What is 34 + 58?" "Reverse: c l o v e r"
-demo: llama
+demo: $(CORE_ENV) llama
 	mkdir -p $(DEMO_DIR)
-	$(PY) -m clover_gguf convert clover_gguf/assets/tiny-clover -o $(DEMO_DIR)/tiny-clover-f32.gguf --outtype f32 --quiet
+	$(PY) -m clover_gguf convert clover_gguf/assets/tiny-clover -o $(DEMO_DIR)/tiny-clover-f32.gguf --outtype f32 --force --quiet
 	$(PY) -m clover_gguf quantize $(DEMO_DIR)/tiny-clover-f32.gguf $(DEMO_DIR)/tiny-clover-q8_0.gguf --type Q8_0 --force --quiet
 	$(PY) -m clover_gguf info $(DEMO_DIR)/tiny-clover-q8_0.gguf
 	@for mode in ar diffusion draft-self; do for p in $(DEMO_PROMPTS); do \

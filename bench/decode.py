@@ -6,6 +6,9 @@
    per token of ar, diffusion and draft-self (both rollback strategies) over N eval prompts spread over the five
    tasks, greedy; ratios to ar, for the whole request and for the decode after the prompt pass.
    Target (issue 7): diffusion and draft-self >= 1.5x ar tokens/s.
+   With --rpc HOST:PORT[,...] (or --rpc loopback: two ggml-rpc-servers started here on 127.0.0.1), ar, diffusion
+   and draft-self also run with every layer on the RPC servers, interleaved with the local rows: tok/s over RPC
+   against local, in the same run.
 2. On a random `small` model: the wall time of one 32-token block pass relative to one AR step, coreset on and off,
    and the distinct experts a block pass touches per MoE layer (from the reference model's routing).
 """
@@ -13,6 +16,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -26,8 +30,11 @@ sys.path.insert(0, str(ROOT))
 
 from clover_gguf.convert import convert  # noqa: E402
 from clover_gguf.offload import Offload, add_argparse, from_namespace  # noqa: E402
+from clover_gguf.metadata import CORESET_ENABLED  # noqa: E402
 from clover_gguf.quantize import quantize  # noqa: E402
+from clover_gguf.rpc import parse_endpoints  # noqa: E402
 from clover_gguf.runtime import CloverRuntime  # noqa: E402
+from clover_gguf.testing.rpc_servers import rpc_servers  # noqa: E402
 
 
 # (row name, mode, rollback strategy, threads for one-token calls, threshold); None = the runtime's default
@@ -38,23 +45,27 @@ MODES = (("ar", "ar", "redecode", None, None), ("diffusion", "diffusion", "redec
          ("draft-self, thr 0.3", "draft-self", "redecode", None, 0.3),
          # on this tiny model a one-token call is cheaper on one thread than on two: AR at its own best
          ("ar, 1 decode thread", "ar", "redecode", 1, None))
+RPC_ROWS = ("ar", "diffusion", "draft-self/redecode")  # rows repeated over RPC as "<row> over RPC"
 
 
 def bench_modes(gguf: Path, prompts: list[str], max_new: int, label: str, rounds: int = 3,
-                offload: Offload = Offload(threads=2), ctx: int = 1024) -> dict:
+                offload: Offload = Offload(threads=2), ctx: int = 1024, rpc: list[str] | None = None) -> dict:
     """Every mode answers every prompt, interleaved prompt by prompt, `rounds` times over: a shared machine's speed
-    drifts within seconds, and interleaving puts the same drift into every mode's time."""
+    drifts within seconds, and interleaving puts the same drift into every mode's time. With `rpc`, the RPC_ROWS
+    modes run a second time with every layer on those servers (the ratio against local in the same run)."""
     threads = offload.threads or max(1, min(8, os.cpu_count() or 1))
+    modes = MODES + tuple((f"{m[0]} over RPC", *m[1:]) for m in MODES if rpc and m[0] in RPC_ROWS)
     runtimes = {name: CloverRuntime(gguf, n_ctx=ctx, rollback=rollback, n_threads=one or threads,
-                                    n_threads_batch=threads, offload=offload)
-                for name, _, rollback, one, _ in MODES}
-    rows = {name: dict(tokens=0, seconds=0.0, prompt_s=0.0, passes=0, rollback_passes=0) for name, *_ in MODES}
+                                    n_threads_batch=threads, offload=offload,
+                                    rpc=rpc if name.endswith(" over RPC") else ())
+                for name, _, rollback, one, _ in modes}
+    rows = {name: dict(tokens=0, seconds=0.0, prompt_s=0.0, passes=0, rollback_passes=0) for name, *_ in modes}
     try:
-        for name, mode, *_ in MODES:  # warm-up
+        for name, mode, *_ in modes:  # warm-up
             runtimes[name].generate(prompts[0], mode=mode, max_new_tokens=8)
         for _ in range(rounds):
             for p in prompts:
-                for name, mode, _, _, threshold in MODES:
+                for name, mode, _, _, threshold in modes:
                     t0 = time.perf_counter()
                     a = runtimes[name].generate(p, mode=mode, max_new_tokens=max_new, threshold=threshold)
                     r = rows[name]
@@ -73,13 +84,22 @@ def bench_modes(gguf: Path, prompts: list[str], max_new: int, label: str, rounds
     print(f"\n{label}: {len(prompts)} eval prompts x {rounds} rounds, greedy, {threads} threads for multi-token calls"
           f"{', offload ' + ' '.join(offload.cli_args()) if offload.cli_args() else ''}. "
           f"tok/s counts the whole request (prompt pass included); decode tok/s the time after the prompt pass")
-    print(f"{'mode':<22} {'tokens':>7} {'tok/s':>8} {'x ar':>6} {'decode tok/s':>13} {'x ar':>6} {'passes/tok':>11} "
+    w = max(len(name) for name in rows)
+    print(f"{'mode':<{w}} {'tokens':>7} {'tok/s':>8} {'x ar':>6} {'decode tok/s':>13} {'x ar':>6} {'passes/tok':>11} "
           f"{'rollback passes':>16}")
     for name, r in rows.items():
-        print(f"{name:<22} {r['tokens']:>7} {r['tps']:8.1f} {r['tps'] / base:6.2f} {r['decode_tps']:13.1f} "
+        print(f"{name:<{w}} {r['tokens']:>7} {r['tps']:8.1f} {r['tps'] / base:6.2f} {r['decode_tps']:13.1f} "
               f"{r['decode_tps'] / dbase:6.2f} {r['passes'] / max(r['tokens'], 1):11.3f} {r['rollback_passes']:>16}")
     ratios = {k: {"x_ar": round(v["tps"] / base, 3), "decode_x_ar": round(v["decode_tps"] / dbase, 3)}
               for k, v in rows.items()}
+    if rpc:
+        print(f"over RPC ({len(rpc)} servers: {', '.join(rpc)}; every layer remote) against the same mode locally:")
+        for name in RPC_ROWS:
+            here, there = rows[name], rows[f"{name} over RPC"]
+            same = "same tokens" if here["tokens"] == there["tokens"] else "OTHER TOKENS"
+            print(f"  {name:<22} local {here['tps']:8.1f} tok/s, RPC {there['tps']:8.1f} tok/s, "
+                  f"x local {there['tps'] / here['tps']:5.2f} ({same})")
+            ratios[f"{name} over RPC"]["x_local"] = round(there["tps"] / here["tps"], 3)
     print(json.dumps({label: ratios}))
     return ratios
 
@@ -103,7 +123,7 @@ def bench_block_cost(workdir: Path, offload: Offload = Offload(threads=2)) -> No
     reps = 20
     print(f"\nsmall random model: one 32-token block pass vs one AR step ({reps} reps each)")
     for coreset in (True, False):
-        with LlamaContext(gguf, n_ctx=512, overrides={"clover.moe_block_coreset.enabled": coreset},
+        with LlamaContext(gguf, n_ctx=512, overrides={CORESET_ENABLED: coreset},
                           n_threads=offload.threads or 2, offload=offload) as ctx:
             ctx.decode(prefix, 0, 0, logits=False)
             t0 = time.perf_counter()
@@ -136,18 +156,22 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="passes over the prompts (modes interleaved per prompt)")
     ap.add_argument("--ctx", type=int, default=1024, help="context of each runtime")
     add_argparse(ap)  # --gpu-layers, --cpu-moe, --n-cpu-moe, --threads, --mmap: as on every clover-gguf command
+    ap.add_argument("--rpc", help="HOST:PORT[,HOST:PORT...] of ggml-rpc-servers, or `loopback` to start two here")
     ap.add_argument("--workdir", type=Path, default=ROOT / "out" / "bench-decode")
     a = ap.parse_args()
     a.workdir.mkdir(parents=True, exist_ok=True)
     gguf = a.workdir / "tiny-clover-f32.gguf"
-    convert(a.model, gguf, outtype="f32", quiet=True)
+    convert(a.model, gguf, outtype="f32", quiet=True, force=True)
     q8 = a.workdir / "tiny-clover-q8_0.gguf"
     quantize(gguf, q8, "Q8_0", force=True, quiet=True)
     evals = [json.loads(line) for line in (a.model / "eval.jsonl").read_text().splitlines() if line.strip()]
     prompts = [e["prompt"] for e in evals]
     prompts = prompts[::max(1, len(prompts) // a.prompts)][:a.prompts]  # spread over the tasks (eval is in task order)
-    for label, path in (("F32", gguf), ("Q8_0", q8)):
-        bench_modes(path, prompts, a.max_new_tokens, label, a.rounds, from_namespace(a), a.ctx)
+    with contextlib.ExitStack() as stack:
+        rpc = (stack.enter_context(rpc_servers(2, threads=a.threads or 2)) if a.rpc == "loopback"
+               else parse_endpoints(a.rpc))
+        for label, path in (("F32", gguf), ("Q8_0", q8)):
+            bench_modes(path, prompts, a.max_new_tokens, label, a.rounds, from_namespace(a), a.ctx, rpc)
     bench_block_cost(a.workdir, from_namespace(a))
 
 

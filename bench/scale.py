@@ -1,8 +1,8 @@
 """The 35B's real per-layer sizes end to end, on a 4-layer slice: convert, quantize, vocabulary and CPU decoding
 costs, each against a peer measured in the same run (docs/scale.md reads the figures).
 
-    python bench/scale.py [--workdir /work/scratch-slice] [--num-experts 256] [--vocab-size 248320]
-        [--threads 1] [--quantize-threads 2] [--rounds 5] [--keep]
+    python bench/scale.py [--workdir out/scale] [--num-experts 256] [--vocab-size 248320]
+        [--threads 1] [--quantize-threads 2] [--rounds 7] [--keep]
 
 1. `make_tiny --preset slice35b` (4 layers: 3 GDN + 1 attention, hidden 2048, 256 experts top-8 of width 512,
    vocabulary 248,320, BF16), made once in the work folder (`--keep` keeps everything for another run).
@@ -137,51 +137,50 @@ def bench_vocab(ckpt: Path, q4: Path, threads: int) -> dict:
 
     from clover_gguf.config import CloverConfig, GenerationDefaults
     from clover_gguf.convert import ARCH, write_metadata
-    from clover_gguf.llama_context import load_binding
+    from clover_gguf.llama_context import _quiet_log, load_binding
     from clover_gguf.runtime import CloverRuntime
     from clover_gguf.vocab import load_vocab
 
-    header("vocabulary and start-up")
+    header("vocabulary and start-up (wall / CPU seconds)")
+
+    def timed(fn):
+        t0, c0 = time.perf_counter(), time.process_time()
+        out = fn()
+        return out, time.perf_counter() - t0, time.process_time() - c0
+
     cfg = CloverConfig.from_file(ckpt)
-    t0 = time.perf_counter()
-    vocab = load_vocab(ckpt, cfg)
-    t_load = time.perf_counter() - t0
+    vocab, read_w, read_c = timed(lambda: load_vocab(ckpt, cfg))
     with tempfile.TemporaryDirectory(dir=q4.parent) as tmp:
-        t0 = time.perf_counter()
-        w = GGUFWriter(path=None, arch=ARCH)
-        write_metadata(w, cfg, vocab, GenerationDefaults(), cfg.num_hidden_layers, "slice")
-        w.open_output_file(Path(tmp) / "meta.gguf")
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.close()
-        t_write = time.perf_counter() - t0
-        meta_bytes = (Path(tmp) / "meta.gguf").stat().st_size
+        def write() -> int:
+            w = GGUFWriter(path=None, arch=ARCH)
+            write_metadata(w, cfg, vocab, GenerationDefaults(), cfg.num_hidden_layers, "slice")
+            w.open_output_file(Path(tmp) / "meta.gguf")
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.close()
+            return (Path(tmp) / "meta.gguf").stat().st_size
+
+        meta_bytes, write_w, write_c = timed(write)
     L = load_binding()
     L.llama_backend_init()
-    from clover_gguf.llama_context import _quiet_log
-
     L.llama_log_set(_quiet_log(L), None)
     mp = L.llama_model_default_params()
     mp.vocab_only = True
-    t0 = time.perf_counter()
-    model = L.llama_model_load_from_file(str(q4).encode(), mp)
-    t_vocab_only = time.perf_counter() - t0
+    model, vocab_w, vocab_c = timed(lambda: L.llama_model_load_from_file(str(q4).encode(), mp))
     n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
     L.llama_model_free(model)
-    t0 = time.perf_counter()
-    rt = CloverRuntime(q4, n_ctx=1024, n_threads=threads)
-    t_runtime = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    rt._end_tokens()
-    t_eog = time.perf_counter() - t0
+    rt, rt_w, rt_c = timed(lambda: CloverRuntime(q4, n_ctx=1024, n_threads=threads))
+    _, eog_w, eog_c = timed(rt._end_tokens)
     rt.close()
     n_real = sum(1 for t in vocab.tokens if not t.startswith("[PAD"))
     print(f"tokenizer.json ({n_real:,} tokens, {len(vocab.merges):,} merges, {cfg.vocab_size:,} rows) read: "
-          f"{t_load:.2f} s; written as GGUF metadata ({meta_bytes / 2**20:.1f} MiB): {t_write:.2f} s")
-    print(f"llama.cpp vocabulary-only load ({n_vocab:,} tokens): {t_vocab_only:.2f} s")
-    print(f"runtime start-up (CloverRuntime on the Q4_K_M file, n_ctx 1024): {t_runtime:.2f} s, of which the "
-          f"end-token scan over the vocabulary {t_eog:.2f} s")
-    return dict(read_s=t_load, write_s=t_write, vocab_only_s=t_vocab_only, runtime_s=t_runtime, eog_s=t_eog)
+          f"{read_w:.2f} / {read_c:.2f} s; written as GGUF metadata ({meta_bytes / 2**20:.1f} MiB): "
+          f"{write_w:.2f} / {write_c:.2f} s")
+    print(f"llama.cpp loading the vocabulary alone ({n_vocab:,} tokens): {vocab_w:.2f} / {vocab_c:.2f} s")
+    print(f"runtime start-up (CloverRuntime on the Q4_K_M file, n_ctx 1024): {rt_w:.2f} / {rt_c:.2f} s, of which the "
+          f"end-token scan over the vocabulary {eog_w:.2f} / {eog_c:.2f} s")
+    return dict(read=(read_w, read_c), write=(write_w, write_c), vocab_only=(vocab_w, vocab_c),
+                runtime=(rt_w, rt_c), eog_scan=(eog_w, eog_c), meta_bytes=meta_bytes)
 
 
 # ---- 5. passes -------------------------------------------------------------------------------------------------
@@ -228,66 +227,94 @@ class PassRunner:
             c.close()
 
 
+def _callback_cost(probe) -> float:
+    """Seconds one ask-call of the probe costs, calling it through ctypes as llama.cpp does (from C it is cheaper:
+    an upper bound)."""
+    import ctypes
+
+    from clover_gguf.graph_probe import _GGMLTensor
+
+    t = _GGMLTensor()
+    t.name = b"not-asked-for"
+    ptr = ctypes.cast(ctypes.pointer(t), ctypes.c_void_p)
+    n = 20_000
+    c0 = time.process_time()
+    for _ in range(n):
+        probe.callback(ptr, True, None)
+    return (time.process_time() - c0) / n
+
+
 def bench_passes(q4: Path, threads: int, rounds: int, vocab_size: int) -> dict:
-    """Per pass kind: wall and CPU ms (medians), the output layer's part (from the graph's final norm to the logits
-    in Python's hands), the layers' part (the rest), both scaled to 40 layers, and the distinct experts routed to."""
+    """Per pass kind: wall and CPU ms (medians), split at the graph's final norm into the layers' part and the output
+    part (the output layer over the whole vocabulary and the logits copied out), the layers scaled to 40, and the
+    distinct experts the pass routed to."""
     from clover_gguf.graph_probe import GraphProbe
 
     header(f"CPU passes on the Q4_K_M slice ({threads} thread(s); {rounds} rounds, kinds interleaved; "
            f"prefix {PREFIX_TOKENS} tokens)")
-    # timings: no probe, every kind once per round (the machine's drift lands on all kinds alike)
-    runner = PassRunner(q4, threads, vocab_size)
-    wall: dict[str, list[float]] = {k: [] for k in PASSES}
-    cpu: dict[str, list[float]] = {k: [] for k in PASSES}
+    # every kind once per round (the machine's drift lands on all kinds alike); each pass is split where the graph
+    # computes `result_norm`, so the split and the total come from the same pass
+    mark = GraphProbe("result_norm", read_data=False)
+    runner = PassRunner(q4, threads, vocab_size, mark)
+    samples: dict[str, dict[str, list[float]]] = {k: {f: [] for f in ("wall", "cpu", "wall_out", "cpu_out")}
+                                                  for k in PASSES}
+    asked = {}
     try:
         for kind in PASSES:  # warm-up
             runner.run(kind)
         for _ in range(rounds):
             for kind in PASSES:
+                mark.clear()
                 t0, c0 = time.perf_counter(), time.process_time()
                 runner.run(kind)
-                wall[kind].append(time.perf_counter() - t0)
-                cpu[kind].append(time.process_time() - c0)
+                t1, c1 = time.perf_counter(), time.process_time()
+                m = mark.records[-1]
+                x = samples[kind]
+                x["wall"].append(t1 - t0)
+                x["cpu"].append(c1 - c0)
+                x["wall_out"].append(t1 - m.seconds)
+                x["cpu_out"].append(c1 - m.cpu_seconds)
+                asked[kind] = mark.asked
+        per_call = _callback_cost(mark)
     finally:
         runner.close()
-    # the graph: experts routed per layer, and the output layer's part (probed contexts are slower: not timed)
-    probe = GraphProbe(r"ffn_moe_topk-\d+|result_norm")
+    mark.check()
+    # the experts each pass routed to, from the top-k tensors of every MoE layer (a pass of each kind, not timed)
+    probe = GraphProbe(r"ffn_moe_topk-\d+")
     runner = PassRunner(q4, threads, vocab_size, probe)
-    experts, head_wall, head_cpu = {}, {k: [] for k in PASSES}, {k: [] for k in PASSES}
+    experts = {}
     try:
         for kind in PASSES:
-            for rep in range(3):
-                probe.clear()
-                runner.run(kind)
-                t_end, c_end = time.perf_counter(), time.process_time()
-                mark = [r for r in probe.records if r.name == "result_norm"][-1]
-                head_wall[kind].append(t_end - mark.seconds)
-                head_cpu[kind].append(c_end - mark.cpu_seconds)
-                if rep == 0:
-                    experts[kind] = [len(e) for _, e in sorted(probe.experts_per_layer().items())]
+            probe.clear()
+            runner.run(kind)
+            experts[kind] = [len(e) for _, e in sorted(probe.experts_per_layer().items())]
     finally:
         runner.close()
     res = {}
     for kind in PASSES:
-        r = res[kind] = dict(experts=experts[kind], wall_spread_ms=(min(wall[kind]) * 1e3, max(wall[kind]) * 1e3))
-        for key, t, h in (("wall", wall[kind], head_wall[kind]), ("cpu", cpu[kind], head_cpu[kind])):
-            total, out = float(np.median(t)) * 1e3, float(np.median(h)) * 1e3
-            out = min(out, total)
+        x = samples[kind]
+        r = res[kind] = dict(experts=experts[kind], callbacks=asked[kind], callback_ms=asked[kind] * per_call * 1e3)
+        for key in ("wall", "cpu"):
+            total, out = float(np.median(x[key])) * 1e3, float(np.median(x[f"{key}_out"])) * 1e3
             r[f"{key}_ms"], r[f"{key}_out_ms"], r[f"{key}_layers_ms"] = total, out, total - out
             r[f"{key}_ms_35b"] = (total - out) * N_LAYERS_35B / 4 + out
+            r[f"{key}_range_ms"] = (min(x[key]) * 1e3, max(x[key]) * 1e3)
     for r in res.values():
         for key in ("wall", "cpu"):
             r[f"{key}_x_ar"] = r[f"{key}_ms"] / res["AR step"][f"{key}_ms"]
             r[f"{key}_x_ar_35b"] = r[f"{key}_ms_35b"] / res["AR step"][f"{key}_ms_35b"]
-    print(f"{'pass':<22} {'CPU ms':>7} {'x AR':>5} {'output':>7} {'layers':>7} {'35B ms':>7} {'x AR':>5} | "
-          f"{'wall ms':>8} {'x AR':>5} {'35B ms':>7} {'x AR':>5} | distinct experts per layer")
+    print(f"{'pass':<22} {'CPU ms':>7} {'min-max':>13} {'x AR':>5} {'output':>7} {'layers':>7} {'35B ms':>7} "
+          f"{'x AR':>5} | {'wall ms':>8} {'x AR':>5} | distinct experts per layer")
     for kind, r in res.items():
-        print(f"{kind:<22} {r['cpu_ms']:7.1f} {r['cpu_x_ar']:5.2f} {r['cpu_out_ms']:7.1f} {r['cpu_layers_ms']:7.1f} "
-              f"{r['cpu_ms_35b']:7.0f} {r['cpu_x_ar_35b']:5.2f} | {r['wall_ms']:8.1f} {r['wall_x_ar']:5.2f} "
-              f"{r['wall_ms_35b']:7.0f} {r['wall_x_ar_35b']:5.2f} | {r['experts']} (mean {np.mean(r['experts']):.1f})")
-    print("medians; output: from the graph's final norm to the logits copied out (lm_head over the vocabulary); "
-          "layers: the rest; 35B ms: layers x 40/4 + output. CPU ms is the process's CPU time (the steadier "
-          "figure on a shared machine, and the work itself with one thread)")
+        lo, hi = r["cpu_range_ms"]
+        print(f"{kind:<22} {r['cpu_ms']:7.1f} {lo:6.0f}-{hi:<6.0f} {r['cpu_x_ar']:5.2f} {r['cpu_out_ms']:7.1f} "
+              f"{r['cpu_layers_ms']:7.1f} {r['cpu_ms_35b']:7.0f} {r['cpu_x_ar_35b']:5.2f} | {r['wall_ms']:8.1f} "
+              f"{r['wall_x_ar']:5.2f} | {r['experts']} (mean {np.mean(r['experts']):.1f})")
+    print("medians. CPU ms: the process's CPU time (with one thread the work itself; the steadier figure on a shared "
+          "machine); output: from the graph's final norm to the logits copied out (the output layer over the whole "
+          "vocabulary); layers: the rest; 35B ms: layers x 40/4 + output. The split costs each pass "
+          + ", ".join(f"{r['callbacks']} node callbacks (<= {r['callback_ms']:.1f} ms)" for r in res.values())
+          + " in the layers' part, kinds in the order above")
     return res
 
 
@@ -336,20 +363,25 @@ def bench_mode_ratios(res: dict, mix: dict) -> dict:
         c = m["causal_passes"]
         print(f"  {mode:<11} {m['tokens']:5d} tokens  {m['block_passes']:4d} block  {len(c):5d} causal "
               f"(mean {np.mean(c) if c else 0:.1f})  -> {m['tokens'] / (m['block_passes'] + len(c)):.2f} tokens/pass")
+    # the bundled answers fit in one block, so diffusion never commits one; a long answer commits each 32-token
+    # block with one causal pass of 32 tokens
+    d = mix["diffusion"]
+    long_answers = dict(tokens=PASS_TOKENS * d["tokens"], block_passes=PASS_TOKENS * d["block_passes"],
+                        causal_passes=[PASS_TOKENS] * d["tokens"])
     out = {}
-    print(f"{'mode':<26} {'slice, CPU':>11} {'35B, CPU':>9} {'slice, wall':>12} {'35B, wall':>10}   (tok/s x AR)")
-    for mode, m in mix.items():
+    print(f"{'mode':<40} {'slice, CPU':>11} {'35B, CPU':>9} {'slice, wall':>12}   (tok/s x AR)")
+    for mode, m in [*mix.items(), ("diffusion, long answers", long_answers)]:
         for coreset in (("on", "off") if mode != "ar" else ("-",)):
             row = {}
-            for key in ("cpu_ms", "cpu_ms_35b", "wall_ms", "wall_ms_35b"):
+            for key in ("cpu_ms", "cpu_ms_35b", "wall_ms"):
                 block = res[f"block 32, coreset {coreset}"][key] if coreset != "-" else 0.0
                 total = m["block_passes"] * block + sum(pass_cost(res, n, key) for n in m["causal_passes"])
                 ar_total = m["tokens"] * res["AR step"][key]  # AR: one step per token
                 row[key] = ar_total / total
             name = mode if coreset == "-" else f"{mode}, coreset {coreset}"
             out[name] = row
-            print(f"{name:<26} {row['cpu_ms']:11.2f} {row['cpu_ms_35b']:9.2f} {row['wall_ms']:12.2f} "
-                  f"{row['wall_ms_35b']:10.2f}")
+            print(f"{name:<40} {row['cpu_ms']:11.2f} {row['cpu_ms_35b']:9.2f} {row['wall_ms']:12.2f}")
+    print("long answers: the diffusion mix with a 32-token causal commit for every 32 tokens")
     return out
 
 
@@ -375,27 +407,46 @@ def bench_memory(q4: Path, threads: int, env: dict) -> dict:
         name = f"{mode}, coreset {coreset}" if mode != "ar" else mode
         out[name] = m.rss
         print(f"  {name:<32} peak RSS {m.rss / 2**20:7.0f} MiB  ({m.wall:.0f} s wall, {m.cpu:.0f} s CPU)", flush=True)
-    print(f"  Q4_K_M file: {q4.stat().st_size / 2**20:.0f} MiB")
-    has_fit = subprocess.run([sys.executable, "-m", "clover_gguf", "fit", "--help"], env=env,
-                             capture_output=True).returncode == 0
-    if has_fit:
-        # TODO(fit): print `clover-gguf fit --measure` beside each row once its output format is settled
-        print("  against fit --measure: `clover-gguf fit` exists, the row is not wired yet (TODO)")
-    else:
-        print("  against fit --measure: TODO - `clover-gguf fit` is not on this branch yet (issue: fit)")
+    print(f"  Q4_K_M file: {q4.stat().st_size / 2**20:.0f} MiB; llama.cpp's buffers for that runtime (its log):")
+    log = subprocess.run([sys.executable, "-c", "import sys; from clover_gguf.runtime import CloverRuntime; "
+                          "CloverRuntime(sys.argv[1], n_ctx=1024, n_threads=1).close()", str(q4)],
+                         env={**env, "CLOVER_GGUF_LLAMA_LOG": "1"}, capture_output=True, text=True).stderr
+    for line in log.splitlines():
+        if "buffer size" in line and "~llama_context" not in line:
+            print("   ", line.split(":", 1)[-1].strip())
+    print("  against `clover-gguf fit --measure` at the same context (prediction / llama.cpp's bytes, MiB):")
+    print(f"  {'mode':<32} {'weights':>15} {'kv+recurrent':>15} {'compute':>15} {'total':>15} {'peak RSS':>9}")
+    out["fit"] = {}
+    for mode, rollback, name in (("ar", "redecode", "ar"), ("diffusion", "redecode", "diffusion, coreset on"),
+                                 ("draft-self", "redecode", "draft-self, coreset on"),
+                                 ("draft-self", "snapshot", "draft-self-snapshot, coreset on")):
+        p = subprocess.run([sys.executable, "-m", "clover_gguf", "fit", str(q4), "--ctx", "1024", "--mode", mode,
+                            "--rollback", rollback, "--measure", "--json"], env=env, capture_output=True, text=True)
+        if p.returncode != 0:
+            raise SystemExit(f"clover-gguf fit failed: {p.stderr.strip()[-500:]}")
+        f = json.loads(p.stdout)
+        pred, meas = f["parts"], f["measured"]
+        mib = lambda d, *ks: sum(d[k] for k in ks) / 2**20  # noqa: E731
+        cols = [("weights_device", "weights_host"), ("kv", "recurrent"), ("compute",),
+                ("weights_device", "weights_host", "kv", "recurrent", "compute")]
+        cells = [f"{mib(pred, *k):6.0f} / {mib(meas, *k):6.0f}" for k in cols]
+        print(f"  {name:<32} {cells[0]:>15} {cells[1]:>15} {cells[2]:>15} {cells[3]:>15} {out[name] / 2**20:9.0f}")
+        out["fit"][name] = {"predicted": pred, "measured": meas}
+    print("  (on the CPU llama.cpp also holds a CPU_REPACK copy of the weights its kernels repack, listed above: fit "
+          "counts the file's bytes once, docs/hardware.md)")
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workdir", type=Path, default=Path("/work/scratch-slice"))
+    ap.add_argument("--workdir", type=Path, default=ROOT / "out" / "scale")
     ap.add_argument("--num-experts", type=int, default=None, help="cheaper variant (default: the 35B's 256)")
     ap.add_argument("--vocab-size", type=int, default=None, help="cheaper variant (default: the 35B's 248,320)")
     ap.add_argument("--threads", type=int, default=1,
                     help="llama.cpp threads for decoding (1: on a shared machine, two threads spin waiting on each "
                          "other at every op)")
     ap.add_argument("--quantize-threads", type=int, default=2, help="threads for both quantizers")
-    ap.add_argument("--rounds", type=int, default=5, help="timed rounds of each pass kind")
+    ap.add_argument("--rounds", type=int, default=7, help="timed rounds of each pass kind")
     ap.add_argument("--prompts", type=int, default=30, help="bundled-model prompts for the pass mix")
     ap.add_argument("--keep", action="store_true", help="keep the slice and its GGUFs for another run")
     a = ap.parse_args()

@@ -31,10 +31,9 @@ import httpx  # noqa: E402
 from clover_gguf.build import llama_tool  # noqa: E402
 from clover_gguf.errors import UserError  # noqa: E402
 from clover_gguf.convert import convert  # noqa: E402
+from clover_gguf.decoding import MODES  # noqa: E402
 from clover_gguf.llama_context import load_binding  # noqa: E402
 from clover_gguf.offload import add_argparse, from_namespace  # noqa: E402
-
-MODES = ("ar", "diffusion", "draft-self")
 
 
 def free_port() -> int:
@@ -108,7 +107,7 @@ def main() -> None:
     gguf = args.model
     if gguf.is_dir():
         gguf = args.workdir / "model-f32.gguf"
-        convert(args.model, gguf, outtype="f32", quiet=True)
+        convert(args.model, gguf, outtype="f32", quiet=True, force=True)
     eval_file = args.model / "eval.jsonl" if args.model.is_dir() else None
     if eval_file is not None and eval_file.is_file():
         prompts = [json.loads(x)["prompt"] for x in eval_file.read_text().splitlines() if x.strip()][::7]

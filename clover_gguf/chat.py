@@ -15,60 +15,40 @@ from typing import TextIO
 from clover_gguf.decoding import MODES
 from clover_gguf.errors import UserError
 from clover_gguf.offload import Offload
-from clover_gguf.runtime import CloverRuntime, RunStats, split_thinking
+from clover_gguf.runtime import CloverRuntime, RunStats
+from clover_gguf.thinking import ThinkSplitter
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"
 
 
 class ThinkingRenderer:
-    """Prints streamed raw text, with <think>...</think> dimmed (tty) or dropped (hidden), tags never shown."""
+    """Prints the (thinking, answer) pieces of a ThinkSplitter: thinking dimmed (tty) or dropped (hidden), then a
+    newline and the answer. The tags never show: the splitter removed them."""
 
-    TAGS = ("<think>", "</think>")
-
-    def __init__(self, out: TextIO, show_thinking: bool, color: bool, thinking_at_start: bool = False):
+    def __init__(self, out: TextIO, show_thinking: bool, color: bool):
         self.out, self.show, self.color = out, show_thinking, color
-        self.inside = thinking_at_start
-        self.buf = ""
+        self.thought = False  # some thinking was printed, so the answer starts on a new line
 
-    def feed(self, text: str) -> None:
-        self.buf += text
-        while self.buf:
-            tag_at = min((i for i in (self.buf.find(t) for t in self.TAGS) if i >= 0), default=-1)
-            if tag_at < 0:
-                # hold back what could be the start of a tag
-                keep = max((k for k in range(1, 9) if any(t.startswith(self.buf[-k:]) for t in self.TAGS)
-                            and k <= len(self.buf)), default=0)
-                self._write(self.buf[:len(self.buf) - keep])
-                self.buf = self.buf[len(self.buf) - keep:]
-                return
-            self._write(self.buf[:tag_at])
-            tag = next(t for t in self.TAGS if self.buf.startswith(t, tag_at))
-            self.inside = tag == "<think>"
-            self.buf = self.buf[tag_at + len(tag):]
-
-    def flush(self) -> None:
-        self._write(self.buf)
-        self.buf = ""
-
-    def _write(self, s: str) -> None:
-        if not s:
-            return
-        if self.inside:
-            if not self.show:
-                return
-            s = f"{DIM}{s}{RESET}" if self.color else s
-        self.out.write(s)
+    def write(self, thinking: str, answer: str) -> None:
+        if thinking and self.show:
+            self.out.write(f"{DIM}{thinking}{RESET}" if self.color else thinking)
+            self.thought = True
+        if answer:
+            if self.thought:
+                self.out.write("\n")
+                self.thought = False
+            self.out.write(answer)
         self.out.flush()
 
 
 class ChatSession:
     def __init__(self, model: Path, mode: str = "draft-self", max_new_tokens: int = 1024, think: bool = True,
                  show_thinking: bool = True, temp: float = 0.0, seed: int | None = None, n_ctx: int | None = None,
-                 out: TextIO = sys.stdout, inp: TextIO = sys.stdin, rollback: str = "redecode",
-                 offload: Offload | None = None):
-        self.rt = CloverRuntime(model, n_ctx=n_ctx, rollback=rollback, offload=offload)
+                 json_stats: bool = False, out: TextIO = sys.stdout, inp: TextIO = sys.stdin,
+                 rollback: str = "redecode", offload: Offload | None = None, **runtime_kwargs):
+        self.rt = CloverRuntime(model, n_ctx=n_ctx, rollback=rollback, offload=offload, **runtime_kwargs)
         self.mode, self.max_new_tokens, self.think, self.show_thinking = mode, max_new_tokens, think, show_thinking
-        self.temp, self.seed = temp, seed
+        self.temp, self.seed, self.json_stats = temp, seed, json_stats
         self.out, self.inp = out, inp
         self.messages: list[dict[str, str]] = []
         self.last: RunStats | None = None
@@ -92,33 +72,44 @@ class ChatSession:
                 self.mode = arg.strip()
                 self.say(f"(mode: {self.mode})")
         elif cmd == "/stats":
-            self.say(json.dumps(self.last.__dict__) if self.last else "(no answer yet)")
+            self.say(self.stats_line() if self.last else "(no answer yet)")
         else:
             self.say("(commands: /reset, /mode ar|diffusion|draft-self, /stats, /quit)")
         return True
+
+    def stats_line(self) -> str:
+        """The last answer's stats: RunStats.summary (as `generate --stats` prints it), or its JSON."""
+        return json.dumps(self.last.to_json()) if self.json_stats else f"({self.last.summary()})"
 
     def answer(self, text: str) -> None:
         self.messages.append({"role": "user", "content": text})
         color = hasattr(self.out, "isatty") and self.out.isatty()
         view = ThinkingRenderer(self.out, self.show_thinking, color)
-        raw = ""
+        answer: list[str] = []
+        self.last = None
         try:
-            for piece, stats in self.rt.stream(self.messages, mode=self.mode, max_new_tokens=self.max_new_tokens,
-                                               temp=self.temp, seed=self.seed, think=self.think):
-                raw += piece
-                view.feed(piece)
+            ids = self.rt.prompt_ids(self.messages, think=self.think)
+            split = ThinkSplitter(self.rt.thinking_at_start(ids))
+            for piece, stats in self.rt.stream_ids(ids, mode=self.mode, max_new_tokens=self.max_new_tokens,
+                                                   temp=self.temp, seed=self.seed):
                 self.last = stats
+                thinking, said = split.feed(piece)
+                answer.append(said)
+                view.write(thinking, said)
         except KeyboardInterrupt:
-            view.flush()
             self.say("\n(stopped)")
         except UserError as e:
             self.messages.pop()
             self.say(f"error: {e}")
             return
         else:
-            view.flush()
+            thinking, said = split.close()
+            answer.append(said)
+            view.write(thinking, said)
             self.say()
-        self.messages.append({"role": "assistant", "content": split_thinking(raw)[1]})
+        if self.last is not None:
+            self.say(self.stats_line())
+        self.messages.append({"role": "assistant", "content": "".join(answer)})
 
     def loop(self) -> None:
         self.say(f"clover-gguf chat: {self.rt.path.name}, mode {self.mode}. /reset /mode /stats /quit")
@@ -131,7 +122,11 @@ class ChatSession:
                 except KeyboardInterrupt:
                     self.say()
                     continue
-                if not line:  # Ctrl-D / end of input
+                except UnicodeDecodeError:  # the terminal sent bytes that are not UTF-8
+                    self.say("error: that line is not UTF-8 text")
+                    continue
+                if not line:  # Ctrl-D / end of input: end the prompt's line, then leave
+                    self.say()
                     break
                 line = line.strip()
                 if not line:

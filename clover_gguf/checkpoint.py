@@ -7,12 +7,13 @@ then the data area; offsets are relative to the data area's start.
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any
 
 import numpy as np
 
@@ -59,56 +60,92 @@ def normalise_name(name: str) -> str | None:
     return name
 
 
+def _shard_path(src: Path, name: Any, index: Path) -> Path:
+    """A shard named in the index: a plain relative path inside the checkpoint folder. Shards may be links
+    (the Hugging Face cache links them to its blobs), so the name is checked, not where it resolves to."""
+    if not isinstance(name, str) or not name:
+        raise UserError(f"{index.name} names a shard {name!r}: shard names are file names")
+    rel = Path(name)
+    if rel.is_absolute() or ".." in rel.parts:
+        raise UserError(f"{index.name} names a shard outside the checkpoint folder: {name}")
+    return src / rel
+
+
 def list_shards(src: Path) -> list[Path]:
     src = Path(src)
     if not src.is_dir():
         raise UserError(f"not a checkpoint folder: {src}")
     index = src / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise UserError(f"{index} is not a valid safetensors index ({e})") from None
-        shards = sorted({src / f for f in weight_map.values()})
+        from clover_gguf.config import read_json
+
+        data = read_json(index, "a safetensors index")
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise UserError(f"{index} is not a valid safetensors index (no weight_map object)")
+        shards = sorted({_shard_path(src, f, index) for f in weight_map.values()})
         for s in shards:
             if not s.is_file():
-                raise UserError(f"shard {s.name} is named in {index.name} but absent")
+                what = "a folder" if s.is_dir() else "absent"
+                raise UserError(f"shard {s.name} is named in {index.name} but {what}")
         return shards
     shards = sorted(src.glob("*.safetensors"))
     if not shards:
         raise UserError(f"no safetensors shard in {src}")
+    for s in shards:
+        if not s.is_file():
+            raise UserError(f"{s} is not a file (a safetensors shard must be one)")
     return shards
 
 
 def read_shard_header(path: Path) -> list[tuple[str, str, tuple[int, ...], int, int]]:
-    """-> [(name, dtype, shape, abs_begin, abs_end)], checked against the file size."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise UserError(f"{path.name}: truncated safetensors file (no header)")
-        (n,) = struct.unpack("<Q", head)
-        if n > size - 8 or n > 100 * 2**20:
-            raise UserError(f"{path.name}: corrupt safetensors header (length {n})")
-        try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise UserError(f"{path.name}: corrupt safetensors header (not JSON)") from None
+    """-> [(name, dtype, shape, abs_begin, abs_end)], checked against the file size: every tensor's bytes lie in
+    the data area, match its shape, and no two tensors share a byte."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise UserError(f"{path.name}: truncated safetensors file (no header)")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8 or n > 100 * 2**20:
+                raise UserError(f"{path.name}: corrupt safetensors header (length {n})")
+            blob = f.read(n)
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror or e}") from None
+    try:
+        header = json.loads(blob)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+        raise UserError(f"{path.name}: corrupt safetensors header (not JSON)") from None
+    if not isinstance(header, dict):
+        raise UserError(f"{path.name}: corrupt safetensors header (not a JSON object)")
     base = 8 + n
     out = []
     for name, info in header.items():
         if name == "__metadata__":
             continue
         try:
-            dtype, shape, (b, e) = info["dtype"], tuple(int(x) for x in info["shape"]), info["data_offsets"]
+            dtype, shape, (b, e) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
         except (KeyError, TypeError, ValueError):
             raise UserError(f"{path.name}: corrupt safetensors entry for {name}") from None
-        if base + e > size:
-            raise UserError(f"{path.name}: truncated safetensors file ({name} ends past the end of the file)")
-        if dtype in SAFETENSORS_DTYPES and (e - b) != int(np.prod(shape)) * SAFETENSORS_DTYPES[dtype].itemsize:
+        if not isinstance(dtype, str) or not all(_is_count(x) for x in (*shape, b, e)):
+            raise UserError(f"{path.name}: corrupt safetensors entry for {name} (dtype, shape and data_offsets "
+                            "must be a string and non-negative integers)")
+        if b > e or base + e > size:
+            raise UserError(f"{path.name}: truncated safetensors file ({name} ends past the end of the file)"
+                            if b <= e else f"{path.name}: corrupt safetensors entry for {name} (offsets reversed)")
+        if dtype in SAFETENSORS_DTYPES and (e - b) != math.prod(shape) * SAFETENSORS_DTYPES[dtype].itemsize:
             raise UserError(f"{path.name}: corrupt safetensors entry for {name} (size does not match shape)")
         out.append((name, dtype, shape, base + b, base + e))
+    spans = sorted((b, e, name) for name, _, _, b, e in out if e > b)
+    for (_, e0, first), (b1, _, second) in zip(spans, spans[1:]):
+        if b1 < e0:
+            raise UserError(f"{path.name}: the data of {first} and {second} overlap")
     return out
+
+
+def _is_count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
 class Checkpoint:
@@ -219,8 +256,3 @@ def load_hf_tensors(src: Path) -> dict[str, "torch.Tensor"]:  # noqa: F821
             raise UserError(f"layer {layer}: {kind}_proj experts are not numbered 0..{n - 1}")
         out[f"model.layers.{layer}.mlp.experts.{kind}_proj"] = torch.from_numpy(np.stack([experts[e] for e in range(n)]))
     return out
-
-
-def iter_shard_sizes(src: Path) -> Iterator[int]:
-    for s in list_shards(src):
-        yield s.stat().st_size

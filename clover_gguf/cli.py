@@ -10,9 +10,12 @@ from typing import Optional
 
 import typer
 
+from clover_gguf.decoding import ACCEPT_MODES, MODES
 from clover_gguf.errors import UserError
+from clover_gguf.runtime import ROLLBACKS
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+# rich_markup_mode=None: plain help (no boxes, no `<bool>` after every flag); errors are ours (main)
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Clover block-diffusion MoE on your own machine: convert, quantize, build llama.cpp, decode.")
 
 
@@ -23,11 +26,27 @@ class OutType(str, Enum):
     q8_0 = "q8_0"
 
 
+class Arch(str, Enum):
+    clover = "clover"
+    qwen35moe = "qwen35moe"
+
+
 class Backend(str, Enum):
     cpu = "cpu"
     cuda = "cuda"
     metal = "metal"
     vulkan = "vulkan"
+
+
+RPC_HELP = ("HOST:PORT[,HOST:PORT...]: put the model's layers on these ggml-rpc-servers, as llama.cpp's --rpc does "
+            "(unauthenticated: trusted networks only)")
+
+
+def _rpc(spec: Optional[str]) -> dict:
+    """--rpc -> CloverRuntime keywords (the layers --gpu-layers offloads, all by default, go to the servers)."""
+    from clover_gguf import rpc
+
+    return {"rpc": rpc.parse_endpoints(spec)}
 
 
 def _err(msg: str) -> None:
@@ -64,15 +83,18 @@ def convert(
     src: Path = typer.Argument(..., help="checkpoint folder (config.json, safetensors, tokenizer)"),
     out: Path = typer.Option(..., "-o", "--out", help="output GGUF file"),
     outtype: OutType = typer.Option(OutType.bf16, "--outtype", help="storage type of the weight matrices"),
+    arch: Arch = typer.Option(Arch.clover, "--arch", help="clover, or qwen35moe: AR only, for stock llama.cpp"),
     skip_unknown: bool = typer.Option(False, "--skip-unknown", help="drop tensors the map does not know (warns)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="validate and print the plan; write nothing"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
+    force: bool = typer.Option(False, "--force", help="overwrite OUT"),
     as_json: bool = typer.Option(False, "--json", help="print a JSON summary"),
 ) -> None:
     """Clover safetensors -> GGUF (streaming)."""
     from clover_gguf.convert import convert as run
 
-    res = run(src, out, outtype.value, skip_unknown=skip_unknown, dry_run=dry_run, quiet=quiet or as_json)
+    res = run(src, out, outtype.value, skip_unknown=skip_unknown, dry_run=dry_run, quiet=quiet or as_json,
+              force=force, arch=arch.value)
     summary = {"out": str(res.out) if res.out else None, "tensors": res.n_tensors, "bytes": res.nbytes,
                "dry_run": dry_run, "notices": res.notices, "skipped_unknown": res.skipped_unknown}
     if as_json:
@@ -86,6 +108,25 @@ def convert(
         typer.echo(f"dry run: {res.n_tensors} tensors, {res.nbytes / 2**30:.3f} GiB; nothing written")
     else:
         typer.echo(f"wrote {res.out}: {res.n_tensors} tensors, {res.nbytes / 2**30:.3f} GiB")
+
+
+@app.command("export-ar")
+def export_ar(
+    src: Path = typer.Argument(..., help="a Clover GGUF (any type, quantized too)"),
+    out: Path = typer.Argument(..., help="output qwen35moe GGUF"),
+    force: bool = typer.Option(False, "--force", help="overwrite OUT"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Clover GGUF -> qwen35moe GGUF for stock llama.cpp, Ollama, LM Studio (AR only; tensors copied as they are)."""
+    from clover_gguf.export import export_ar as run
+
+    res = run(src, out, force=force, quiet=quiet or as_json)
+    if as_json:
+        typer.echo(json.dumps({"out": str(res.out), "tensors": res.n_tensors, "size_bytes": res.size_bytes,
+                               "dropped_tensors": res.dropped_tensors, "dropped_keys": res.dropped_keys}))
+    else:
+        typer.echo(f"wrote {res.out}: qwen35moe, {res.n_tensors} tensors, {res.size_bytes / 2**30:.3f} GiB")
 
 
 @app.command()
@@ -208,20 +249,14 @@ def doctor(
         raise typer.Exit(2)
 
 
-class Mode(str, Enum):
-    ar = "ar"
-    diffusion = "diffusion"
-    draft_self = "draft-self"
+def _choices(name: str, values: tuple[str, ...]) -> type[Enum]:
+    """A typer choice type over one of the tuples the modules define (the lists live there, once)."""
+    return Enum(name, {v.replace("-", "_"): v for v in values}, type=str)
 
 
-class Accept(str, Enum):
-    exact = "exact"
-    threshold = "threshold"
-
-
-class Rollback(str, Enum):
-    redecode = "redecode"
-    snapshot = "snapshot"
+Mode = _choices("Mode", MODES)
+Accept = _choices("Accept", ACCEPT_MODES)
+Rollback = _choices("Rollback", ROLLBACKS)
 
 
 @app.command()
@@ -239,27 +274,31 @@ def generate(
     top_k: int = typer.Option(0, "--top-k", min=0),
     seed: Optional[int] = typer.Option(None, "--seed"),
     think: bool = typer.Option(True, "--think/--no-think", help="let the model think first"),
-    ctx: Optional[int] = typer.Option(None, "--ctx", help="context size (default: enough for the request)"),
+    ctx: Optional[int] = typer.Option(None, "--ctx", min=16, help="context size (default: min(8192, the model's); "
+                                      "llama.cpp rounds it up to a multiple of 256)"),
     rollback: Rollback = typer.Option(Rollback.redecode, "--rollback", help="draft-self rollback strategy"),
     presence_penalty: Optional[float] = typer.Option(None, "--presence-penalty", help="default: the GGUF's (0.9)"),
     frequency_penalty: Optional[float] = typer.Option(None, "--frequency-penalty", help="default: the GGUF's (0.0)"),
     repetition_penalty: Optional[float] = typer.Option(None, "--repetition-penalty", min=0.01,
                                                        help="default: the GGUF's (1.05)"),
     no_controls: bool = typer.Option(False, "--no-controls", help="turn every generation control off"),
-    stats: bool = typer.Option(False, "--stats", help="print decoding stats to stderr"),
+    rpc: Optional[str] = typer.Option(None, "--rpc", help=RPC_HELP),
+    stats: bool = typer.Option(False, "--stats", help="print a one-line stats summary to stderr (all of them: --json)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object: text, thinking, stats"),
     offload=None,
 ) -> None:
     """Answer one prompt, streaming the answer as tokens are accepted."""
-    from clover_gguf.runtime import CloverRuntime
-
     from dataclasses import replace
 
-    with CloverRuntime(model, n_ctx=ctx, rollback=rollback.value, offload=offload, block_size=block_size) as rt:
-        controls = rt.controls.off() if no_controls else rt.controls
-        overrides = {"presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty,
-                     "repetition_penalty": repetition_penalty}
-        controls = replace(controls, **{k: v for k, v in overrides.items() if v is not None})
+    from clover_gguf.metadata import Controls
+    from clover_gguf.runtime import CloverRuntime, check_sampling
+
+    overrides = {k: v for k, v in {"presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty,
+                                   "repetition_penalty": repetition_penalty}.items() if v is not None}
+    check_sampling(temp, top_p, top_k, threshold, replace(Controls(), **overrides))  # before the model loads
+    with CloverRuntime(model, n_ctx=ctx, rollback=rollback.value, offload=offload, block_size=block_size,
+                       **_rpc(rpc)) as rt:
+        controls = replace(rt.controls.off() if no_controls else rt.controls, **overrides)
         kw = dict(mode=mode.value, max_new_tokens=max_new_tokens, block_size=block_size, threshold=threshold,
                   accept=accept.value, temp=temp, top_p=top_p, top_k=top_k, seed=seed, think=think,
                   controls=controls)
@@ -267,13 +306,12 @@ def generate(
             ans = rt.generate(prompt, **kw)
             typer.echo(json.dumps(ans.to_json()))
             return
-        raw, run = "", None
+        run = None
         for text, run in rt.stream(prompt, **kw):
-            raw += text
             typer.echo(text, nl=False)
         typer.echo("")
         if stats and run is not None:
-            typer.echo(json.dumps(run.__dict__), err=True)
+            typer.echo(run.summary(), err=True)
 
 
 @app.command()
@@ -286,15 +324,21 @@ def chat(
     show_thinking: bool = typer.Option(True, "--show-thinking/--hide-thinking", help="thinking dimmed, or hidden"),
     temp: float = typer.Option(0.0, "--temp", min=0.0),
     seed: Optional[int] = typer.Option(None, "--seed"),
-    ctx: Optional[int] = typer.Option(None, "--ctx"),
+    ctx: Optional[int] = typer.Option(None, "--ctx", min=16),
     rollback: Rollback = typer.Option(Rollback.redecode, "--rollback", help="draft-self rollback strategy"),
+    json_stats: bool = typer.Option(False, "--json-stats", help="each answer's stats as one JSON object, not a line"),
+    rpc: Optional[str] = typer.Option(None, "--rpc", help=RPC_HELP),
     offload=None,
 ) -> None:
     """Chat in the terminal: /reset, /mode ar|diffusion|draft-self, /stats, /quit; Ctrl-C stops an answer."""
     from clover_gguf.chat import ChatSession
+    from clover_gguf.runtime import check_sampling
+
+    check_sampling(temp)
 
     ChatSession(model, mode=mode.value, max_new_tokens=max_new_tokens, think=think, show_thinking=show_thinking,
-                temp=temp, seed=seed, n_ctx=ctx, rollback=rollback.value, offload=offload).loop()
+                temp=temp, seed=seed, n_ctx=ctx, json_stats=json_stats, rollback=rollback.value,
+                offload=offload, **_rpc(rpc)).loop()
 
 
 @app.command()
@@ -309,13 +353,14 @@ def serve(
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="CLOVER_GGUF_API_KEY",
                                           help="require Authorization: Bearer KEY (also from $CLOVER_GGUF_API_KEY)"),
     rollback: Rollback = typer.Option(Rollback.redecode, "--rollback", help="draft-self rollback strategy"),
+    rpc: Optional[str] = typer.Option(None, "--rpc", help=RPC_HELP),
     offload=None,
 ) -> None:
     """An OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models, /health."""
     from clover_gguf.server import serve as run
 
     run(model, host=host, port=port, mode=mode.value, ctx=ctx, parallel=parallel, api_key=api_key,
-        rollback=rollback.value, n_threads=offload.threads, offload=offload)  # threads per slot
+        rollback=rollback.value, n_threads=offload.threads, offload=offload, **_rpc(rpc))  # threads per slot
 
 
 @app.command()
@@ -345,25 +390,25 @@ def fit(
     typer.echo(json.dumps(res.to_json()) if as_json else res.format())
 
 
-def main() -> None:
-    import click
-
+def main(argv: list[str] | None = None) -> None:
+    """The entry point: every error is one line on stderr; usage and input errors exit 2, Ctrl-C 130."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    if not args:  # bare `clover-gguf`: the help, as a usage error
+        app(args=["--help"], prog_name="clover-gguf", standalone_mode=False)
+        sys.exit(2)
     try:
-        rv = app(standalone_mode=False)
+        rv = app(args=args, prog_name="clover-gguf", standalone_mode=False)
     except UserError as e:
         _err(str(e))
         sys.exit(e.exit_code)
-    except click.exceptions.Abort:  # Ctrl-C inside click
+    except (typer.Abort, KeyboardInterrupt):
         _err("interrupted")
         sys.exit(130)
-    except KeyboardInterrupt:
+    except typer.TyperException as e:  # usage errors (typer's own click): one line, exit 2
+        ctx = getattr(e, "ctx", None)
+        hint = f" (see {ctx.command_path} --help)" if ctx is not None else ""
+        _err(" ".join(e.format_message().replace("Value error, ", "").split()) + hint)
+        sys.exit(2)
+    if rv == 130:  # typer turns a Ctrl-C inside a command into Exit(130)
         _err("interrupted")
-        sys.exit(130)
-    except click.ClickException as e:  # usage errors: click's own one-line message, exit 2
-        e.show()
-        sys.exit(e.exit_code)
     sys.exit(rv if isinstance(rv, int) else 0)
-
-
-if __name__ == "__main__":
-    main()

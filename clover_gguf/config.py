@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from clover_gguf.errors import UserError
+from clover_gguf.metadata import GenerationDefaults  # noqa: F401  (its home is metadata.py)
 
 CLOVER_MODEL_TYPES = {"clover", "clover_text"}
 PLAIN_QWEN_MODEL_TYPES = {"qwen3_5_moe", "qwen3_5_moe_text"}
@@ -17,6 +19,107 @@ FULL_ATTENTION = "full_attention"
 # for size planning (`quantize --plan`, `fit`) and the slice35b test model. Use shapes, not values.
 SHAPE_35B = Path(__file__).resolve().parent / "data" / "clover-35b-a3b-shape.json"
 LINEAR_ATTENTION = "linear_attention"
+
+# Limits a config.json must stay within, checked before anything is sized from it. Layers and experts are
+# llama.cpp's own limits (LLAMA_MAX_LAYERS, LLAMA_MAX_EXPERTS: above them it aborts); the others are far above any
+# model (the 35B: vocabulary 248,320, widths up to 8,192) yet small enough that nothing we build from them (a token
+# list, a header-only skeleton) can exhaust memory.
+MAX_LAYERS = 512
+MAX_EXPERTS = 1024
+MAX_VOCAB = 2**22
+MAX_WIDTH = 2**20  # any one width or head count
+MAX_KERNEL = 64
+MAX_BLOCK = 4096  # a diffusion block: one block pass holds it in a single ubatch
+MAX_U32 = 2**32 - 1
+REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+            "linear_conv_kernel_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+            "shared_expert_intermediate_size")
+
+
+def read_json(path: Path, what: str) -> Any:
+    """A JSON file, or one UserError line saying why it is not one (binary, invalid, unreadable)."""
+    try:
+        return json.loads(Path(path).read_bytes().decode("utf-8"))
+    except UnicodeDecodeError:
+        raise UserError(f"{path} is not a text file ({what} must be UTF-8 JSON)") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path} is not valid JSON: {e.msg} at line {e.lineno}") from None
+    except RecursionError:
+        raise UserError(f"{path}: {what} is nested too deeply") from None
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror or e}") from None
+
+
+class _Fields:
+    """Typed, range-checked reads from one JSON object; every failure names the field."""
+
+    def __init__(self, d: dict[str, Any], where: str = "config.json"):
+        self.d, self.where = d, where
+
+    def _fail(self, key: str, want: str, v: Any) -> UserError:
+        shown = repr(v) if len(repr(v)) <= 40 else repr(v)[:37] + "..."
+        return UserError(f"{self.where}: {key} must be {want}, not {shown}")
+
+    def int(self, key: str, lo: int, hi: int, default: Any = ...) -> Any:
+        v = self.d.get(key)
+        if v is None:
+            if default is ...:
+                raise UserError(f"{self.where} lacks required field {key}")
+            return default
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise self._fail(key, "an integer", v)
+        if not lo <= v <= hi:
+            raise self._fail(key, f"an integer in {lo}..{hi}", v)
+        return v
+
+    def float(self, key: str, default: float) -> float:
+        v = self.d.get(key)
+        if v is None:
+            return default
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise self._fail(key, "a finite number", v)
+        return float(v)
+
+    def bool(self, key: str, default: bool) -> bool:
+        v = self.d.get(key)
+        if v is None:
+            return default
+        if not isinstance(v, bool):
+            raise self._fail(key, "true or false", v)
+        return v
+
+    def str(self, key: str, default: str) -> str:
+        v = self.d.get(key)
+        if v is None:
+            return default
+        if not isinstance(v, str):
+            raise self._fail(key, "a string", v)
+        return v
+
+    def obj(self, key: str) -> dict[str, Any] | None:
+        v = self.d.get(key)
+        if v is not None and not isinstance(v, dict):
+            raise self._fail(key, "an object", v)
+        return v
+
+    def int_list(self, key: str, lo: int, hi: int) -> list[int]:
+        v = self.d.get(key)
+        if not isinstance(v, list) or len(v) > 8 or not all(
+                isinstance(x, int) and not isinstance(x, bool) and lo <= x <= hi for x in v):
+            raise self._fail(key, f"a short list of integers in {lo}..{hi}", v)
+        return v
+
+    def token_id(self, key: str, vocab: int) -> int | None:
+        return self.int(key, 0, vocab - 1, default=None) if self.d.get(key) is not None else None
+
+    def token_ids(self, key: str, vocab: int) -> int | list[int] | None:
+        v = self.d.get(key)
+        if isinstance(v, list):
+            return [_Fields({key: x}, self.where).int(key, 0, vocab - 1) for x in v]
+        return self.token_id(key, vocab)
 
 
 @dataclass(frozen=True)
@@ -90,12 +193,18 @@ class CloverConfig:
 
     # ---- reading ---------------------------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> "CloverConfig":
-        """Accept a text config, or a ForConditionalGeneration config with `text_config` inside."""
+    def from_dict(cls, raw: Any) -> "CloverConfig":
+        """Accept a text config, or a ForConditionalGeneration config with `text_config` inside. Every field is
+        type- and range-checked here, before anything is sized from it (see `LIMITS`)."""
+        if not isinstance(raw, dict):
+            raise UserError(f"config.json must be a JSON object, not {type(raw).__name__}")
         outer_type = raw.get("model_type", "")
         d = dict(raw)
-        if isinstance(raw.get("text_config"), dict):
-            d = {**raw["text_config"]}
+        text_config = raw.get("text_config")
+        if text_config is not None and not isinstance(text_config, dict):
+            raise UserError(f"config.json: text_config must be an object, not {type(text_config).__name__}")
+        if text_config is not None:
+            d = {**text_config}
             # Clover keys may sit at either level; the text config wins.
             for key in ("mask_token_id", "block_size", "linear_conv_right_kernel_dim", "moe_block_coreset_enabled",
                         "moe_block_coreset_top_p", "eos_token_id", "tie_word_embeddings"):
@@ -105,69 +214,74 @@ class CloverConfig:
             if outer_type in CLOVER_MODEL_TYPES:
                 d["model_type"] = "clover"
         model_type = d.get("model_type", "")
-        if model_type not in CLOVER_MODEL_TYPES | PLAIN_QWEN_MODEL_TYPES:
+        if not isinstance(model_type, str) or model_type not in CLOVER_MODEL_TYPES | PLAIN_QWEN_MODEL_TYPES:
             raise UserError(
                 f"unsupported model_type {model_type!r}: expected clover or qwen3_5_moe (Qwen3.5/3.6-MoE text)"
             )
-        required = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                    "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-                    "linear_value_head_dim", "linear_conv_kernel_dim", "num_experts", "num_experts_per_tok",
-                    "moe_intermediate_size", "shared_expert_intermediate_size"]
-        missing = [k for k in required if d.get(k) is None]
+        missing = [k for k in REQUIRED if d.get(k) is None]
         if missing:
             raise UserError(f"config.json lacks required field(s): {', '.join(missing)}")
+        f = _Fields(d)
+        n_layers = f.int("num_hidden_layers", 1, MAX_LAYERS)
+        vocab = f.int("vocab_size", 1, MAX_VOCAB)
+        hidden = f.int("hidden_size", 1, MAX_WIDTH)
+        n_heads = f.int("num_attention_heads", 1, MAX_WIDTH)
+        n_kv = f.int("num_key_value_heads", 1, MAX_WIDTH)
+        head_dim = f.int("head_dim", 1, MAX_WIDTH, default=max(1, hidden // n_heads))
+        n_experts = f.int("num_experts", 1, MAX_EXPERTS)
 
-        rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
-        rope_theta = float(rope.get("rope_theta", d.get("rope_theta", 10_000_000.0)))
-        partial = float(rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.25)))
-        mrope = rope.get("mrope_section")
-        n_layers = int(d["num_hidden_layers"])
-        interval = int(d.get("full_attention_interval") or 4)
+        rope = f.obj("rope_parameters") or f.obj("rope_scaling") or {}
+        r = _Fields(rope, "config.json rope_parameters")
+        rope_theta = r.float("rope_theta", default=f.float("rope_theta", default=10_000_000.0))
+        partial = r.float("partial_rotary_factor", default=f.float("partial_rotary_factor", default=0.25))
+        mrope = r.int_list("mrope_section", 0, MAX_WIDTH) if rope.get("mrope_section") is not None else None
+        interval = f.int("full_attention_interval", 1, MAX_LAYERS, default=4)
         layer_types = d.get("layer_types")
         if layer_types is None:
             layer_types = [FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(n_layers)]
+        if not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types):
+            raise UserError("config.json: layer_types must be a list of strings")
         if len(layer_types) != n_layers:
             raise UserError(f"layer_types has {len(layer_types)} entries, num_hidden_layers is {n_layers}")
         bad = sorted(set(layer_types) - {FULL_ATTENTION, LINEAR_ATTENTION})
         if bad:
             raise UserError(f"unknown layer type(s) in layer_types: {', '.join(bad)}")
-        head_dim = d.get("head_dim") or int(d["hidden_size"]) // int(d["num_attention_heads"])
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = {fl.name for fl in dataclasses.fields(cls)}
         cfg = cls(
-            vocab_size=int(d["vocab_size"]),
-            hidden_size=int(d["hidden_size"]),
+            vocab_size=vocab,
+            hidden_size=hidden,
             num_hidden_layers=n_layers,
-            num_attention_heads=int(d["num_attention_heads"]),
-            num_key_value_heads=int(d["num_key_value_heads"]),
-            head_dim=int(head_dim),
-            linear_num_key_heads=int(d["linear_num_key_heads"]),
-            linear_num_value_heads=int(d["linear_num_value_heads"]),
-            linear_key_head_dim=int(d["linear_key_head_dim"]),
-            linear_value_head_dim=int(d["linear_value_head_dim"]),
-            linear_conv_kernel_dim=int(d["linear_conv_kernel_dim"]),
-            num_experts=int(d["num_experts"]),
-            num_experts_per_tok=int(d["num_experts_per_tok"]),
-            moe_intermediate_size=int(d["moe_intermediate_size"]),
-            shared_expert_intermediate_size=int(d["shared_expert_intermediate_size"]),
+            num_attention_heads=n_heads,
+            num_key_value_heads=n_kv,
+            head_dim=head_dim,
+            linear_num_key_heads=f.int("linear_num_key_heads", 1, MAX_WIDTH),
+            linear_num_value_heads=f.int("linear_num_value_heads", 1, MAX_WIDTH),
+            linear_key_head_dim=f.int("linear_key_head_dim", 1, MAX_WIDTH),
+            linear_value_head_dim=f.int("linear_value_head_dim", 1, MAX_WIDTH),
+            linear_conv_kernel_dim=f.int("linear_conv_kernel_dim", 1, MAX_KERNEL),
+            num_experts=n_experts,
+            num_experts_per_tok=f.int("num_experts_per_tok", 1, n_experts),
+            moe_intermediate_size=f.int("moe_intermediate_size", 1, MAX_WIDTH),
+            shared_expert_intermediate_size=f.int("shared_expert_intermediate_size", 1, MAX_WIDTH),
             layer_types=tuple(layer_types),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=f.float("rms_norm_eps", default=1e-6),
             rope_theta=rope_theta,
             partial_rotary_factor=partial,
             mrope_section=tuple(mrope) if mrope else None,
-            max_position_embeddings=int(d.get("max_position_embeddings", 131072)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            max_position_embeddings=f.int("max_position_embeddings", 1, MAX_U32, default=131072),
+            tie_word_embeddings=f.bool("tie_word_embeddings", default=False),
             full_attention_interval=interval,
-            hidden_act=str(d.get("hidden_act", "silu")),
+            hidden_act=f.str("hidden_act", default="silu"),
             model_type="clover" if model_type in CLOVER_MODEL_TYPES else model_type,
-            mask_token_id=d.get("mask_token_id"),
-            block_size=int(d.get("block_size") or 32),
-            linear_conv_right_kernel_dim=d.get("linear_conv_right_kernel_dim"),
-            moe_block_coreset_enabled=bool(d.get("moe_block_coreset_enabled", True)),
-            moe_block_coreset_top_p=float(d.get("moe_block_coreset_top_p", 0.9)),
-            mtp_num_hidden_layers=int(d.get("mtp_num_hidden_layers") or 0),
-            eos_token_id=d.get("eos_token_id"),
-            bos_token_id=d.get("bos_token_id"),
-            pad_token_id=d.get("pad_token_id"),
+            mask_token_id=f.token_id("mask_token_id", vocab),
+            block_size=f.int("block_size", 1, MAX_BLOCK, default=32),
+            linear_conv_right_kernel_dim=f.int("linear_conv_right_kernel_dim", 1, MAX_KERNEL, default=None),
+            moe_block_coreset_enabled=f.bool("moe_block_coreset_enabled", default=True),
+            moe_block_coreset_top_p=f.float("moe_block_coreset_top_p", default=0.9),
+            mtp_num_hidden_layers=f.int("mtp_num_hidden_layers", 0, MAX_LAYERS - n_layers, default=0),
+            eos_token_id=f.token_ids("eos_token_id", vocab),
+            bos_token_id=f.token_id("bos_token_id", vocab),
+            pad_token_id=f.token_id("pad_token_id", vocab),
             extra={k: v for k, v in d.items() if k not in known},
         )
         cfg.validate()
@@ -180,25 +294,42 @@ class CloverConfig:
             path = path / "config.json"
         if not path.is_file():
             raise UserError(f"missing config.json: {path}")
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path} is not valid JSON: {e.msg} at line {e.lineno}") from None
-        return cls.from_dict(raw)
+        return cls.from_dict(read_json(path, "config.json"))
 
     def validate(self) -> None:
+        """The relations between fields that llama.cpp (or the reference) relies on; each field's own range is
+        checked when it is read."""
         if self.hidden_act != "silu":
             raise UserError(f"hidden_act {self.hidden_act!r} is not supported (Clover uses silu)")
         if self.linear_num_value_heads % self.linear_num_key_heads:
             raise UserError("linear_num_value_heads must be a multiple of linear_num_key_heads")
         if self.num_attention_heads % self.num_key_value_heads:
             raise UserError("num_attention_heads must be a multiple of num_key_value_heads")
-        if self.num_experts_per_tok > self.num_experts:
-            raise UserError("num_experts_per_tok exceeds num_experts")
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise UserError(f"num_experts_per_tok must be 1..num_experts ({self.num_experts}), "
+                            f"not {self.num_experts_per_tok}")
         if not 0.0 < self.moe_block_coreset_top_p <= 1.0:
-            raise UserError("moe_block_coreset_top_p must be in (0, 1]")
-        if self.rotary_dim % 2:
-            raise UserError("head_dim * partial_rotary_factor must be even")
+            raise UserError(f"moe_block_coreset_top_p must be in (0, 1], not {self.moe_block_coreset_top_p}")
+        if not 0.0 < self.partial_rotary_factor <= 1.0:
+            raise UserError(f"rope partial_rotary_factor must be in (0, 1], not {self.partial_rotary_factor}")
+        if self.rotary_dim < 2 or self.rotary_dim % 2:
+            raise UserError(f"head_dim * partial_rotary_factor must be even and at least 2, not {self.rotary_dim}")
+        if not self.rms_norm_eps > 0.0:
+            raise UserError(f"rms_norm_eps must be a positive number, not {self.rms_norm_eps}")
+        if not self.rope_theta > 0.0:
+            raise UserError(f"rope_theta must be a positive number, not {self.rope_theta}")
+        sections = self.rope_sections
+        if len(sections) > 4 or not 0 < sum(sections) <= self.head_dim:
+            raise UserError(f"rope mrope_section {list(sections)}: at most 4 sections summing to 1..head_dim "
+                            f"({self.head_dim}) (llama.cpp's rope needs that)")
+        if self.num_hidden_layers + self.mtp_num_hidden_layers > MAX_LAYERS:
+            raise UserError(f"num_hidden_layers + mtp_num_hidden_layers is over llama.cpp's {MAX_LAYERS} layers")
+
+    @property
+    def rope_sections(self) -> tuple[int, ...]:
+        """The rope sections written to the GGUF: mrope_section, or Qwen3.5's (11, 11, 10) (text positions are
+        the same in every section, so for text only the total matters)."""
+        return tuple(self.mrope_section or (11, 11, 10))
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The config.json a Clover checkpoint carries (used by make_tiny)."""
@@ -244,46 +375,3 @@ class CloverConfig:
                 moe_block_coreset_top_p=self.moe_block_coreset_top_p,
             )
         return d
-
-
-@dataclass(frozen=True)
-class GenerationDefaults:
-    """The model card's decoding defaults (generation_config.json); our key names for start/ramp."""
-
-    block_size: int = 32
-    threshold: float = 0.95
-    presence_penalty: float = 0.9
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.05
-    length_penalty: float = 10.0
-    length_penalty_start: int = 8192
-    length_penalty_ramp: int = 8192
-    think_end_bias: float = 10.0
-    think_end_bias_start: int = 4096
-    think_end_bias_ramp: int = 4096
-
-    # generation_config.json key -> field
-    HF_KEYS = {
-        "block_size": "block_size",
-        "threshold": "threshold",
-        "presence_penalty": "presence_penalty",
-        "frequency_penalty": "frequency_penalty",
-        "repetition_penalty": "repetition_penalty",
-        "dllm_length_penalty": "length_penalty",
-        "dllm_length_penalty_start": "length_penalty_start",
-        "dllm_length_penalty_ramp": "length_penalty_ramp",
-        "dllm_think_end_bias": "think_end_bias",
-        "dllm_think_end_bias_start": "think_end_bias_start",
-        "dllm_think_end_bias_ramp": "think_end_bias_ramp",
-    }
-
-    @classmethod
-    def from_hf(cls, d: dict[str, Any]) -> "GenerationDefaults":
-        kwargs = {}
-        for hf_key, name in cls.HF_KEYS.items():
-            if d.get(hf_key) is not None:
-                kwargs[name] = type(getattr(cls, name))(d[hf_key])
-        return cls(**kwargs)
-
-    def to_hf(self) -> dict[str, Any]:
-        return {hf: getattr(self, name) for hf, name in self.HF_KEYS.items()}

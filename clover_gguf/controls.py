@@ -1,8 +1,11 @@
-"""Clover's generation controls and samplers, as small composable functions (mlx-lm style).
+"""Clover's generation controls and the samplers: the one batched interface every decoder uses (mlx-lm style).
 
-A logits processor is `processor(generated, logits) -> logits`: `generated` are the answer's tokens so far (never
-the prompt), `logits` a float vector [V] for the next position. The model card's controls, applied in this order:
+A logits processor is `processor(histories, logits) -> logits`: `logits` is float [T, V], one row per position to
+decide, and `histories[i]` the answer's tokens before row i (never the prompt). A sampler is
+`sampler(logits [T, V]) -> tokens [T]`. `process` applies processors in order; every decoder goes through it, one
+row (AR) or a whole block at once.
 
+The model card's controls, applied in this order:
 1. repetition penalty r (1.05): for every token already generated, logit / r if positive, logit * r if not;
 2. frequency penalty f (0.0): logit - f * count(token in generated);
 3. presence penalty p (0.9): logit - p if the token was generated at all;
@@ -16,50 +19,14 @@ All apply under sampling and greedy alike. Values come from the GGUF (`clover.ge
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 import numpy as np
 
-from clover_gguf.config import GenerationDefaults
+from clover_gguf.metadata import Controls  # the card's values and their GGUF keys: one home
 
-Processor = Callable[[Sequence[int], np.ndarray], np.ndarray]
-Sampler = Callable[[np.ndarray], int]
-
-
-_CARD = GenerationDefaults()  # the model card's values live in one place: config.GenerationDefaults
-
-
-@dataclass(frozen=True)
-class Controls:
-    presence_penalty: float = _CARD.presence_penalty
-    frequency_penalty: float = _CARD.frequency_penalty
-    repetition_penalty: float = _CARD.repetition_penalty
-    length_penalty: float = _CARD.length_penalty
-    length_penalty_start: int = _CARD.length_penalty_start
-    length_penalty_ramp: int = _CARD.length_penalty_ramp
-    think_end_bias: float = _CARD.think_end_bias
-    think_end_bias_start: int = _CARD.think_end_bias_start
-    think_end_bias_ramp: int = _CARD.think_end_bias_ramp
-
-    GGUF_KEYS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "length_penalty",
-                 "length_penalty_start", "length_penalty_ramp", "think_end_bias", "think_end_bias_start",
-                 "think_end_bias_ramp")
-
-    @classmethod
-    def from_meta(cls, meta: Callable[[str], str | None], **overrides) -> "Controls":
-        """From a GGUF's `clover.generation.*` keys (meta(key) -> string or None), then explicit overrides."""
-        kw = {}
-        for k in cls.GGUF_KEYS:
-            v = meta(f"clover.generation.{k}")
-            if v is not None:
-                kw[k] = type(getattr(cls, k))(float(v))
-        c = cls(**kw)
-        return replace(c, **{k: v for k, v in overrides.items() if v is not None})
-
-    def off(self) -> "Controls":
-        return replace(self, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0, length_penalty=0.0,
-                       think_end_bias=0.0)
+Processor = Callable[[Sequence[Sequence[int]], np.ndarray], np.ndarray]  # (histories [T], logits [T, V]) -> [T, V]
+Sampler = Callable[[np.ndarray], np.ndarray]  # logits [T, V] -> tokens [T]
 
 
 def _ramp(n: int, start: int, ramp: int) -> float:
@@ -70,10 +37,7 @@ def _ramp(n: int, start: int, ramp: int) -> float:
 
 def make_processors(c: Controls, end_ids: Sequence[int], think_id: int | None = None, think_end_id: int | None = None,
                     thinking_at_start: bool = False) -> list[Processor]:
-    """The card's controls as processors. thinking_at_start: the prompt itself opened a <think> span.
-
-    Each is a one-row processor that also has `rows(histories, logits [T, V]) -> [T, V]`, the same function for T
-    rows at once (a block pass processes up to block_size rows; decoding.process uses `rows` when it is there)."""
+    """The card's controls as processors. thinking_at_start: the prompt itself opened a <think> span."""
     procs: list[Processor] = []
     if c.repetition_penalty != 1.0 or c.frequency_penalty or c.presence_penalty:
         procs.append(_Penalties(c))
@@ -84,14 +48,12 @@ def make_processors(c: Controls, end_ids: Sequence[int], think_id: int | None = 
     return procs
 
 
-class _RowsProcessor:
-    """One-row calls go through `rows` with a single row, so both forms are one implementation."""
-
-    def __call__(self, generated: Sequence[int], logits: np.ndarray) -> np.ndarray:
-        return self.rows([generated], np.asarray(logits)[None])[0]
-
-    def rows(self, histories: Sequence[Sequence[int]], logits: np.ndarray) -> np.ndarray:
-        raise NotImplementedError
+def process(processors: Sequence[Processor], histories: Sequence[Sequence[int]], logits: np.ndarray) -> np.ndarray:
+    """Apply the processors in order: logits [T, V] (float64 out), histories[i] the tokens before row i."""
+    out = np.asarray(logits, dtype=np.float64)
+    for p in processors:
+        out = np.asarray(p(histories, out), dtype=np.float64)
+    return out
 
 
 def _flatten(histories: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -101,13 +63,13 @@ def _flatten(histories: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray
     return lens, np.repeat(np.arange(len(histories)), lens), flat
 
 
-class _Penalties(_RowsProcessor):
+class _Penalties:
     """Repetition, frequency and presence penalties over the generated tokens (card items 1-3)."""
 
     def __init__(self, c: Controls):
         self.c = c
 
-    def rows(self, histories, logits):
+    def __call__(self, histories, logits):
         _, row, flat = _flatten(histories)
         if not flat.size:
             return logits
@@ -123,25 +85,25 @@ class _Penalties(_RowsProcessor):
         return np.where(counts > 0, pen, x).astype(np.float32)
 
 
-class _LengthPenalty(_RowsProcessor):
+class _LengthPenalty:
     """The end tokens gain L * ramp once the answer is `start` tokens long (card item 4)."""
 
     def __init__(self, c: Controls, end_ids: Sequence[int]):
         self.c, self.ends = c, np.asarray(sorted(set(end_ids)), dtype=np.int64)
 
-    def rows(self, histories, logits):
+    def __call__(self, histories, logits):
         c = self.c
         amount = [c.length_penalty * _ramp(len(h), c.length_penalty_start, c.length_penalty_ramp) for h in histories]
         return _raise_rows(logits, self.ends, amount)
 
 
-class _ThinkEndBias(_RowsProcessor):
+class _ThinkEndBias:
     """</think> gains B * ramp once the open thinking span is `start` tokens long (card item 5)."""
 
     def __init__(self, c: Controls, think_id: int | None, think_end_id: int, thinking_at_start: bool):
         self.c, self.think_id, self.think_end_id, self.at_start = c, think_id, think_end_id, thinking_at_start
 
-    def rows(self, histories, logits):
+    def __call__(self, histories, logits):
         c = self.c
         spans = thinking_spans(histories, self.think_id, self.think_end_id, self.at_start)
         amount = [0.0 if n is None else c.think_end_bias * _ramp(n, c.think_end_bias_start, c.think_end_bias_ramp)
@@ -191,42 +153,41 @@ def thinking_span(generated: Sequence[int], think_id: int | None, think_end_id: 
     return thinking_spans([generated], think_id, think_end_id, thinking_at_start)[0]
 
 
-def apply(processors: Sequence[Processor], generated: Sequence[int], logits: np.ndarray) -> np.ndarray:
-    for p in processors:
-        logits = p(generated, logits)
-    return logits
-
-
 # ---- samplers -------------------------------------------------------------------------------------------------
 def softmax(logits: np.ndarray) -> np.ndarray:
-    x = logits.astype(np.float64) - np.max(logits)
-    e = np.exp(x)
-    return e / e.sum()
+    """Probabilities over the last axis, in float64."""
+    x = np.asarray(logits, dtype=np.float64)
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
 
 
-def greedy(logits: np.ndarray) -> int:
-    return int(np.argmax(logits))  # the lowest index among ties
+def greedy(logits: np.ndarray) -> np.ndarray:
+    """[T, V] -> [T]: argmax, the lowest index among ties."""
+    return np.argmax(logits, axis=-1)
 
 
 def make_sampler(temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None) -> Sampler:
-    """temp 0 = greedy; otherwise top-k, then top-p (nucleus), then a draw at temperature `temp`."""
+    """temp 0 = greedy; otherwise per row: top-k, then top-p (nucleus), then a draw at temperature `temp`, rows in
+    order from one random generator (seeded: the same draws every run; None or negative, as llama.cpp's -1: a fresh
+    random seed)."""
     if temp <= 0:
         return greedy
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(None if seed is None or seed < 0 else seed)
 
-    def sample(logits: np.ndarray) -> int:
-        x = logits.astype(np.float64) / temp
-        if top_k and top_k < x.size:
-            kth = np.partition(x, -top_k)[-top_k]
+    def sample(logits: np.ndarray) -> np.ndarray:
+        x = np.atleast_2d(np.asarray(logits, dtype=np.float64)) / temp  # [T, V]
+        if top_k and top_k < x.shape[-1]:
+            kth = np.partition(x, -top_k, axis=-1)[:, -top_k:].min(-1, keepdims=True)
             x = np.where(x < kth, -np.inf, x)
         p = softmax(x)
         if top_p < 1.0:
-            order = np.argsort(-p, kind="stable")
-            keep = np.cumsum(p[order]) - p[order] < top_p  # the smallest prefix reaching top_p
-            mask = np.zeros_like(p, dtype=bool)
-            mask[order[keep]] = True
-            p = np.where(mask, p, 0.0)
-            p /= p.sum()
-        return int(rng.choice(p.size, p=p))
+            order = np.argsort(-p, axis=-1, kind="stable")
+            ranked = np.take_along_axis(p, order, -1)
+            keep_ranked = np.cumsum(ranked, -1) - ranked < top_p  # the smallest prefix reaching top_p
+            keep = np.zeros_like(keep_ranked)
+            np.put_along_axis(keep, order, keep_ranked, -1)
+            p = np.where(keep, p, 0.0)
+            p /= p.sum(-1, keepdims=True)
+        return np.array([rng.choice(row.size, p=row) for row in p], dtype=np.int64)
 
     return sample

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,14 +13,15 @@ from gguf import GGMLQuantizationType as QT
 from gguf import GGUFWriter, quants
 
 from clover_gguf.checkpoint import Checkpoint
-from clover_gguf.config import CloverConfig, GenerationDefaults
+from clover_gguf.config import CloverConfig, read_json
 from clover_gguf.errors import UserError
-from clover_gguf.fsutil import atomic_output, check_free_disk, check_writable_dir
-from clover_gguf.tensor_map import (EXPERT_KINDS, FUSED_RE, MTP_LAYER_RE, PER_EXPERT_RE, REORDER_ONLY, TENSOR_RULES,
-                                    TRANSFORMS, TensorRule, expert_shape, match_rule)
+from clover_gguf.fsutil import atomic_output, check_free_disk, check_output
+from clover_gguf.gguf_header import BOOL, F32, HPARAMS, U32
+from clover_gguf.metadata import ARCH, GenerationDefaults
+from clover_gguf.tensor_map import (EXPERT_KINDS, FUSED_RE, PER_EXPERT_RE, REORDER_ONLY, TRANSFORMS, TensorRule,
+                                    expert_shape, gguf_names, match_rule, mtp_as_layer, out_shape)
 from clover_gguf.vocab import Vocab, load_vocab
 
-ARCH = "clover"
 OUTTYPES = {"f32": QT.F32, "f16": QT.F16, "bf16": QT.BF16, "q8_0": QT.Q8_0}
 # what each safetensors storage dtype is in GGML terms: a reorder-only tensor whose output type equals its source
 # type is copied bit for bit
@@ -44,7 +45,7 @@ class PlannedTensor:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape) * BYTES_PER_ELEMENT[self.qtype])
+        return int(math.prod(self.shape) * BYTES_PER_ELEMENT[self.qtype])
 
 
 @dataclass
@@ -53,6 +54,7 @@ class ConversionPlan:
     tensors: list[PlannedTensor]
     notices: list[str]
     skipped_unknown: list[str]
+    n_blocks: int  # GGUF blocks: the decoder layers, then the MTP layers
 
     @property
     def nbytes(self) -> int:
@@ -79,8 +81,17 @@ def _output_type(rule_f32: bool, shape: tuple[int, ...], outtype: QT) -> QT:
     return outtype
 
 
-def plan_conversion(ck: Checkpoint, cfg: CloverConfig, outtype: str = "bf16", skip_unknown: bool = False
-                    ) -> ConversionPlan:
+# conv widths llama.cpp's CUDA ssm_conv has kernels for (ggml-cuda/ssm-conv.cu of the pinned tree; patch 0002 makes
+# its supports_op say so, so another width falls back to the CPU instead of aborting)
+CUDA_SSM_CONV_WIDTHS = (3, 4, 5, 9, 15)
+# --arch: a Clover GGUF, or llama.cpp's qwen35moe without the block-mode tensors and Clover's keys (AR decoding in
+# any llama.cpp that has qwen35moe)
+AR_ARCH = "qwen35moe"
+ARCHS = (ARCH, AR_ARCH)
+
+
+def plan_conversion(ck: Checkpoint, cfg: CloverConfig, outtype: str = "bf16", skip_unknown: bool = False,
+                    arch: str = ARCH) -> ConversionPlan:
     if cfg.linear_key_head_dim != cfg.linear_value_head_dim:
         raise UserError(
             f"linear_key_head_dim ({cfg.linear_key_head_dim}) != linear_value_head_dim "
@@ -91,8 +102,14 @@ def plan_conversion(ck: Checkpoint, cfg: CloverConfig, outtype: str = "bf16", sk
     notices: list[str] = []
     if not cfg.is_clover:
         notices.append("plain Qwen3.5-MoE checkpoint: converting the causal model; block mode will be unavailable")
+    elif arch != ARCH:
+        notices.append(f"{arch}: the block-mode tensors and Clover's own keys are left out (AR decoding only)")
     if ck.dropped:
         notices.append(f"dropped {len(ck.dropped)} vision tensor(s) (model.visual.*): Clover is text-only")
+    if cfg.is_clover and arch == ARCH and cfg.right_kernel not in CUDA_SSM_CONV_WIDTHS:
+        notices.append(f"right conv kernel {cfg.right_kernel}: llama.cpp's CUDA ssm_conv has kernels for widths "
+                       f"{', '.join(map(str, CUDA_SSM_CONV_WIDTHS))} only, so on CUDA that op of block passes runs "
+                       "on the CPU (slower, still correct)")
 
     by_gguf: dict[str, PlannedTensor] = {}
     experts: dict[tuple[int, str], dict] = {}
@@ -107,8 +124,8 @@ def plan_conversion(ck: Checkpoint, cfg: CloverConfig, outtype: str = "bf16", sk
         if ref.dtype not in SOURCE_TYPES:
             raise UserError(f"tensor {ref.source_name} has unsupported dtype {ref.dtype} (supported: F32, F16, BF16)")
         fn = TRANSFORMS[rule.transform]
-        out_shape = fn(np.zeros(want, np.float32), cfg).shape
-        out_type = _output_type(rule.f32, out_shape, qt)
+        shape = out_shape(rule.transform, want)
+        out_type = _output_type(rule.f32, shape, qt)
         gguf_name = rule.gguf.format(i=bid, L=n_layers)
         raw = rule.transform in REORDER_ONLY and SOURCE_TYPES[ref.dtype] == out_type
         read = ck.raw if raw else ck.f32  # raw: bits moved, never converted
@@ -117,26 +134,31 @@ def plan_conversion(ck: Checkpoint, cfg: CloverConfig, outtype: str = "bf16", sk
             pieces = lambda: (read(src_name, slice(r, r + step)) for r in range(0, want[0], step))  # noqa: E731
         else:
             pieces = lambda: iter([fn(read(src_name), cfg)])  # noqa: E731
-        by_gguf[gguf_name] = PlannedTensor(gguf_name, tuple(out_shape), out_type, pieces, raw)
+        by_gguf[gguf_name] = PlannedTensor(gguf_name, tuple(shape), out_type, pieces, raw)
+
+    def check_layer(name: str, layer: int, mtp: bool) -> None:
+        if not mtp and layer >= n_layers:
+            raise UserError(f"tensor {name} belongs to layer {layer}, but config.json has {n_layers} layers "
+                            f"(0..{n_layers - 1})")
 
     for name in ck.names():
-        if m := MTP_LAYER_RE.match(name):  # the MTP decoder layer is an ordinary layer at index L + j
-            j = int(m["j"])
+        mapped, j = mtp_as_layer(name, n_layers)  # the MTP decoder layer is an ordinary layer at index L + j
+        if j is not None:
             mtp_layers.add(j)
-            mapped = f"model.layers.{n_layers + j}.{m['rest']}"
-        else:
-            mapped = name
-        if m := PER_EXPERT_RE.match(mapped):
-            experts.setdefault((int(m["i"]), m["kind"]), {})[int(m["e"])] = name
-            continue
-        if m := FUSED_RE.match(mapped):
-            experts.setdefault((int(m["i"]), m["kind"]), {})["fused"] = name
+        if m := PER_EXPERT_RE.match(mapped) or FUSED_RE.match(mapped):
+            check_layer(name, int(m["i"]), j is not None)
+            key = int(m["e"]) if "e" in m.groupdict() else "fused"
+            experts.setdefault((int(m["i"]), m["kind"]), {})[key] = name
             continue
         hit = match_rule(mapped)
         if hit is None:
             unknown.append(name)
             continue
         rule, bid = hit
+        if bid is not None:
+            check_layer(name, bid, j is not None)
+        if rule.clover_extra and arch != ARCH:
+            continue
         plan_rule(rule, name, n_layers if bid is None else bid)
 
     if unknown and not skip_unknown:
@@ -146,10 +168,16 @@ def plan_conversion(ck: Checkpoint, cfg: CloverConfig, outtype: str = "bf16", sk
     for (layer, kind), srcs in sorted(experts.items()):
         _plan_experts(ck, cfg, layer, kind, srcs, qt, by_gguf)
 
+    if sorted(mtp_layers) != list(range(len(mtp_layers))):
+        raise UserError(f"MTP layers must be numbered from 0 without gaps, found {sorted(mtp_layers)}")
     n_blocks = n_layers + len(mtp_layers)
-    _check_complete(cfg, by_gguf, n_layers, n_blocks)
+    beyond = [n for n in by_gguf if n.startswith("blk.") and int(n.split(".")[1]) >= n_blocks]
+    if beyond:
+        raise UserError(f"tensor {beyond[0]} has no layer to belong to ({n_layers} layers, "
+                        f"{len(mtp_layers)} MTP layers)")
+    _check_complete(cfg, by_gguf, n_layers, n_blocks, extras=arch == ARCH)
     order = sorted(by_gguf.values(), key=lambda t: _order_key(t.name))
-    return ConversionPlan(cfg, order, notices, unknown)
+    return ConversionPlan(cfg, order, notices, unknown, n_blocks)
 
 
 def _plan_experts(ck: Checkpoint, cfg: CloverConfig, layer: int, kind: str, srcs: dict, qt: QT,
@@ -194,33 +222,22 @@ def _plan_experts(ck: Checkpoint, cfg: CloverConfig, layer: int, kind: str, srcs
                                        raw)
 
 
-def _expected_names(cfg: CloverConfig, n_layers: int, n_blocks: int) -> list[str]:
-    names = ["token_embd.weight", "output_norm.weight"]
-    if not cfg.tie_word_embeddings:
-        names.append("output.weight")
-    for i in range(n_blocks):
-        b = f"blk.{i}."
-        names += [b + "attn_norm.weight", b + "post_attention_norm.weight", b + "ffn_gate_inp.weight",
-                  b + "ffn_gate_exps.weight", b + "ffn_up_exps.weight", b + "ffn_down_exps.weight",
-                  b + "ffn_gate_inp_shexp.weight", b + "ffn_gate_shexp.weight", b + "ffn_up_shexp.weight",
-                  b + "ffn_down_shexp.weight"]
-        if i >= n_layers or cfg.is_full_attention(i):
-            names += [b + n for n in ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
-                                      "attn_q_norm.weight", "attn_k_norm.weight")]
-        else:
-            names += [b + n for n in ("attn_qkv.weight", "attn_gate.weight", "ssm_beta.weight", "ssm_alpha.weight",
-                                      "ssm_conv1d.weight", "ssm_dt.bias", "ssm_a", "ssm_norm.weight",
-                                      "ssm_out.weight")]
-            if cfg.is_clover:
-                names += [r.gguf.format(i=i) for r in TENSOR_RULES if r.clover_extra]
-    if n_blocks > n_layers:
-        b = f"blk.{n_layers}.nextn."
-        names += [b + "eh_proj.weight", b + "enorm.weight", b + "hnorm.weight", b + "shared_head_norm.weight"]
-    return names
+def _expected_names(cfg: CloverConfig, n_layers: int, n_blocks: int, extras: bool = True) -> list[str]:
+    """Every GGUF tensor config.json implies: the tensor table (shapes.checkpoint_tensors, from TENSOR_RULES)
+    mapped to GGUF names; without the Clover extras for extras=False (a qwen35moe output)."""
+    from clover_gguf.shapes import checkpoint_tensors
+
+    names: dict[str, None] = {}
+    for hf, _, _ in checkpoint_tensors(cfg, experts="fused", mtp=n_blocks - n_layers):
+        hit = match_rule(hf)
+        if not extras and hit is not None and hit[0].clover_extra:
+            continue
+        names.update(dict.fromkeys(gguf_names(hf, n_layers)))
+    return list(names)
 
 
-def _check_complete(cfg: CloverConfig, by_gguf: dict, n_layers: int, n_blocks: int) -> None:
-    missing = [n for n in _expected_names(cfg, n_layers, n_blocks) if n not in by_gguf]
+def _check_complete(cfg: CloverConfig, by_gguf: dict, n_layers: int, n_blocks: int, extras: bool = True) -> None:
+    missing = [n for n in _expected_names(cfg, n_layers, n_blocks, extras) if n not in by_gguf]
     if missing:
         shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
         raise UserError(f"checkpoint lacks {len(missing)} tensor(s) config.json implies: {shown}")
@@ -233,10 +250,23 @@ def _order_key(name: str) -> tuple:
 
 
 # ---- metadata -------------------------------------------------------------------------------------------------
+# The "<arch>.<key>" hyperparameters llama.cpp's qwen35moe reads: a clover file and a qwen35moe file carry the same
+# ones (export-ar renames them); every other "clover." key is Clover's own and stays out of a qwen35moe file.
+QWEN35MOE_HPARAMS = frozenset({
+    "context_length", "embedding_length", "block_count", "nextn_predict_layers", "attention.head_count",
+    "attention.head_count_kv", "attention.key_length", "attention.value_length", "attention.layer_norm_rms_epsilon",
+    "rope.freq_base", "rope.dimension_count", "rope.dimension_sections", "expert_count", "expert_used_count",
+    "expert_feed_forward_length", "expert_shared_feed_forward_length", "ssm.conv_kernel", "ssm.state_size",
+    "ssm.group_count", "ssm.time_step_rank", "ssm.inner_size", "full_attention_interval",
+    "attention.recurrent_layers",
+})
+
+
 def write_metadata(w: GGUFWriter, cfg: CloverConfig, vocab: Vocab, gen: GenerationDefaults, n_blocks: int,
-                   name: str) -> None:
-    a = ARCH + "."
-    rope_sections = list(cfg.mrope_section or (11, 11, 10)) + [0] * (4 - len(cfg.mrope_section or (11, 11, 10)))
+                   name: str, arch: str = ARCH) -> None:
+    """The hyperparameters, the card's defaults and the tokenizer; for arch qwen35moe only the keys llama.cpp's
+    qwen35moe reads (QWEN35MOE_HPARAMS), under its prefix."""
+    rope_sections = list(cfg.rope_sections) + [0] * (4 - len(cfg.rope_sections))
     recurrent = [not cfg.is_full_attention(i) if i < cfg.num_hidden_layers else False for i in range(n_blocks)]
     w.add_name(name)
     u32 = {
@@ -249,29 +279,28 @@ def write_metadata(w: GGUFWriter, cfg: CloverConfig, vocab: Vocab, gen: Generati
         "ssm.conv_kernel": cfg.linear_conv_kernel_dim, "ssm.state_size": cfg.linear_key_head_dim,
         "ssm.group_count": cfg.linear_num_key_heads, "ssm.time_step_rank": cfg.linear_num_value_heads,
         "ssm.inner_size": cfg.value_dim, "full_attention_interval": cfg.full_attention_interval,
-        "diffusion.block_size": gen.block_size, "ssm.conv_right_kernel": cfg.right_kernel,
-        "generation.length_penalty_start": gen.length_penalty_start,
-        "generation.length_penalty_ramp": gen.length_penalty_ramp,
-        "generation.think_end_bias_start": gen.think_end_bias_start,
-        "generation.think_end_bias_ramp": gen.think_end_bias_ramp,
+        "ssm.conv_right_kernel": cfg.right_kernel,
     }
     if n_blocks > cfg.num_hidden_layers:
         u32["nextn_predict_layers"] = n_blocks - cfg.num_hidden_layers
-    for k, v in u32.items():
-        w.add_uint32(a + k, int(v))
     f32 = {
         "attention.layer_norm_rms_epsilon": cfg.rms_norm_eps, "rope.freq_base": cfg.rope_theta,
-        "diffusion.threshold": gen.threshold, "moe_block_coreset.top_p": cfg.moe_block_coreset_top_p,
-        "generation.presence_penalty": gen.presence_penalty, "generation.frequency_penalty": gen.frequency_penalty,
-        "generation.repetition_penalty": gen.repetition_penalty, "generation.length_penalty": gen.length_penalty,
-        "generation.think_end_bias": gen.think_end_bias,
+        "moe_block_coreset.top_p": cfg.moe_block_coreset_top_p,
     }
-    for k, v in f32.items():
-        w.add_float32(a + k, float(v))
-    w.add_bool(a + "block_mode", cfg.is_clover)
-    w.add_bool(a + "moe_block_coreset.enabled", cfg.is_clover and cfg.moe_block_coreset_enabled)
-    w.add_array(a + "rope.dimension_sections", rope_sections)
-    w.add_array(a + "attention.recurrent_layers", recurrent)
+    flags = {"block_mode": cfg.is_clover,
+             "moe_block_coreset.enabled": cfg.is_clover and cfg.moe_block_coreset_enabled}
+    card = {k.removeprefix(ARCH + "."): v for k, v in gen.gguf_items().items()}  # the card's keys (metadata.py)
+    # each key with the GGUF type gguf_header.HPARAMS gives it, the type check_model and llama.cpp require
+    write = {U32: lambda k, v: w.add_uint32(k, int(v)), F32: lambda k, v: w.add_float32(k, float(v)),
+             BOOL: w.add_bool}
+    for k, v in {**u32, **f32, **card, **flags}.items():
+        if arch == ARCH or k in QWEN35MOE_HPARAMS:
+            write[HPARAMS[k][0]](f"{arch}.{k}", v)
+    w.add_array(f"{arch}.rope.dimension_sections", rope_sections)
+    w.add_array(f"{arch}.attention.recurrent_layers", recurrent)
+    # the card's repetition penalty where llama.cpp's own tools (llama-cli, llama-server) read sampling defaults;
+    # llama.cpp has no key for the presence and frequency penalties
+    w.add_sampling_penalty_repeat(float(gen.repetition_penalty))
 
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen35")
@@ -296,10 +325,7 @@ def read_generation_defaults(src: Path) -> GenerationDefaults:
     p = Path(src) / "generation_config.json"
     if not p.is_file():
         return GenerationDefaults()
-    try:
-        return GenerationDefaults.from_hf(json.loads(p.read_text()))
-    except (json.JSONDecodeError, TypeError, ValueError) as e:
-        raise UserError(f"{p} is not a valid generation config: {e}") from None
+    return GenerationDefaults.from_hf(read_json(p, "generation_config.json"), where=str(p))
 
 
 @dataclass
@@ -313,38 +339,44 @@ class ConvertResult:
 
 
 def convert(src: Path, out: Path, outtype: str = "bf16", skip_unknown: bool = False, dry_run: bool = False,
-            quiet: bool = False, log=lambda msg: print(msg, file=sys.stderr)) -> ConvertResult:
-    """Convert the checkpoint folder `src` to the GGUF file `out`. A dry run plans and validates, writes nothing."""
+            quiet: bool = False, force: bool = False, log=lambda msg: print(msg, file=sys.stderr),
+            arch: str = ARCH) -> ConvertResult:
+    """Convert the checkpoint folder `src` to the GGUF file `out`. A dry run plans and validates, writes nothing.
+
+    `out` must not be one of the checkpoint's files or a special file, and an existing file is replaced only with
+    `force` (fsutil.check_output)."""
     if outtype not in OUTTYPES:
         raise UserError(f"unknown --outtype {outtype!r}: choose one of {', '.join(OUTTYPES)}")
+    if arch not in ARCHS:
+        raise UserError(f"unknown --arch {arch!r}: choose one of {', '.join(ARCHS)}")
     src, out = Path(src), Path(out)
     cfg = CloverConfig.from_file(src)
     gen = read_generation_defaults(src)
-    vocab = load_vocab(src, cfg)
     with Checkpoint(src) as ck:
-        plan = plan_conversion(ck, cfg, outtype, skip_unknown)
+        # the tensors' shapes are checked against config.json before anything (the vocabulary) is sized from it
+        plan = plan_conversion(ck, cfg, outtype, skip_unknown, arch)
+        vocab = load_vocab(src, cfg)
         for n in plan.notices:
             log(f"notice: {n}")
         if plan.skipped_unknown:
             log(f"warning: dropped {len(plan.skipped_unknown)} unknown tensor(s): {', '.join(plan.skipped_unknown)}")
         if dry_run:
             return ConvertResult(None, len(plan.tensors), plan.nbytes, plan.notices, plan.skipped_unknown, plan)
-        if out.exists() and out.is_dir():
-            raise UserError(f"output is a folder: {out}")
-        check_writable_dir(out)
+        inputs = [p for p in src.iterdir() if p.is_file()] + ck.shards
+        check_output(out, inputs, force=force)
         check_free_disk(out, plan.nbytes + 16 * 2**20)
-        n_blocks = max(int(t.name.split(".")[1]) for t in plan.tensors if t.name.startswith("blk.")) + 1
         with atomic_output(out) as tmp:
-            _write(tmp, plan, vocab, gen, n_blocks, src.name, quiet, after_tensor=ck.drop_resident_pages)
+            _write(tmp, plan, vocab, gen, plan.n_blocks, src.name, quiet, after_tensor=ck.drop_resident_pages,
+                   arch=arch)
     return ConvertResult(out, len(plan.tensors), plan.nbytes, plan.notices, plan.skipped_unknown, plan)
 
 
 def _write(path: Path, plan: ConversionPlan, vocab: Vocab, gen: GenerationDefaults, n_blocks: int, name: str,
-           quiet: bool, after_tensor: Callable[[], None] = lambda: None) -> None:
+           quiet: bool, after_tensor: Callable[[], None] = lambda: None, arch: str = ARCH) -> None:
     from tqdm import tqdm
 
-    w = GGUFWriter(path=None, arch=ARCH)
-    write_metadata(w, plan.cfg, vocab, gen, n_blocks, name)
+    w = GGUFWriter(path=None, arch=arch)
+    write_metadata(w, plan.cfg, vocab, gen, n_blocks, name, arch)
     for t in plan.tensors:
         nbytes = t.nbytes
         storage = {QT.F32: np.float32, QT.F16: np.float16, QT.BF16: np.uint16, QT.Q8_0: np.uint8}[t.qtype]

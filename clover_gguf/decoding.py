@@ -1,8 +1,8 @@
 """Clover's decoding loops, written once for every backend: causal ("ar"), block diffusion ("diffusion") and
 self-speculative decoding ("draft-self").
 
-A backend (the PyTorch reference here, the patched llama.cpp later) only evaluates the model; everything that
-decides tokens lives in this module and works on numpy logits. `generate` yields chunks as they resolve, in the
+A backend (reference.ReferenceBackend on the PyTorch reference, runtime.LlamaBackend on the patched llama.cpp)
+only evaluates the model; everything that decides tokens lives in this module and works on numpy logits. `generate` yields chunks as they resolve, in the
 style of mlx-lm's generate_step; `generate_all` collects them.
 
 Conventions
@@ -12,10 +12,10 @@ Conventions
   predicted by the prefix's *last* logits (what `prefill` / `commit` returned last).
 * A sampler turns processed logits `[T, V]` into tokens `[T]`; the default is greedy: argmax, lowest index on
   ties (numpy's argmax). The confidence of a position is the softmax probability of the token the sampler chose.
-* A logits processor is `(tokens_so_far, logits[V]) -> logits[V]`; `tokens_so_far` holds the tokens generated so
-  far in this answer (not the prompt), which for a block position means the committed answer tokens plus the
-  resolved tokens before it in the block. Processors run before sampling and before confidences are taken, in
-  every mode, also on the verification logits of draft-self.
+* A logits processor is `(histories, logits[T, V]) -> logits[T, V]` (controls.Processor); `histories[i]` holds the
+  tokens generated so far in this answer before row i (not the prompt), which for a block position means the
+  committed answer tokens plus the resolved tokens before it in the block. Processors run before sampling and
+  before confidences are taken, in every mode, also on the verification logits of draft-self.
 * End tokens (`backend.eos_ids`) end the answer and are never yielded.
 * Forward passes count every model evaluation the decoder asks for, the prompt's prefill included: one per
   `prefill`, `commit` and `block_logits` call. AR decoding therefore takes one pass per token, the end token
@@ -25,12 +25,12 @@ Conventions
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Protocol, Sequence, runtime_checkable
+from typing import Iterator, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-Sampler = Callable[[np.ndarray], np.ndarray]
-LogitsProcessor = Callable[[np.ndarray, np.ndarray], np.ndarray]
+from clover_gguf.controls import Processor, Sampler, greedy, process, softmax
+
 MODES = ("ar", "diffusion", "draft-self")
 ACCEPT_MODES = ("exact", "threshold")
 
@@ -82,103 +82,9 @@ class Backend(Protocol):
     def rollback(self, n: int) -> None: ...
 
 
-class ReferenceBackend:
-    """The Backend over clover_gguf.reference.CloverModel. Its PrefixState is immutable, so rollback just returns
-    to the state before the latest commit and re-runs the kept tokens (backend work, not a counted pass)."""
-
-    def __init__(self, model: Any, eos_ids: Sequence[int] | None = None, coreset: bool | float | None = None):
-        import torch
-
-        self.torch = torch
-        self.model = model
-        cfg = model.cfg
-        if cfg.mask_token_id is None:
-            raise ValueError("the checkpoint has no mask_token_id: block mode is unavailable")
-        self.mask_token_id = int(cfg.mask_token_id)
-        eos = eos_ids if eos_ids is not None else cfg.eos_token_id
-        self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
-        self.block_size = int(cfg.block_size)
-        self.coreset = coreset
-        self.reset()
-
-    @property
-    def n_past(self) -> int:
-        return len(self._ids)
-
-    def reset(self) -> None:
-        self._ids: list[int] = []
-        self._state = self.model.empty_state()
-        self._before_last: tuple[Any, int] | None = None  # (state, n_past) before the latest commit
-
-    def _run(self, ids: Sequence[int], state: Any, block: bool = False):
-        torch = self.torch
-        with torch.no_grad():
-            x = torch.tensor([list(ids)], dtype=torch.long)
-            logits, new = self.model.run(x, state, block=block, coreset=self.coreset if block else None)
-        return logits[0].numpy(), new
-
-    def commit(self, ids: Sequence[int]) -> np.ndarray:
-        if not len(ids):
-            raise ValueError("commit needs at least one token")
-        self._before_last = (self._state, len(self._ids))
-        logits, self._state = self._run(ids, self._state)
-        self._ids.extend(int(t) for t in ids)
-        return logits
-
-    def prefill(self, ids: Sequence[int]) -> np.ndarray:
-        return self.commit(ids)[-1]
-
-    def block_logits(self, block: Sequence[int]) -> np.ndarray:
-        logits, _ = self._run(block, self._state, block=True)  # the new state is thrown away
-        return logits
-
-    def rollback(self, n: int) -> None:
-        if n <= 0:
-            return
-        if self._before_last is None or len(self._ids) - n < self._before_last[1]:
-            raise ValueError("rollback reaches past the latest commit")
-        state, n0 = self._before_last
-        keep = self._ids[n0:len(self._ids) - n]
-        self._ids = self._ids[:n0]
-        self._state = state
-        if keep:
-            _, self._state = self._run(keep, state)
-            self._ids.extend(keep)
-        self._before_last = None
-
-
 # ---------------------------------------------------------------------------------------------------------------
-# Sampling helpers
+# Sampling: processors and samplers are clover_gguf.controls' one batched interface
 # ---------------------------------------------------------------------------------------------------------------
-def greedy(logits: np.ndarray) -> np.ndarray:
-    """[T, V] -> [T]: argmax, the lowest index on ties."""
-    return np.argmax(logits, axis=-1)
-
-
-def softmax(logits: np.ndarray) -> np.ndarray:
-    z = logits - logits.max(-1, keepdims=True)
-    e = np.exp(z)
-    return e / e.sum(-1, keepdims=True)
-
-
-def _process(processors: Sequence[LogitsProcessor], history: Sequence[Sequence[int]], logits: np.ndarray
-             ) -> np.ndarray:
-    """Apply the processors to each row; history[i] = tokens_so_far for row i. logits [T, V] -> [T, V].
-    A processor with a `rows(histories, logits [T, V])` method (controls.make_processors) takes all rows at once."""
-    logits = np.asarray(logits, dtype=np.float64)
-    if not processors:
-        return logits
-    out = logits.copy()
-    for p in processors:
-        rows = getattr(p, "rows", None)
-        if rows is not None:
-            out = np.asarray(rows(history, out), dtype=np.float64)
-        else:
-            for i in range(out.shape[0]):
-                out[i] = p(np.asarray(history[i], dtype=np.int64), out[i])
-    return out
-
-
 def _pick(logits: np.ndarray, sampler: Sampler) -> tuple[np.ndarray, np.ndarray]:
     """processed logits [T, V] -> (tokens [T], confidence [T] = probability of the chosen token)."""
     tok = np.asarray(sampler(logits), dtype=np.int64).reshape(-1)
@@ -232,7 +138,7 @@ def _first_end(block: list[int], resolved: list[bool], eos: frozenset[int]) -> i
 
 
 def resolve_block(backend: Backend, block: list[int], resolved: list[bool], generated: Sequence[int],
-                  threshold: float, sampler: Sampler, processors: Sequence[LogitsProcessor],
+                  threshold: float, sampler: Sampler, processors: Sequence[Processor],
                   stats: GenerationStats) -> int:
     """Fill the masked positions of `block` in place by block-mode passes (the card's LowConfidence rule).
 
@@ -257,7 +163,7 @@ def resolve_block(backend: Backend, block: list[int], resolved: list[bool], gene
             else:
                 masked.append(i)
                 history.append(list(before))
-        tok, conf = _pick(_process(processors, history, logits[masked]), sampler)  # [M], [M]
+        tok, conf = _pick(process(processors, history, logits[masked]), sampler)  # [M], [M]
         fill = [m for m, c in zip(range(len(masked)), conf) if c > threshold]
         if not fill:
             fill = [int(np.argmax(conf))]
@@ -270,15 +176,17 @@ def resolve_block(backend: Backend, block: list[int], resolved: list[bool], gene
 # ---------------------------------------------------------------------------------------------------------------
 def generate(backend: Backend, prompt_ids: Sequence[int], mode: str = "diffusion", max_new_tokens: int = 256,
              block_size: int | None = None, threshold: float = 0.95, accept: str = "exact",
-             sampler: Sampler | None = None, logits_processors: Sequence[LogitsProcessor] = (),
-             reset: bool = True) -> Iterator[Chunk]:
+             sampler: Sampler | None = None, logits_processors: Sequence[Processor] = (),
+             stats: GenerationStats | None = None) -> Iterator[Chunk]:
     """Decode an answer after `prompt_ids`, yielding Chunks as tokens resolve; the last one has finished=True.
 
     mode "ar": one causal pass per token. "diffusion": blocks of `block_size` positions start all-mask and are
     resolved by block passes (resolve_block); a finished block is committed by one causal pass; an end token ends
     the answer. "draft-self": block passes draft, one causal pass verifies (see _draft_self).
     threshold: the confidence a block position must exceed to be filled in a pass (and, with accept="threshold",
-    the causal probability a draft token needs to be kept). reset=False continues after the committed prefix.
+    the causal probability a draft token needs to be kept). The backend is reset first.
+    stats: the object to count into (a caller's subclass with more fields, e.g. runtime.RunStats); by default a
+    new GenerationStats. The chunks carry it.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
@@ -288,9 +196,9 @@ def generate(backend: Backend, prompt_ids: Sequence[int], mode: str = "diffusion
         raise ValueError("the prompt is empty")
     sampler = sampler or greedy
     block_size = int(block_size or backend.block_size)
-    stats = GenerationStats(mode=mode, prompt_tokens=len(prompt_ids))
-    if reset:
-        backend.reset()
+    if stats is None:
+        stats = GenerationStats(mode=mode, prompt_tokens=len(prompt_ids))
+    backend.reset()
     if mode == "ar":
         gen = _ar(backend, prompt_ids, max_new_tokens, sampler, logits_processors, stats)
     elif mode == "diffusion":
@@ -330,7 +238,7 @@ def _ar(backend, prompt_ids, max_new, sampler, processors, stats) -> Iterator[Ch
     stats.forward_passes += 1
     out: list[int] = []
     while True:
-        tok, _ = _pick(_process(processors, [out], logits[None]), sampler)
+        tok, _ = _pick(process(processors, [out], logits[None]), sampler)
         t = int(tok[0])
         if t in backend.eos_ids:
             yield _finish(stats, [], "stop")
@@ -370,7 +278,7 @@ def _draft_self(backend, prompt_ids, max_new, block_size, threshold, accept, sam
     eos, out = backend.eos_ids, []
     last = backend.prefill(prompt_ids)  # [V]: causal logits predicting the first answer token
     stats.forward_passes += 1
-    pending = int(_pick(_process(processors, [out], last[None]), sampler)[0][0])  # causal choice, not committed
+    pending = int(_pick(process(processors, [out], last[None]), sampler)[0][0])  # causal choice, not committed
     while pending not in eos:
         # draft: the block's first position is the pending causal token, the rest start masked
         block = [pending] + [backend.mask_token_id] * (block_size - 1)  # [B]
@@ -381,7 +289,7 @@ def _draft_self(backend, prompt_ids, max_new, block_size, threshold, accept, sam
         ver = backend.commit(draft)  # [D, V]
         stats.forward_passes += 1
         history = [out + draft[:i + 1] for i in range(d)]  # tokens_so_far for the token after draft[i]
-        causal = _process(processors, history, ver)  # [D, V]
+        causal = process(processors, history, ver)  # [D, V]
         target, _ = _pick(causal, sampler)  # [D]: target[i] = causal choice for position i + 1
         if accept == "exact":
             ok = [draft[i + 1] == int(target[i]) for i in range(d - 1)]  # [D-1]

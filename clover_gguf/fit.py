@@ -23,12 +23,13 @@ import os
 import re
 import subprocess
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from clover_gguf.errors import UserError
 from clover_gguf.offload import ALL, Offload, on_device
+from clover_gguf.quantize import _pad
 
 GiB, MiB = 2**30, 2**20
 MARGIN = GiB
@@ -47,10 +48,6 @@ def parse_size(text: str) -> int:
         raise UserError(f"cannot read the size {text!r}: use a number with B, KiB, MiB, GiB, TiB (binary) or "
                         "KB, MB, GB, TB (decimal), e.g. 24GiB")
     return int(float(m[1]) * _UNITS[unit])
-
-
-def _pad(n: int, step: int) -> int:
-    return (n + step - 1) // step * step
 
 
 # ---- the model ------------------------------------------------------------------------------------------------
@@ -118,7 +115,6 @@ class Model:
 
 def model_from_file(path: Path) -> Model:
     from clover_gguf.gguf_header import read_header, tensor_bytes
-    from clover_gguf.quantize import _pad as pad_to
 
     path = Path(path)
     try:
@@ -126,14 +122,13 @@ def model_from_file(path: Path) -> Model:
     except UserError as e:
         raise UserError(f"{path} is not a readable GGUF file ({e})") from None
     shape = Shape.from_kv(h.kv, str(path))
-    weights = {n: pad_to(tensor_bytes(qt, s), h.alignment) for n, (s, qt) in h.tensors.items()}
+    weights = {n: _pad(tensor_bytes(qt, s), h.alignment) for n, (s, qt) in h.tensors.items()}
     return Model(shape, weights, path, f"{path.name} ({_size(sum(weights.values()))} of weights)", str(path), True)
 
 
 def model_from_config(config: Path, qtype: str, workdir: Path) -> Model:
     """The weights of `quantize --plan --config config.json --type T` (the same call), on a skeleton of the model."""
     from clover_gguf.gguf_header import read_header
-    from clover_gguf.quantize import _pad as pad_to
     from clover_gguf.quantize import plan
     from clover_gguf.skeleton import write_skeleton
 
@@ -144,7 +139,7 @@ def model_from_config(config: Path, qtype: str, workdir: Path) -> Model:
     skeleton = workdir / "skeleton.gguf"
     write_skeleton(config, skeleton)
     shape = Shape.from_kv(read_header(skeleton).kv, str(config))
-    weights = {t.name: pad_to(t.bytes, qp.alignment) for t in qp.tensors}
+    weights = {t.name: _pad(t.bytes, qp.alignment) for t in qp.tensors}
     return Model(shape, weights, skeleton, f"{config.name} as {qp.ftype} ({qp.size_gib:.2f} GiB file)",
                  f"clover-{qp.ftype.lower()}.gguf", False)
 
@@ -250,16 +245,17 @@ class ComputeCurve:
 
     def __call__(self, ctx: int, n_gpu_layers: int, shape: Shape) -> tuple[int, int]:
         dev, host = self._total(ctx)
-        if self.gpu_here or n_gpu_layers == 0:
-            return dev, host  # what this machine's backends report for that placement
-        # planned for a GPU on a machine without one: the graph runs on the GPU; llama.cpp keeps the input
-        # embedding rows (n_embd x n_ubatch floats) on the CPU; with some layers on the CPU both sides need their
-        # own buffer for the largest layer (counted in full on both: an upper bound)
         total = dev + host
-        inputs = shape.n_embd * max(512, shape.block_size) * F32
-        if 0 <= n_gpu_layers <= shape.n_layer:
+        if n_gpu_layers == 0:
+            return 0, total
+        if self.gpu_here:
+            return dev, host  # as this machine's backends split it (dry-run with every layer on the GPU)
+        # planned for a GPU on a machine without one: the graph runs on the GPU, llama.cpp keeps the input
+        # embedding rows (n_embd x n_ubatch floats) on the CPU; with some layers on the CPU both sides need a
+        # buffer for the largest layer (counted in full on both: an upper bound)
+        if 0 < n_gpu_layers <= shape.n_layer:
             return total, total
-        return total, inputs
+        return total, shape.n_embd * max(512, shape.block_size) * F32
 
 
 # ---- the plan ---------------------------------------------------------------------------------------------------
@@ -316,7 +312,7 @@ class FitResult:
         lines.append(f"plan     {verdict}: context {self.ctx}, {self._placement()}")
         lines.append("")
         meas = self.measured
-        head = f"  {'part':<16} {'predicted':>12}" + (f" {'measured':>12} {'pred/meas':>10}" if meas else "")
+        head = f"  {'part (MiB)':<16} {'predicted':>12}" + (f" {'measured':>12} {'pred/meas':>10}" if meas else "")
         lines.append(head)
         for p in PARTS:
             row = f"  {p:<16} {_mib(self.parts[p]):>12}"
@@ -325,11 +321,10 @@ class FitResult:
                 ratio = f"{self.parts[p] / m:10.3f}" if m else f"{'-':>10}"
                 row += f" {_mib(m):>12} {ratio}"
             lines.append(row)
-        lines.append(f"  {'(MiB)':<16}")
         left_dev = (b.vram - MARGIN - self.device_bytes) if b.vram is not None else None
         host_room = b.ram - MARGIN - self.host_bytes - (self.device_bytes if b.unified else 0)
-        lines.append(f"device   {_gib(self.device_bytes)} GiB" + (f", {_gib(left_dev)} GiB left" if left_dev is not None
-                                                                 else ""))
+        lines.append(f"device   {_gib(self.device_bytes)} GiB, {_gib(left_dev)} GiB left" if left_dev is not None
+                     else "device   none")
         lines.append(f"host     {_gib(self.host_bytes)} GiB, {_gib(host_room)} GiB left")
         lines += [f"note     {n}" for n in self.notes]
         if self.llama_fit is not None:
@@ -567,6 +562,8 @@ def fit(model_path: Path | None = None, config: Path | None = None, qtype: str |
         if mode != "ar" and not model.shape.block_mode:
             raise UserError(f"{model.label} has no Clover block-mode tensors: use --mode ar")
         devices = gpu_devices()
+        if do_measure and vram is not None and not devices:
+            raise UserError("--measure loads the model on this machine, which has no GPU: leave out --vram")
         budget = make_budget(vram, ram, unified, devices)
         with DryRun(model.gguf) as dry:
             result = plan(model, budget, setup, ctx, dry, gpu_here=bool(devices))

@@ -1,14 +1,25 @@
-"""Output files appear whole or not at all: write to a temporary name beside the target, then rename."""
+"""Output files appear whole or not at all: write to a temporary name beside the target, then rename.
+
+An output never replaces one of the command's inputs (also through a link or a hard link), a folder or a special
+file (a device, a FIFO, a socket), nor an existing file unless the user said --force. While the temporary file
+exists, SIGTERM and SIGHUP stop the work as Ctrl-C does (KeyboardInterrupt: exit 130), so no signal leaves it.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import shutil
+import signal
+import stat
+import threading
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from clover_gguf.errors import UserError
+
+# signals that stop a write cleanly, besides SIGINT (which Python already raises as KeyboardInterrupt)
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
 
 
 def check_writable_dir(target: Path) -> None:
@@ -17,6 +28,30 @@ def check_writable_dir(target: Path) -> None:
         raise UserError(f"output folder does not exist: {folder}")
     if not os.access(folder, os.W_OK):
         raise UserError(f"output folder is not writable: {folder}")
+
+
+def check_output(target: Path, inputs: Iterable[Path] = (), force: bool = False) -> None:
+    """Refuse an output path whose replacement would destroy something (see the module's docstring)."""
+    target = Path(target)
+    try:
+        st = os.stat(target)  # follows links: a link to a device or to an input is judged by what it points at
+    except FileNotFoundError:
+        st = None
+    except OSError as e:
+        raise UserError(f"cannot use {target} as the output: {e.strerror or e}") from None
+    if st is not None:
+        if stat.S_ISDIR(st.st_mode):
+            raise UserError(f"output is a folder: {target}")
+        if not stat.S_ISREG(st.st_mode):
+            raise UserError(f"output {target} is not a regular file (a device, FIFO or socket is never replaced)")
+        for p in inputs:
+            with contextlib.suppress(OSError):
+                other = os.stat(p)
+                if (other.st_dev, other.st_ino) == (st.st_dev, st.st_ino):
+                    raise UserError(f"the output {target} is one of the inputs ({p}): choose another output path")
+        if not force:
+            raise UserError(f"{target} exists (--force overwrites it)")
+    check_writable_dir(target)
 
 
 def check_free_disk(target: Path, needed_bytes: int) -> None:
@@ -30,19 +65,57 @@ def check_free_disk(target: Path, needed_bytes: int) -> None:
         )
 
 
+def _interrupt(signum: int, frame) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+@contextlib.contextmanager
+def stop_signals_interrupt() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise KeyboardInterrupt inside the block, unless they are ignored (main thread only:
+    elsewhere Python cannot install handlers, and the main thread's own block does it)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    # a signal the user chose to ignore (`nohup` ignores SIGHUP) stays ignored
+    previous = {s: signal.signal(s, _interrupt) for s in STOP_SIGNALS if signal.getsignal(s) == signal.SIG_DFL}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
 @contextlib.contextmanager
 def atomic_output(target: Path) -> Iterator[Path]:
     """Yield a temporary path in the target's folder; rename it to `target` only if the block completes.
 
-    Any exception, KeyboardInterrupt included, removes the temporary file, so no half-written output is left.
-    """
+    Any exception, KeyboardInterrupt and the stop signals included, removes the temporary file, so no half-written
+    output is left. An OSError while writing (a full disk: ENOSPC, a file-size limit: EFBIG) becomes one line."""
     target = Path(target)
     check_writable_dir(target)
     tmp = target.with_name(f".{target.name}.partial-{os.getpid()}")
+    with stop_signals_interrupt():
+        try:
+            yield tmp
+            os.replace(tmp, target)
+        except BaseException as e:
+            with _signals_ignored():
+                with contextlib.suppress(FileNotFoundError):
+                    tmp.unlink()
+            if isinstance(e, OSError):  # ENOSPC, EFBIG, or a short write reported without an errno
+                raise UserError(f"could not write {target}: {e.strerror or e}") from None
+            raise
+
+
+@contextlib.contextmanager
+def _signals_ignored() -> Iterator[None]:
+    """A second Ctrl-C or TERM while the temporary file is being removed must not stop the removal."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, *STOP_SIGNALS)}
     try:
-        yield tmp
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-        raise
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)

@@ -1,4 +1,5 @@
-"""A fast GGUF header reader: every key's value (long arrays only counted) and every tensor's shape and type.
+"""A fast GGUF header reader: every key's value (long arrays only counted) and every tensor's shape and type; and
+`check_model`, the one check a Clover GGUF passes before llama.cpp (or our own code) uses its hyperparameters.
 
 gguf's GGUFReader builds numpy views of every token of a 248k-token vocabulary, about 12 s on the 35B file; this
 reads the same header in well under a second, which matters for `info`, `quantize` and loading the runtime.
@@ -6,24 +7,28 @@ reads the same header in well under a second, which matters for `info`, `quantiz
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from gguf import GGMLQuantizationType as QT
 from gguf.constants import GGML_QUANT_SIZES
 
+from clover_gguf.config import MAX_BLOCK
 from clover_gguf.errors import UserError
 
 GGUF_MAGIC = b"GGUF"
 # GGUF value types: UINT8 0, INT8 1, UINT16 2, INT16 3, UINT32 4, INT32 5, FLOAT32 6, BOOL 7, STRING 8, ARRAY 9,
 # UINT64 10, INT64 11, FLOAT64 12
 _SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-STRING, ARRAY = 8, 9
+U32, I32, F32, BOOL, STRING, ARRAY = 4, 5, 6, 7, 8, 9
+TYPE_NAMES = {0: "UINT8", 1: "INT8", 2: "UINT16", 3: "INT16", 4: "UINT32", 5: "INT32", 6: "FLOAT32", 7: "BOOL",
+              8: "STRING", 9: "ARRAY", 10: "UINT64", 11: "INT64", 12: "FLOAT64"}
 MAX_ARRAY = 256  # arrays up to this length are read; longer ones (vocabularies) are only counted
+MAX_DIMS = 4  # GGML_MAX_DIMS
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,10 @@ class GGUFHeader:
     tensors: dict[str, tuple[tuple[int, ...], QT]]  # name -> (numpy-order shape, type), in file order
     data_offset: int
     alignment: int
+    types: dict[str, tuple[int, int | None]] | None = None  # key -> (GGUF type, element type of an array)
+    file_size: int = 0
+    offsets: dict[str, int] = field(default_factory=dict)  # tensor -> byte offset from data_offset
+    header_bytes: int = 0  # where the tensor infos end: data_offset is this padded to the alignment
 
     @property
     def arch(self) -> str | None:
@@ -62,11 +71,18 @@ class GGUFHeader:
 def tensor_bytes(qtype: QT, shape: tuple[int, ...]) -> int:
     """Bytes of a tensor of numpy-order `shape` stored as qtype (rows along the last axis)."""
     block, size = GGML_QUANT_SIZES[qtype]
-    return int(np.prod(shape)) // block * size
+    return math.prod(shape) // block * size
 
 
-def read_header(path: Path) -> GGUFHeader:
+def read_header(path: Path, full: bool = False) -> GGUFHeader:
+    """The header, checked as llama.cpp's gguf reader checks it (no nested arrays, no repeated key, known types,
+    at most 4 dimensions, a power-of-two alignment) and with every tensor's data inside the file.
+
+    full=True reads every array whole (vocabularies too) and strings as they are stored (surrogateescape), so the
+    values can be written back unchanged (export-ar)."""
     path = Path(path)
+    max_array = None if full else MAX_ARRAY
+    errors = "surrogateescape" if full else "replace"
     if not path.is_file():
         raise UserError(f"no such file: {path}")
     with open(path, "rb") as f:
@@ -84,24 +100,36 @@ def read_header(path: Path) -> GGUFHeader:
     def string() -> str:
         nonlocal pos
         n = take("Q")
-        v = m[pos:pos + n].decode("utf-8", "replace")
+        if pos + n > len(m):
+            raise ValueError("a string runs past the end of the file")
+        v = m[pos:pos + n].decode("utf-8", errors)
         pos += n
         return v
 
-    def value(vtype: int) -> Any:
+    def value(key: str, vtype: int) -> Any:
         nonlocal pos
         if vtype == STRING:
             return string()
         if vtype == ARRAY:
             sub, n = take("I"), take("Q")
-            if n <= MAX_ARRAY:
-                return [value(sub) for _ in range(n)]
+            if sub == ARRAY:
+                raise UserError(f"{path}: {key} is an array of arrays, which GGUF readers (llama.cpp's) refuse")
+            if sub != STRING and sub not in _SCALAR:
+                raise ValueError(f"{key} has unknown element type {sub}")
+            if max_array is None or n <= max_array:
+                return [value(key, sub) for _ in range(n)]
             if sub in _SCALAR:
                 pos += struct.calcsize("<" + _SCALAR[sub]) * n
-            else:
+                if pos > len(m):
+                    raise ValueError(f"{key} runs past the end of the file")
+            else:  # strings: step over each by its length, without decoding
                 for _ in range(n):
-                    value(sub)
+                    pos += 8 + struct.unpack_from("<Q", m, pos)[0]
+                if pos > len(m):
+                    raise ValueError(f"{key} runs past the end of the file")
             return ArrayInfo(sub, n)
+        if vtype not in _SCALAR:
+            raise ValueError(f"{key} has unknown type {vtype}")
         return take(_SCALAR[vtype])
 
     try:
@@ -110,19 +138,184 @@ def read_header(path: Path) -> GGUFHeader:
             raise UserError(f"{path}: GGUF version {version} is too old")
         n_tensors, n_kv = take("Q"), take("Q")
         kv: dict[str, Any] = {}
+        types: dict[str, tuple[int, int | None]] = {}
         for _ in range(n_kv):
             key, vtype = string(), take("I")
-            kv[key] = value(vtype)
-        tensors = {}
+            if key in kv:
+                raise UserError(f"{path}: key {key} appears twice")
+            sub = struct.unpack_from("<I", m, pos)[0] if vtype == ARRAY else None
+            kv[key] = value(key, vtype)
+            types[key] = (vtype, sub)
+        align = kv.get("general.alignment", 32)
+        if types.get("general.alignment", (U32,))[0] != U32 or align <= 0 or align & (align - 1):
+            raise UserError(f"{path}: general.alignment must be a UINT32 power of two, not {align!r}")
+        tensors, offsets, ends = {}, {}, []
         for _ in range(n_tensors):
             name, nd = string(), take("I")
+            if nd > MAX_DIMS:
+                raise ValueError(f"tensor {name} has {nd} dimensions")
             ne = [take("Q") for _ in range(nd)]
-            tensors[name] = (tuple(reversed(ne)), QT(take("I")))
-            take("Q")  # offset
-        align = int(kv.get("general.alignment") or 32)
+            qt, offset = QT(take("I")), take("Q")
+            if name in tensors:
+                raise UserError(f"{path}: tensor {name} appears twice")
+            tensors[name] = (tuple(reversed(ne)), qt)
+            offsets[name] = offset
+            ends.append((offset + tensor_bytes(qt, tuple(ne)), name))
         data_offset = (pos + align - 1) // align * align
-    except (struct.error, ValueError, KeyError, IndexError) as e:
+    except (struct.error, ValueError, KeyError, IndexError, OverflowError) as e:
         raise UserError(f"{path}: damaged GGUF header ({e})") from None
     finally:
+        size = len(m)
         m.close()
-    return GGUFHeader(path, kv, tensors, data_offset, align)
+    if ends:
+        end, name = max(ends)
+        if data_offset + end > size:
+            raise UserError(f"{path} is truncated: tensor {name} ends {data_offset + end - size} bytes past the end "
+                            "of the file")
+    return GGUFHeader(path, kv, tensors, data_offset, align, types, size, offsets, header_bytes=pos)
+
+
+# ---- the hyperparameters of a Clover GGUF -------------------------------------------------------------------------
+# clover.<key>: (GGUF type, required). convert.write_metadata writes each with this type; check_model refuses any
+# other type (llama.cpp throws on a wrong type, and our own readers would crash on it).
+HPARAMS: dict[str, tuple[int, bool]] = {
+    "context_length": (U32, True), "embedding_length": (U32, True), "block_count": (U32, True),
+    "attention.head_count": (U32, True), "attention.head_count_kv": (U32, True),
+    "attention.key_length": (U32, True), "attention.value_length": (U32, True),
+    "rope.dimension_count": (U32, True), "expert_count": (U32, True), "expert_used_count": (U32, True),
+    "expert_feed_forward_length": (U32, True), "expert_shared_feed_forward_length": (U32, True),
+    "ssm.conv_kernel": (U32, True), "ssm.state_size": (U32, True), "ssm.group_count": (U32, True),
+    "ssm.time_step_rank": (U32, True), "ssm.inner_size": (U32, True), "full_attention_interval": (U32, False),
+    "nextn_predict_layers": (U32, False), "ssm.conv_right_kernel": (U32, False), "diffusion.block_size": (U32, False),
+    "expert_group_count": (U32, False), "expert_group_used_count": (U32, False),
+    "generation.length_penalty_start": (U32, False), "generation.length_penalty_ramp": (U32, False),
+    "generation.think_end_bias_start": (U32, False), "generation.think_end_bias_ramp": (U32, False),
+    "attention.layer_norm_rms_epsilon": (F32, True), "rope.freq_base": (F32, False),
+    "diffusion.threshold": (F32, False), "moe_block_coreset.top_p": (F32, False),
+    "generation.presence_penalty": (F32, False), "generation.frequency_penalty": (F32, False),
+    "generation.repetition_penalty": (F32, False), "generation.length_penalty": (F32, False),
+    "generation.think_end_bias": (F32, False),
+    "block_mode": (BOOL, False), "moe_block_coreset.enabled": (BOOL, False),
+    "rope.scaling.type": (STRING, False), "quant.recipe": (STRING, False),
+}
+# arrays: (element type, required)
+HPARAM_ARRAYS: dict[str, tuple[int, bool]] = {
+    "rope.dimension_sections": (I32, True), "attention.recurrent_layers": (BOOL, False),
+}
+ROPE_SCALING_TYPES = ("none", "linear", "yarn", "longrope")  # llama.cpp's; another name aborts it
+MAX_LAYERS, MAX_EXPERTS = 512, 1024  # LLAMA_MAX_LAYERS, LLAMA_MAX_EXPERTS
+
+
+class _Checker:
+    def __init__(self, h: GGUFHeader):
+        self.h, self.types = h, h.types or {}
+
+    def fail(self, key: str, why: str) -> UserError:
+        return UserError(f"{self.h.path.name}: {key} {why}")
+
+    def typed(self, key: str, want: int, sub: int | None = None, required: bool = False) -> Any:
+        if key not in self.h.kv:
+            if required:
+                raise self.fail(key, "is missing")
+            return None
+        got, got_sub = self.types.get(key, (None, None))
+        if got != want or (sub is not None and got_sub != sub):
+            have = TYPE_NAMES.get(got, got) if got != ARRAY else f"ARRAY of {TYPE_NAMES.get(got_sub, got_sub)}"
+            need = TYPE_NAMES[want] if want != ARRAY else f"ARRAY of {TYPE_NAMES[sub]}"
+            raise self.fail(key, f"has GGUF type {have}; it must be {need}")
+        return self.h.kv[key]
+
+    def count(self, key: str, lo: int, hi: int, value: int | None) -> None:
+        if value is not None and not lo <= value <= hi:
+            raise self.fail(key, f"is {value}; it must be in {lo}..{hi}")
+
+    def number(self, key: str, value: float | None, ok: bool, want: str) -> None:
+        if value is not None and not (math.isfinite(value) and ok):
+            raise self.fail(key, f"is {value}; it must be {want}")
+
+
+def check_model(h: GGUFHeader) -> None:
+    """Refuse, with one line naming the key, a Clover GGUF that llama.cpp would abort on (GGML_ASSERT, division by
+    zero), hang on (NaN arithmetic: a zero epsilon or rope base), or that our own code would crash on (a value of
+    the wrong type, an id outside the vocabulary, a template that does not compile). Called by info, quantize and
+    the runtime before llama.cpp sees the file; other architectures pass unchecked."""
+    if h.arch != "clover":
+        return
+    c = _Checker(h)
+    hp: dict[str, Any] = {}
+    for key, (t, required) in HPARAMS.items():
+        hp[key] = c.typed("clover." + key, t, required=required)
+    for key, (sub, required) in HPARAM_ARRAYS.items():
+        hp[key] = c.typed("clover." + key, ARRAY, sub, required=required)
+
+    def count(key: str, lo: int, hi: int) -> None:
+        c.count("clover." + key, lo, hi, hp[key])
+
+    def number(key: str, ok: Any, want: str) -> None:
+        v = hp[key]
+        c.number("clover." + key, v, v is not None and ok(v), want)
+
+    big = 2**32 - 1
+    for key in ("context_length", "embedding_length", "attention.key_length", "attention.value_length",
+                "expert_feed_forward_length", "expert_shared_feed_forward_length", "ssm.conv_kernel",
+                "ssm.state_size", "ssm.group_count", "ssm.inner_size", "full_attention_interval",
+                "ssm.conv_right_kernel", "attention.head_count", "attention.head_count_kv", "ssm.time_step_rank"):
+        count(key, 1, big)
+    n_blocks, n_experts, head_k = hp["block_count"], hp["expert_count"], hp["attention.key_length"]
+    count("block_count", 1, MAX_LAYERS)
+    count("nextn_predict_layers", 0, n_blocks - 1)
+    count("expert_count", 1, MAX_EXPERTS)
+    count("expert_used_count", 1, n_experts)
+    count("expert_group_count", 0, 1)  # Clover routes without expert groups; llama.cpp asserts on bad ones
+    count("expert_group_used_count", 0, 0)
+    if hp["attention.head_count"] % hp["attention.head_count_kv"]:
+        raise c.fail("clover.attention.head_count_kv", f"({hp['attention.head_count_kv']}) must divide "
+                     f"attention.head_count ({hp['attention.head_count']})")
+    if hp["ssm.time_step_rank"] % hp["ssm.group_count"]:
+        raise c.fail("clover.ssm.time_step_rank", f"({hp['ssm.time_step_rank']}) must be a multiple of "
+                     f"ssm.group_count ({hp['ssm.group_count']})")
+    rot = hp["rope.dimension_count"]
+    if rot % 2 or not 2 <= rot <= head_k:
+        raise c.fail("clover.rope.dimension_count", f"is {rot}; it must be even and in 2..{head_k} "
+                     "(attention.key_length)")
+    sections = hp["rope.dimension_sections"]
+    if not isinstance(sections, list) or len(sections) != 4 or min(sections) < 0 or not 0 < sum(sections) <= head_k:
+        raise c.fail("clover.rope.dimension_sections", f"is {sections}; it must be 4 non-negative numbers summing "
+                     f"to 1..{head_k} (attention.key_length)")
+    recurrent = hp["attention.recurrent_layers"]
+    length = recurrent.length if isinstance(recurrent, ArrayInfo) else len(recurrent or [])
+    if recurrent is not None and length != n_blocks:
+        raise c.fail("clover.attention.recurrent_layers", f"has {length} entries for {n_blocks} blocks")
+    count("diffusion.block_size", 1, min(MAX_BLOCK, hp["context_length"]))
+    number("attention.layer_norm_rms_epsilon", lambda v: v > 0, "a positive number")
+    number("rope.freq_base", lambda v: v > 0, "a positive number")
+    number("diffusion.threshold", lambda v: 0 <= v <= 1, "in [0, 1]")
+    number("moe_block_coreset.top_p", lambda v: 0 < v <= 1, "in (0, 1]")
+    number("generation.repetition_penalty", lambda v: v > 0, "a positive number")
+    for key in ("generation.presence_penalty", "generation.frequency_penalty", "generation.length_penalty",
+                "generation.think_end_bias"):
+        number(key, lambda v: True, "a finite number")
+    if hp["rope.scaling.type"] is not None and hp["rope.scaling.type"] not in ROPE_SCALING_TYPES:
+        raise c.fail("clover.rope.scaling.type", f"is {hp['rope.scaling.type']!r}; llama.cpp knows "
+                     f"{', '.join(ROPE_SCALING_TYPES)}")
+    _check_tokenizer(c)
+
+
+def _check_tokenizer(c: _Checker) -> None:
+    tokens = c.typed("tokenizer.ggml.tokens", ARRAY, STRING, required=True)
+    n_vocab = tokens.length if isinstance(tokens, ArrayInfo) else len(tokens)
+    if n_vocab < 1:
+        raise c.fail("tokenizer.ggml.tokens", "is empty")
+    types = c.typed("tokenizer.ggml.token_type", ARRAY, I32)
+    if types is not None and (types.length if isinstance(types, ArrayInfo) else len(types)) != n_vocab:
+        raise c.fail("tokenizer.ggml.token_type", f"does not have one entry per token ({n_vocab})")
+    for key in c.h.kv:
+        if key.startswith("tokenizer.ggml.") and key.endswith("_token_id"):
+            c.count(key, 0, n_vocab - 1, c.typed(key, U32))
+    c.typed("tokenizer.ggml.add_bos_token", BOOL)
+    template = c.typed("tokenizer.chat_template", STRING)
+    if template is not None:
+        from clover_gguf.vocab import chat_template_error
+
+        if why := chat_template_error(template):
+            raise c.fail("tokenizer.chat_template", f"is not a chat template that compiles: {why}")

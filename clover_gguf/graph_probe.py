@@ -1,4 +1,4 @@
-"""Named tensors of llama.cpp's graph, read while it computes: the scheduler's eval callback
+r"""Named tensors of llama.cpp's graph, read while it computes: the scheduler's eval callback
 (llama_context_params.cb_eval), for measurements that only the graph knows.
 
     probe = GraphProbe(r"ffn_moe_topk-\d+")
@@ -78,17 +78,20 @@ class GraphProbe:
         self._ggml = _ggml_base() if read_data else None
         self.pattern = re.compile(pattern)
         self.records: list[Record] = []
+        self.asked = 0  # nodes llama.cpp asked about: each is one call into Python (its cost lands in the pass)
         self.error: str | None = None  # an exception inside the callback (it must not cross into C)
         self.callback = L.ggml_backend_sched_eval_callback(self._on_tensor)
 
     def clear(self) -> None:
         self.records.clear()
+        self.asked = 0
 
     def _on_tensor(self, ptr, ask: bool, user_data) -> bool:
         try:
             t = ctypes.cast(ptr, ctypes.POINTER(_GGMLTensor)).contents
             name = t.name.decode("utf-8", "replace")
             if ask:
+                self.asked += 1
                 return self.pattern.fullmatch(name) is not None
             now, cpu = time.perf_counter(), time.process_time()
             self.records.append(Record(name, now, cpu, self._read(ptr, t) if self._ggml else None))

@@ -6,18 +6,48 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from clover_gguf.errors import UserError
+
+# what each kind of file is for; `kind` in read_info
+KINDS = {
+    "clover": "Clover: block decoding (diffusion, draft-self) and AR; needs the patched llama.cpp",
+    "clover-causal": "Clover architecture without the block-mode tensors: AR only; needs the patched llama.cpp",
+    "qwen35moe": "qwen35moe (export-ar): AR only; loads in stock llama.cpp and the apps built on it",
+}
+
+
+def _as_written(value: Any, gguf_type: int | None) -> Any:
+    """A FLOAT32 value as a person writes it: the shortest decimal that reads back as the same float32
+    (1e-06, not 9.999999974752427e-07)."""
+    from clover_gguf.gguf_header import F32
+
+    if gguf_type == F32 and isinstance(value, float):
+        return float(str(np.float32(value)))
+    if isinstance(value, list) and value and isinstance(value[0], float):
+        return [float(str(np.float32(v))) for v in value]
+    return value
 
 
 def read_info(path: Path) -> dict[str, Any]:
-    from clover_gguf.gguf_header import ArrayInfo, read_header, tensor_bytes
+    from clover_gguf.gguf_header import ARRAY, ArrayInfo, check_model, read_header, tensor_bytes
 
     path = Path(path)
     try:
         h = read_header(path)
     except UserError as e:
         raise UserError(f"{path} is not a readable GGUF file ({e})") from None
-    kv = {k: (f"[{v.length} values]" if isinstance(v, ArrayInfo) else v) for k, v in h.kv.items()}
+    check_model(h)
+    types = h.types or {}
+
+    def shown(k: str, v: Any) -> Any:
+        if isinstance(v, ArrayInfo):
+            return f"[{v.length} values]"
+        t, sub = types.get(k, (None, None))
+        return _as_written(v, sub if t == ARRAY else t)
+
+    kv = {k: shown(k, v) for k, v in h.kv.items()}
     arch = h.arch
     by_type: Counter = Counter()
     count_by_type: Counter = Counter()
@@ -27,16 +57,19 @@ def read_info(path: Path) -> dict[str, Any]:
     prefix = f"{arch}."
     hparams = {k[len(prefix):]: v for k, v in kv.items() if arch and k.startswith(prefix)}
     has_extras = any(n.endswith("ssm_conv1d_right.weight") for n in h.tensors)
+    nextn = hparams.get("nextn_predict_layers", 0)
     features = {
-        "block_mode": bool(hparams.get("block_mode", False)) and has_extras,
-        "coreset": bool(hparams.get("moe_block_coreset.enabled", False)),
-        "mtp": int(hparams.get("nextn_predict_layers", 0) or 0) > 0,
+        "block_mode": hparams.get("block_mode", False) is True and has_extras,
+        "coreset": hparams.get("moe_block_coreset.enabled", False) is True,
+        "mtp": isinstance(nextn, int) and nextn > 0,
     }
+    kind = arch if arch != "clover" else ("clover" if features["block_mode"] else "clover-causal")
     tokens = h.kv.get("tokenizer.ggml.tokens")
     size = path.stat().st_size
     return {
         "path": str(path),
         "architecture": arch,
+        "kind": kind,
         "name": kv.get("general.name"),
         "file_type": kv.get("general.file_type"),
         "quant_recipe": kv.get(f"{prefix}quant.recipe"),
@@ -54,7 +87,8 @@ def read_info(path: Path) -> dict[str, Any]:
 
 def format_info(info: dict[str, Any]) -> str:
     lines = [f"file          {info['path']} ({info['file_size_gib']:.3f} GiB)",
-             f"architecture  {info['architecture']}   name: {info['name']}"]
+             f"architecture  {info['architecture']}   name: {info['name']}",
+             f"kind          {KINDS.get(info['kind'], 'not a Clover or qwen35moe file')}"]
     if info.get("quant_recipe"):
         lines.append(f"quant recipe  {info['quant_recipe']}")
     feats = info["features"]

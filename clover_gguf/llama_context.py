@@ -25,6 +25,15 @@ GGML_TYPE_F32 = 0
 GGML_BACKEND_DEVICE_TYPE_CPU = 0
 LOAD_MODE_NONE, LOAD_MODE_AUTO = 0, -1  # enum llama_load_mode
 
+# llama.cpp rounds the context up to a multiple of this (llama-context.cpp, "GGML_PAD(cparams.n_ctx, 256)") but
+# caps the batch at the size asked for: we round first, so the batch limit and the context limit are the same number
+N_CTX_PAD = 256
+
+
+def padded_n_ctx(n_ctx: int) -> int:
+    """The context size llama.cpp makes of a request for n_ctx tokens."""
+    return -(-max(1, int(n_ctx)) // N_CTX_PAD) * N_CTX_PAD
+
 
 def load_binding() -> Any:
     """Import llama_cpp bound to the patched library; one clear error when either is missing."""
@@ -66,6 +75,14 @@ def _clover_api(L: Any) -> Any:
         raise UserError(f"{lib._name} is not the patched llama.cpp (no llama_set_block_attn): "
                         "run `clover-gguf build-llama`") from None
     return lib
+
+
+def ggml_library() -> ctypes.CDLL:
+    """ctypes handle of the libggml next to the libllama the binding loaded (ggml's own calls: backends, devices)."""
+    from clover_gguf.build import _shared_lib_name
+
+    load_binding()
+    return ctypes.CDLL(str(Path(os.environ["LLAMA_CPP_LIB_PATH"]) / _shared_lib_name("ggml")))
 
 
 def _kv_overrides(L: Any, overrides: dict[str, bool | int | float]) -> Any:
@@ -119,18 +136,26 @@ def block_count(path: Path) -> int:
     return n
 
 
-def _load_model(L: Any, path: Path, offload: Offload, overrides: dict | None, keep: list, no_alloc: bool = False):
-    """llama_model_load_from_file with our offload options; `keep` holds every buffer llama.cpp points into."""
+def _load_model(L: Any, path: Path, offload: Offload, overrides: dict | None, keep: list, no_alloc: bool = False,
+                rpc: Sequence[str] = ()):
+    """llama_model_load_from_file with our offload options; `keep` holds every buffer llama.cpp points into.
+    rpc: RPC servers (HOST:PORT) whose devices come first, then local GPUs, as llama.cpp's own --rpc places them."""
     L.llama_backend_init()
     L.llama_log_set(_quiet_log(L), ctypes.c_void_p())
     patterns = offload.expert_patterns(block_count(path)) if offload.cpu_moe or offload.n_cpu_moe else []
     supported = bool(L.llama_supports_gpu_offload())
     from clover_gguf.llama_memory import gpu_devices
 
-    if not gpu_devices():  # a CPU build, or one with GPU backends (RPC too) but no device to use
+    if not rpc and not gpu_devices():  # a CPU build, or one with GPU backends (RPC too) but no device to use
         no_offload_notice(offload)
     mp = L.llama_model_default_params()
     mp.n_gpu_layers = offload.n_gpu_layers(supported)
+    if rpc:
+        from clover_gguf import rpc as rpc_backend
+
+        devices = rpc_backend.devices(ggml_library(), rpc)
+        keep.append(devices)
+        mp.devices = ctypes.cast(devices, ctypes.c_void_p)
     if patterns:
         arr = _buft_overrides(L, patterns)
         keep.append(arr)
@@ -148,8 +173,8 @@ def _load_model(L: Any, path: Path, offload: Offload, overrides: dict | None, ke
 def _context_params(L: Any, n_ctx: int, n_ubatch: int, n_batch: int | None, n_seq_max: int, n_rs_seq: int,
                     exact: bool, n_threads: int | None, n_threads_batch: int | None, n_outputs_max: int) -> Any:
     cp = L.llama_context_default_params()
-    cp.n_ctx = n_ctx
-    cp.n_batch = max(n_batch or n_ctx, n_ubatch)  # tokens one decode call may take
+    cp.n_ctx = n_ctx = padded_n_ctx(n_ctx)
+    cp.n_batch = max(n_batch or n_ctx, n_ubatch)  # tokens one decode call may take: the whole context
     cp.n_ubatch = max(n_ubatch, 1)  # a block must fit in one ubatch
     cp.n_seq_max = n_seq_max
     cp.n_rs_seq = n_rs_seq
@@ -178,7 +203,7 @@ class LlamaContext:
                  n_seq_max: int = 2,
                  overrides: dict[str, bool | int | float] | None = None, n_rs_seq: int = 0, exact: bool = False,
                  n_threads: int | None = None, n_threads_batch: int | None = None, n_outputs_max: int = 0,
-                 offload: Offload | None = None, eval_callback: Any = None):
+                 offload: Offload | None = None, rpc: Sequence[str] = (), eval_callback: Any = None):
         """eval_callback: llama.cpp's graph eval callback (a GraphProbe's .callback, clover_gguf.graph_probe)."""
         L = self.L = load_binding()
         path = Path(gguf)
@@ -186,7 +211,7 @@ class LlamaContext:
             raise UserError(f"no such model file: {path}")
         offload = offload or Offload()
         self._keep: list[Any] = []  # buffers llama.cpp reads through pointers, alive as long as the model
-        self.model = _load_model(L, path, offload, overrides, self._keep)
+        self.model = _load_model(L, path, offload, overrides, self._keep, rpc=rpc)
         if not self.model:
             raise UserError(f"llama.cpp could not load {path} (not a Clover GGUF, or the library is not patched)")
         cp = _context_params(L, n_ctx, n_ubatch, n_batch, n_seq_max, n_rs_seq, exact, n_threads or offload.threads,
@@ -206,7 +231,8 @@ class LlamaContext:
         self.vocab = L.llama_model_get_vocab(self.model)
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
         self.n_ctx = L.llama_n_ctx(self.ctx)
-        self.n_ubatch = L.llama_n_ubatch(self.ctx)  # the largest block one pass can take
+        self.n_batch = L.llama_n_batch(self.ctx)  # the most tokens one decode call may take (llama.cpp asserts it)
+        self.n_ubatch = L.llama_n_ubatch(self.ctx)  # the most tokens one block pass may take (likewise)
         self.mem = L.llama_get_memory(self.ctx)
         self._batch: _Batch | None = None  # reused by every decode call, grown when a call needs more room
 
@@ -242,6 +268,10 @@ class LlamaContext:
         attention (set_block_attn) is decoded as one block."""
         parts = [(ids, pos0, seq), *extra]
         n = sum(len(p[0]) for p in parts)
+        # llama.cpp aborts the process on this (GGML_ASSERT): refuse it here, callers check requests earlier. (A block
+        # larger than n_ubatch is the patch's error code -1, not an abort.)
+        if n > self.n_batch:
+            raise ValueError(f"{n} tokens in one decode call, more than n_batch {self.n_batch}")
         batch = self._batch_for(n)
         i = 0
         for p_ids, p_pos0, p_seq in parts:  # vector writes into the arrays the llama_batch points at

@@ -82,7 +82,7 @@ class Device:
     description: str
     free: int
     total: int
-    integrated: bool  # an integrated GPU using host memory (Apple silicon reports its GPU this way or as a GPU)
+    integrated: bool  # shares host memory: an integrated GPU, or Metal (which reports itself as a plain GPU)
 
 
 def gpu_devices() -> list[Device]:
@@ -110,6 +110,7 @@ def gpu_devices() -> list[Device]:
             continue
         free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
         fn["ggml_backend_dev_memory"](dev, ctypes.byref(free), ctypes.byref(total))
-        out.append(Device(fn["ggml_backend_dev_name"](dev).decode(), fn["ggml_backend_dev_description"](dev).decode(),
-                          free.value, total.value, kind == GGML_BACKEND_DEVICE_TYPE_IGPU))
+        name = fn["ggml_backend_dev_name"](dev).decode()
+        out.append(Device(name, fn["ggml_backend_dev_description"](dev).decode(), free.value, total.value,
+                          kind == GGML_BACKEND_DEVICE_TYPE_IGPU or name.startswith("MTL")))
     return out

@@ -10,13 +10,16 @@ Every per-tensor decision is llama.cpp's: we only pass the recipe's overrides an
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
+import functools
+import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -27,12 +30,13 @@ from gguf import GGUFReader
 
 from clover_gguf.build import llama_tool
 from clover_gguf.errors import UserError
-from clover_gguf.fsutil import atomic_output, check_free_disk, check_writable_dir
-from clover_gguf.gguf_header import GGUF_MAGIC, GGUFHeader, read_header, tensor_bytes  # noqa: F401 - re-exported
+from clover_gguf.fsutil import atomic_output, check_free_disk, check_output
+from clover_gguf.gguf_header import (GGUF_MAGIC, GGUFHeader, check_model, read_header,  # noqa: F401 - re-exported
+                                     tensor_bytes)
 from clover_gguf.offload import Offload, no_offload_notice
+from clover_gguf.metadata import QUANT_RECIPE as RECIPE_KEY
 from clover_gguf.recipes import FTYPES, NEEDS_IMATRIX, Recipe, check_rules, recipe_for
 
-RECIPE_KEY = "clover.quant.recipe"
 # sizes of the published files of Clover-35B-A3B-Preview, GiB (docs/quantization.md)
 OFFICIAL_GIB = {"Q4_0": 18.24, "Q4_K_M": 21.42, "Q8_0": 35.26}
 COMMUNITY_GIB = {"Q3_K_S": 14.14, "Q3_K_M": 15.62, "IQ4_XS": 17.64, "Q4_K_M": 19.72, "Q6_K": 26.56, "Q8_0": 34.37}
@@ -80,6 +84,7 @@ class QuantPlan:
     alignment: int
     notes: list[str] = field(default_factory=list)
     source: str = ""
+    shape_35b: bool = False  # the model has the 35B's tensor shapes: compare with the published files' sizes
 
     @property
     def size_bytes(self) -> int:
@@ -99,7 +104,8 @@ class QuantPlan:
     def to_json(self) -> dict:
         return {"type": self.ftype, "recipe": self.recipe.name, "recipe_file": self.recipe.source,
                 "source": self.source, "size_bytes": self.size_bytes, "size_gib": round(self.size_gib, 4),
-                "official_gib": OFFICIAL_GIB.get(self.ftype), "community_gib": COMMUNITY_GIB.get(self.ftype),
+                "official_gib": OFFICIAL_GIB.get(self.ftype) if self.shape_35b else None,
+                "community_gib": COMMUNITY_GIB.get(self.ftype) if self.shape_35b else None,
                 "notes": self.notes,
                 "tensors": [{"name": t.name, "type": t.type.name, "bytes": t.bytes, "shape": list(t.shape),
                              "src_type": t.src_type.name} for t in self.tensors]}
@@ -113,14 +119,14 @@ class QuantPlan:
         for name, (n, b) in sorted(self.by_type().items(), key=lambda kv: -kv[1][1]):
             lines.append(f"  {name:<7} {n:5d} tensors {b / 2**30:9.3f} GiB")
         lines.append(f"{self.ftype} ({self.recipe.name}): {self.size_bytes} bytes = {self.size_gib:.3f} GiB predicted")
-        if self.ftype in COMMUNITY_GIB:
+        if self.shape_35b and self.ftype in COMMUNITY_GIB:
             c = COMMUNITY_GIB[self.ftype]
             lines.append(f"  community {self.ftype} of Clover-35B-A3B: {c:.2f} GiB "
-                         f"(ours {100 * (self.size_gib / c - 1):+.2f}% if this is that model)")
-        if self.ftype in OFFICIAL_GIB:
+                         f"(ours {100 * (self.size_gib / c - 1):+.2f}%)")
+        if self.shape_35b and self.ftype in OFFICIAL_GIB:
             o = OFFICIAL_GIB[self.ftype]
             lines.append(f"  official  {self.ftype} of Clover-35B-A3B: {o:.2f} GiB "
-                         f"(ours {100 * (self.size_gib / o - 1):+.2f}% if this is that model)")
+                         f"(ours {100 * (self.size_gib / o - 1):+.2f}%)")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -202,17 +208,22 @@ def load_imatrix(path: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     with open(path, "rb") as f:
         if f.read(4) != GGUF_MAGIC:
             raise UserError(f"{path} is not an imatrix GGUF (make one with `clover-gguf imatrix`)")
-    r = GGUFReader(path)
-    keys = {k: r.fields[k].contents() for k in ("imatrix.datasets", "imatrix.chunk_count", "imatrix.chunk_size")
-            if k in r.fields}
+    read_header(path)  # a truncated or damaged file fails here, as one line
+    try:
+        r = GGUFReader(path)
+        keys = {k: r.fields[k].contents() for k in ("imatrix.datasets", "imatrix.chunk_count", "imatrix.chunk_size")
+                if k in r.fields}
+        tensors = [(t.name, np.asarray(t.data, dtype=np.float32).reshape(-1)) for t in r.tensors]
+    except (ValueError, IndexError, KeyError, TypeError, OSError) as e:
+        raise UserError(f"{path}: damaged imatrix file ({e})") from None
     if len(keys) < 3:
         raise UserError(f"{path}: missing imatrix metadata (imatrix.datasets / chunk_count / chunk_size)")
     sums, counts = {}, {}
-    for t in r.tensors:
-        if t.name.endswith(".in_sum2"):
-            sums[t.name[:-len(".in_sum2")]] = np.asarray(t.data, dtype=np.float32).reshape(-1)
-        elif t.name.endswith(".counts"):
-            counts[t.name[:-len(".counts")]] = np.asarray(t.data, dtype=np.float32).reshape(-1)
+    for name, data in tensors:
+        if name.endswith(".in_sum2"):
+            sums[name[:-len(".in_sum2")]] = data
+        elif name.endswith(".counts"):
+            counts[name[:-len(".counts")]] = data
     if not sums:
         raise UserError(f"{path}: no imatrix entries")
     out = {}
@@ -220,6 +231,8 @@ def load_imatrix(path: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         if name not in counts:
             raise UserError(f"{path}: {name} has sums but no counts")
         c = np.rint(counts[name]).astype(np.float32)
+        if len(c) == 0 or s.size % len(c) or not np.isfinite(s).all() or (c < 0).any():
+            raise UserError(f"{path}: {name} has {s.size} sums for {len(c)} expert count(s): not an imatrix entry")
         per = s.reshape(len(c), -1)
         e = np.where(c[:, None] > 0, per / np.maximum(c, 1)[:, None], np.float32(1.0)).astype(np.float32)
         out[name] = np.ascontiguousarray(e.reshape(-1))
@@ -298,7 +311,7 @@ def _run_llama(src: Path, dst: Path | None, recipe: Recipe, names: list[str], dr
         L.llama_log_set(_quiet_log(L), ctypes.c_void_p())
     if rc != 0:
         why = parser.failure or (parser.lines[-1] if parser.lines else "unknown error")
-        raise UserError(f"llama.cpp could not quantize {src}: {why}")
+        raise UserError(f"llama.cpp could not quantize {src}" + (f" to {dst.name}" if dst else "") + f": {why}")
     return _Run(types, parser, kvs)
 
 
@@ -322,7 +335,8 @@ def _make_plan(h: GGUFHeader, recipe: Recipe, run: _Run, source: str) -> QuantPl
             if t.type != qtype:
                 notes.append(f"rule {pattern!r} -> {qtype.name}: {t.name} is {t.type.name} "
                              f"(llama.cpp {'never quantizes it' if t.type == t.src_type else 'fell back'})")
-    header = h.data_offset + _added_kv_bytes(h, run.kvs)
+    # the input's header as it is (not padded: llama.cpp pads once, after the keys it adds)
+    header = h.header_bytes + _added_kv_bytes(h, run.kvs)
     return QuantPlan(recipe.ftype, recipe, tensors, header, h.alignment, _dedupe(notes), source)
 
 
@@ -343,8 +357,34 @@ def _prepare(src: Path, type_name: str, recipe_file: Path | None) -> tuple[GGUFH
     recipe = recipe_for(type_name, recipe_file)
     h = read_header(src)
     check_clover(h)
+    check_model(h)
     check_rules(recipe, h.names)
     return h, recipe
+
+
+@functools.lru_cache(maxsize=1)
+def _shapes_35b() -> dict[str, tuple[int, ...]]:
+    """Every tensor of the 35B (config.SHAPE_35B) with its GGUF shape, as the converter plans it."""
+    from clover_gguf.config import SHAPE_35B, CloverConfig
+    from clover_gguf.convert import plan_conversion
+    from clover_gguf.skeleton import VirtualCheckpoint
+
+    cfg = CloverConfig.from_file(SHAPE_35B)
+    return {t.name: t.shape for t in plan_conversion(VirtualCheckpoint(cfg), cfg).tensors}
+
+
+def has_35b_shape(h: GGUFHeader) -> bool:
+    """The file holds every tensor of the 35B with its shape (an MTP block may come on top): only then are the
+    published files' sizes a comparison."""
+    return all(n in h.tensors and h.tensors[n][0] == shape for n, shape in _shapes_35b().items())
+
+
+def _library_for_plan() -> None:
+    try:
+        _binding()
+    except UserError as e:
+        raise UserError(f"--plan runs llama.cpp's own quantizer (a dry run), so it needs the patched llama.cpp: {e}"
+                        ) from None
 
 
 # ---- public functions ------------------------------------------------------------------------------------------
@@ -357,16 +397,22 @@ def plan(type_name: str, src: Path | None = None, config: Path | None = None, re
     if src is not None:
         h, recipe = _prepare(Path(src), type_name, recipe_file)
         im = _imatrix_arg(imatrix)
+        _library_for_plan()
         run = _run_llama(Path(src), None, recipe, h.names, True, None, im)
-        return _make_plan(h, recipe, run, str(src))
+        qp = _make_plan(h, recipe, run, str(src))
+        qp.shape_35b = has_35b_shape(h)
+        return qp
     from clover_gguf.skeleton import write_skeleton
 
+    recipe_for(type_name, recipe_file)  # a bad --type or recipe is named before anything else
+    _library_for_plan()
     with tempfile.TemporaryDirectory(prefix="clover-skeleton-") as tmp:
         path = Path(tmp) / "skeleton.gguf"
         write_skeleton(Path(config), path)
         h, recipe = _prepare(path, type_name, recipe_file)
         run = _run_llama(path, None, recipe, h.names, True, None, _imatrix_arg(imatrix))
         qp = _make_plan(h, recipe, run, f"{config} (header-only skeleton, BF16 weights)")
+        qp.shape_35b = has_35b_shape(h)
     qp.notes.append("planned from config.json: tokenizer metadata (a few MB) is not counted")
     return qp
 
@@ -397,20 +443,13 @@ def quantize(src: Path, out: Path, type_name: str, recipe_file: Path | None = No
     src, out = Path(src), Path(out)
     h, recipe = _prepare(src, type_name, recipe_file)
     _check_source_types(h)
-    if out.exists() and out.is_dir():
-        raise UserError(f"output is a folder: {out}")
-    if out.exists() and not force:
-        raise UserError(f"{out} exists (--force overwrites it)")
-    with contextlib.suppress(OSError):
-        if out.exists() and out.samefile(src):
-            raise UserError("the output would overwrite the input")
     if recipe.ftype in NEEDS_IMATRIX and imatrix is None:
         raise UserError(f"{recipe.ftype} needs an importance matrix: make one with `clover-gguf imatrix` "
                         "and pass --imatrix FILE")
-    check_writable_dir(out)
+    check_output(out, [p for p in (src, imatrix, recipe_file) if p is not None], force=force)
     src_bytes = sum(tensor_bytes(qt, shape) for shape, qt in h.tensors.values())
     check_free_disk(out, src_bytes // 2 + h.data_offset)
-    im = _imatrix_arg(imatrix)
+    im = _imatrix_arg(imatrix)  # checked here, loaded again by the worker
     if im is not None and not quiet:
         log(f"imatrix: {len(im[0])} entries from {imatrix}")
     t0 = time.perf_counter()
@@ -422,14 +461,134 @@ def quantize(src: Path, out: Path, type_name: str, recipe_file: Path | None = No
             bar.set_postfix_str(name, refresh=False)
 
         with atomic_output(out) as tmp:
-            run = _run_llama(src, tmp, recipe, h.names, False, threads, im, advance,
-                             echo=bool(os.environ.get("CLOVER_GGUF_LLAMA_LOG")))
+            spec = {"src": str(src), "dst": str(tmp), "out": out.name, "type": type_name, "threads": threads,
+                    "recipe": None if recipe_file is None else str(recipe_file),
+                    "imatrix": None if imatrix is None else str(imatrix),
+                    "echo": bool(os.environ.get("CLOVER_GGUF_LLAMA_LOG"))}
+            run = _run_in_worker(spec, advance)
     seconds = time.perf_counter() - t0
     qp = _make_plan(h, recipe, run, str(src))
     return QuantizeResult(out, qp, out.stat().st_size, seconds)
 
 
+# ---- the quantizer in a process of its own ------------------------------------------------------------------------
+# llama_model_quantize cannot be stopped once called, and Python runs signal handlers only between its log
+# callbacks (where an exception cannot cross into C). So the real quantization runs in a child process: Ctrl-C,
+# SIGTERM or SIGHUP reach this process at once, which kills the child and removes the temporary output; and an
+# abort inside llama.cpp ends the child, not the command, and is reported as one line.
+def _run_in_worker(spec: dict[str, Any], on_tensor: Callable[[str, QT | None], None]) -> _Run:
+    package_parent = str(Path(__file__).resolve().parent.parent)
+    code = f"import sys; sys.path.insert(0, {package_parent!r}); from clover_gguf.quantize import _worker; _worker()"
+    with tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=None if spec["echo"] else err, text=True, errors="replace")
+        done: dict[str, Any] | None = None
+        failure: str | None = None
+        try:
+            proc.stdin.write(json.dumps(spec) + "\n")
+            proc.stdin.flush()
+            for line in proc.stdout:
+                try:
+                    msg = json.loads(line)
+                except json.JSONDecodeError:  # something in the library printed to stdout: not ours
+                    continue
+                if not isinstance(msg, dict):
+                    continue
+                if "tensor" in msg:
+                    on_tensor(msg["tensor"], None if msg["type"] is None else QT[msg["type"]])
+                elif "error" in msg:
+                    failure = msg["error"]
+                elif "done" in msg:
+                    done = msg["done"]
+            proc.wait()
+        finally:
+            if proc.poll() is None:  # interrupted: the child must not go on writing
+                proc.kill()
+                proc.wait()
+            proc.stdin.close()
+        if failure is not None:
+            raise UserError(failure)
+        if proc.returncode == -signal.SIGINT:
+            # a terminal's Ctrl-C reaches the whole process group: the child may die of it before this process
+            # takes its own KeyboardInterrupt; either way it is the user's interruption, not a llama.cpp failure
+            raise KeyboardInterrupt
+        if done is None or proc.returncode != 0:
+            err.seek(0)
+            tail = [ln.strip() for ln in err.read().decode("utf-8", "replace").splitlines() if ln.strip()]
+            how = (f"signal {signal.Signals(-proc.returncode).name}" if proc.returncode < 0
+                   else f"exit code {proc.returncode}")
+            raise UserError(f"llama.cpp stopped while quantizing {spec['src']} ({how})"
+                            + (f": {tail[-1]}" if tail else ""))
+    types = {n: None if t is None else QT[t] for n, t in done["types"].items()}
+    return _Run(types, LogParser(lambda n, t: None), [tuple(kv) for kv in done["kvs"]])
+
+
+def _worker() -> None:
+    """The child's side of _run_in_worker: one JSON spec on stdin, one JSON line per event on stdout."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # a terminal's Ctrl-C ends the child at once
+    spec = json.loads(sys.stdin.readline())
+
+    def orphaned() -> None:  # the parent is gone (even by SIGKILL): stop writing
+        sys.stdin.read()
+        os._exit(1)
+
+    threading.Thread(target=orphaned, daemon=True).start()
+
+    def emit(obj: dict[str, Any]) -> None:
+        sys.stdout.write(json.dumps(obj) + "\n")
+        sys.stdout.flush()
+
+    src, dst = Path(spec["src"]), Path(spec["dst"])
+    try:
+        recipe = recipe_for(spec["type"], None if spec["recipe"] is None else Path(spec["recipe"]))
+        run = _run_llama(src, dst, recipe, read_header(src).names, False, spec["threads"],
+                         _imatrix_arg(None if spec["imatrix"] is None else Path(spec["imatrix"])),
+                         lambda n, t: emit({"tensor": n, "type": None if t is None else t.name}), echo=spec["echo"])
+    except UserError as e:
+        emit({"error": str(e).replace(dst.name, spec["out"])})
+        return
+    emit({"done": {"types": {n: None if t is None else t.name for n, t in run.types.items()},
+                   "kvs": [list(kv) for kv in run.kvs]}})
+
+
 # ---- imatrix ---------------------------------------------------------------------------------------------------
+def count_tokens(model: Path, text: bytes) -> int:
+    """Tokens of `text` as llama-imatrix counts them (special tokens added, none parsed), from the vocabulary
+    alone (no weights are loaded)."""
+    from clover_gguf.llama_context import _quiet_log
+
+    L = _binding()
+    L.llama_backend_init()
+    L.llama_log_set(_quiet_log(L), ctypes.c_void_p())
+    params = L.llama_model_default_params()
+    params.vocab_only = True
+    m = L.llama_model_load_from_file(str(model).encode(), params)
+    if not m:
+        raise UserError(f"llama.cpp could not load the vocabulary of {model}")
+    try:
+        n = L.llama_tokenize(L.llama_model_get_vocab(m), text, len(text), None, 0, True, False)
+    finally:
+        L.llama_model_free(m)
+    return abs(n)  # with no room for tokens it returns minus their count
+
+
+# llama-imatrix's own words for why it stopped (its LOG_ERR lines), most telling first
+IMATRIX_REASON_RE = re.compile(r"(you need at least \d+ tokens.*|the data file you provided tokenizes to only.*"
+                               r"|there will be not enough tokens.*|failed to .*|error: .*)", re.IGNORECASE)
+
+
+def imatrix_failure(output: str) -> str:
+    """The reason llama-imatrix gives when it fails, from its log: its error lines joined, else the last line."""
+    reasons = []
+    for line in output.splitlines():
+        if m := IMATRIX_REASON_RE.search(line):
+            reasons.append(m[1].strip().rstrip("."))
+    if reasons:
+        return "; ".join(dict.fromkeys(reasons))
+    lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
+    return lines[-1] if lines else "no output"
+
+
 def imatrix(model: Path, text: Path, out: Path, ctx: int = 512, chunks: int | None = None, force: bool = False,
             quiet: bool = False, offload: Offload | None = None) -> Path:
     """Importance matrix of `model` over the text file `text`, written by the patched llama-imatrix as GGUF, with
@@ -437,16 +596,25 @@ def imatrix(model: Path, text: Path, out: Path, ctx: int = 512, chunks: int | No
     model, text, out = Path(model), Path(text), Path(out)
     h = read_header(model)
     check_clover(h)
+    check_model(h)
     if not text.is_file():
         raise UserError(f"no such text file: {text}")
-    if out.exists() and not force:
-        raise UserError(f"{out} exists (--force overwrites it)")
+    check_output(out, [model, text], force=force)
+    if ctx < 1:
+        raise UserError(f"--ctx must be at least 1, not {ctx}")
     tool = llama_tool("llama-imatrix")
     offload = offload or Offload()
     offload.cpu_moe_layers(int(h.kv.get(f"{h.arch}.block_count", 0)))  # --n-cpu-moe above the layer count: exit 2
     gpu_offload = bool(_binding().llama_supports_gpu_offload())
     if not gpu_offload:
         no_offload_notice(offload)
+    # llama-imatrix's own check, made here: it logs its reason asynchronously and often exits before the line is
+    # written (llama.cpp issue 22142), which left only an unrelated last line to report
+    prompt = text.read_bytes()
+    n_tokens = count_tokens(model, prompt[:-1] if prompt.endswith(b"\n") else prompt)  # -f drops one final \n
+    if n_tokens < 2 * ctx:
+        raise UserError(f"llama-imatrix needs at least {2 * ctx} tokens for a context of {ctx} tokens; {text} "
+                        f"tokenizes to only {n_tokens} tokens (give more text or a smaller --ctx)")
     with atomic_output(out) as tmp:
         cmd = [str(tool), "-m", str(model), "-f", str(text), "-o", str(tmp), "--output-format", "gguf",
                "-c", str(ctx), "--no-ppl", *offload.llama_args(gpu_offload)]
@@ -456,12 +624,10 @@ def imatrix(model: Path, text: Path, out: Path, ctx: int = 512, chunks: int | No
         env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(tool.parent), env.get("LD_LIBRARY_PATH")]))
         p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                            errors="replace")
+        if p.returncode != 0 or not tmp.is_file():
+            raise UserError(f"llama-imatrix failed on {model}: {imatrix_failure(p.stdout)}")
         if not quiet:
             for line in p.stdout.splitlines():
                 if "compute_imatrix" in line or "save_imatrix" in line or line.startswith("["):
                     print(line, file=sys.stderr)
-        if p.returncode != 0 or not tmp.is_file():
-            err = [ln for ln in p.stdout.splitlines() if "error" in ln.lower() or "not enough" in ln.lower()]
-            why = err[-1].strip() if err else (p.stdout.strip().splitlines() or ["no output"])[-1]
-            raise UserError(f"llama-imatrix failed on {model}: {why}")
     return out

@@ -12,8 +12,9 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Collection, Iterable, Iterator, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -41,6 +42,71 @@ class PrefixState:
 
     layers: tuple[LayerState, ...]
     n_past: int
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The decoding backend on this model (clover_gguf.decoding runs ar / diffusion / draft-self on it)
+# ---------------------------------------------------------------------------------------------------------------
+class ReferenceBackend:
+    """decoding.Backend over CloverModel (as runtime.LlamaBackend is over llama.cpp). Its PrefixState is immutable, so rollback just returns
+    to the state before the latest commit and re-runs the kept tokens (backend work, not a counted pass)."""
+
+    def __init__(self, model: CloverModel, eos_ids: Sequence[int] | None = None,
+                 coreset: bool | float | None = None):
+        self.model = model
+        cfg = model.cfg
+        if cfg.mask_token_id is None:
+            raise ValueError("the checkpoint has no mask_token_id: block mode is unavailable")
+        self.mask_token_id = int(cfg.mask_token_id)
+        eos = eos_ids if eos_ids is not None else cfg.eos_token_id
+        self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        self.block_size = int(cfg.block_size)
+        self.coreset = coreset
+        self.reset()
+
+    @property
+    def n_past(self) -> int:
+        return len(self._ids)
+
+    def reset(self) -> None:
+        self._ids: list[int] = []
+        self._state = self.model.empty_state()
+        self._before_last: tuple[PrefixState, int] | None = None  # (state, n_past) before the latest commit
+
+    def _run(self, ids: Sequence[int], state: PrefixState, block: bool = False):
+        with torch.no_grad():
+            x = torch.tensor([list(ids)], dtype=torch.long)
+            logits, new = self.model.run(x, state, block=block, coreset=self.coreset if block else None)
+        return logits[0].numpy(), new
+
+    def commit(self, ids: Sequence[int]) -> np.ndarray:
+        if not len(ids):
+            raise ValueError("commit needs at least one token")
+        self._before_last = (self._state, len(self._ids))
+        logits, self._state = self._run(ids, self._state)
+        self._ids.extend(int(t) for t in ids)
+        return logits
+
+    def prefill(self, ids: Sequence[int]) -> np.ndarray:
+        return self.commit(ids)[-1]
+
+    def block_logits(self, block: Sequence[int]) -> np.ndarray:
+        logits, _ = self._run(block, self._state, block=True)  # the new state is thrown away
+        return logits
+
+    def rollback(self, n: int) -> None:
+        if n <= 0:
+            return
+        if self._before_last is None or len(self._ids) - n < self._before_last[1]:
+            raise ValueError("rollback reaches past the latest commit")
+        state, n0 = self._before_last
+        keep = self._ids[n0:len(self._ids) - n]
+        self._ids = self._ids[:n0]
+        self._state = state
+        if keep:
+            _, self._state = self._run(keep, state)
+            self._ids.extend(keep)
+        self._before_last = None
 
 
 def zero_centred_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -343,37 +409,18 @@ class CloverModel(nn.Module):
         return model.to(dtype)
 
     def hf_name_map(self) -> dict[str, tuple[str, str | None]]:
-        """HF tensor name -> (our parameter name, layout note). Experts are handled separately (stacked here)."""
-        m: dict[str, tuple[str, str | None]] = {
-            "model.embed_tokens.weight": ("embed_tokens", None),
-            "model.norm.weight": ("norm", None),
-        }
-        if self.lm_head is not None:
-            m["lm_head.weight"] = ("lm_head", None)
-        for i, layer in enumerate(self.layers):
-            p, q = f"model.layers.{i}.", f"layers.{i}."
-            m[p + "input_layernorm.weight"] = (q + "input_layernorm", None)
-            m[p + "post_attention_layernorm.weight"] = (q + "post_attention_layernorm", None)
-            if layer.full_attention:
-                for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                    m[p + f"self_attn.{n}.weight"] = (q + f"self_attn.{n}.weight", None)
-                m[p + "self_attn.q_norm.weight"] = (q + "self_attn.q_norm", None)
-                m[p + "self_attn.k_norm.weight"] = (q + "self_attn.k_norm", None)
-            else:
-                for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"):
-                    m[p + f"linear_attn.{n}.weight"] = (q + f"linear_attn.{n}.weight", None)
-                m[p + "linear_attn.conv1d.weight"] = (q + "linear_attn.conv1d", "conv")
-                m[p + "linear_attn.dt_bias"] = (q + "linear_attn.dt_bias", None)
-                m[p + "linear_attn.A_log"] = (q + "linear_attn.A_log", None)
-                m[p + "linear_attn.norm.weight"] = (q + "linear_attn.norm", None)
-                if self.cfg.is_clover:
-                    m[p + "linear_attn.conv1d_right.weight"] = (q + "linear_attn.conv1d_right", "conv")
-                    m[p + "linear_attn.block_attn_log_scale"] = (q + "linear_attn.block_attn_log_scale", None)
-                    m[p + "linear_attn.block_attn_gate"] = (q + "linear_attn.block_attn_gate", None)
-            m[p + "mlp.gate.weight"] = (q + "mlp.gate.weight", None)
-            for n in ("gate_proj", "up_proj", "down_proj"):
-                m[p + f"mlp.shared_expert.{n}.weight"] = (q + f"mlp.shared_{n}.weight", None)
-            m[p + "mlp.shared_expert_gate.weight"] = (q + "mlp.shared_expert_gate.weight", None)
+        """HF tensor name -> (our parameter name, layout note), for every tensor of the table (shapes, from
+        tensor_map.TENSOR_RULES) except the experts, which are handled separately (stacked here)."""
+        from clover_gguf.shapes import checkpoint_tensors
+        from clover_gguf.tensor_map import PER_EXPERT_RE, match_rule
+
+        params = dict(self.named_parameters())
+        m: dict[str, tuple[str, str | None]] = {}
+        for hf_name, _, _ in checkpoint_tensors(self.cfg):
+            if PER_EXPERT_RE.match(hf_name):
+                continue
+            rule, _ = match_rule(hf_name)
+            m[hf_name] = (sanitize(hf_name, params), "conv" if rule.transform == "conv" else None)
         return m
 
     def load_hf_state_dict(self, tensors: dict[str, torch.Tensor], strict: bool = True) -> None:
@@ -421,6 +468,13 @@ class CloverModel(nn.Module):
         return {k: v.contiguous() for k, v in out.items()}
 
 
+def sanitize(hf_name: str, params: Collection[str]) -> str:
+    """An HF tensor name as our parameter name (mlx-lm style): no `model.` prefix, `shared_expert.` modules as
+    `shared_` parameters, and `.weight` dropped where we hold a bare parameter (norms, convs) instead of a Linear."""
+    name = hf_name.removeprefix("model.").replace(".mlp.shared_expert.", ".mlp.shared_")
+    return name if name in params else name.removesuffix(".weight")
+
+
 @contextlib.contextmanager
 def recorded_routes(model: CloverModel) -> Iterator[list[tuple[int, torch.Tensor]]]:
     """[(layer, expert ids [N, T, k])] of every MoE call of the forward passes run inside the block, in call order:
@@ -448,7 +502,3 @@ def _as_ids(ids: torch.Tensor | Iterable[int]) -> torch.Tensor:
     if isinstance(ids, torch.Tensor):
         return ids.long()
     return torch.tensor(list(ids), dtype=torch.long)
-
-
-def save_config(path: Path, cfg: CloverConfig) -> None:
-    (Path(path) / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=1) + "\n")

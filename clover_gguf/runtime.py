@@ -15,6 +15,8 @@ bench/decode.py measures both.
 
 from __future__ import annotations
 
+import math
+import re
 import resource
 import time
 from dataclasses import asdict, dataclass, field
@@ -24,10 +26,14 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from clover_gguf import decoding
-from clover_gguf.controls import Controls, make_processors, make_sampler, thinking_span
+from clover_gguf import metadata as md
+from clover_gguf.config import MAX_BLOCK
+from clover_gguf.controls import Controls, make_processors, make_sampler
 from clover_gguf.errors import UserError
 from clover_gguf.llama_context import LlamaContext
 from clover_gguf.offload import Offload
+from clover_gguf.thinking import prompt_opens_thinking, split_thinking
+from clover_gguf.vocab import compile_chat_template
 
 SEQ_MAIN, SEQ_BLOCK, SEQ_BACKUP = 0, 1, 2
 N_SEQ = 3
@@ -140,21 +146,34 @@ def context_settings(max_block_size: int, n_ctx: int | None, context_length: int
 # The model as a user sees it
 # ---------------------------------------------------------------------------------------------------------------
 @dataclass
-class RunStats:
-    mode: str
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    forward_passes: int = 0
-    tokens_per_pass: float = 0.0
-    acceptance_rate: float | None = None
+class RunStats(decoding.GenerationStats):
+    """The decoder's counts (GenerationStats) plus what the runtime measures around them."""
+
     time_to_first_token_s: float | None = None
     tokens_per_s: float = 0.0  # generated tokens over the whole run, the prompt's pass included
     decode_tokens_per_s: float = 0.0  # generated tokens over the time after the prompt's pass (llama.cpp "eval")
     prompt_seconds: float = 0.0
     seconds: float = 0.0
     peak_memory_mib: float = 0.0
-    finish_reason: str | None = None
     rollback_passes: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        """Every field and the two rates, as the JSON outputs (--json, the server's clover_stats) carry them."""
+        d = asdict(self)
+        d["tokens_per_pass"] = round(self.tokens_per_pass, 4)
+        d["acceptance_rate"] = None if self.acceptance_rate is None else round(self.acceptance_rate, 4)
+        return d
+
+    def summary(self) -> str:
+        """One line for a person (generate --stats, chat): tokens, passes, tokens/pass, tok/s, acceptance."""
+        parts = [f"{self.generated_tokens} tokens", f"{self.forward_passes} passes",
+                 f"{self.tokens_per_pass:.2f} tokens/pass", f"{self.tokens_per_s:.1f} tok/s"]
+        if self.acceptance_rate is not None:
+            parts.append(f"{self.acceptance_rate:.0%} of drafts accepted")
+        parts.append(f"{self.seconds:.2f} s")
+        if self.finish_reason == "length":
+            parts.append("cut at the token limit")
+        return f"{self.mode}: " + ", ".join(parts)
 
 
 @dataclass
@@ -165,17 +184,7 @@ class Answer:
     raw: str = field(repr=False, default="")
 
     def to_json(self) -> dict[str, Any]:
-        return {"text": self.text, "thinking": self.thinking, "stats": asdict(self.stats)}
-
-
-def split_thinking(raw: str) -> tuple[str, str]:
-    """-> (thinking, answer). A <think> span may be opened by the prompt, so a lone </think> also splits."""
-    if "</think>" in raw:
-        head, _, tail = raw.partition("</think>")
-        return head.replace("<think>", "").strip(), tail.strip()
-    if raw.lstrip().startswith("<think>"):
-        return raw.replace("<think>", "", 1).strip(), ""
-    return "", raw.strip()
+        return {"text": self.text, "thinking": self.thinking, "stats": self.stats.to_json()}
 
 
 class CloverRuntime:
@@ -184,49 +193,68 @@ class CloverRuntime:
     def __init__(self, gguf: str | Path, n_ctx: int | None = None, rollback: str = "redecode",
                  coreset: bool | None = None, coreset_top_p: float | None = None, exact: bool = False,
                  n_threads: int | None = None, n_threads_batch: int | None = None, offload: Offload | None = None,
-                 block_size: int | None = None):
+                 block_size: int | None = None, rpc: Sequence[str] = ()):
         """block_size: the largest block a request may use (default: the GGUF's); the context keeps logits rows
-        for that many tokens and no more (see context_settings)."""
-        from clover_gguf.gguf_header import read_header
+        for that many tokens and no more (see context_settings). rpc: llama.cpp RPC servers (HOST:PORT) that hold
+        the layers (clover_gguf.rpc)."""
+        from clover_gguf.gguf_header import check_model, read_header
 
         path = Path(gguf)
         if not path.is_file():
             raise UserError(f"no such model file: {path}")
         try:
-            meta = read_header(path).kv
+            meta = (header := read_header(path)).kv
         except UserError as e:
             raise UserError(f"{path} is not a readable GGUF file ({e})") from None
-        if meta.get("general.architecture") != "clover":
-            raise UserError(f"{path} is not a Clover GGUF (architecture {meta.get('general.architecture')!r})")
+        if meta.get(md.ARCHITECTURE) != md.ARCH:
+            raise UserError(f"{path} is not a Clover GGUF (architecture {meta.get(md.ARCHITECTURE)!r})")
+        check_model(header)  # hyperparameters llama.cpp would abort on, before it sees the file
         self.meta = meta
         self.path = path
-        self.block_mode = bool(meta.get("clover.block_mode", False))
-        self.context_length = int(meta.get("clover.context_length", 4096))
-        self.block_size = int(meta.get("clover.diffusion.block_size", 32))
-        self.threshold = float(meta.get("clover.diffusion.threshold", 0.95))
-        self.mask_token_id = meta.get("tokenizer.ggml.mask_token_id")
-        self.chat_template = meta.get("tokenizer.chat_template")
-        self._template = None
-        self.controls = Controls.from_meta(lambda k: None if meta.get(k) is None else str(meta[k]))
+        card = md.GenerationDefaults()
+        self.block_mode = bool(meta.get(md.BLOCK_MODE, False))
+        self.context_length = int(meta.get(md.hparam("context_length"), 4096))
+        self.block_size = int(meta.get(md.BLOCK_SIZE, card.block_size))
+        self.threshold = float(meta.get(md.THRESHOLD, card.threshold))
+        self.mask_token_id = meta.get(md.MASK_TOKEN_ID)
+        self.chat_template = meta.get(md.CHAT_TEMPLATE)
+        # compiled once (compiling costs more than a small model's forward pass); check_model refused a bad one
+        self._template = compile_chat_template(self.chat_template) if self.chat_template else None
+        self.controls = Controls.from_meta(meta.get)
         overrides: dict[str, bool | float] = {}
         if coreset is not None:
-            overrides["clover.moe_block_coreset.enabled"] = coreset
+            overrides[md.CORESET_ENABLED] = coreset
         if coreset_top_p is not None:
-            overrides["clover.moe_block_coreset.top_p"] = coreset_top_p
+            overrides[md.CORESET_TOP_P] = coreset_top_p
+        if block_size is not None and not 1 <= block_size <= MAX_BLOCK:
+            raise UserError(f"block size {block_size}: it must be 1..{MAX_BLOCK} (one block pass is one llama.cpp "
+                            "micro-batch)")
         self.max_block_size = max(int(block_size or 0), self.block_size)
         settings = context_settings(self.max_block_size, n_ctx, self.context_length, rollback, exact)
         self.ctx = LlamaContext(path, overrides=overrides or None, n_threads=n_threads,
-                                n_threads_batch=n_threads_batch, offload=offload, **settings)
+                                n_threads_batch=n_threads_batch, offload=offload, rpc=rpc, **settings)
         self.n_ctx = self.ctx.n_ctx
-        self.eos_ids = self._end_tokens()
+        self.eos_ids, self._control_text = self._scan_vocab()
         self.think_id = self._special("<think>")
         self.think_end_id = self._special("</think>")
         self.backend = LlamaBackend(self.ctx, self.mask_token_id if self.mask_token_id is not None else -1,
                                     self.eos_ids, self.block_size, rollback=rollback)
 
-    def _end_tokens(self) -> list[int]:
+    def _scan_vocab(self) -> tuple[list[int], re.Pattern | None]:
+        """-> (the end tokens, a pattern matching the text of every control token). The tokenizer reads control
+        tokens (<|im_end|>, ...) in text only when told to parse them: user text must never be."""
         L, vocab = self.ctx.L, self.ctx.vocab
-        return [t for t in range(self.ctx.n_vocab) if L.llama_vocab_is_eog(vocab, t)]
+        control = L.LLAMA_TOKEN_ATTR_CONTROL | L.LLAMA_TOKEN_ATTR_UNKNOWN
+        ends, texts = [], set()
+        for t in range(self.ctx.n_vocab):
+            if L.llama_vocab_is_eog(vocab, t):
+                ends.append(t)
+            if L.llama_vocab_get_attr(vocab, t) & control:
+                text = (L.llama_vocab_get_text(vocab, t) or b"").decode("utf-8", "replace")
+                if text:
+                    texts.add(text)
+        pattern = re.compile("|".join(map(re.escape, sorted(texts, key=len, reverse=True)))) if texts else None
+        return ends, pattern
 
     def _special(self, text: str) -> int | None:
         ids = self.ctx.tokenize(text, special=True)
@@ -234,29 +262,36 @@ class CloverRuntime:
 
     # ---- prompts ----------------------------------------------------------------------------------------
     def render(self, messages: Sequence[dict[str, str]], think: bool = True) -> str:
-        if not self.chat_template:
+        """The GGUF's chat template over these messages (UserError when the template refuses them)."""
+        if self._template is None:
             return "".join(m["content"] for m in messages)
-        if self._template is None:  # compiled once: compiling costs more than a forward pass of a small model
-            import jinja2.sandbox
-
-            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=False, lstrip_blocks=False)
-            self._template = env.from_string(self.chat_template)
-        return self._template.render(messages=list(messages), add_generation_prompt=True, enable_thinking=think)
+        try:
+            return self._template.render(messages=list(messages), add_generation_prompt=True, enable_thinking=think)
+        except Exception as e:  # jinja's raise_exception, unknown roles, a template bug: the request fails, not us
+            raise UserError(f"the chat template cannot render these messages: {type(e).__name__}: {e}") from None
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         return b"".join(self.ctx.token_to_piece(t, special=True) for t in tokens).decode("utf-8", "replace")
 
     # ---- checks -----------------------------------------------------------------------------------------
     def check_request(self, n_prompt: int, max_new_tokens: int, mode: str, block_size: int) -> None:
-        if mode in ("diffusion", "draft-self"):
+        """Refuse, before any llama.cpp call, a request this context cannot run (UserError, one line)."""
+        if mode not in decoding.MODES:
+            raise UserError(f"unknown mode {mode!r}: choose one of {', '.join(decoding.MODES)}")
+        if max_new_tokens < 1 or block_size < 1:
+            raise UserError("max_new_tokens and the block size must be at least 1")
+        if mode != "ar":
             if not self.block_mode:
                 raise UserError(f"{self.path.name} has no Clover block-mode tensors (a plain Qwen3.5-MoE conversion): "
                                 f"use --mode ar")
             if self.mask_token_id is None:
                 raise UserError(f"{self.path.name} has no tokenizer.ggml.mask_token_id: block mode is unavailable")
-        if mode != "ar" and block_size > self.max_block_size:
-            raise UserError(f"block size {block_size} is above the {self.max_block_size} this model was loaded for "
-                            f"(its context keeps logits for that many tokens; load it with a larger block size)")
+            if block_size > self.ctx.n_ubatch:  # one block is one llama.cpp micro-batch (it aborts otherwise)
+                raise UserError(f"block size {block_size} is more than this context's micro-batch of "
+                                f"{self.ctx.n_ubatch} tokens: choose at most {self.ctx.n_ubatch}")
+            if block_size > self.max_block_size:
+                raise UserError(f"block size {block_size} is above the {self.max_block_size} this model was loaded "
+                                "for (its context keeps logits rows for that many tokens)")
         room = block_size - 1 if mode != "ar" else 0  # a final block may run block_size - 1 past the limit
         need = n_prompt + max_new_tokens + room
         limit = min(self.context_length, self.n_ctx)
@@ -266,31 +301,70 @@ class CloverRuntime:
                             + (f" + {room} to resolve a final block" if room else "")
                             + f"), {need - limit} more than {what} of {limit}")
 
-    # ---- generation -------------------------------------------------------------------------------------
-    def stream(self, messages: Sequence[dict[str, str]] | str, mode: str = "draft-self", max_new_tokens: int = 512,
-               block_size: int | None = None, threshold: float | None = None, accept: str = "exact",
-               temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None, think: bool = True,
-               controls: Controls | None = None, raw_prompt: bool = False) -> Iterator[tuple[str, RunStats]]:
-        """Yield (new text, running stats) as tokens are accepted; the last item carries the final stats."""
+    def prompt_ids(self, messages: Sequence[dict[str, str]] | str, think: bool = True) -> list[int]:
+        """Chat messages (or one user message) -> the prompt's tokens, rendered with the GGUF's chat template.
+
+        The template's own markers are control tokens; what the messages say never is: a `<|im_end|>` typed in
+        a message stays text (it cannot end a turn or start a new one). The tokens are the whole rendering's,
+        except around a message that holds control-token text, which is tokenized on its own as plain text."""
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
-        prompt = messages[0]["content"] if raw_prompt else self.render(messages, think=think)
-        ids = self.ctx.tokenize(prompt, special=True)
+        for i, m in enumerate(messages):
+            _check_utf8(m["content"], f"message {i}" if len(messages) > 1 else "the prompt")
+        text = self.render(messages, think=think)
+        risky = {i for i, m in enumerate(messages)
+                 if self._control_text is not None and self._control_text.search(m["content"])}
+        if not risky:
+            return self.ctx.tokenize(text, special=True)
+        # render again with a placeholder where each such message's text goes, and tokenize piece by piece
+        marks = {i: f"\ue000{i}\ue001" for i in risky}
+        shadow = self.render([{**m, "content": marks[i]} if i in risky else m for i, m in enumerate(messages)],
+                             think=think)
+        ids: list[int] = []
+        rebuilt = []
+        for piece in re.split("(\ue000\\d+\ue001)", shadow):
+            hit = re.fullmatch("\ue000(\\d+)\ue001", piece)
+            if hit and int(hit.group(1)) in risky:
+                piece = messages[int(hit.group(1))]["content"]
+                ids += self.ctx.tokenize(piece, special=False)
+            elif piece:
+                ids += self.ctx.tokenize(piece, special=True)
+            rebuilt.append(piece)
+        if "".join(rebuilt) != text:  # the template changes the message's text: no safe split exists
+            raise UserError("a message holds control-token text (such as <|im_end|>) that this chat template "
+                            "rewrites, so it cannot be kept as plain text: remove it")
+        return ids
+
+    def raw_prompt_ids(self, text: str) -> list[int]:
+        """A raw prompt (no template; the caller writes the special tokens, so they are read as such) -> tokens."""
+        _check_utf8(text, "the prompt")
+        return self.ctx.tokenize(text, special=True)
+
+    def thinking_at_start(self, prompt_ids: Sequence[int]) -> bool:
+        """Whether the answer after this prompt starts inside a <think> span (thinking.prompt_opens_thinking)."""
+        return prompt_opens_thinking(prompt_ids, self.think_id, self.think_end_id)
+
+    # ---- generation -------------------------------------------------------------------------------------
+    def stream(self, messages: Sequence[dict[str, str]] | str, think: bool = True, **kw
+               ) -> Iterator[tuple[str, RunStats]]:
+        """stream_ids on the prompt of these chat messages (or of one user message)."""
+        return self.stream_ids(self.prompt_ids(messages, think=think), **kw)
+
+    def stream_ids(self, ids: Sequence[int], mode: str = "draft-self", max_new_tokens: int = 512,
+                   block_size: int | None = None, threshold: float | None = None, accept: str = "exact",
+                   temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                   controls: Controls | None = None) -> Iterator[tuple[str, RunStats]]:
+        """Yield (new raw text, running stats) as tokens are accepted after the prompt `ids`; the last item carries
+        the final stats. The text is what the model wrote, <think> tags included: thinking.ThinkSplitter with
+        thinking_at_start(ids) splits it."""
+        if not len(ids):
+            raise UserError("the prompt is empty")
         block_size = int(block_size or self.block_size)
         self.check_request(len(ids), max_new_tokens, mode, block_size)
         c = controls or self.controls
-        # the prompt itself may open a <think> span (a template that starts the thinking for the model)
-        thinking_at_start = self.think_end_id is not None and \
-            thinking_span(ids, self.think_id, self.think_end_id, False) is not None
-        procs = make_processors(c, self.eos_ids, self.think_id, self.think_end_id, thinking_at_start)
-        if temp <= 0:
-            sampler = decoding.greedy  # argmax, lowest index on ties: all rows at once
-        else:
-            sampler1 = make_sampler(temp, top_p, top_k, seed)
-
-            def sampler(logits: np.ndarray) -> np.ndarray:  # decoding wants [T, V] -> [T]
-                return np.array([sampler1(row) for row in np.atleast_2d(logits)], dtype=np.int64)
-
+        check_sampling(temp, top_p, top_k, threshold, c)
+        procs = make_processors(c, self.eos_ids, self.think_id, self.think_end_id, self.thinking_at_start(ids))
+        sampler = make_sampler(temp, top_p, top_k, seed)
         self.backend.extra_passes = 0
         self.backend.prefill_seconds = 0.0
         self.backend.keep_backup = mode == "draft-self"
@@ -299,22 +373,23 @@ class CloverRuntime:
         pending = b""
         for chunk in decoding.generate(self.backend, ids, mode=mode, max_new_tokens=max_new_tokens,
                                        block_size=block_size, threshold=self.threshold if threshold is None else threshold,
-                                       accept=accept, sampler=sampler, logits_processors=procs):
+                                       accept=accept, sampler=sampler, logits_processors=procs, stats=stats):
             now = time.perf_counter()
             if chunk.tokens and stats.time_to_first_token_s is None:
                 stats.time_to_first_token_s = now - t0
-            _fill_stats(stats, chunk.stats, now - t0, self.backend.extra_passes, self.backend.prefill_seconds)
+            _time_stats(stats, now - t0, self.backend.extra_passes, self.backend.prefill_seconds)
             pending += b"".join(self.ctx.token_to_piece(t, special=True) for t in chunk.tokens)
             text, pending = _utf8_prefix(pending)
             yield text, stats
         if pending:
             yield pending.decode("utf-8", "replace"), stats
 
-    def generate(self, messages: Sequence[dict[str, str]] | str, **kw) -> Answer:
+    def generate(self, messages: Sequence[dict[str, str]] | str, think: bool = True, **kw) -> Answer:
+        ids = self.prompt_ids(messages, think=think)
         raw, stats = "", None
-        for text, stats in self.stream(messages, **kw):
+        for text, stats in self.stream_ids(ids, **kw):
             raw += text
-        thinking, text = split_thinking(raw)
+        thinking, text = split_thinking(raw, self.thinking_at_start(ids))
         return Answer(text=text, thinking=thinking, stats=stats, raw=raw)
 
     def close(self) -> None:
@@ -327,17 +402,44 @@ class CloverRuntime:
         self.close()
 
 
-def _fill_stats(stats: RunStats, g: decoding.GenerationStats, seconds: float, extra: int, prompt_s: float) -> None:
-    stats.generated_tokens = g.generated_tokens
-    stats.forward_passes = g.forward_passes
-    stats.tokens_per_pass = round(g.tokens_per_pass, 4)
-    stats.acceptance_rate = None if g.acceptance_rate is None else round(g.acceptance_rate, 4)
-    stats.finish_reason = g.finish_reason
+def _check_utf8(text: str, what: str) -> None:
+    """Text that cannot be UTF-8 (a lone surrogate: undecodable bytes on the command line, a JSON \\ud800)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UserError(f"{what} is not valid UTF-8 text (character {e.start} cannot be encoded)") from None
+
+
+def check_sampling(temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, threshold: float | None = None,
+                   controls: Controls | None = None) -> None:
+    """Refuse sampling settings no decode can use: NaN, infinities, out-of-range values (CLI and server alike)."""
+    values = {"temperature": temp, "top_p": top_p, "top_k": top_k}
+    if threshold is not None:
+        values["threshold"] = threshold
+    if controls is not None:
+        values.update({k: getattr(controls, k) for k in Controls.control_names()})
+    for name, v in values.items():
+        if not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise UserError(f"{name} must be a finite number, not {v!r}")
+    if temp < 0:
+        raise UserError(f"temperature must be at least 0, not {temp}")
+    if not 0 < top_p <= 1:
+        raise UserError(f"top_p must be in (0, 1], not {top_p}")
+    if top_k < 0:
+        raise UserError(f"top_k must be at least 0, not {top_k}")
+    if threshold is not None and not 0 <= threshold <= 1:
+        raise UserError(f"threshold must be in [0, 1], not {threshold}")
+    if controls is not None and controls.repetition_penalty <= 0:
+        raise UserError(f"repetition_penalty must be above 0, not {controls.repetition_penalty}")
+
+
+def _time_stats(stats: RunStats, seconds: float, extra: int, prompt_s: float) -> None:
+    """The runtime's own figures; the counts are the decoder's (it counts into the same object)."""
     stats.seconds = round(seconds, 4)
-    stats.tokens_per_s = round(g.generated_tokens / seconds, 2) if seconds > 0 else 0.0
+    stats.tokens_per_s = round(stats.generated_tokens / seconds, 2) if seconds > 0 else 0.0
     stats.prompt_seconds = round(prompt_s, 4)
     decode_s = seconds - prompt_s
-    stats.decode_tokens_per_s = round(g.generated_tokens / decode_s, 2) if decode_s > 0 else 0.0
+    stats.decode_tokens_per_s = round(stats.generated_tokens / decode_s, 2) if decode_s > 0 else 0.0
     stats.peak_memory_mib = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     stats.rollback_passes = extra
 

@@ -16,145 +16,34 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import errno
+import functools
 import hmac
 import ipaddress
 import json
 import logging
 import os
+import socket
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Literal, Sequence, Union
+from typing import Any, AsyncIterator, Callable, Literal, Union
 
+from clover_gguf.decoding import ACCEPT_MODES, MODES
 from clover_gguf.errors import UserError
+from clover_gguf.thinking import ThinkSplitter
+
+try:  # the serve extra; FastAPI injects the request into parameters annotated with this type
+    from starlette.requests import Request
+except ImportError:  # importing this module needs no extra; create_app and serve say what is missing
+    Request = Any
 
 log = logging.getLogger("clover_gguf.server")
 
-MODES = ("ar", "diffusion", "draft-self")
-OPEN_TAG, CLOSE_TAG = "<think>", "</think>"
 MAX_STOP = 16
 POLL_S = 0.25  # how often a waiting request checks whether its client is still there
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Streamed text -> reasoning / content deltas, stop strings
-# ---------------------------------------------------------------------------------------------------------------
-class _Trim:
-    """Streams text with the leading and trailing whitespace of the whole removed (like str.strip on the join)."""
-
-    def __init__(self, enabled: bool = True):
-        self.enabled = enabled
-        self.started = not enabled
-        self.pending = ""
-
-    def feed(self, s: str) -> str:
-        if not self.enabled:
-            return s
-        if not self.started:
-            s = s.lstrip()
-            if not s:
-                return ""
-            self.started = True
-        s = self.pending + s
-        kept = s.rstrip()
-        self.pending = s[len(kept):]
-        return kept
-
-
-def _partial_suffix(text: str, needles: Sequence[str]) -> int:
-    """Length of the longest end of `text` that is the beginning (not the whole) of one of `needles`."""
-    best = 0
-    for n in needles:
-        for k in range(min(len(n) - 1, len(text)), best, -1):
-            if text.endswith(n[:k]):
-                best = k
-                break
-    return best
-
-
-class OutputParser:
-    """Turns streamed raw model text into (reasoning delta, content delta) pairs.
-
-    reasoning=True (chat): text inside <think>...</think> goes to reasoning, the rest to content, tags removed,
-    each channel stripped of leading/trailing whitespace; `thinking` says whether the prompt left a <think> open.
-    Stop strings are matched in the content only and cut it (the stop string itself is not returned).
-    reasoning=False (completions): the raw text as it comes, stop strings matched in it.
-    Text that could be the start of a tag or a stop string is held back until it is decided."""
-
-    def __init__(self, reasoning: bool = True, thinking: bool = False, stop: Sequence[str] = ()):
-        self.reasoning = reasoning
-        self.inside = reasoning and thinking
-        self.stop = [s for s in stop if s]
-        self.stopped = False
-        self.matched: str | None = None
-        self._buf = ""  # raw text held back as a possible partial tag
-        self._held = ""  # content held back as a possible partial stop string
-        self._trim_r, self._trim_c = _Trim(reasoning), _Trim(reasoning)
-        self._out_r: list[str] = []
-        self._out_c: list[str] = []
-
-    def feed(self, text: str) -> tuple[str, str]:
-        if not self.stopped:
-            if not self.reasoning:
-                self._content(text)
-            else:
-                self._buf += text
-                self._split(final=False)
-        return self._take()
-
-    def close(self) -> tuple[str, str]:
-        """End of the answer: release everything held back (partial tags are plain text after all)."""
-        if not self.stopped:
-            if self.reasoning:
-                self._split(final=True)
-            if not self.stopped and self._held:
-                self._out_c.append(self._trim_c.feed(self._held))
-                self._held = ""
-        return self._take()
-
-    def _take(self) -> tuple[str, str]:
-        r, c = "".join(self._out_r), "".join(self._out_c)
-        self._out_r.clear()
-        self._out_c.clear()
-        return r, c
-
-    def _split(self, final: bool) -> None:
-        while self._buf and not self.stopped:
-            hits = [(i, t) for t in (OPEN_TAG, CLOSE_TAG) if (i := self._buf.find(t)) >= 0]
-            if not hits:
-                keep = 0 if final else _partial_suffix(self._buf, (OPEN_TAG, CLOSE_TAG))
-                self._route(self._buf[:len(self._buf) - keep])
-                self._buf = self._buf[len(self._buf) - keep:]
-                return
-            i, tag = min(hits)
-            self._route(self._buf[:i])
-            self.inside = tag == OPEN_TAG
-            self._buf = self._buf[i + len(tag):]
-
-    def _route(self, s: str) -> None:
-        if not s:
-            return
-        if self.inside:
-            self._out_r.append(self._trim_r.feed(s))
-        else:
-            self._content(s)
-
-    def _content(self, s: str) -> None:
-        if not self.stop:
-            self._out_c.append(self._trim_c.feed(s))
-            return
-        self._held += s
-        hits = [(i, st) for st in self.stop if (i := self._held.find(st)) >= 0]
-        if hits:
-            i, st = min(hits)
-            self._out_c.append(self._trim_c.feed(self._held[:i]))
-            self._held, self.stopped, self.matched = "", True, st
-            return
-        keep = _partial_suffix(self._held, self.stop)
-        self._out_c.append(self._trim_c.feed(self._held[:len(self._held) - keep]))
-        self._held = self._held[len(self._held) - keep:]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -221,13 +110,9 @@ def _run_job(rt: Any, job: Job, plan: Plan) -> None:
 
 def _decode(rt: Any, job: Job, plan: Plan) -> None:
     if plan.messages is not None:
-        try:
-            prompt = rt.render(plan.messages, think=plan.think)
-        except Exception as e:  # the template refused the conversation (jinja raise_exception, bad roles)
-            raise UserError(f"the chat template cannot render these messages: {e}") from None
+        ids = rt.prompt_ids(plan.messages, think=plan.think)
     else:
-        prompt = plan.prompt or ""
-    ids = rt.ctx.tokenize(prompt, special=True)
+        ids = rt.raw_prompt_ids(plan.prompt or "")
     if not ids:
         raise UserError("the prompt is empty")
     block_size = int(plan.block_size or rt.block_size)
@@ -237,14 +122,12 @@ def _decode(rt: Any, job: Job, plan: Plan) -> None:
     rt.check_request(len(ids), max_new, plan.mode, block_size)
     job.emit("started", len(ids))
 
-    think_id, think_end_id = rt.think_id, rt.think_end_id
-    thinking = bool(think_id is not None and think_id in ids[-4:]
-                    and think_end_id not in ids[len(ids) - 1 - ids[::-1].index(think_id):])
-    parser = OutputParser(reasoning=plan.messages is not None, thinking=thinking, stop=plan.stop)
+    # chat: thinking and answer split by the one rule (clover_gguf.thinking); completions: the raw text
+    parser = ThinkSplitter(rt.thinking_at_start(ids), stop=plan.stop, tags=plan.messages is not None)
     controls = dataclasses.replace(rt.controls, **plan.controls) if plan.controls else None
-    gen = rt.stream([{"role": "user", "content": prompt}], raw_prompt=True, mode=plan.mode, max_new_tokens=max_new,
-                    block_size=block_size, threshold=plan.threshold, accept=plan.accept, temp=plan.temp,
-                    top_p=plan.top_p, top_k=plan.top_k, seed=plan.seed, controls=controls)
+    gen = rt.stream_ids(ids, mode=plan.mode, max_new_tokens=max_new, block_size=block_size, threshold=plan.threshold,
+                        accept=plan.accept, temp=plan.temp, top_p=plan.top_p, top_k=plan.top_k, seed=plan.seed,
+                        controls=controls)
     stats = None
     finish = "cancelled"
     try:
@@ -264,7 +147,7 @@ def _decode(rt: Any, job: Job, plan: Plan) -> None:
                 job.emit("delta", r, c)
     finally:
         gen.close()
-    st = asdict(stats) if stats is not None else {"mode": plan.mode, "prompt_tokens": len(ids),
+    st = stats.to_json() if stats is not None else {"mode": plan.mode, "prompt_tokens": len(ids),
                                                    "generated_tokens": 0}
     if parser.matched is not None:
         st["stop_string"] = parser.matched
@@ -343,8 +226,9 @@ class Pool:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The HTTP API
+# The HTTP API: request models, errors, the request flow, the routes; create_app only puts them together
 # ---------------------------------------------------------------------------------------------------------------
+@functools.cache
 def _models():
     """Pydantic request models (built lazily so importing this module does not need the serve extra)."""
     from pydantic import BaseModel, ConfigDict, Field
@@ -364,9 +248,10 @@ def _models():
         include_usage: bool = False
 
     class Common(BaseModel):
-        """Fields both endpoints take; unknown fields are ignored. `mode` ... `threshold` are Clover extras."""
+        """Fields both endpoints take; unknown fields are ignored. `mode` ... `threshold` are Clover extras.
+        NaN and infinities are refused (Python's JSON reader accepts them)."""
 
-        model_config = ConfigDict(extra="ignore")
+        model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
         model: str | None = None
         stream: bool = False
         stream_options: StreamOptions | None = None
@@ -381,10 +266,10 @@ def _models():
         presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
         frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
         repetition_penalty: float | None = Field(None, gt=0.0)
-        mode: Literal["ar", "diffusion", "draft-self"] | None = None
+        mode: Literal[MODES] | None = None
         block_size: int | None = Field(None, ge=1, le=256)
         threshold: float | None = Field(None, ge=0.0, le=1.0)
-        accept: Literal["exact", "threshold"] | None = None
+        accept: Literal[ACCEPT_MODES] | None = None
 
     class ChatRequest(Common):
         messages: list[Message] = Field(..., min_length=1)
@@ -399,6 +284,21 @@ def _models():
         suffix: str | None = None
 
     return ChatRequest, CompletionRequest
+
+
+@dataclass
+class ServerState:
+    """What the routes share: the slot pool and the settings the server was started with."""
+
+    pool: Pool
+    name: str  # the model id the API reports
+    default_mode: str
+    created: int
+    first: Any  # one runtime, for /v1/models' metadata
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.clover
 
 
 class APIError(Exception):
@@ -421,25 +321,296 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def create_app(model: str | Path | Callable[[], Any], mode: str = "draft-self", api_key: str | None = None,
-               parallel: int = 1, ctx: int | None = None, model_id: str | None = None,
-               runtime_kwargs: dict[str, Any] | None = None):
-    """-> a FastAPI (ASGI) app serving `model`: a GGUF path, or a factory returning a CloverRuntime-like object
-    (called `parallel` times). The runtimes are loaded here, so a bad model fails before any socket is opened.
-    runtime_kwargs go to CloverRuntime (rollback, exact, n_threads, n_gpu_layers, ...)."""
-    from fastapi import Depends, FastAPI, Request
-    from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, StreamingResponse
+# ---- errors in OpenAI's shape --------------------------------------------------------------------------------
+async def _on_api_error(request: Request, exc: APIError) -> Any:
+    from starlette.responses import JSONResponse
+
+    headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+    return JSONResponse(_error_body(exc.message, exc.type, exc.param, exc.code), status_code=exc.status,
+                        headers=headers)
+
+
+async def _on_invalid_request(request: Request, exc: Any) -> Any:
+    """pydantic's validation errors: a body that is not a JSON object is a 400, fields that fail are a 422."""
+    from starlette.responses import JSONResponse
+
+    errors = exc.errors()
+    bad_json = [e for e in errors if e.get("type") == "json_invalid"
+                or (tuple(e.get("loc", ())) == ("body",) and e.get("type") in ("model_attributes_type", "missing"))]
+    if bad_json:
+        e = bad_json[0]
+        why = (e.get("ctx") or {}).get("error") or e.get("msg", "")
+        return JSONResponse(_error_body(f"the body must be a JSON object: {why}", "invalid_request_error"),
+                            status_code=400)
+    parts = []
+    for e in errors:
+        loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+        parts.append(f"{loc or 'body'}: {e.get('msg')}")
+    first_param = ".".join(str(x) for x in errors[0].get("loc", ()) if x != "body") if errors else None
+    body = _error_body("invalid request: " + "; ".join(parts), "invalid_request_error", first_param or None)
+    body["detail"] = [{k: v for k, v in e.items() if k in ("loc", "msg", "type")} for e in errors]
+    return JSONResponse(body, status_code=422)
+
+
+async def _on_http_error(request: Request, exc: Any) -> Any:
+    """Starlette's own errors (404 unknown path, 405 wrong method, 400 a body that is not UTF-8 JSON), in OpenAI's
+    shape."""
+    from starlette.responses import JSONResponse
+
+    if exc.status_code == 404:
+        message, code = f"no such endpoint: {request.method} {request.url.path}", "not_found"
+    elif exc.status_code == 405:
+        message, code = f"{request.method} is not allowed on {request.url.path}", "method_not_allowed"
+    elif exc.status_code == 400:
+        message, code = "the body must be a JSON object in UTF-8", None
+    else:
+        message, code = str(exc.detail), None
+    return JSONResponse(_error_body(message, "invalid_request_error", code=code), status_code=exc.status_code,
+                        headers=getattr(exc, "headers", None))
+
+
+class RequireKey:
+    """ASGI middleware: with an API key set, every path but /health (the API, /openapi.json) needs it. It runs
+    before routing and before the body is read, so a request without the key learns nothing else (401 first)."""
+
+    OPEN = frozenset({"/health"})
+
+    def __init__(self, app: Any, api_key: str):
+        self.app, self.key = app, api_key.encode("utf-8", "replace")
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] not in self.OPEN:
+            from starlette.datastructures import Headers
+            from starlette.responses import JSONResponse
+
+            headers = Headers(scope=scope)
+            given = headers.get("authorization", "")
+            token = given[7:].strip() if given[:7].lower() == "bearer " else headers.get("x-api-key", "")
+            if not hmac.compare_digest(token.encode("utf-8", "replace"), self.key):
+                body = _error_body("missing or wrong API key (send Authorization: Bearer KEY)",
+                                   "authentication_error", code="invalid_api_key")
+                await JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+# ---- one request, from its fields to its response ------------------------------------------------------------
+class Watch:
+    """Awaits things for one request, giving up (ClientGone) once its client has disconnected; checks at least
+    every POLL_S, also while events keep arriving. A result that arrives after giving up goes to `orphan`
+    (so an acquired slot is handed back, never lost)."""
+
+    def __init__(self, request: Request):
+        self.request = request
+        self.checked = time.monotonic()
+
+    async def gone(self) -> bool:
+        self.checked = time.monotonic()
+        return await self.request.is_disconnected()
+
+    async def __call__(self, aw, orphan: Callable[[Any], None] | None = None) -> Any:
+        task = asyncio.ensure_future(aw)
+        try:
+            while True:
+                left = max(0.0, POLL_S - (time.monotonic() - self.checked))
+                done, _ = await asyncio.wait({task}, timeout=left)
+                if time.monotonic() - self.checked >= POLL_S and await self.gone():
+                    raise ClientGone()
+                if done:
+                    return task.result()
+        except BaseException:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+            if orphan is not None and task.done() and not task.cancelled() and task.exception() is None:
+                orphan(task.result())
+            raise
+
+
+def plan_from(req: Any, chat: bool, default_mode: str) -> Plan:
+    """A validated request model -> the Plan a worker runs; APIError for what the server does not support."""
+    if req.n != 1:
+        raise APIError(400, "only n=1 is supported", param="n")
+    if req.logprobs:
+        raise APIError(400, "logprobs are not supported", param="logprobs")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stop) > MAX_STOP:
+        raise APIError(400, f"at most {MAX_STOP} stop strings", param="stop")
+    controls = {k: v for k, v in (("presence_penalty", req.presence_penalty),
+                                  ("frequency_penalty", req.frequency_penalty),
+                                  ("repetition_penalty", req.repetition_penalty)) if v is not None}
+    p = Plan(mode=req.mode or default_mode, block_size=req.block_size, threshold=req.threshold,
+             accept=req.accept or "exact", temp=req.temperature or 0.0,
+             top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, seed=req.seed, stop=stop,
+             controls=controls, max_tokens=req.max_tokens)
+    if chat:
+        msgs = []
+        for i, m in enumerate(req.messages):
+            if isinstance(m.content, list):
+                if any(part.type != "text" for part in m.content):
+                    raise APIError(400, "only text content parts are supported", param=f"messages.{i}.content")
+                text = "".join(part.text or "" for part in m.content)
+            else:
+                text = m.content or ""
+            msgs.append({"role": m.role, "content": text})
+        p.messages = msgs
+        if req.max_completion_tokens is not None:
+            p.max_tokens = req.max_completion_tokens
+        think = True
+        if req.reasoning_effort is not None and req.reasoning_effort.lower() == "none":
+            think = False
+        kw = req.chat_template_kwargs or {}
+        if "enable_thinking" in kw:
+            think = bool(kw["enable_thinking"])
+        if req.think is not None:
+            think = req.think
+        p.think = think
+    else:
+        if req.echo:
+            raise APIError(400, "echo is not supported", param="echo")
+        if req.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+        if len(prompts) != 1:
+            raise APIError(400, "give exactly one prompt", param="prompt")
+        p.prompt = prompts[0]
+    return p
+
+
+async def _start(pool: Pool, watch: Watch, plan: Plan) -> tuple[Job, int]:
+    """Wait for a slot, start the decode, wait until the request passed its checks -> (job, prompt tokens).
+    Raises APIError for a refused request, ClientGone if the client left while waiting."""
+    rt = await watch(pool.acquire(), orphan=pool.release)
+    job = pool.start(rt, plan)
+    try:
+        ev = await watch(job.events.get())
+    except BaseException:
+        job.cancel()
+        raise
+    if ev[0] == "error":
+        raise APIError(ev[1], ev[2], "invalid_request_error" if ev[1] < 500 else "server_error")
+    return job, ev[1]
+
+
+def _client_gone() -> Any:
+    from starlette.responses import JSONResponse
+
+    return JSONResponse(_error_body("client disconnected", "client_gone"), status_code=499)
+
+
+async def _respond(request: Request, req: Any, chat: bool) -> Any:
+    """Run one completion request: wait for a slot, decode, answer as one JSON body or as server-sent events."""
     from starlette.background import BackgroundTask
+    from starlette.responses import JSONResponse, StreamingResponse
 
-    ChatRequest, CompletionRequest = _models()
-    if mode not in MODES:
-        raise UserError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
-    if parallel < 1:
-        raise UserError("--parallel must be at least 1")
-    if ctx is not None and ctx < 16:
-        raise UserError("--ctx must be at least 16")
+    state = _state(request)
+    plan = plan_from(req, chat, state.default_mode)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    watch = Watch(request)
+    try:
+        job, _ = await _start(state.pool, watch, plan)
+    except ClientGone:
+        return _client_gone()
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+    now = int(time.time())
+    if req.stream:
+        agen = _sse(job, rid, now, state.name, chat, include_usage)
+        return StreamingResponse(agen, media_type="text/event-stream", background=BackgroundTask(job.cancel),
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    reasoning, content = [], []
+    try:
+        while True:
+            ev = await watch(job.events.get())
+            if ev[0] == "delta":
+                reasoning.append(ev[1])
+                content.append(ev[2])
+            elif ev[0] == "done":
+                break
+            else:
+                raise APIError(ev[1], ev[2], "server_error")
+    except ClientGone:
+        job.cancel()
+        return _client_gone()
+    except BaseException:
+        job.cancel()
+        raise
+    _, finish, stats, usage = ev
+    if chat:
+        msg = {"role": "assistant", "content": "".join(content), "reasoning_content": "".join(reasoning)}
+        choice = {"index": 0, "message": msg, "logprobs": None, "finish_reason": finish}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": "".join(content), "logprobs": None, "finish_reason": finish}
+        obj = "text_completion"
+    body = {"id": rid, "object": obj, "created": now, "model": state.name, "choices": [choice], "usage": usage,
+            "clover_stats": stats}
+    return JSONResponse(body, headers={"X-Clover-Stats": json.dumps(stats, separators=(",", ":"))})
 
+
+async def _sse(job: Job, rid: str, now: int, name: str, chat: bool, include_usage: bool) -> AsyncIterator[str]:
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(delta: dict | None, finish: str | None = None, **extra) -> str:
+        if chat:
+            choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None,
+                                                 "finish_reason": finish}]
+        else:
+            choices = [] if delta is None else [{"index": 0, "text": delta.get("content", ""), "logprobs": None,
+                                                 "finish_reason": finish}]
+        body = {"id": rid, "object": obj, "created": now, "model": name, "choices": choices, **extra}
+        return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+    try:
+        if chat:
+            yield chunk({"role": "assistant", "content": ""})
+        while True:
+            ev = await job.events.get()
+            if ev[0] == "delta":
+                if ev[1] and chat:
+                    yield chunk({"reasoning_content": ev[1]})
+                if ev[2]:
+                    yield chunk({"content": ev[2]})
+            elif ev[0] == "done":
+                _, finish, stats, usage = ev
+                if include_usage:
+                    yield chunk({}, finish, clover_stats=stats)
+                    yield chunk(None, usage=usage)
+                else:
+                    yield chunk({}, finish, usage=usage, clover_stats=stats)
+                break
+            else:
+                err = _error_body(ev[2], "server_error" if ev[1] >= 500 else "invalid_request_error")
+                yield f"data: {json.dumps(err)}\n\n"
+                break
+        yield "data: [DONE]\n\n"
+    finally:
+        job.cancel()  # a no-op after "done"; on a disconnect the worker stops at its next chunk
+
+
+# ---- routes ----------------------------------------------------------------------------------------------------
+async def _health(request: Request) -> dict:
+    state = _state(request)
+    return {"status": "ok", "model": state.name, "slots_total": len(state.pool.runtimes),
+            "slots_idle": state.pool.idle, "requests_waiting": state.pool.waiting}
+
+
+async def _list_models(request: Request) -> dict:
+    state = _state(request)
+    first = state.first
+    meta = getattr(first, "meta", {}) or {}
+    return {"object": "list", "data": [{
+        "id": state.name, "object": "model", "created": state.created, "owned_by": "clover-gguf",
+        "meta": {"context_length": min(getattr(first, "context_length", 0) or 0, getattr(first, "n_ctx", 0) or 0),
+                 "block_mode": bool(getattr(first, "block_mode", False)), "default_mode": state.default_mode,
+                 "block_size": getattr(first, "block_size", None), "parallel": len(state.pool.runtimes),
+                 "architecture": meta.get("general.architecture")}}]}
+
+
+def load_runtimes(model: str | Path | Callable[[], Any], parallel: int, ctx: int | None, model_id: str | None,
+                  runtime_kwargs: dict[str, Any] | None) -> tuple[list[Any], str]:
+    """-> (`parallel` runtimes, the model id): from a GGUF path, or from a factory returning a CloverRuntime-like
+    object. All or nothing: a failure closes the ones already loaded."""
     if callable(model) and not isinstance(model, (str, Path)):
         factory = model
         name = model_id or "clover"
@@ -463,260 +634,59 @@ def create_app(model: str | Path | Callable[[], Any], mode: str = "draft-self", 
         for rt in runtimes:
             rt.close()
         raise
-    first = runtimes[0]
-    if mode != "ar" and not getattr(first, "block_mode", True):
+    return runtimes, name
+
+
+def create_app(model: str | Path | Callable[[], Any], mode: str = "draft-self", api_key: str | None = None,
+               parallel: int = 1, ctx: int | None = None, model_id: str | None = None,
+               runtime_kwargs: dict[str, Any] | None = None):
+    """-> a FastAPI (ASGI) app serving `model`: a GGUF path, or a factory returning a CloverRuntime-like object
+    (called `parallel` times). The runtimes are loaded here, so a bad model fails before any socket is opened.
+    runtime_kwargs go to CloverRuntime (rollback, exact, n_threads, offload, ...)."""
+    from fastapi import FastAPI
+    from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException
+
+    ChatRequest, CompletionRequest = _models()
+    if mode not in MODES:
+        raise UserError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
+    if parallel < 1:
+        raise UserError("--parallel must be at least 1")
+    if ctx is not None and ctx < 16:
+        raise UserError("--ctx must be at least 16")
+    runtimes, name = load_runtimes(model, parallel, ctx, model_id, runtime_kwargs)
+    if mode != "ar" and not getattr(runtimes[0], "block_mode", True):
         for rt in runtimes:
             rt.close()
         raise UserError(f"the model has no Clover block-mode tensors, so --mode {mode} cannot run: use --mode ar")
     pool = Pool(runtimes)
-    created = int(time.time())
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
         pool.close()
 
-    app = FastAPI(title="clover-gguf", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="clover-gguf", lifespan=lifespan, docs_url=None, redoc_url=None)  # /openapi.json: keyed
+    app.state.clover = ServerState(pool=pool, name=name, default_mode=mode, created=int(time.time()),
+                                   first=runtimes[0])
     app.state.pool = pool
-    app.state.model_id = name
-    app.state.default_mode = mode
+    app.add_exception_handler(APIError, _on_api_error)
+    app.add_exception_handler(RequestValidationError, _on_invalid_request)
+    app.add_exception_handler(HTTPException, _on_http_error)
+    if api_key is not None:
+        app.add_middleware(RequireKey, api_key=api_key)
+    app.add_api_route("/health", _health, methods=["GET"])
+    app.add_api_route("/v1/models", _list_models, methods=["GET"])
 
-    # ---- errors in OpenAI's shape ------------------------------------------------------------------------
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError):
-        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
-        return JSONResponse(_error_body(exc.message, exc.type, exc.param, exc.code), status_code=exc.status,
-                            headers=headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError):
-        errors = exc.errors()
-        bad_json = [e for e in errors if e.get("type") == "json_invalid"
-                    or (tuple(e.get("loc", ())) == ("body",) and e.get("type") in ("model_attributes_type", "missing"))]
-        if bad_json:  # not a JSON object at all: 400; fields that fail validation: 422
-            e = bad_json[0]
-            why = (e.get("ctx") or {}).get("error") or e.get("msg", "")
-            return JSONResponse(_error_body(f"the body must be a JSON object: {why}", "invalid_request_error"),
-                                status_code=400)
-        parts = []
-        for e in errors:
-            loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
-            parts.append(f"{loc or 'body'}: {e.get('msg')}")
-        first_param = ".".join(str(x) for x in errors[0].get("loc", ()) if x != "body") if errors else None
-        body = _error_body("invalid request: " + "; ".join(parts), "invalid_request_error", first_param or None)
-        body["detail"] = [{k: v for k, v in e.items() if k in ("loc", "msg", "type")} for e in errors]
-        return JSONResponse(body, status_code=422)
-
-    async def auth(request: Request) -> None:
-        if api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        token = given[7:].strip() if given[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
-        if not hmac.compare_digest(token.encode(), api_key.encode()):
-            raise APIError(401, "missing or wrong API key (send Authorization: Bearer KEY)", "authentication_error",
-                           code="invalid_api_key")
-
-    # ---- helpers ---------------------------------------------------------------------------------------------
-    class Watch:
-        """Awaits things for one request, giving up (ClientGone) once its client has disconnected; checks at least
-        every POLL_S, also while events keep arriving. A result that arrives after giving up goes to `orphan`
-        (so an acquired slot is handed back, never lost)."""
-
-        def __init__(self, request: Request):
-            self.request = request
-            self.checked = time.monotonic()
-
-        async def gone(self) -> bool:
-            self.checked = time.monotonic()
-            return await self.request.is_disconnected()
-
-        async def __call__(self, aw, orphan: Callable[[Any], None] | None = None) -> Any:
-            task = asyncio.ensure_future(aw)
-            try:
-                while True:
-                    left = max(0.0, POLL_S - (time.monotonic() - self.checked))
-                    done, _ = await asyncio.wait({task}, timeout=left)
-                    if time.monotonic() - self.checked >= POLL_S and await self.gone():
-                        raise ClientGone()
-                    if done:
-                        return task.result()
-            except BaseException:
-                if not task.done():
-                    task.cancel()
-                    with contextlib.suppress(BaseException):
-                        await task
-                if orphan is not None and task.done() and not task.cancelled() and task.exception() is None:
-                    orphan(task.result())
-                raise
-
-    def plan_from(req, chat: bool) -> Plan:
-        if req.n != 1:
-            raise APIError(400, "only n=1 is supported", param="n")
-        if req.logprobs:
-            raise APIError(400, "logprobs are not supported", param="logprobs")
-        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        if len(stop) > MAX_STOP:
-            raise APIError(400, f"at most {MAX_STOP} stop strings", param="stop")
-        controls = {k: v for k, v in (("presence_penalty", req.presence_penalty),
-                                      ("frequency_penalty", req.frequency_penalty),
-                                      ("repetition_penalty", req.repetition_penalty)) if v is not None}
-        p = Plan(mode=req.mode or mode, block_size=req.block_size, threshold=req.threshold,
-                 accept=req.accept or "exact", temp=req.temperature or 0.0,
-                 top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, seed=req.seed, stop=stop,
-                 controls=controls, max_tokens=req.max_tokens)
-        if chat:
-            msgs = []
-            for i, m in enumerate(req.messages):
-                if isinstance(m.content, list):
-                    if any(part.type != "text" for part in m.content):
-                        raise APIError(400, "only text content parts are supported", param=f"messages.{i}.content")
-                    text = "".join(part.text or "" for part in m.content)
-                else:
-                    text = m.content or ""
-                msgs.append({"role": m.role, "content": text})
-            p.messages = msgs
-            if req.max_completion_tokens is not None:
-                p.max_tokens = req.max_completion_tokens
-            think = True
-            if req.reasoning_effort is not None and req.reasoning_effort.lower() == "none":
-                think = False
-            kw = req.chat_template_kwargs or {}
-            if "enable_thinking" in kw:
-                think = bool(kw["enable_thinking"])
-            if req.think is not None:
-                think = req.think
-            p.think = think
-        else:
-            if req.echo:
-                raise APIError(400, "echo is not supported", param="echo")
-            if req.suffix:
-                raise APIError(400, "suffix is not supported", param="suffix")
-            prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
-            if len(prompts) != 1:
-                raise APIError(400, "give exactly one prompt", param="prompt")
-            p.prompt = prompts[0]
-        return p
-
-    async def start(watch: Watch, plan: Plan) -> tuple[Job, int]:
-        """Wait for a slot, start the decode, wait until the request passed its checks -> (job, prompt tokens).
-        Raises APIError for a refused request, ClientGone if the client left while waiting."""
-        rt = await watch(pool.acquire(), orphan=pool.release)
-        job = pool.start(rt, plan)
-        try:
-            ev = await watch(job.events.get())
-        except BaseException:
-            job.cancel()
-            raise
-        if ev[0] == "error":
-            raise APIError(ev[1], ev[2], "invalid_request_error" if ev[1] < 500 else "server_error")
-        return job, ev[1]
-
-    async def run(request: Request, plan: Plan, chat: bool, stream: bool, include_usage: bool):
-        watch = Watch(request)
-        try:
-            job, _ = await start(watch, plan)
-        except ClientGone:
-            return JSONResponse(_error_body("client disconnected", "client_gone"), status_code=499)
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        now = int(time.time())
-        if stream:
-            agen = _sse(job, rid, now, chat, include_usage)
-            return StreamingResponse(agen, media_type="text/event-stream", background=BackgroundTask(job.cancel),
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        reasoning, content = [], []
-        try:
-            while True:
-                ev = await watch(job.events.get())
-                if ev[0] == "delta":
-                    reasoning.append(ev[1])
-                    content.append(ev[2])
-                elif ev[0] == "done":
-                    break
-                else:
-                    raise APIError(ev[1], ev[2], "server_error")
-        except ClientGone:
-            job.cancel()
-            return JSONResponse(_error_body("client disconnected", "client_gone"), status_code=499)
-        except BaseException:
-            job.cancel()
-            raise
-        _, finish, stats, usage = ev
-        if chat:
-            msg = {"role": "assistant", "content": "".join(content), "reasoning_content": "".join(reasoning)}
-            choice = {"index": 0, "message": msg, "logprobs": None, "finish_reason": finish}
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": "".join(content), "logprobs": None, "finish_reason": finish}
-            obj = "text_completion"
-        body = {"id": rid, "object": obj, "created": now, "model": name, "choices": [choice], "usage": usage,
-                "clover_stats": stats}
-        return JSONResponse(body, headers={"X-Clover-Stats": json.dumps(stats, separators=(",", ":"))})
-
-    async def _sse(job: Job, rid: str, now: int, chat: bool, include_usage: bool) -> AsyncIterator[str]:
-        obj = "chat.completion.chunk" if chat else "text_completion"
-
-        def chunk(delta: dict | None, finish: str | None = None, **extra) -> str:
-            if chat:
-                choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None,
-                                                     "finish_reason": finish}]
-            else:
-                choices = [] if delta is None else [{"index": 0, "text": delta.get("content", ""), "logprobs": None,
-                                                     "finish_reason": finish}]
-            body = {"id": rid, "object": obj, "created": now, "model": name, "choices": choices, **extra}
-            return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-        try:
-            if chat:
-                yield chunk({"role": "assistant", "content": ""})
-            while True:
-                ev = await job.events.get()
-                if ev[0] == "delta":
-                    if ev[1] and chat:
-                        yield chunk({"reasoning_content": ev[1]})
-                    if ev[2]:
-                        yield chunk({"content": ev[2]})
-                elif ev[0] == "done":
-                    _, finish, stats, usage = ev
-                    if include_usage:
-                        yield chunk({}, finish, clover_stats=stats)
-                        yield chunk(None, usage=usage)
-                    else:
-                        yield chunk({}, finish, usage=usage, clover_stats=stats)
-                    break
-                else:
-                    err = _error_body(ev[2], "server_error" if ev[1] >= 500 else "invalid_request_error")
-                    yield f"data: {json.dumps(err)}\n\n"
-                    break
-            yield "data: [DONE]\n\n"
-        finally:
-            job.cancel()  # a no-op after "done"; on a disconnect the worker stops at its next chunk
-
-    # ---- routes ----------------------------------------------------------------------------------------------
-    @app.get("/health")
-    async def health():
-        return {"status": "ok", "model": name, "slots_total": len(pool.runtimes), "slots_idle": pool.idle,
-                "requests_waiting": pool.waiting}
-
-    @app.get("/v1/models", dependencies=[Depends(auth)])
-    async def models():
-        meta = getattr(first, "meta", {}) or {}
-        return {"object": "list", "data": [{
-            "id": name, "object": "model", "created": created, "owned_by": "clover-gguf",
-            "meta": {"context_length": min(getattr(first, "context_length", 0) or 0, getattr(first, "n_ctx", 0) or 0),
-                     "block_mode": bool(getattr(first, "block_mode", False)), "default_mode": mode,
-                     "block_size": getattr(first, "block_size", None), "parallel": len(pool.runtimes),
-                     "architecture": meta.get("general.architecture")}}]}
-
-    @app.post("/v1/chat/completions", dependencies=[Depends(auth)])
+    # FastAPI reads the body's type from the signature, so these two stay here, where the request models are
     async def chat_completions(req: ChatRequest, request: Request):
-        return await run(request, plan_from(req, chat=True), chat=True, stream=req.stream,
-                         include_usage=bool(req.stream_options and req.stream_options.include_usage))
+        return await _respond(request, req, chat=True)
 
-    @app.post("/v1/completions", dependencies=[Depends(auth)])
     async def completions(req: CompletionRequest, request: Request):
-        return await run(request, plan_from(req, chat=False), chat=False, stream=req.stream,
-                         include_usage=bool(req.stream_options and req.stream_options.include_usage))
+        return await _respond(request, req, chat=False)
 
+    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.add_api_route("/v1/completions", completions, methods=["POST"])
     return app
 
 
@@ -733,6 +703,31 @@ def serve(model: str | Path, host: str = "127.0.0.1", port: int = 8080, mode: st
         raise UserError(f"port {port} is out of range")
     if not _is_loopback(host) and api_key is None:
         log.warning("serving on %s without --api-key: anyone who can reach this address can use the model", host)
-    app = create_app(model, mode=mode, api_key=api_key, parallel=parallel, ctx=ctx, model_id=model_id,
-                     runtime_kwargs=runtime_kwargs)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    sock = bind(host, port)  # before the model loads: a port in use is one line, not a minute later
+    try:
+        app = create_app(model, mode=mode, api_key=api_key, parallel=parallel, ctx=ctx, model_id=model_id,
+                         runtime_kwargs=runtime_kwargs)
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        sock.close()
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port (UserError, one line, when the address is taken or not ours)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host.strip("[]") or None, port,
+                                                             type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise UserError(f"cannot serve on host {host!r}: {e.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # not SO_REUSEPORT: a taken port stays taken
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        why = "is already in use" if e.errno == errno.EADDRINUSE else f"cannot be opened ({e.strerror})"
+        raise UserError(f"{host}:{port} {why}") from None
+    sock.set_inheritable(True)
+    return sock

@@ -1,75 +1,87 @@
-"""The tensor table of a Clover checkpoint: every HF tensor name with its shape (and the random init make_tiny uses).
+"""The tensor table of a Clover checkpoint: every HF tensor name with its shape (and the random init make_tiny uses),
+derived from tensor_map.TENSOR_RULES for a given config.
 
-Shared by the test-model generator (clover_gguf.testing.make_tiny) and the header-only skeleton that plans a
-quantization from a config.json alone (clover_gguf.skeleton).
+Shared by the test-model generator (clover_gguf.testing.make_tiny), the header-only skeleton that plans a
+quantization from a config.json alone (clover_gguf.skeleton), the converter's list of expected tensors and the
+reference model's parameter names.
 """
 
 from __future__ import annotations
 
 from clover_gguf.config import CloverConfig
+from clover_gguf.tensor_map import (EXPERT_INIT, FUSED, FUSED_KINDS, LAYER_SCOPES, MTP_LAYER, PER_EXPERT, ROUTER,
+                                    TENSOR_RULES, Init, expert_shape)
+
+Entry = tuple[str, tuple[int, ...], tuple]  # (HF name, shape, init)
 
 
-def layer_tensors(cfg: CloverConfig, prefix: str, full_attention: bool, experts: str, extras: bool):
-    """(name, shape, init) for one decoder layer. init: ('normal', std) | ('uniform', lo, hi) | ('log_uniform', lo, hi)."""
-    h, hd, nh, nkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-    hv, e, i, si = cfg.linear_num_value_heads, cfg.num_experts, cfg.moe_intermediate_size, \
-        cfg.shared_expert_intermediate_size
-    w = lambda fan_in: ("normal", fan_in ** -0.5)  # noqa: E731 - unit-variance activations
-    # residual-branch outputs at half scale: like trained models, each layer nudges the residual stream, which
-    # keeps float32 round-off from being amplified layer after layer
-    wo = lambda fan_in: ("normal", 0.5 * fan_in ** -0.5)  # noqa: E731
-    out = [(prefix + "input_layernorm.weight", (h,), ("normal", 0.1)),
-           (prefix + "post_attention_layernorm.weight", (h,), ("normal", 0.1))]
-    if full_attention:
-        a = prefix + "self_attn."
-        out += [(a + "q_proj.weight", (nh * hd * 2, h), w(h)), (a + "k_proj.weight", (nkv * hd, h), w(h)),
-                (a + "v_proj.weight", (nkv * hd, h), w(h)), (a + "o_proj.weight", (h, nh * hd), wo(nh * hd)),
-                (a + "q_norm.weight", (hd,), ("normal", 0.1)), (a + "k_norm.weight", (hd,), ("normal", 0.1))]
-    else:
-        g = prefix + "linear_attn."
-        out += [(g + "in_proj_qkv.weight", (cfg.conv_dim, h), w(h)), (g + "in_proj_z.weight", (cfg.value_dim, h), w(h)),
-                (g + "in_proj_b.weight", (hv, h), w(h)), (g + "in_proj_a.weight", (hv, h), w(h)),
-                (g + "conv1d.weight", (cfg.conv_dim, 1, cfg.linear_conv_kernel_dim), ("normal", 0.5)),
-                (g + "dt_bias", (hv,), ("normal", 0.5)), (g + "A_log", (hv,), ("log_uniform", 1.0, 16.0)),
-                (g + "norm.weight", (cfg.linear_value_head_dim,), ("uniform", 0.8, 1.2)),
-                (g + "out_proj.weight", (h, cfg.value_dim), wo(cfg.value_dim))]
-        if extras:
-            out += [(g + "conv1d_right.weight", (cfg.conv_dim, 1, cfg.right_kernel), ("normal", 0.3)),
-                    (g + "block_attn_log_scale", (hv,), ("uniform", 0.5, 2.0)),
-                    (g + "block_attn_gate", (hv,), ("normal", 1.0))]
-    m = prefix + "mlp."
-    out.append((m + "gate.weight", (e, h), ("normal", 2 * h ** -0.5)))
+def _init(spec: Init, shape: tuple[int, ...]) -> tuple:
+    """A table init spec as generate() takes it: ('fan_in', s) becomes a normal of std s / sqrt(last dim)."""
+    if spec[0] == "fan_in":
+        return ("normal", spec[1] * shape[-1] ** -0.5)
+    return spec
+
+
+def _in_layer(template: str) -> str:
+    """"model.layers.{i}.mlp.x" -> "mlp.x": the part of a layer tensor's name after the layer prefix."""
+    return template.split("{i}.", 1)[1]
+
+
+def _experts(cfg: CloverConfig, prefix: str, experts: str) -> list[Entry]:
+    out = []
     if experts == "fused":
-        out += [(m + "experts.gate_up_proj", (e, 2 * i, h), w(h)), (m + "experts.down_proj", (e, h, i), wo(i))]
-    else:
-        for x in range(e):
-            out += [(m + f"experts.{x}.gate_proj.weight", (i, h), w(h)), (m + f"experts.{x}.up_proj.weight", (i, h), w(h)),
-                    (m + f"experts.{x}.down_proj.weight", (h, i), wo(i))]
-    out += [(m + "shared_expert.gate_proj.weight", (si, h), w(h)), (m + "shared_expert.up_proj.weight", (si, h), w(h)),
-            (m + "shared_expert.down_proj.weight", (h, si), wo(si)), (m + "shared_expert_gate.weight", (1, h), w(h))]
+        for name, kinds in FUSED_KINDS.items():
+            e, rows, cols = expert_shape(cfg, kinds[0])
+            shape = (e, rows * len(kinds), cols)  # gate_up: gate rows, then up rows
+            out.append((prefix + _in_layer(FUSED).format(kind=name), shape, _init(EXPERT_INIT[kinds[0]], shape)))
+        return out
+    for x in range(cfg.num_experts):
+        for kind in EXPERT_INIT:
+            shape = expert_shape(cfg, kind)[1:]
+            out.append((prefix + _in_layer(PER_EXPERT).format(e=x, kind=kind), shape,
+                        _init(EXPERT_INIT[kind], shape)))
     return out
 
 
-def checkpoint_tensors(cfg: CloverConfig, experts: str = "per-expert", prefix: bool = False, mtp: bool = False,
-                       zero_extras: bool = False):
-    """The full (name, shape, init) table of a checkpoint, in a natural file order."""
+def layer_tensors(cfg: CloverConfig, prefix: str, full_attention: bool, experts: str, extras: bool) -> list[Entry]:
+    """(name, shape, init) for one decoder layer; its names start with `prefix` instead of `model.layers.{i}.`."""
+    scopes = {"layer", "attention" if full_attention else "gdn"}
+    out: list[Entry] = []
+    for rule in TENSOR_RULES:
+        if rule.scope not in scopes or (rule.clover_extra and not extras):
+            continue
+        shape = rule.hf_shape(cfg)
+        out.append((prefix + _in_layer(rule.hf), shape, _init(rule.init, shape)))
+        if rule.hf == ROUTER:
+            out += _experts(cfg, prefix, experts)
+    return out
+
+
+def checkpoint_tensors(cfg: CloverConfig, experts: str = "per-expert", prefix: bool = False, mtp: int = 0,
+                       zero_extras: bool = False) -> list[Entry]:
+    """The full (name, shape, init) table of a checkpoint in a natural file order, with `mtp` MTP layers
+    (True = 1). prefix: the ForConditionalGeneration layout (`model.language_model.`, plus a vision tensor)."""
     root = "model.language_model." if prefix else "model."
-    h = cfg.hidden_size
-    out = [(root + "embed_tokens.weight", (cfg.vocab_size, h), ("normal", 0.5))]  # tied logits stay O(10)
-    for layer in range(cfg.num_hidden_layers):
-        out += layer_tensors(cfg, f"{root}layers.{layer}.", cfg.is_full_attention(layer), experts, cfg.is_clover)
-    out.append((root + "norm.weight", (h,), ("normal", 0.1)))
-    if not cfg.tie_word_embeddings:
-        out.append(("lm_head.weight", (cfg.vocab_size, h), ("normal", h ** -0.5)))
-    if mtp:
-        mp = "mtp."
-        out += [(mp + "fc.weight", (h, 2 * h), ("normal", (2 * h) ** -0.5)),
-                (mp + "pre_fc_norm_embedding.weight", (h,), ("normal", 0.1)),
-                (mp + "pre_fc_norm_hidden.weight", (h,), ("normal", 0.1)), (mp + "norm.weight", (h,), ("normal", 0.1))]
-        out += layer_tensors(cfg, mp + "layers.0.", True, experts, False)
+    out: list[Entry] = []
+    layers_done = False
+    for rule in TENSOR_RULES:
+        if rule.scope in LAYER_SCOPES:
+            if not layers_done:
+                for layer in range(cfg.num_hidden_layers):
+                    out += layer_tensors(cfg, f"{root}layers.{layer}.", cfg.is_full_attention(layer), experts,
+                                         cfg.is_clover)
+                layers_done = True
+            continue
+        if rule.scope == "mtp" and not mtp or rule.gguf == "output.weight" and cfg.tie_word_embeddings:
+            continue
+        shape = rule.hf_shape(cfg)
+        name = root + rule.hf[len("model."):] if rule.hf.startswith("model.") else rule.hf
+        out.append((name, shape, _init(rule.init, shape)))
+    for j in range(int(mtp)):
+        out += layer_tensors(cfg, MTP_LAYER.format(j=j, rest=""), True, experts, False)
     if prefix:
         out.append(("model.visual.patch_embed.proj.weight", (16, 3, 2, 2), ("normal", 0.1)))
     if zero_extras:
-        out = [(n, s, ("zero",) if n.endswith(("conv1d_right.weight", "block_attn_log_scale", "block_attn_gate"))
-                else init) for n, s, init in out]
+        extras = tuple(_in_layer(rule.hf) for rule in TENSOR_RULES if rule.clover_extra)
+        out = [(n, s, ("zero",) if n.endswith(extras) else init) for n, s, init in out]
     return out

@@ -9,6 +9,7 @@ config (clover_gguf.shapes), so it names and shapes every tensor exactly as `clo
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -17,10 +18,13 @@ from gguf import GGUFWriter
 from clover_gguf.checkpoint import TensorRef
 from clover_gguf.config import CloverConfig, GenerationDefaults
 from clover_gguf.convert import ARCH, ConversionPlan, plan_conversion, write_metadata
+from clover_gguf.errors import UserError
 from clover_gguf.shapes import checkpoint_tensors
 from clover_gguf.vocab import Vocab
 
 VIRTUAL = Path("<virtual>")
+# The largest model a plan is made for: 16 TiB, ext4's largest file (the skeleton is a sparse file of that size).
+MAX_SKELETON_BYTES = 2**44
 
 
 class VirtualCheckpoint:
@@ -31,7 +35,7 @@ class VirtualCheckpoint:
         self.dropped: list[str] = []
         itemsize = {"BF16": 2, "F16": 2, "F32": 4}[dtype]
         for name, shape, _init in checkpoint_tensors(cfg, experts="fused", mtp=cfg.mtp_num_hidden_layers > 0):
-            n = int(np.prod(shape)) * itemsize
+            n = math.prod(shape) * itemsize
             self.tensors[name] = TensorRef(name, name, dtype, tuple(shape), VIRTUAL, 0, n)
 
     def names(self) -> list[str]:
@@ -52,9 +56,11 @@ def placeholder_vocab(n: int) -> Vocab:
 def write_skeleton(config: Path, out: Path, outtype: str = "bf16") -> ConversionPlan:
     cfg = CloverConfig.from_file(Path(config))
     plan = plan_conversion(VirtualCheckpoint(cfg), cfg, outtype)
-    n_blocks = max(int(t.name.split(".")[1]) for t in plan.tensors if t.name.startswith("blk.")) + 1
+    if plan.nbytes > MAX_SKELETON_BYTES:
+        raise UserError(f"{config} describes a model of {plan.nbytes / 2**40:.1f} TiB, more than the "
+                        f"{MAX_SKELETON_BYTES // 2**40} TiB a plan is made for: check its sizes")
     w = GGUFWriter(path=None, arch=ARCH)
-    write_metadata(w, cfg, placeholder_vocab(cfg.vocab_size), GenerationDefaults(), n_blocks, "skeleton")
+    write_metadata(w, cfg, placeholder_vocab(cfg.vocab_size), GenerationDefaults(), plan.n_blocks, "skeleton")
     from gguf import GGMLQuantizationType as QT
 
     storage = {QT.F32: np.float32, QT.F16: np.float16, QT.BF16: np.uint16}
@@ -70,6 +76,9 @@ def write_skeleton(config: Path, out: Path, outtype: str = "bf16") -> Conversion
     finally:
         w.close()
     header = Path(out).stat().st_size
-    with open(out, "r+b") as f:
-        f.truncate(GGUFWriter.ggml_pad(header, w.data_alignment) + data)  # a hole: no blocks allocated
+    try:
+        with open(out, "r+b") as f:
+            f.truncate(GGUFWriter.ggml_pad(header, w.data_alignment) + data)  # a hole: no blocks allocated
+    except OSError as e:
+        raise UserError(f"cannot make the header-only skeleton of {config}: {e.strerror}") from None
     return plan

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from gguf import TokenType
 
-from clover_gguf.config import CloverConfig
+from clover_gguf.config import CloverConfig, read_json
 from clover_gguf.errors import UserError
 
 
@@ -26,12 +26,82 @@ class Vocab:
         return len(self.tokens)
 
 
-def _token_id(added: dict[str, int], vocab: dict[str, int], token) -> int | None:
+def compile_chat_template(template: str) -> Any:
+    """The chat template compiled as the runtime renders it: a sandboxed Jinja environment, made here and nowhere
+    else. Raises jinja2.TemplateSyntaxError (or RecursionError) for a template that does not compile."""
+    import jinja2.sandbox
+
+    return jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=False, lstrip_blocks=False).from_string(template)
+
+
+def chat_template_error(template: str) -> str | None:
+    """Why `template` does not compile as the runtime compiles it, or None. Without jinja2 installed nothing can
+    be checked (and nothing rendered): None."""
+    try:
+        import jinja2
+    except ImportError:
+        return None
+    try:
+        compile_chat_template(template)
+    except jinja2.TemplateSyntaxError as e:
+        return f"{e.message} (line {e.lineno})"
+    except (RecursionError, MemoryError):
+        return "nested too deeply"
+    return None
+
+
+def _is_id(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _token_id(added: dict[str, int], vocab: dict[str, int], token: Any, where: str) -> int | None:
     if isinstance(token, dict):  # {"content": ...} in older tokenizer_config files
         token = token.get("content")
-    if not token:
+    if token is None or token == "":
         return None
+    if not isinstance(token, str):
+        raise UserError(f"{where} must be a token string, not {type(token).__name__}")
     return added.get(token, vocab.get(token))
+
+
+def _read_tokens(tj: Path, tok: Any, vocab_size: int) -> tuple[dict[str, int], dict[str, int], set[str], list[str]]:
+    """-> (vocab, added, special, merges) after checking every id is an integer in 0..vocab_size-1 and no id is
+    given to two tokens (the GGUF token list has one entry per id)."""
+    if not isinstance(tok, dict):
+        raise UserError(f"{tj} must be a JSON object, not {type(tok).__name__}")
+    model = tok.get("model")
+    if not isinstance(model, dict) or model.get("type") != "BPE":
+        kind = model.get("type") if isinstance(model, dict) else None
+        raise UserError(f"unsupported tokenizer model {kind!r} in {tj}: Clover uses byte-level BPE")
+    vocab = model.get("vocab")
+    if not isinstance(vocab, dict) or not vocab:
+        raise UserError(f"{tj}: model.vocab must be a non-empty object of token -> id")
+    added_list = tok.get("added_tokens") or []
+    if not isinstance(added_list, list) or not all(
+            isinstance(a, dict) and isinstance(a.get("content"), str) and "id" in a for a in added_list):
+        raise UserError(f"{tj}: added_tokens must be a list of {{\"content\": text, \"id\": n}} objects")
+    added = {a["content"]: a["id"] for a in added_list}
+    special = {a["content"] for a in added_list if a.get("special")}
+    owner: dict[int, str] = {}
+    for where, table in (("model.vocab", vocab), ("added_tokens", added)):
+        for text, i in table.items():
+            if not _is_id(i) or not 0 <= i < vocab_size:
+                raise UserError(f"{tj}: {where} gives token {text!r} id {i!r}; ids must be integers in "
+                                f"0..{vocab_size - 1} (config.json vocab_size {vocab_size})")
+            if where == "model.vocab" and i in owner:
+                raise UserError(f"{tj}: model.vocab gives id {i} to both {owner[i]!r} and {text!r}")
+            owner.setdefault(i, text)
+    raw_merges = model.get("merges") or []
+    if not isinstance(raw_merges, list):
+        raise UserError(f"{tj}: model.merges must be a list")
+    merges = []
+    for m in raw_merges:
+        if isinstance(m, list) and len(m) == 2 and all(isinstance(x, str) for x in m):
+            m = " ".join(m)
+        if not isinstance(m, str):
+            raise UserError(f"{tj}: model.merges holds {m!r}: each merge is \"a b\" or [\"a\", \"b\"]")
+        merges.append(m)
+    return vocab, added, special, merges
 
 
 def load_vocab(src: Path, cfg: CloverConfig) -> Vocab:
@@ -39,19 +109,7 @@ def load_vocab(src: Path, cfg: CloverConfig) -> Vocab:
     tj = src / "tokenizer.json"
     if not tj.is_file():
         raise UserError(f"missing tokenizer.json in {src}")
-    try:
-        tok = json.loads(tj.read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"{tj} is not valid JSON: {e.msg}") from None
-    model = tok.get("model") or {}
-    if model.get("type") != "BPE":
-        raise UserError(f"unsupported tokenizer model {model.get('type')!r}: Clover uses byte-level BPE")
-    vocab: dict[str, int] = model["vocab"]
-    added = {a["content"]: a["id"] for a in tok.get("added_tokens", [])}
-    special = {a["content"] for a in tok.get("added_tokens", []) if a.get("special")}
-    n = max([*vocab.values(), *added.values()]) + 1
-    if n > cfg.vocab_size:
-        raise UserError(f"the tokenizer has {n} tokens but config.json says vocab_size {cfg.vocab_size}")
+    vocab, added, special, merges = _read_tokens(tj, read_json(tj, "tokenizer.json"), cfg.vocab_size)
 
     # Rows past the tokenizer (embedding padding) get placeholder tokens, as llama.cpp expects one per row.
     tokens = [f"[PAD{i}]" for i in range(cfg.vocab_size)]
@@ -61,26 +119,36 @@ def load_vocab(src: Path, cfg: CloverConfig) -> Vocab:
     for text, i in added.items():
         tokens[i] = text
         types[i] = int(TokenType.CONTROL if text in special else TokenType.USER_DEFINED)
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
 
     tc_path = src / "tokenizer_config.json"
-    tc = json.loads(tc_path.read_text()) if tc_path.is_file() else {}
+    tc = read_json(tc_path, "tokenizer_config.json") if tc_path.is_file() else {}
+    if not isinstance(tc, dict):
+        raise UserError(f"{tc_path} must be a JSON object, not {type(tc).__name__}")
     ids: dict[str, int] = {}
     for role in ("eos", "pad", "bos"):
-        if (i := _token_id(added, vocab, tc.get(f"{role}_token"))) is not None:
+        if (i := _token_id(added, vocab, tc.get(f"{role}_token"), f"{tc_path.name}: {role}_token")) is not None:
             ids[role] = i
     if "eos" not in ids and cfg.eos_token_id is not None:
         eos = cfg.eos_token_id
         ids["eos"] = eos[0] if isinstance(eos, list) else eos
     if cfg.mask_token_id is not None:
         ids["mask"] = int(cfg.mask_token_id)
-    elif (i := _token_id(added, vocab, tc.get("mask_token"))) is not None:
+    elif (i := _token_id(added, vocab, tc.get("mask_token"), f"{tc_path.name}: mask_token")) is not None:
         ids["mask"] = i
 
-    template = None
+    template, where = None, None
     if (src / "chat_template.jinja").is_file():
-        template = (src / "chat_template.jinja").read_text()
+        where = src / "chat_template.jinja"
+        try:
+            template = where.read_bytes().decode("utf-8")
+        except UnicodeDecodeError:
+            raise UserError(f"{where} is not UTF-8 text") from None
     elif isinstance(tc.get("chat_template"), str):
-        template = tc["chat_template"]
-    return Vocab(tokens=tokens, token_types=types, merges=merges, special_ids=ids,
-                 add_bos=bool(tc.get("add_bos_token", False)), chat_template=template)
+        template, where = tc["chat_template"], tc_path
+    if template is not None and (why := chat_template_error(template)):
+        raise UserError(f"{where}: the chat template does not compile: {why}")
+    add_bos = tc.get("add_bos_token", False)
+    if add_bos is not None and not isinstance(add_bos, bool):
+        raise UserError(f"{tc_path.name}: add_bos_token must be true or false, not {add_bos!r}")
+    return Vocab(tokens=tokens, token_types=types, merges=merges, special_ids=ids, add_bos=bool(add_bos),
+                 chat_template=template)

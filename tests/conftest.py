@@ -6,7 +6,10 @@ from pathlib import Path
 
 import pytest
 
+import clover_gguf
 from clover_gguf.testing.make_tiny import make_tiny
+
+BUNDLED = Path(clover_gguf.__file__).parent / "assets" / "tiny-clover"
 
 
 @pytest.fixture(scope="session")
@@ -28,3 +31,21 @@ def make_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny(make_checkpoint) -> Path:
     return make_checkpoint(seed=1)
+
+
+@pytest.fixture(scope="session")
+def bundled_gguf(tmp_path_factory) -> Path:
+    """The bundled trained tiny Clover (clover_gguf/assets/tiny-clover) as an F32 GGUF, converted once."""
+    from clover_gguf.convert import convert
+
+    out = tmp_path_factory.mktemp("bundled") / "tiny-clover.gguf"
+    convert(BUNDLED, out, outtype="f32", quiet=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def bundled_eval() -> list[dict]:
+    """The bundled model's eval rows: {"prompt", "answer"}."""
+    import json
+
+    return [json.loads(x) for x in (BUNDLED / "eval.jsonl").read_text().splitlines() if x.strip()]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from clover_gguf.controls import Controls, apply, make_processors, make_sampler
+from clover_gguf.controls import Controls, make_processors, make_sampler, process
 
 V, EOS, ENDTEXT, THINK, THINK_END = 50, 40, 41, 42, 43
 
@@ -45,6 +45,11 @@ def card(generated, logits, c: Controls, thinking_at_start=False):
 
 def _procs(c, thinking_at_start=False):
     return make_processors(c, [EOS, ENDTEXT], THINK, THINK_END, thinking_at_start)
+
+
+def apply(procs, generated, logits):
+    """The processors on one row: a batch of one."""
+    return process(procs, [generated], logits[None])[0]
 
 
 @pytest.mark.parametrize("which", ["repetition", "frequency", "presence", "all_defaults"])
@@ -104,20 +109,31 @@ def test_controls_from_gguf_meta_and_overrides():
 
 
 def test_samplers():
-    logits = np.array([0.0, 3.0, 3.0, 1.0], dtype=np.float32)
-    assert make_sampler(0.0)(logits) == 1  # greedy, lowest index on ties
-    distinct = np.array([0.0, 3.0, 2.9, 1.0], dtype=np.float32)
-    assert {make_sampler(1.0, top_k=1, seed=s)(distinct) for s in range(10)} == {1}
-    assert {make_sampler(5.0, top_k=2, seed=s)(distinct) for s in range(40)} == {1, 2}
+    logits = np.array([[0.0, 3.0, 3.0, 1.0]], dtype=np.float32)
+    assert make_sampler(0.0)(logits).tolist() == [1]  # greedy, lowest index on ties
+    distinct = np.array([[0.0, 3.0, 2.9, 1.0]], dtype=np.float32)
+    assert {int(make_sampler(1.0, top_k=1, seed=s)(distinct)[0]) for s in range(10)} == {1}
+    assert {int(make_sampler(5.0, top_k=2, seed=s)(distinct)[0]) for s in range(40)} == {1, 2}
     a = make_sampler(0.8, seed=7)
     b = make_sampler(0.8, seed=7)
-    assert [a(logits) for _ in range(20)] == [b(logits) for _ in range(20)]  # seeded
-    top_p_draws = {make_sampler(1.0, top_p=0.5, seed=s)(np.array([5.0, 0.0, 0.0, 0.0])) for s in range(20)}
+    assert [a(logits).tolist() for _ in range(20)] == [b(logits).tolist() for _ in range(20)]  # seeded
+    top_p_draws = {int(make_sampler(1.0, top_p=0.5, seed=s)(np.array([[5.0, 0.0, 0.0, 0.0]]))[0]) for s in range(20)}
     assert top_p_draws == {0}
 
 
-def test_rows_form_equals_the_one_row_form():
-    """decoding applies a processor to a whole block through its `rows` method: bit for bit the one-row result."""
+def test_a_batch_samples_as_its_rows_one_by_one():
+    """T rows at once draw what T one-row calls draw from the same generator, for every filter."""
+    rng = np.random.default_rng(5)
+    rows = rng.normal(size=(9, V)) * 2
+    for kw in ({}, {"top_k": 5}, {"top_p": 0.6}, {"top_k": 7, "top_p": 0.8}):
+        batch = make_sampler(0.9, seed=11, **kw)(rows)
+        one = make_sampler(0.9, seed=11, **kw)
+        assert batch.tolist() == [int(one(r[None])[0]) for r in rows]
+        assert len(set(batch.tolist())) > 1  # it did sample
+
+
+def test_the_batched_form_equals_row_by_row():
+    """decoding applies a processor to a whole block at once: bit for bit what it gives each row alone."""
     from clover_gguf.controls import thinking_spans
 
     def span_loop(generated, at_start):  # token by token: where the open <think> span began, if one is open
@@ -138,8 +154,8 @@ def test_rows_form_equals_the_one_row_form():
         procs = make_processors(c, [EOS, ENDTEXT], THINK, THINK_END, at_start)
         assert len(procs) == 3
         for p in procs:
-            got = p.rows(histories, logits)
-            want = np.stack([p(h, row) for h, row in zip(histories, logits)])
+            got = p(histories, logits)
+            want = np.stack([p([h], row[None])[0] for h, row in zip(histories, logits)])
             np.testing.assert_array_equal(got, want)
         assert thinking_spans(histories, THINK, THINK_END, at_start) == [span_loop(h, at_start) for h in histories]
         # and the whole chain against the card, row by row

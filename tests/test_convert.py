@@ -394,3 +394,39 @@ def test_large_tensors_written_in_pieces_are_the_same_file(make_checkpoint, tmp_
     cfg = CloverConfig.from_file(src)
     assert n_pieces["token_embd.weight"] > 1 and n_pieces["blk.0.ffn_up_exps.weight"] == cfg.num_experts
     assert convert(src, tmp_path / "pieces.gguf", outtype=outtype, quiet=True).out.read_bytes() == whole
+
+
+def test_info_prints_floats_as_written(tiny, tmp_path):
+    """FLOAT32 metadata shown as the shortest decimal that reads back as the same float32 (issue 16)."""
+    out = tmp_path / "m.gguf"
+    convert(tiny, out, outtype="f32", quiet=True)
+    p = _run_cli("info", out, "--json")
+    hp = json.loads(p.stdout)["hparams"]
+    assert hp["attention.layer_norm_rms_epsilon"] == 1e-06 and hp["diffusion.threshold"] == 0.95
+    assert hp["generation.repetition_penalty"] == 1.05 and hp["moe_block_coreset.top_p"] == 0.9
+    text = _run_cli("info", out).stdout
+    assert "attention.layer_norm_rms_epsilon         1e-06\n" in text and "9.99999" not in text
+
+
+def test_existing_output_needs_force(tiny, tmp_path):
+    """convert, like quantize and imatrix, replaces an existing output only with --force."""
+    out = tmp_path / "m.gguf"
+    out.write_bytes(b"an earlier file")
+    p = _run_cli("convert", tiny, "-o", out, "--quiet")
+    assert p.returncode == 2 and "exists (--force overwrites it)" in p.stderr
+    assert out.read_bytes() == b"an earlier file"
+    p = _run_cli("convert", tiny, "-o", out, "--quiet", "--force")
+    assert p.returncode == 0, p.stderr
+    assert out.read_bytes()[:4] == b"GGUF"
+
+
+def test_right_kernel_cuda_cannot_run_is_a_notice(make_checkpoint, tmp_path, monkeypatch):
+    """The converter says when the right conv kernel is a width llama.cpp's CUDA ssm_conv has no kernel for (the op
+    then runs on the CPU). The bundled widths hold the tiny model's 4; with 4 taken out of them the notice appears."""
+    import clover_gguf.convert as conv
+
+    src = make_checkpoint(seed=1)
+    assert not any("right conv kernel" in n for n in convert(src, tmp_path / "a.gguf", dry_run=True, quiet=True).notices)
+    monkeypatch.setattr(conv, "CUDA_SSM_CONV_WIDTHS", (3, 5, 9, 15))
+    notes = convert(src, tmp_path / "b.gguf", dry_run=True, quiet=True).notices
+    assert any("right conv kernel 4" in n and "CPU" in n for n in notes), notes

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from clover_gguf.decoding import Backend, ReferenceBackend, generate, generate_all
+from clover_gguf.controls import Controls, make_processors
+from clover_gguf.decoding import Backend, generate, generate_all
 
 V, MASK, EOS, B = 12, 11, 10, 6
 
@@ -128,9 +129,9 @@ def test_ar_one_pass_per_token_the_end_token_included():
 
 def test_logits_processors_run_before_sampling_and_confidence():
     banned = 4
-    def ban(tokens, logits):
+    def ban(histories, logits):
         out = logits.copy()
-        out[banned] = -np.inf
+        out[:, banned] = -np.inf
         return out
     passes = [[(banned, 0.99), (5, 0.99)] + [(6, 0.99)] * (B - 2)] + [[(6, 0.99)] * B] * B
     be = FakeBackend(lambda c: dist(0, 0.5), scripted(passes))
@@ -225,37 +226,61 @@ def test_greedy_draft_self_exact_equals_ar_token_for_token(seed):
     be = FakeBackend(m.causal, m.block)
     ds, stats = generate_all(be, PROMPT, mode="draft-self", max_new_tokens=40, accept="exact")
     assert ds == ar
-    assert be.n_past == len(PROMPT) + len(ds) - (stats.finish_reason == "length") * 0
+    assert stats.finish_reason == "stop"  # the model ends after about 15 tokens, well inside max_new_tokens
+    assert be.n_past == len(PROMPT) + len(ds)  # every rejected draft token and the end token were rolled back
+
+
+# the card's controls, made to bite on a 12-token vocabulary within a short answer: penalties strong enough to change
+# the choice, the length penalty and the think-end bias ramping after a few tokens (tokens 7 and 8 play <think>)
+BITING = Controls(presence_penalty=2.5, frequency_penalty=0.7, repetition_penalty=1.6, length_penalty=6.0,
+                  length_penalty_start=6, length_penalty_ramp=5, think_end_bias=5.0, think_end_bias_start=2,
+                  think_end_bias_ramp=3)
+
+
+def test_greedy_draft_self_exact_equals_ar_with_the_cards_controls_on():
+    """The processors see, for every verified position, exactly the tokens before it: then draft-self (exact)
+    reproduces AR's greedy text with every control on. An off-by-one in the verification history breaks this."""
+    changed = 0
+    for seed in range(16):
+        m = _HashModel(seed)
+        procs = make_processors(BITING, [EOS], 7, 8)
+        ar, _ = generate_all(FakeBackend(m.causal, m.block), PROMPT, mode="ar", max_new_tokens=40,
+                             logits_processors=procs)
+        plain, _ = generate_all(FakeBackend(m.causal, m.block), PROMPT, mode="ar", max_new_tokens=40)
+        ds, _ = generate_all(FakeBackend(m.causal, m.block), PROMPT, mode="draft-self", max_new_tokens=40,
+                             accept="exact", logits_processors=procs)
+        assert ds == ar, seed
+        changed += ar != plain
+    assert changed >= 8  # the controls changed most answers: the test exercises them
+
+
+def test_each_block_position_is_processed_with_the_tokens_before_it():
+    """In a block pass, a masked position's history is the committed answer plus the block's resolved tokens
+    before it (the masked ones before it are not tokens yet)."""
+    seen = []
+
+    def record(histories, logits):
+        seen.append([list(h) for h in histories])
+        return logits
+
+    passes = [[(4, 0.99), (5, 0.5), (6, 0.99), (7, 0.5), (8, 0.5), (9, 0.5)],  # 0 and 2 resolve
+              [(4, 0.99), (5, 0.99), (6, 0.99), (7, 0.99), (8, 0.99), (9, 0.99)],  # the rest
+              [(1, 0.99), (2, 0.5), (3, 0.5), (1, 0.5), (2, 0.5), (3, 0.5)],  # block 2: position 0 first
+              [(1, 0.99)] * B]
+    be = FakeBackend(lambda c: dist(0, 0.5), scripted(passes))
+    toks, _ = generate_all(be, PROMPT, mode="diffusion", max_new_tokens=2 * B, logits_processors=[record])
+    first = [4, 5, 6, 7, 8, 9]
+    assert toks == first + [1] * B
+    assert seen[0] == [[]] * B
+    assert seen[1] == [[4], [4, 6], [4, 6], [4, 6]]  # positions 1, 3, 4, 5 after 0 and 2 resolved
+    assert seen[2] == [first] * B  # block 2 starts after the committed first block
+    assert seen[3] == [first + [1]] * (B - 1)
 
 
 def test_max_new_tokens_cuts_every_mode():
-    m = _HashModel(3)
+    m = _HashModel(3)  # ends after about 15 tokens: 4 always cuts
     for mode in ("ar", "diffusion", "draft-self"):
+        whole, _ = generate_all(FakeBackend(m.causal, m.block), PROMPT, mode=mode, max_new_tokens=40)
         toks, stats = generate_all(FakeBackend(m.causal, m.block), PROMPT, mode=mode, max_new_tokens=4)
-        assert len(toks) <= 4
-        if len(toks) == 4:
-            assert stats.finish_reason == "length"
-
-
-def test_reference_backend_rollback_equals_a_fresh_prefix(make_checkpoint):
-    import torch
-
-    from clover_gguf.reference import CloverModel
-
-    torch.set_num_threads(1)
-    model = CloverModel.from_pretrained(make_checkpoint(seed=1), dtype=torch.float64)
-    be = ReferenceBackend(model)
-    ids = [5, 9, 13, 200, 41, 7, 88, 19]
-    be.prefill(ids[:3])
-    be.commit(ids[3:])
-    be.rollback(3)
-    assert be.n_past == 5
-    blk = [be.mask_token_id] * 4
-    a, b = be.commit([77]), be.block_logits(blk)
-    fresh = ReferenceBackend(model)
-    fresh.prefill(ids[:5])
-    assert np.allclose(a, fresh.commit([77]), atol=1e-10)
-    assert np.allclose(b, fresh.block_logits(blk), atol=1e-10)
-    before = be.n_past
-    be.block_logits(blk)
-    assert be.n_past == before  # block mode commits nothing
+        assert len(whole) > 4 and toks == whole[:4] and stats.finish_reason == "length", mode
+        assert stats.generated_tokens == 4

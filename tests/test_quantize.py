@@ -115,6 +115,7 @@ def test_recipe_output_matches_plan(wide, tmp_path, qtype):
     got = read_header(res.out)
     assert {t.name: t.type for t in p.tensors} == {n: qt for n, (_, qt) in got.tensors.items()}
     assert res.size_bytes == p.size_bytes  # the predicted size is the file size, to the byte
+    assert got.header_bytes == p.header_bytes  # exactly, not only after padding to the alignment
     assert got.file_type == FTYPES[qtype]
     # the Clover invariants every recipe carries
     for name, (shape, qt) in got.tensors.items():
@@ -135,10 +136,29 @@ def test_plan_json_and_text(wide):
     assert set(d["tensors"][0]) >= {"name", "type", "bytes"}
     json.dumps(d)
     text = p.format()
-    assert "official  Q4_K_M" in text and "21.42" in text and "community Q4_K_M" in text
+    # the published files' sizes are the 35B's: no comparison for a model of another shape (issue 16)
+    assert "official" not in text and "community" not in text and "Q4_K_M (q4_k_m)" in text
+    assert d["official_gib"] is None and d["community_gib"] is None
+
+
+def test_plan_from_another_config_has_no_35b_comparison(make_checkpoint):
+    """(the 35B's own config gets it: test_35b_plan_sizes_match_community_files)"""
+    tiny = plan("Q4_K_M", config=make_checkpoint(seed=1) / "config.json")
+    assert "official" not in tiny.format() and tiny.to_json()["official_gib"] is None
+
+
+def test_imatrix_with_too_little_text_says_why(wide, tmp_path):
+    """llama-imatrix's own reason, not its last log line (issue 16)."""
+    text = tmp_path / "short.txt"
+    text.write_text("What is 2 + 3?\n")  # 8 tokens in llama-imatrix's own count (its -f drops the final newline)
+    with pytest.raises(UserError, match=r"needs at least 128 tokens for a context of 64 tokens; .*short.txt "
+                                        r"tokenizes to only 8 tokens"):
+        imatrix(wide, text, tmp_path / "im.gguf", ctx=64, quiet=True, offload=Offload(threads=2))
+    assert list(tmp_path.iterdir()) == [text]
 
 
 # ---- quality against F32 ---------------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K_M", "IQ4_XS", "Q3_K_M"])
 def test_quality_against_f32(quality_model, reference_logits, tmp_path, qtype):
     f32, trained = quality_model
@@ -154,6 +174,7 @@ def test_quality_against_f32(quality_model, reference_logits, tmp_path, qtype):
 
 
 # ---- imatrix: IQ types and importance-weighted K-quants end to end ---------------------------------------------
+@pytest.mark.slow
 def test_imatrix_then_iq3_xxs(wide, tmp_path):
     text = tmp_path / "calib.txt"
     rng = np.random.default_rng(0)
@@ -246,6 +267,7 @@ def test_cli_error_is_one_line(tmp_path):
 
 
 # ---- the 35B plan from its config alone ------------------------------------------------------------------------
+@pytest.mark.slow
 def test_35b_plan_sizes_match_community_files(tmp_path):
     from clover_gguf.skeleton import write_skeleton
 

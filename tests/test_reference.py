@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import torch
+import numpy as np
 import pytest
+import torch
 
-from clover_gguf.reference import CloverModel, coreset_keep_mask
+from clover_gguf.reference import CloverModel, ReferenceBackend, coreset_keep_mask
 
 PROMPT = [11, 57, 203, 4, 99, 150, 7, 7, 300, 12, 45, 88, 260]  # longer than the conv kernel (4)
 
@@ -20,7 +21,8 @@ def _transformers_logits(path, ids):
         return hf(torch.tensor([ids])).logits[0]
 
 
-@pytest.mark.parametrize("opts", [dict(preset="tiny"), dict(preset="wide", tie=True)], ids=["tiny", "wide-tied"])
+@pytest.mark.parametrize("opts", [dict(preset="tiny"), pytest.param(dict(preset="wide", tie=True), marks=pytest.mark.slow)],
+                         ids=["tiny", "wide-tied"])
 def test_causal_logits_equal_transformers(make_checkpoint, opts):
     clover = make_checkpoint(seed=3, zero_extras=True, **opts)
     plain = make_checkpoint(seed=3, plain_qwen=True, **opts)  # same seed: the same shared tensors, no extras
@@ -107,3 +109,23 @@ def test_coreset_size_monotone_and_at_least_top_k():
         assert min(sizes) >= k
         candidates = probs.topk(k, dim=-1).indices.unique().numel()
         assert sizes[0] == candidates  # top_p = 1 keeps every candidate, nothing else
+
+
+def test_reference_backend_rollback_equals_a_fresh_prefix(make_checkpoint):
+    torch.set_num_threads(1)
+    model = CloverModel.from_pretrained(make_checkpoint(seed=1), dtype=torch.float64)
+    be = ReferenceBackend(model)
+    ids = [5, 9, 13, 200, 41, 7, 88, 19]
+    be.prefill(ids[:3])
+    be.commit(ids[3:])
+    be.rollback(3)
+    assert be.n_past == 5
+    blk = [be.mask_token_id] * 4
+    a, b = be.commit([77]), be.block_logits(blk)
+    fresh = ReferenceBackend(model)
+    fresh.prefill(ids[:5])
+    assert np.allclose(a, fresh.commit([77]), atol=1e-10)
+    assert np.allclose(b, fresh.block_logits(blk), atol=1e-10)
+    before = be.n_past
+    be.block_logits(blk)
+    assert be.n_past == before  # block mode commits nothing

@@ -13,7 +13,7 @@ import pytest
 
 from clover_gguf.convert import convert
 from clover_gguf.errors import UserError
-from clover_gguf.runtime import CloverRuntime, split_thinking
+from clover_gguf.runtime import CloverRuntime
 from clover_gguf.testing.device import env_offload_kwargs
 
 
@@ -68,6 +68,7 @@ def test_partial_rejection_leaves_no_trace(tiny_gguf, strategy, rejected):
         np.testing.assert_array_equal(got, want)  # same batches, same arithmetic: identical
 
 
+@pytest.mark.slow
 def test_draft_self_exact_equals_ar_on_random_weights(tiny_gguf):
     with CloverRuntime(tiny_gguf, n_ctx=512, exact=True, n_threads=2, **env_offload_kwargs()) as rt:
         ar = rt.generate("Count from 3 to 9.", mode="ar", max_new_tokens=24)
@@ -86,10 +87,19 @@ def test_context_limit_is_refused_before_decoding(tiny_gguf):
 
 
 def test_block_mode_refused_without_extras(plain_gguf):
+    """A plain Qwen3.5-MoE conversion refuses the block modes and decodes AR: the greedy tokens of a loop written
+    here on the raw context (controls off, so the argmax is the whole rule)."""
     with CloverRuntime(plain_gguf, n_ctx=256, n_threads=2, **env_offload_kwargs()) as rt:
         with pytest.raises(UserError, match="no Clover block-mode tensors"):
             rt.generate("hello", mode="draft-self", max_new_tokens=8)
-        assert rt.generate("hello", mode="ar", max_new_tokens=4).stats.generated_tokens >= 0
+        got = rt.generate("hello", mode="ar", max_new_tokens=6, controls=rt.controls.off())
+        ids = rt.prompt_ids("hello")
+        rt.ctx.clear()
+        logits, want = rt.ctx.decode(ids, 0, 0)[-1], []
+        while len(want) < 6 and int(np.argmax(logits)) not in rt.eos_ids:
+            want.append(int(np.argmax(logits)))
+            logits = rt.ctx.decode(want[-1:], len(ids) + len(want) - 1, 0)[-1]
+        assert got.raw == rt.detokenize(want) and got.stats.generated_tokens == len(want) >= 1
 
 
 def test_not_a_clover_gguf(tmp_path):
@@ -99,10 +109,13 @@ def test_not_a_clover_gguf(tmp_path):
         CloverRuntime(bad)
 
 
-def test_split_thinking():
-    assert split_thinking("<think>\nplan\n</think>\n\nanswer") == ("plan", "answer")
-    assert split_thinking("plan</think>answer") == ("plan", "answer")
-    assert split_thinking("just text") == ("", "just text")
+def test_the_prompts_tokens_decide_the_thinking_split(tiny_gguf):
+    """The GGUF's own <think> tokens: a prompt that opens the span makes `plan</think>answer` (plan, answer)."""
+    with CloverRuntime(tiny_gguf, n_ctx=256, n_threads=2) as rt:
+        opened = rt.raw_prompt_ids("<|im_start|>assistant\n<think>\n")
+        closed = rt.prompt_ids("hi", think=False)  # the template writes <think>\n\n</think>
+        assert rt.thinking_at_start(opened) and not rt.thinking_at_start(closed)
+        assert not rt.thinking_at_start(rt.prompt_ids("hi"))
 
 
 def _cli(*args, stdin: str | None = None) -> subprocess.CompletedProcess:
@@ -110,6 +123,7 @@ def _cli(*args, stdin: str | None = None) -> subprocess.CompletedProcess:
                           input=stdin, timeout=300)
 
 
+@pytest.mark.slow
 def test_generate_json_cli(tiny_gguf):
     p = _cli("generate", tiny_gguf, "-p", "Count from 3 to 9.", "-n", "12", "--mode", "diffusion", "--json")
     assert p.returncode == 0, p.stderr
@@ -125,6 +139,7 @@ def test_generate_json_cli(tiny_gguf):
     assert p.returncode == 2 and "more than the model's context" in p.stderr and "Traceback" not in p.stderr
 
 
+@pytest.mark.slow
 def test_chat_session_commands(tiny_gguf):
     from clover_gguf.chat import ChatSession
 
@@ -134,20 +149,30 @@ def test_chat_session_commands(tiny_gguf):
     s.loop()
     text = out.getvalue()
     assert "(mode: ar)" in text and "(conversation cleared)" in text and "(modes:" in text
-    assert '"mode": "ar"' in text  # /stats printed the last run's stats
+    line = f"({s.last.summary()})"
+    assert line.startswith("(ar: ") and " tokens/pass, " in line and " tok/s" in line
+    assert text.count(line) == 2  # after the answer, and for /stats: the one summary line, no JSON
+    assert "{" not in text
     assert s.messages == []
+    # --json-stats: the same stats as one JSON object; Ctrl-D (end of input) ends the prompt's line
+    out = io.StringIO()
+    s = ChatSession(tiny_gguf, max_new_tokens=6, out=out, inp=io.StringIO("/mode ar\nhello\n"), json_stats=True)
+    s.loop()
+    assert json.loads(out.getvalue().splitlines()[-2]) == s.last.to_json()
+    assert out.getvalue().endswith("> \n")
 
 
 def test_thinking_renderer_dims_or_hides():
     from clover_gguf.chat import DIM, RESET, ThinkingRenderer
+    from clover_gguf.thinking import ThinkSplitter
 
     for show, color in ((True, True), (False, False)):
         out = io.StringIO()
-        r = ThinkingRenderer(out, show, color)
+        r, split = ThinkingRenderer(out, show, color), ThinkSplitter(False)
         for piece in ["<thi", "nk>\nplan", "ning</th", "ink>\n\nThe answer"]:
-            r.feed(piece)
-        r.flush()
+            r.write(*split.feed(piece))
+        r.write(*split.close())
         s = out.getvalue()
         assert "<think>" not in s and "</think>" not in s and s.endswith("The answer")
-        assert ("planning" in s.replace(DIM, "").replace(RESET, "")) == show
+        assert s.replace(DIM, "").replace(RESET, "") == ("planning\nThe answer" if show else "The answer")
         assert (DIM in s) == (show and color)

@@ -9,10 +9,13 @@ import pytest
 import torch
 
 from clover_gguf.convert import convert
-from clover_gguf.decoding import ReferenceBackend, generate_all
+from clover_gguf.decoding import generate_all
+from clover_gguf.reference import ReferenceBackend
 from clover_gguf.runtime import CloverRuntime
 from clover_gguf.testing.device import env_offload_kwargs
 from clover_gguf.testing.train_tiny import ASSET_DIR, chat_prompt, load_tiny, strip_thinking
+
+pytestmark = pytest.mark.slow  # minutes of decoding on the trained model: `make test` runs it
 
 STRIDE = 6  # every 6th eval row: 25 prompts, five per task (eval.jsonl lists 30 rows per task in task order)
 

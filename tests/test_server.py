@@ -6,7 +6,6 @@ port. A scripted runtime (SlowRuntime) stands in for the model where a test need
 """
 
 import json
-import random
 import socket
 import threading
 import time
@@ -24,8 +23,9 @@ import clover_gguf  # noqa: E402
 from clover_gguf.controls import Controls  # noqa: E402
 from clover_gguf.convert import convert  # noqa: E402
 from clover_gguf.errors import UserError  # noqa: E402
-from clover_gguf.runtime import RunStats, split_thinking  # noqa: E402
-from clover_gguf.server import OutputParser, create_app  # noqa: E402
+from clover_gguf.runtime import RunStats  # noqa: E402
+from clover_gguf.server import create_app  # noqa: E402
+from clover_gguf.thinking import split_thinking  # noqa: E402
 
 ASSET = Path(clover_gguf.__file__).parent / "assets" / "tiny-clover"
 KEY = "test-key-123"
@@ -33,13 +33,12 @@ TIMEOUT = 60
 
 
 @pytest.fixture(scope="session")
-def served_model(make_checkpoint, tmp_path_factory) -> tuple[Path, list[str]]:
+def served_model(make_checkpoint, tmp_path_factory, request) -> tuple[Path, list[str]]:
     """-> (GGUF, prompts): the bundled trained model and its eval prompts, else a random tiny model."""
     out = tmp_path_factory.mktemp("serve") / "model.gguf"
     if (ASSET / "config.json").is_file():
-        convert(ASSET, out, outtype="f32", quiet=True)
-        rows = [json.loads(x) for x in (ASSET / "eval.jsonl").read_text().splitlines() if x.strip()]
-        prompts = [r["prompt"] for r in rows[::19]][:8]
+        out = request.getfixturevalue("bundled_gguf")
+        prompts = [r["prompt"] for r in request.getfixturevalue("bundled_eval")[::19]][:8]
     else:
         convert(make_checkpoint(seed=1), out, outtype="f32", quiet=True)
         prompts = ["Count from 3 to 9.", "What is 5 + 4?", "Reverse: a b c", "Copy: q r s", "Keys: cup=4. What is cup?",
@@ -206,8 +205,9 @@ def test_greedy_ar_and_draft_self_give_the_same_text(server, prompts):
         assert ds.choices[0].message.content == ar.choices[0].message.content
         assert ds.choices[0].message.reasoning_content == ar.choices[0].message.reasoning_content
         assert ds.model_extra["clover_stats"]["mode"] == "draft-self"
-        assert ar.model_extra["clover_stats"]["forward_passes"] == ar.usage.completion_tokens + 1 or \
-            ar.choices[0].finish_reason == "length"
+        # AR: the prompt's pass, then one per token but the last when the length limit ended it (no end token)
+        stop = ar.choices[0].finish_reason == "stop"
+        assert ar.model_extra["clover_stats"]["forward_passes"] == ar.usage.completion_tokens + stop
 
 
 def test_eight_concurrent_clients_get_their_own_answers(server, prompts):
@@ -306,31 +306,34 @@ class SlowRuntime:
     """Just enough of CloverRuntime for the server: one word per 10 ms, counted."""
 
     block_mode, block_size, context_length, n_ctx = True, 4, 10**6, 10**6
-    think_id = think_end_id = None
     controls = Controls()
     meta: dict = {}
+    words = ["tok "]  # the answer, repeated
+    opens_thinking = False  # what thinking_at_start says about every prompt
 
     def __init__(self):
-        self.ctx = self
         self.produced = 0
 
-    def tokenize(self, text, special=True):
+    def prompt_ids(self, messages, think=True):
+        return self.raw_prompt_ids(" ".join(m["content"] for m in messages))
+
+    def raw_prompt_ids(self, text):
         return list(range(max(1, len(text.split()))))
 
-    def render(self, messages, think=True):
-        return " ".join(m["content"] for m in messages)
+    def thinking_at_start(self, ids):
+        return self.opens_thinking
 
     def check_request(self, n_prompt, max_new_tokens, mode, block_size):
         pass
 
-    def stream(self, messages, max_new_tokens=1, mode="ar", **kw):
-        stats = RunStats(mode=mode, prompt_tokens=1)
+    def stream_ids(self, ids, max_new_tokens=1, mode="ar", **kw):
+        stats = RunStats(mode=mode, prompt_tokens=len(ids))
         for i in range(max_new_tokens):
             time.sleep(0.01)
             self.produced += 1
             stats.generated_tokens = i + 1
             stats.finish_reason = "length" if i + 1 == max_new_tokens else None
-            yield "tok ", stats
+            yield self.words[i % len(self.words)], stats
 
     def close(self):
         pass
@@ -392,38 +395,21 @@ def test_requests_wait_for_the_one_slot(slow_server):
     assert waited >= 1
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The output parser
-# ---------------------------------------------------------------------------------------------------------------
-RAWS = ["<think>\nLet me work it out.\n</think>\n\n55 + 54 = 109",
-        "<think>a</think>b",
-        "no thinking at all  ",
-        "<think>\nunfinished thought <thi",
-        "  </think> answer with </thi inside"]
+def test_the_server_splits_thinking_by_the_prompts_rule():
+    """A prompt that opened <think> (the runtime says so): `plan</think>answer` is reasoning "plan", content
+    "answer", streamed or not, however the text is cut into pieces."""
+    from fastapi.testclient import TestClient
 
+    class Thinker(SlowRuntime):
+        words = ["pl", "an</th", "ink>ans", "wer"]
+        opens_thinking = True
 
-@pytest.mark.parametrize("raw", RAWS)
-def test_the_parser_matches_split_thinking_for_any_chunking(raw):
-    want_thinking, want_answer = split_thinking(raw) if raw.lstrip().startswith("<think>") else ("", None)
-    rng = random.Random(0)
-    for _ in range(20):
-        cuts = sorted(rng.sample(range(1, len(raw)), k=min(5, len(raw) - 1)))
-        pieces = [raw[a:b] for a, b in zip([0, *cuts], [*cuts, len(raw)])]
-        p = OutputParser(reasoning=True)
-        out = [p.feed(x) for x in pieces] + [p.close()]
-        reasoning, content = "".join(o[0] for o in out), "".join(o[1] for o in out)
-        if want_answer is not None:
-            assert (reasoning, content) == (want_thinking, want_answer)
-        else:
-            assert reasoning == "" and content.strip() == content
-        assert "<think>" not in reasoning + content or raw.endswith("<thi")
-
-
-def test_the_parser_cuts_at_the_first_stop_string_across_chunks():
-    p = OutputParser(reasoning=True, thinking=True, stop=["STOP", "42"])
-    out = [p.feed(x) for x in ["why 42 ", "here</th", "ink>\n\nthe answer is 4", "1 or S", "TOP and more"]]
-    assert "".join(o[0] for o in out) == "why 42 here"  # stop strings do not apply to the reasoning
-    assert "".join(o[1] for o in out) == "the answer is 41 or"
-    assert p.stopped and p.matched == "STOP"
-    raw = OutputParser(reasoning=False, stop=["\n\n"])
-    assert raw.feed(" a\n") == ("", " a") and raw.feed("\nb") == ("", "") and raw.stopped
+    body = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 4}
+    with TestClient(create_app(Thinker, mode="ar")) as http:
+        msg = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+        assert (msg["reasoning_content"], msg["content"]) == ("plan", "answer")
+        events = [json.loads(x[6:]) for x in http.post("/v1/chat/completions", json={**body, "stream": True}
+                                                       ).text.splitlines() if x.startswith("data: {")]
+        deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
+        assert "".join(d.get("reasoning_content") or "" for d in deltas) == "plan"
+        assert "".join(d.get("content") or "" for d in deltas) == "answer"

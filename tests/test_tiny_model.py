@@ -85,6 +85,7 @@ def test_training_fast_path_equals_the_reference_loop(tiny):
     assert reference.GatedDeltaNet.delta_rule is not parallel_delta_rule
 
 
+@pytest.mark.slow
 def test_causal_greedy_accuracy(ar_result):
     assert ar_result["accuracy"] >= TARGET_ACCURACY, ar_result["accuracy"]
 
@@ -95,14 +96,17 @@ def diffusion_result(tiny):
     return evaluate_rows(model, tok, rows, mode="diffusion", threshold=0.95)
 
 
+@pytest.mark.slow
 def test_block_decoding_tokens_per_pass(diffusion_result):
     assert diffusion_result["tokens_per_pass"] >= MIN_TOKENS_PER_PASS, diffusion_result["tokens_per_pass"]
 
 
+@pytest.mark.slow
 def test_block_decoding_accuracy(diffusion_result):
     assert diffusion_result["accuracy"] >= TARGET_ACCURACY, diffusion_result["accuracy"]
 
 
+@pytest.mark.slow
 def test_draft_self_exact_equals_causal_greedy(tiny, ar_result):
     model, tok, rows = tiny
     r = evaluate_rows(model, tok, rows, mode="draft-self", accept="exact")
@@ -111,6 +115,7 @@ def test_draft_self_exact_equals_causal_greedy(tiny, ar_result):
     assert r["acceptance_rate"] is not None and r["acceptance_rate"] > 0.5
 
 
+@pytest.mark.slow
 def test_training_is_seeded_and_resumable(tmp_path):
     from clover_gguf.testing.train_tiny import train
 

@@ -79,7 +79,9 @@ def chat_prompt(user: str) -> str:
 
 
 def strip_thinking(text: str) -> str:
-    return text.split("</think>", 1)[-1].strip()
+    from clover_gguf.thinking import split_thinking
+
+    return split_thinking(text)[1]
 
 
 def make_eval_set(n_per_task: int = 30, seed: int = 12345) -> list[dict]:
@@ -419,7 +421,8 @@ def evaluate_rows(model, tok, rows: list[dict], mode: str = "ar", accept: str = 
 
     A row is correct when the decoded text, thinking removed, contains its answer.
     """
-    from clover_gguf.decoding import ReferenceBackend, generate_all
+    from clover_gguf.decoding import generate_all
+    from clover_gguf.reference import ReferenceBackend
 
     backend = ReferenceBackend(model)
     correct, gen_tokens, passes, drafted, accepted, outputs = 0, 0, 0, 0, 0, []

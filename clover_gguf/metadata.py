@@ -1,0 +1,118 @@
+"""Clover's GGUF metadata: the `clover.*` key names and the model card's generation defaults they carry.
+
+The converter writes these keys, the runtime, the quantizer and the benches read them; every module takes the names
+from here. llama.cpp's own hyperparameters (`clover.embedding_length`, `clover.expert_count`, ...) are written by
+the converter's hparam table and read by llama.cpp; `hparam(name)` names one of them for a Python reader.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any, Callable
+
+ARCH = "clover"  # general.architecture, and the prefix of every key below
+ARCHITECTURE = "general.architecture"
+BLOCK_MODE = f"{ARCH}.block_mode"  # bool: the file has the Clover block-mode tensors
+BLOCK_SIZE = f"{ARCH}.diffusion.block_size"
+THRESHOLD = f"{ARCH}.diffusion.threshold"
+CORESET_ENABLED = f"{ARCH}.moe_block_coreset.enabled"
+CORESET_TOP_P = f"{ARCH}.moe_block_coreset.top_p"
+GENERATION_PREFIX = f"{ARCH}.generation."  # + a Controls field name
+QUANT_RECIPE = f"{ARCH}.quant.recipe"  # the recipe a quantized file was made with
+MASK_TOKEN_ID = "tokenizer.ggml.mask_token_id"
+CHAT_TEMPLATE = "tokenizer.chat_template"
+
+
+def hparam(name: str) -> str:
+    """The key of one of llama.cpp's hyperparameters for this architecture, e.g. hparam("context_length")."""
+    return f"{ARCH}.{name}"
+
+
+@dataclass(frozen=True)
+class Controls:
+    """The model card's generation controls (clover_gguf.controls applies them), with the card's values."""
+
+    presence_penalty: float = 0.9
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.05
+    length_penalty: float = 10.0
+    length_penalty_start: int = 8192
+    length_penalty_ramp: int = 8192
+    think_end_bias: float = 10.0
+    think_end_bias_start: int = 4096
+    think_end_bias_ramp: int = 4096
+
+    @classmethod
+    def control_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(Controls))
+
+    @classmethod
+    def from_meta(cls, meta: Callable[[str], Any], **overrides) -> "Controls":
+        """From a GGUF's `clover.generation.*` keys (meta(key) -> value or None), then explicit overrides."""
+        kw = {}
+        for k in Controls.control_names():
+            v = meta(GENERATION_PREFIX + k)
+            if v is not None:
+                kw[k] = type(getattr(Controls, k))(float(v))
+        c = Controls(**kw)
+        return replace(c, **{k: v for k, v in overrides.items() if v is not None})
+
+    def off(self) -> "Controls":
+        return replace(self, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0, length_penalty=0.0,
+                       think_end_bias=0.0)
+
+
+@dataclass(frozen=True)
+class GenerationDefaults(Controls):
+    """A checkpoint's generation_config.json: the controls plus the block decoding defaults; our key names for
+    start/ramp."""
+
+    block_size: int = 32
+    threshold: float = 0.95
+
+    # generation_config.json key -> field
+    HF_KEYS = {
+        "block_size": "block_size",
+        "threshold": "threshold",
+        "presence_penalty": "presence_penalty",
+        "frequency_penalty": "frequency_penalty",
+        "repetition_penalty": "repetition_penalty",
+        "dllm_length_penalty": "length_penalty",
+        "dllm_length_penalty_start": "length_penalty_start",
+        "dllm_length_penalty_ramp": "length_penalty_ramp",
+        "dllm_think_end_bias": "think_end_bias",
+        "dllm_think_end_bias_start": "think_end_bias_start",
+        "dllm_think_end_bias_ramp": "think_end_bias_ramp",
+    }
+
+    @classmethod
+    def from_hf(cls, d: Any, where: str = "generation_config.json") -> "GenerationDefaults":
+        """From generation_config.json, every value type- and range-checked (one line, exit 2 for a bad one)."""
+        from clover_gguf.config import MAX_BLOCK, MAX_U32, _Fields  # config imports this module
+        from clover_gguf.errors import UserError
+
+        if not isinstance(d, dict):
+            raise UserError(f"{where} must be a JSON object, not {type(d).__name__}")
+        f = _Fields(d, where)
+        kwargs: dict[str, Any] = {}
+        for hf_key, name in cls.HF_KEYS.items():
+            default = getattr(cls, name)
+            if isinstance(default, int):
+                lo, hi = (1, MAX_BLOCK) if name == "block_size" else (0, MAX_U32)
+                kwargs[name] = f.int(hf_key, lo, hi, default=default)
+            else:
+                kwargs[name] = f.float(hf_key, default=default)
+        if not 0.0 <= kwargs["threshold"] <= 1.0:
+            raise UserError(f"{where}: threshold must be in [0, 1], not {kwargs['threshold']}")
+        if not kwargs["repetition_penalty"] > 0.0:
+            raise UserError(f"{where}: repetition_penalty must be positive, not {kwargs['repetition_penalty']}")
+        return cls(**kwargs)
+
+    def to_hf(self) -> dict[str, Any]:
+        return {hf: getattr(self, name) for hf, name in self.HF_KEYS.items()}
+
+    def gguf_items(self) -> dict[str, int | float]:
+        """GGUF key -> value for everything here (ints are written as u32, floats as f32)."""
+        out: dict[str, int | float] = {BLOCK_SIZE: self.block_size, THRESHOLD: self.threshold}
+        out.update({GENERATION_PREFIX + k: getattr(self, k) for k in Controls.control_names()})
+        return out

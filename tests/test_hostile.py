@@ -1,0 +1,714 @@
+"""Hostile input, one table: every case breaks a file (or a command line) on purpose and runs the real command in a
+process of its own. Each must end with exit code 2 (130 when a signal stopped it), exactly one line on stderr, no
+traceback, no file left anywhere in its folder and every input unchanged, and never exit 1, 134, 139 or hang.
+
+The checkpoints and GGUFs are made here at test time from make_tiny and broken byte by byte (no committed binaries).
+`ITEM` names the issue-15 item each case was written for ("own": a case of ours beyond that list).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import resource
+import shutil
+import signal
+import stat
+import struct
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pytest
+
+from clover_gguf.convert import convert
+from clover_gguf.testing.make_tiny import make_tiny
+
+ROOT = Path(__file__).resolve().parents[1]
+# A case that tries to allocate something absurd must fail with its one line, not take the machine: every command
+# runs under this address-space limit (a MemoryError under it is a failure like any other traceback).
+ADDRESS_SPACE = 4 * 2**30
+TIMEOUT_S = 90
+PROMPT = "What is 2 + 3?"
+
+
+# ---- running a command ------------------------------------------------------------------------------------------
+def _limits(fsize: int | None = None) -> Callable[[], None]:
+    def apply() -> None:
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)  # as in a terminal, whatever ran the tests (nohup ignores it)
+        resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE, ADDRESS_SPACE))
+        if fsize is not None:  # a "full disk": writes past fsize fail with EFBIG (Python ignores SIGXFSZ)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+    return apply
+
+
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "GGML_NO_BACKTRACE": "1"}
+    env.update(extra or {})
+    return env
+
+
+def clover(*args, env: dict[str, str] | None = None, fsize: int | None = None) -> subprocess.CompletedProcess:
+    argv = [sys.executable, "-m", "clover_gguf", *map(str, args)]
+    return subprocess.run(argv, capture_output=True, text=True, errors="replace", timeout=TIMEOUT_S, env=_env(env),
+                          preexec_fn=_limits(fsize), cwd=ROOT)
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    """Every entry under `folder`: file contents (hash), links (target), FIFOs and folders (their kind)."""
+    out = {}
+    for p in sorted(folder.rglob("*")):
+        st = p.lstat()
+        key = str(p.relative_to(folder))
+        if stat.S_ISLNK(st.st_mode):
+            out[key] = "link:" + os.readlink(p)
+        elif stat.S_ISREG(st.st_mode):
+            out[key] = "file:" + hashlib.sha256(p.read_bytes()).hexdigest()
+        elif stat.S_ISFIFO(st.st_mode):
+            out[key] = "fifo"
+        else:
+            out[key] = "dir" if stat.S_ISDIR(st.st_mode) else f"mode:{st.st_mode:o}"
+    return out
+
+
+def assert_refused(p: subprocess.CompletedProcess, before: dict, folder: Path, expect: str, rc: int = 2) -> None:
+    err = p.stderr.strip().splitlines()
+    assert "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert p.returncode == rc, f"exit {p.returncode}, stderr: {p.stderr[-2000:]}"
+    assert len(err) == 1, f"{len(err)} lines on stderr: {p.stderr[-2000:]}"
+    assert err[0].startswith("clover-gguf: error: ") and expect in err[0], err[0]
+    assert snapshot(folder) == before, "a file was left behind or an input changed"
+
+
+# ---- building broken inputs ---------------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def base(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hostile-base")
+    make_tiny(root / "ck", seed=21)
+    convert(root / "ck", root / "m.gguf", outtype="f32", quiet=True)
+    return {"ck": root / "ck", "gguf": root / "m.gguf"}
+
+
+class Work:
+    """One case's folder: fresh copies of the inputs it asks for, and an output path in an empty folder."""
+
+    def __init__(self, folder: Path, base: dict[str, Path]):
+        self.folder, self.base = folder, base
+        (folder / "out").mkdir()
+        self.out = folder / "out" / "m.gguf"
+
+    @property
+    def ck(self) -> Path:
+        ck = self.folder / "ck"
+        if not ck.exists():
+            shutil.copytree(self.base["ck"], ck)
+        return ck
+
+    @property
+    def gguf(self) -> Path:
+        g = self.folder / "in.gguf"
+        if not g.exists():
+            shutil.copy(self.base["gguf"], g)
+        return g
+
+    # config.json / tokenizer files
+    def edit_json(self, name: str, fn: Callable[[dict], object]) -> None:
+        """Change a JSON file of the checkpoint in place (fn mutates the object; what it returns is ignored)."""
+        p = self.ck / name
+        d = json.loads(p.read_text())
+        fn(d)
+        p.write_text(json.dumps(d))
+
+    def config(self, **changes) -> None:
+        self.edit_json("config.json", lambda d: d.update(changes))
+
+    def shard(self) -> Path:
+        return self.ck / "model.safetensors"
+
+    def shard_header(self, fn: Callable[[dict], None]) -> None:
+        """Rewrite the shard's JSON header in place (padded to its old length, so data offsets stay valid)."""
+        p = self.shard()
+        raw = p.read_bytes()
+        (n,) = struct.unpack("<Q", raw[:8])
+        header = json.loads(raw[8:8 + n])
+        fn(header)
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        assert len(blob) <= n
+        p.write_bytes(raw[:8] + blob + b" " * (n - len(blob)) + raw[8 + n:])
+
+    def convert(self, *extra) -> list:
+        return ["convert", self.ck, "-o", self.out, "--quiet", *extra]
+
+
+def _offsets(h: dict, name: str) -> list[int]:
+    return h[name]["data_offsets"]
+
+
+def _first_two(h: dict) -> tuple[str, str]:
+    names = [k for k in h if k != "__metadata__"]
+    return names[0], names[1]
+
+
+def _shift_negative(h: dict) -> None:
+    name = "model.embed_tokens.weight"
+    b, e = _offsets(h, name)
+    h[name]["data_offsets"] = [b - 64, e - 64] if b >= 64 else [-64, e - b - 64]
+
+
+def _overlap(h: dict) -> None:
+    # two tensors of one shape share their bytes: the second reads the first's data
+    a, b = "model.layers.0.input_layernorm.weight", "model.layers.0.post_attention_layernorm.weight"
+    h[b]["data_offsets"] = list(h[a]["data_offsets"])
+
+
+def _outside_index(w: Work) -> None:
+    outside = w.folder / "outside.safetensors"
+    shutil.move(w.shard(), outside)
+    header_names = _shard_names(outside)
+    index = {"metadata": {}, "weight_map": {n: "../outside.safetensors" for n in header_names}}
+    (w.ck / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def _absolute_index(w: Work) -> None:
+    names = _shard_names(w.shard())
+    index = {"metadata": {}, "weight_map": {n: str(w.shard()) for n in names}}
+    (w.ck / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def _shard_names(p: Path) -> list[str]:
+    raw = p.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    return [k for k in json.loads(raw[8:8 + n]) if k != "__metadata__"]
+
+
+def _add_layer_7(w: Work) -> None:
+    """An extra shard with a tensor of layer 7 (the config has 4 layers), named in no index: globbed."""
+    payload = np.ones(64, np.float32).tobytes()
+    header = json.dumps({"model.layers.7.input_layernorm.weight":
+                         {"dtype": "F32", "shape": [64], "data_offsets": [0, len(payload)]}}).encode()
+    (w.ck / "extra.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + payload)
+
+
+def _tok(fn: Callable[[dict], object]) -> Callable[[Work], None]:
+    return lambda w: w.edit_json("tokenizer.json", fn)
+
+
+def _tok_model(**changes) -> Callable[[Work], None]:
+    return _tok(lambda d: d["model"].update(changes))
+
+
+def _negative_id(d: dict) -> None:
+    v = d["model"]["vocab"]
+    k = next(iter(v))
+    v[k] = -1
+
+
+def _duplicate_id(d: dict) -> None:
+    v = d["model"]["vocab"]
+    a, b = list(v)[:2]
+    v[b] = v[a]
+
+
+def _string_ids(d: dict) -> None:
+    d["model"]["vocab"] = {k: str(i) for k, i in d["model"]["vocab"].items()}
+
+
+def _no_layer_types(**changes):
+    def apply(d: dict) -> None:
+        d.pop("layer_types", None)
+        d.update(changes)
+    return lambda w: w.edit_json("config.json", apply)
+
+
+def _no_head_dim(**changes):
+    """head_dim left out: it is then hidden_size // num_attention_heads"""
+    def apply(d: dict) -> None:
+        d.pop("head_dim", None)
+        d.update(changes)
+    return lambda w: w.edit_json("config.json", apply)
+
+
+def _cfg(**changes) -> Callable[[Work], None]:
+    return lambda w: w.config(**changes)
+
+
+def _write(name: str, data: bytes) -> Callable[[Work], None]:
+    return lambda w: (w.ck / name).write_bytes(data)
+
+
+# ---- the convert table ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ConvertCase:
+    item: str
+    breaker: Callable[[Work], None]
+    expect: str
+    extra: tuple = ()
+
+
+CONVERT_CASES: dict[str, ConvertCase] = {
+    # 3: impossible settings
+    "experts-per-token-0": ConvertCase("3", _cfg(num_experts_per_tok=0), "num_experts_per_tok"),
+    # 6: malformed config.json
+    "config-is-a-list": ConvertCase("6", _write("config.json", b"[1, 2, 3]"), "config.json"),
+    "config-is-null": ConvertCase("6", _write("config.json", b"null"), "config.json"),
+    "config-is-binary": ConvertCase("6", _write("config.json", b"\xff\xfe\x00\x81garbage\x00"), "config.json"),
+    "hidden-size-abc": ConvertCase("6", _cfg(hidden_size="abc"), "hidden_size"),
+    "attention-heads-0": ConvertCase("6", _no_head_dim(num_attention_heads=0), "num_attention_heads"),
+    "kv-heads-0": ConvertCase("6", _cfg(num_key_value_heads=0), "num_key_value_heads"),
+    "linear-key-heads-0": ConvertCase("6", _cfg(linear_num_key_heads=0), "linear_num_key_heads"),
+    "max-positions-2^32": ConvertCase("6", _cfg(max_position_embeddings=2**32), "max_position_embeddings"),
+    # 6: malformed tokenizer files
+    "tokenizer-binary": ConvertCase("6", _write("tokenizer.json", b"\x89PNG\r\n\x1a\n\xff\xff"), "tokenizer.json"),
+    "tokenizer-is-a-list": ConvertCase("6", _write("tokenizer.json", b"[]"), "tokenizer.json"),
+    "tokenizer-without-vocab": ConvertCase("6", _tok(lambda d: d["model"].pop("vocab")), "vocab"),
+    "tokenizer-empty-vocab": ConvertCase("6", _tok(lambda d: (d["model"].update(vocab={}),
+                                                                d.update(added_tokens=[]))), "vocab"),
+    "tokenizer-string-ids": ConvertCase("6", _tok(_string_ids), "id"),
+    "tokenizer-config-invalid": ConvertCase("6", _write("tokenizer_config.json", b"{\"eos_token\": "),
+                                            "tokenizer_config.json"),
+    # 6: a shard that is a folder
+    "shard-is-a-folder": ConvertCase("6", lambda w: (w.ck / "more.safetensors").mkdir(), "more.safetensors"),
+    # 7: absurd sizes, with and without --dry-run
+    "vocab-2^40": ConvertCase("7", _cfg(vocab_size=2**40), "vocab_size"),
+    "vocab-2^40-dry-run": ConvertCase("7", _cfg(vocab_size=2**40), "vocab_size", ("--dry-run",)),
+    "layers-1e9": ConvertCase("7", _no_layer_types(num_hidden_layers=10**9), "num_hidden_layers"),
+    "layers-1e9-dry-run": ConvertCase("7", _no_layer_types(num_hidden_layers=10**9), "num_hidden_layers",
+                                      ("--dry-run",)),
+    # 8: bad checkpoints that converted with exit 0
+    "tensor-of-layer-7": ConvertCase("8", _add_layer_7, "layer 7"),
+    "negative-offset": ConvertCase("8", lambda w: w.shard_header(_shift_negative), "model.embed_tokens.weight"),
+    "overlapping-offsets": ConvertCase("8", lambda w: w.shard_header(_overlap), "overlap"),
+    "index-points-outside": ConvertCase("8", _outside_index, "outside.safetensors"),
+    "negative-token-id": ConvertCase("8", _tok(_negative_id), "id -1"),
+    "zero-layers": ConvertCase("8", _cfg(num_hidden_layers=0, layer_types=[]), "num_hidden_layers"),
+    "mask-id-out-of-vocab": ConvertCase("8", _cfg(mask_token_id=100000), "mask_token_id"),
+    # own: more impossible or malformed settings
+    "experts-per-token-above-experts": ConvertCase("own", _cfg(num_experts_per_tok=9), "num_experts_per_tok"),
+    "mask-id-negative": ConvertCase("own", _cfg(mask_token_id=-1), "mask_token_id"),
+    "attention-interval-0": ConvertCase("own", _no_layer_types(full_attention_interval=0), "full_attention_interval"),
+    "rope-parameters-list": ConvertCase("own", _cfg(rope_parameters=[1, 2]), "rope_parameters"),
+    "rotary-above-head-dim": ConvertCase("own", _cfg(rope_parameters={"partial_rotary_factor": 2.0}),
+                                         "partial_rotary_factor"),
+    "rms-eps-negative": ConvertCase("own", _cfg(rms_norm_eps=-1e-6), "rms_norm_eps"),
+    "text-config-list": ConvertCase("own", _cfg(text_config=[1]), "text_config"),
+    "layer-types-nested": ConvertCase("own", _cfg(layer_types=[["linear_attention"]] * 4), "layer_types"),
+    "experts-2^20": ConvertCase("own", _cfg(num_experts=2**20), "num_experts"),
+    "coreset-top-p-abc": ConvertCase("own", _cfg(moe_block_coreset_top_p="abc"), "moe_block_coreset_top_p"),
+    "generation-config-list": ConvertCase("own", _write("generation_config.json", b"[0]"), "generation_config.json"),
+    "generation-negative-start": ConvertCase("own", lambda w: w.edit_json(
+        "generation_config.json", lambda d: d.update(dllm_length_penalty_start=-1)), "dllm_length_penalty_start"),
+    "generation-block-size-0": ConvertCase("own", lambda w: w.edit_json(
+        "generation_config.json", lambda d: d.update(block_size=0)), "block_size"),
+    "tokenizer-config-list": ConvertCase("own", _write("tokenizer_config.json", b"[1]"), "tokenizer_config.json"),
+    "tokenizer-config-eos-list": ConvertCase("own", lambda w: w.edit_json(
+        "tokenizer_config.json", lambda d: d.update(eos_token=["<|im_end|>"])), "eos_token"),
+    "tokenizer-duplicate-id": ConvertCase("own", _tok(_duplicate_id), "both"),
+    "tokenizer-merges-numbers": ConvertCase("own", _tok_model(merges=[[1, 2]]), "merges"),
+    "tokenizer-added-without-id": ConvertCase("own", _tok(lambda d: d["added_tokens"][0].pop("id")), "added_tokens"),
+    "chat-template-binary": ConvertCase("own", _write("chat_template.jinja", b"\xff\xfe{{"), "chat_template.jinja"),
+    "chat-template-invalid": ConvertCase("own", _write("chat_template.jinja", b"{% for m in messages %}{{ m"),
+                                         "chat template"),
+    "safetensors-header-list": ConvertCase("own", lambda w: _raw_header(w, b"[1, 2]"), "model.safetensors"),
+    "safetensors-offsets-strings": ConvertCase("own", lambda w: w.shard_header(
+        lambda h: h["model.norm.weight"].update(data_offsets=["0", "256"])), "model.norm.weight"),
+    "index-absolute-path": ConvertCase("own", _absolute_index, "index"),
+    "index-is-a-list": ConvertCase("own", lambda w: (w.ck / "model.safetensors.index.json").write_text("[]"),
+                                   "model.safetensors.index.json"),
+}
+
+
+def _raw_header(w: Work, blob: bytes) -> None:
+    p = w.shard()
+    raw = p.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    p.write_bytes(raw[:8] + blob + b" " * (n - len(blob)) + raw[8 + n:])
+
+
+@pytest.mark.parametrize("case", list(CONVERT_CASES))
+def test_convert_refuses(base, tmp_path, case):
+    c = CONVERT_CASES[case]
+    w = Work(tmp_path, base)
+    c.breaker(w)
+    before = snapshot(tmp_path)
+    p = clover(*w.convert(*c.extra))
+    assert_refused(p, before, tmp_path, c.expect)
+
+
+# ---- outputs: never an input, never a special file, never an existing file without --force ------------------------
+def _out_onto_shard(w: Work) -> list:
+    return ["convert", w.ck, "-o", w.shard(), "--quiet"]
+
+
+def _out_onto_config(w: Work) -> list:
+    return ["convert", w.ck, "-o", w.ck / "config.json", "--quiet", "--force"]
+
+
+def _out_onto_symlink_of_shard(w: Work) -> list:
+    link = w.folder / "out" / "link.gguf"
+    link.symlink_to(w.shard())
+    return ["convert", w.ck, "-o", link, "--quiet"]
+
+
+def _out_onto_hardlink_of_shard(w: Work) -> list:
+    hard = w.folder / "out" / "hard.gguf"
+    os.link(w.shard(), hard)
+    return ["convert", w.ck, "-o", hard, "--quiet"]
+
+
+def _out_onto_fifo(w: Work) -> list:
+    fifo = w.folder / "out" / "fifo.gguf"
+    os.mkfifo(fifo)
+    return ["convert", w.ck, "-o", fifo, "--quiet"]
+
+
+def _out_onto_device_link(w: Work) -> list:
+    # a link to /dev/null: refusing it must follow the link (a device is never replaced, nor the link to it)
+    link = w.folder / "out" / "null.gguf"
+    link.symlink_to("/dev/null")
+    return ["convert", w.ck, "-o", link, "--quiet"]
+
+
+def _out_exists(w: Work) -> list:
+    w.out.write_bytes(b"an earlier conversion")
+    return w.convert()
+
+
+def _quantize_onto_fifo(w: Work) -> list:
+    fifo = w.folder / "out" / "fifo.gguf"
+    os.mkfifo(fifo)
+    return ["quantize", w.gguf, fifo, "--type", "Q8_0", "--quiet", "--force"]
+
+
+def _quantize_onto_symlink_of_input(w: Work) -> list:
+    link = w.folder / "out" / "link.gguf"
+    link.symlink_to(w.gguf)
+    return ["quantize", w.gguf, link, "--type", "Q8_0", "--quiet", "--force"]
+
+
+OUTPUT_CASES = {
+    "convert-onto-its-shard": ("4", _out_onto_shard, "input"),
+    "convert-onto-its-config-force": ("4", _out_onto_config, "input"),
+    "convert-onto-symlink-of-shard": ("4", _out_onto_symlink_of_shard, "input"),
+    "convert-onto-hardlink-of-shard": ("4", _out_onto_hardlink_of_shard, "input"),
+    "convert-onto-fifo": ("4", _out_onto_fifo, "not a regular file"),
+    "convert-onto-link-to-dev-null": ("4", _out_onto_device_link, "not a regular file"),
+    "convert-onto-existing-output": ("4", _out_exists, "--force"),
+    "quantize-onto-fifo": ("4", _quantize_onto_fifo, "not a regular file"),
+    "quantize-onto-link-to-input": ("own", _quantize_onto_symlink_of_input, "input"),
+}
+
+
+@pytest.mark.parametrize("case", list(OUTPUT_CASES))
+def test_output_never_replaces_an_input_or_a_special_file(base, tmp_path, case):
+    _, make, expect = OUTPUT_CASES[case]
+    w = Work(tmp_path, base)
+    argv = make(w)
+    before = snapshot(tmp_path)
+    p = clover(*argv)
+    assert_refused(p, before, tmp_path, expect)
+
+
+# ---- a full disk mid-write ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("command", ["convert", "quantize"])
+def test_full_disk_mid_write(base, tmp_path, command):
+    """Writes past RLIMIT_FSIZE fail with EFBIG, as a full disk fails with ENOSPC: one line, no partial file."""
+    w = Work(tmp_path, base)
+    argv = w.convert() if command == "convert" else ["quantize", w.gguf, w.out, "--type", "Q8_0", "--quiet"]
+    before = snapshot(tmp_path)
+    p = clover(*argv, fsize=256 * 1024)
+    assert_refused(p, before, tmp_path, "m.gguf")
+
+
+# ---- GGUFs whose hyperparameters would abort llama.cpp, or that our own readers choked on --------------------------
+SCALAR_FMT = {4: "I", 5: "i", 6: "f", 7: "?"}
+
+
+def _kv(vtype: int, value) -> bytes:
+    return struct.pack("<I" + SCALAR_FMT[vtype], vtype, value)
+
+
+def _kv_str(text: str) -> bytes:
+    b = text.encode()
+    return struct.pack("<IQ", 8, len(b)) + b
+
+
+def _kv_arr(sub: int, values) -> bytes:
+    return struct.pack("<IIQ", 9, sub, len(values)) + b"".join(struct.pack("<" + SCALAR_FMT[sub], v) for v in values)
+
+
+def _kv_nested(depth: int) -> bytes:
+    inner = struct.pack("<IQI", 4, 1, 7)
+    for _ in range(depth - 1):
+        inner = struct.pack("<IQ", 9, 1) + inner
+    return struct.pack("<I", 9) + inner
+
+
+def _skip_value(buf: bytes, pos: int, vtype: int) -> int:
+    if vtype == 8:
+        return pos + 8 + struct.unpack_from("<Q", buf, pos)[0]
+    if vtype == 9:
+        sub, n = struct.unpack_from("<IQ", buf, pos)
+        pos += 12
+        if sub in (0, 1, 7):
+            return pos + n
+        if sub in (2, 3):
+            return pos + 2 * n
+        if sub in (4, 5, 6):
+            return pos + 4 * n
+        if sub in (10, 11, 12):
+            return pos + 8 * n
+        for _ in range(n):
+            pos = _skip_value(buf, pos, sub)
+        return pos
+    return pos + {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}[vtype]
+
+
+def edit_gguf(src: Path, dst: Path, changes: dict[str, bytes | None], cut_tail: int = 0) -> Path:
+    """Copy a GGUF byte for byte, replacing (bytes), adding or removing (None) metadata values; every tensor info
+    and the tensor data are kept as they are (offsets are relative to the data section, re-aligned here)."""
+    buf = src.read_bytes()
+    version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+    pos, kvs, align = 24, [], 32
+    for _ in range(n_kv):
+        (n,) = struct.unpack_from("<Q", buf, pos)
+        key = buf[pos + 8:pos + 8 + n].decode()
+        start = pos + 8 + n
+        end = _skip_value(buf, start + 4, struct.unpack_from("<I", buf, start)[0])
+        if key == "general.alignment":
+            align = struct.unpack_from("<I", buf, start + 4)[0]
+        kvs.append((key, buf[start:end]))
+        pos = end
+    infos_start = pos
+    for _ in range(n_tensors):
+        (n,) = struct.unpack_from("<Q", buf, pos)
+        pos += 8 + n
+        (nd,) = struct.unpack_from("<I", buf, pos)
+        pos += 4 + 8 * nd + 4 + 8
+    infos, data = buf[infos_start:pos], buf[(pos + align - 1) // align * align:]
+    todo = dict(changes)
+    out = []
+    for key, raw in kvs:
+        if key in todo:
+            raw = todo.pop(key)
+        if raw is not None:
+            out.append((key, raw))
+    out += [(k, v) for k, v in todo.items() if v is not None]
+    head = b"GGUF" + struct.pack("<IQQ", version, n_tensors, len(out))
+    head += b"".join(struct.pack("<Q", len(k.encode())) + k.encode() + raw for k, raw in out) + infos
+    blob = head + b"\0" * (-len(head) % align) + data
+    dst.write_bytes(blob[:len(blob) - cut_tail] if cut_tail else blob)
+    return dst
+
+
+U32, I32, F32, BOOL = 4, 5, 6, 7
+A = "clover."
+GGUF_CASES: dict[str, tuple[str, dict, str]] = {
+    # 3: hyperparameters that abort llama.cpp (GGML_ASSERT) when it loads the model
+    "expert-used-0": ("3", {A + "expert_used_count": _kv(U32, 0)}, "expert_used_count"),
+    "expert-used-above-count": ("3", {A + "expert_used_count": _kv(U32, 9)}, "expert_used_count"),
+    "expert-count-0": ("3", {A + "expert_count": _kv(U32, 0)}, "expert_count"),
+    "block-count-0": ("3", {A + "block_count": _kv(U32, 0)}, "block_count"),
+    "rope-dims-odd": ("3", {A + "rope.dimension_count": _kv(U32, 7)}, "rope.dimension_count"),
+    "rope-dims-huge": ("3", {A + "rope.dimension_count": _kv(U32, 4096)}, "rope.dimension_count"),
+    # 6: metadata of the wrong type, arrays nested 3000 deep
+    "context-length-a-string": ("6", {A + "context_length": _kv_str("abc")}, "context_length"),
+    "threshold-a-string": ("6", {A + "diffusion.threshold": _kv_str("abc")}, "diffusion.threshold"),
+    "nested-3000": ("6", {"general.nested": _kv_nested(3000)}, "general.nested"),
+    # own: more that abort, hang on NaN arithmetic or crash our own code
+    "block-count-600": ("own", {A + "block_count": _kv(U32, 600)}, "block_count"),
+    "nextn-above-blocks": ("own", {A + "nextn_predict_layers": _kv(U32, 9)}, "nextn_predict_layers"),
+    "rope-sections-zero": ("own", {A + "rope.dimension_sections": _kv_arr(I32, [0, 0, 0, 0])}, "dimension_sections"),
+    "rope-sections-too-wide": ("own", {A + "rope.dimension_sections": _kv_arr(I32, [100, 100, 100, 0])},
+                               "dimension_sections"),
+    "right-kernel-0": ("own", {A + "ssm.conv_right_kernel": _kv(U32, 0)}, "conv_right_kernel"),
+    "rope-scaling-bogus": ("own", {A + "rope.scaling.type": _kv_str("bogus")}, "rope.scaling.type"),
+    "attention-interval-0": ("own", {A + "full_attention_interval": _kv(U32, 0),
+                                     A + "attention.recurrent_layers": None}, "full_attention_interval"),
+    "rms-eps-nan": ("own", {A + "attention.layer_norm_rms_epsilon": _kv(F32, float("nan"))},
+                    "layer_norm_rms_epsilon"),
+    "rms-eps-0": ("own", {A + "attention.layer_norm_rms_epsilon": _kv(F32, 0.0)}, "layer_norm_rms_epsilon"),
+    "rope-base-0": ("own", {A + "rope.freq_base": _kv(F32, 0.0)}, "rope.freq_base"),
+    "coreset-top-p-0": ("own", {A + "moe_block_coreset.top_p": _kv(F32, 0.0)}, "top_p"),
+    "mask-id-out-of-vocab": ("own", {"tokenizer.ggml.mask_token_id": _kv(U32, 100000)}, "mask_token_id"),
+    "block-size-0": ("own", {A + "diffusion.block_size": _kv(U32, 0)}, "block_size"),
+    "expert-used-int32": ("own", {A + "expert_used_count": _kv(I32, 2)}, "expert_used_count"),
+    "chat-template-invalid": ("own", {"tokenizer.chat_template": _kv_str("{% for m in messages %}{{ m")},
+                              "chat template"),
+}
+# the issue's bad GGUFs through the runtime (generate), the quantizer and info, two through serve; our own through
+# the runtime (one check_model serves every command, so the others would repeat the same check)
+GGUF_RUNS = [(case, cmd) for case, (item, _, _) in GGUF_CASES.items()
+             for cmd in (("generate", "quantize", "info") if item != "own" else ("generate",))] + \
+    [("expert-used-0", "serve"), ("nested-3000", "serve")]
+
+
+def _gguf_command(cmd: str, model: Path, out: Path) -> list:
+    return {"generate": ["generate", model, "-p", PROMPT, "-n", "8", "--mode", "diffusion"],
+            "quantize": ["quantize", model, out, "--type", "Q8_0", "--quiet"],
+            "info": ["info", model],
+            "serve": ["serve", model, "--port", "0"]}[cmd]
+
+
+@pytest.mark.parametrize("case,cmd", GGUF_RUNS, ids=[f"{c}-{m}" for c, m in GGUF_RUNS])
+def test_bad_gguf_refused_before_llama_cpp(base, tmp_path, case, cmd):
+    _, changes, expect = GGUF_CASES[case]
+    w = Work(tmp_path, base)
+    model = edit_gguf(base["gguf"], tmp_path / "bad.gguf", changes)
+    before = snapshot(tmp_path)
+    p = clover(*_gguf_command(cmd, model, w.out))
+    assert_refused(p, before, tmp_path, expect)
+
+
+def test_gguf_editor_round_trips(base, tmp_path):
+    """The editor above changes only what it is told to: with no change it reproduces the file byte for byte."""
+    assert edit_gguf(base["gguf"], tmp_path / "same.gguf", {}).read_bytes() == base["gguf"].read_bytes()
+
+
+def test_truncated_gguf(base, tmp_path):
+    model = edit_gguf(base["gguf"], tmp_path / "cut.gguf", {}, cut_tail=4096)
+    before = snapshot(tmp_path)
+    for cmd in ("info", "generate"):
+        assert_refused(clover(*_gguf_command(cmd, model, tmp_path / "o.gguf")), before, tmp_path, "truncated")
+
+
+# ---- quantize's own inputs --------------------------------------------------------------------------------------------
+def _fake_imatrix(path: Path, base_gguf: Path) -> Path:
+    from gguf import GGUFWriter
+
+    w = GGUFWriter(path, "imatrix")
+    w.add_array("imatrix.datasets", ["calibration.txt"])
+    w.add_uint32("imatrix.chunk_count", 4)
+    w.add_uint32("imatrix.chunk_size", 64)
+    for name in ("blk.0.attn_qkv.weight", "blk.0.ffn_up_shexp.weight", "output.weight"):
+        w.add_tensor(name + ".in_sum2", np.ones(64, np.float32))
+        w.add_tensor(name + ".counts", np.full(1, 4.0, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_truncated_imatrix(base, tmp_path):
+    w = Work(tmp_path, base)
+    im = _fake_imatrix(tmp_path / "imatrix.gguf", base["gguf"])
+    im.write_bytes(im.read_bytes()[:-100])
+    src = w.gguf
+    before = snapshot(tmp_path)
+    p = clover("quantize", src, w.out, "--type", "Q4_K_M", "--imatrix", im, "--quiet")
+    assert_refused(p, before, tmp_path, "imatrix.gguf")
+
+
+def test_imatrix_sums_not_a_multiple_of_counts(base, tmp_path):
+    """own: 64 sums over 3 experts cannot be split per expert."""
+    from gguf import GGUFWriter
+
+    w = Work(tmp_path, base)
+    im = tmp_path / "imatrix.gguf"
+    gw = GGUFWriter(im, "imatrix")
+    gw.add_array("imatrix.datasets", ["c.txt"])
+    gw.add_uint32("imatrix.chunk_count", 1)
+    gw.add_uint32("imatrix.chunk_size", 64)
+    gw.add_tensor("blk.0.ffn_up_exps.weight.in_sum2", np.ones(64, np.float32))
+    gw.add_tensor("blk.0.ffn_up_exps.weight.counts", np.ones(3, np.float32))
+    gw.write_header_to_file()
+    gw.write_kv_data_to_file()
+    gw.write_tensors_to_file()
+    gw.close()
+    src = w.gguf
+    before = snapshot(tmp_path)
+    p = clover("quantize", src, w.out, "--type", "Q4_K_M", "--imatrix", im, "--quiet")
+    assert_refused(p, before, tmp_path, "blk.0.ffn_up_exps.weight")
+
+
+# ---- signals: INT, TERM and HUP stop the run, remove the temporary file, rename nothing -----------------------------
+@pytest.fixture(scope="session")
+def wide(tmp_path_factory) -> dict[str, Path]:
+    """A model whose conversion and IQ4_XS quantization take long enough to be interrupted."""
+    root = tmp_path_factory.mktemp("hostile-wide")
+    make_tiny(root / "ck", seed=22, preset="wide")
+    convert(root / "ck", root / "m.gguf", outtype="f32", quiet=True)
+    return {"ck": root / "ck", "gguf": root / "m.gguf"}
+
+
+def _interrupt(argv: list, out_dir: Path, sig: int, group: bool) -> subprocess.CompletedProcess | None:
+    """Start the command, wait until its temporary output exists, then send `sig` (to its whole process group
+    when `group`, as a terminal's Ctrl-C does). The process is stopped while the signal is sent, so it arrives
+    in the middle of the write however fast the machine is. None: the write ended before the stop (try again)."""
+    proc = subprocess.Popen([sys.executable, "-m", "clover_gguf", *map(str, argv)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, errors="replace", env=_env(), cwd=ROOT,
+                            start_new_session=True, preexec_fn=_limits())
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        while not any(".partial-" in p.name for p in out_dir.iterdir()):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"no temporary file appeared; exit {proc.returncode}")
+            time.sleep(0.002)
+        os.killpg(proc.pid, signal.SIGSTOP)
+        if not any(".partial-" in p.name for p in out_dir.iterdir()):
+            # it finished writing between the look and the stop: the signal would come after the rename
+            os.killpg(proc.pid, signal.SIGCONT)
+            proc.communicate(timeout=TIMEOUT_S)
+            return None
+        if group:
+            os.killpg(proc.pid, sig)
+        else:
+            os.kill(proc.pid, sig)
+        os.killpg(proc.pid, signal.SIGCONT)
+        out, err = proc.communicate(timeout=TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+SIGNAL_CASES = {
+    "quantize-ctrl-c": ("5", "quantize", signal.SIGINT, True),
+    "quantize-sigterm": ("5", "quantize", signal.SIGTERM, False),
+    "quantize-sighup": ("5", "quantize", signal.SIGHUP, False),
+    "convert-sigterm": ("5", "convert", signal.SIGTERM, False),
+    "convert-sighup": ("5", "convert", signal.SIGHUP, False),
+    "convert-ctrl-c": ("own", "convert", signal.SIGINT, True),
+}
+
+
+@pytest.mark.parametrize("case", list(SIGNAL_CASES))
+def test_signal_leaves_nothing(wide, tmp_path, case):
+    _, command, sig, group = SIGNAL_CASES[case]
+    out = tmp_path / "out"
+    out.mkdir()
+    if command == "quantize":
+        src = tmp_path / "in.gguf"
+        shutil.copy(wide["gguf"], src)
+        argv = ["quantize", src, out / "m.gguf", "--type", "IQ4_XS", "--threads", "1", "--quiet"]
+    else:
+        src = tmp_path / "ck"
+        shutil.copytree(wide["ck"], src)
+        argv = ["convert", src, "-o", out / "m.gguf", "--outtype", "q8_0", "--quiet"]
+    before = snapshot(tmp_path)
+    for _ in range(5):
+        p = _interrupt(argv, out, sig, group)
+        if p is not None:
+            break
+        for f in out.iterdir():  # the finished output of a run the signal came too late for
+            f.unlink()
+    assert p is not None, "the command finished before it could be stopped, five times"
+    assert "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert p.returncode == 130, f"exit {p.returncode}: {p.stderr[-2000:]}"
+    err = p.stderr.strip().splitlines()
+    assert len(err) == 1 and "interrupted" in err[0], p.stderr[-2000:]
+    assert list(out.iterdir()) == [], "the output or its temporary file is still there"
+    assert snapshot(tmp_path) == before, "an input changed"
+
+
+# ---- issue 16 items that live in the same commands ----------------------------------------------------------------
+def test_plan_from_config_without_the_library_says_so(base, tmp_path):
+    p = clover("quantize", "--plan", "--type", "Q4_K_M", "--config", base["ck"] / "config.json",
+               env={"LLAMA_CPP_LIB_PATH": str(tmp_path / "no-build")})
+    assert_refused(p, {}, tmp_path, "needs the patched llama.cpp")
