@@ -423,8 +423,9 @@ def _progress(bar, line: str, what: str):
 
 
 def configure_and_build(src: Path, build_dir: Path, backend: str, options: Sequence[str], jobs: int,
-                        log_path: Path, quiet: bool = False) -> Path:  # fmt: skip
-    """cmake configure + build of the needed targets; returns the folder holding the built binaries."""
+                        log_path: Path, quiet: bool = False, targets: Sequence[str] | None = None) -> Path:  # fmt: skip
+    """cmake configure + build of `targets` (default: build_targets()); returns the folder holding the built
+    binaries. The GPU check (bench/device) builds fewer targets with the same options."""
     env = dict(os.environ)
     env.pop("CMAKE_ARGS", None)
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
@@ -432,10 +433,9 @@ def configure_and_build(src: Path, build_dir: Path, backend: str, options: Seque
         print(f"configuring llama.cpp ({backend}) ...", file=sys.stderr)
     run_logged(["cmake", "-S", str(src), "-B", str(build_dir), *generator, *options],
                log_path, "configure", env=env, quiet=quiet)  # fmt: skip
-    run_logged(
-        ["cmake", "--build", str(build_dir), "--config", "Release", "-j", str(jobs), "--target", *build_targets()],
-        log_path, "build", env=env, quiet=quiet,
-    )  # fmt: skip
+    targets = list(targets or build_targets())
+    run_logged(["cmake", "--build", str(build_dir), "--config", "Release", "-j", str(jobs), "--target", *targets],
+               log_path, "build", env=env, quiet=quiet)  # fmt: skip
     return build_dir / "bin"
 
 

@@ -14,6 +14,7 @@ import pytest
 from clover_gguf.convert import convert
 from clover_gguf.errors import UserError
 from clover_gguf.runtime import CloverRuntime
+from clover_gguf.testing.device import env_offload_kwargs
 
 
 def rel_err(a, b) -> float:
@@ -46,7 +47,7 @@ def test_partial_rejection_leaves_no_trace(tiny_gguf, strategy, rejected):
     the rejected tokens (and block passes see the same prefix)."""
     kept = DRAFT[:len(DRAFT) - rejected]
     nxt = [61]
-    with CloverRuntime(tiny_gguf, n_ctx=256, rollback=strategy, exact=True, n_threads=2) as rt:
+    with CloverRuntime(tiny_gguf, n_ctx=256, rollback=strategy, exact=True, n_threads=2, **env_offload_kwargs()) as rt:
         b = rt.backend
         b.reset()
         b.prefill(PROMPT)
@@ -69,7 +70,7 @@ def test_partial_rejection_leaves_no_trace(tiny_gguf, strategy, rejected):
 
 @pytest.mark.slow
 def test_draft_self_exact_equals_ar_on_random_weights(tiny_gguf):
-    with CloverRuntime(tiny_gguf, n_ctx=512, exact=True, n_threads=2) as rt:
+    with CloverRuntime(tiny_gguf, n_ctx=512, exact=True, n_threads=2, **env_offload_kwargs()) as rt:
         ar = rt.generate("Count from 3 to 9.", mode="ar", max_new_tokens=24)
         ds = rt.generate("Count from 3 to 9.", mode="draft-self", max_new_tokens=24, block_size=8)
     assert ds.raw == ar.raw
@@ -77,7 +78,7 @@ def test_draft_self_exact_equals_ar_on_random_weights(tiny_gguf):
 
 
 def test_context_limit_is_refused_before_decoding(tiny_gguf):
-    with CloverRuntime(tiny_gguf, n_ctx=128, n_threads=2) as rt:
+    with CloverRuntime(tiny_gguf, n_ctx=128, n_threads=2, **env_offload_kwargs()) as rt:
         with pytest.raises(UserError, match=r"request needs \d+ tokens .* more than the context"):
             rt.generate("hello", mode="ar", max_new_tokens=rt.n_ctx)
         with pytest.raises(UserError, match="to resolve a final block"):
@@ -88,7 +89,7 @@ def test_context_limit_is_refused_before_decoding(tiny_gguf):
 def test_block_mode_refused_without_extras(plain_gguf):
     """A plain Qwen3.5-MoE conversion refuses the block modes and decodes AR: the greedy tokens of a loop written
     here on the raw context (controls off, so the argmax is the whole rule)."""
-    with CloverRuntime(plain_gguf, n_ctx=256, n_threads=2) as rt:
+    with CloverRuntime(plain_gguf, n_ctx=256, n_threads=2, **env_offload_kwargs()) as rt:
         with pytest.raises(UserError, match="no Clover block-mode tensors"):
             rt.generate("hello", mode="draft-self", max_new_tokens=8)
         got = rt.generate("hello", mode="ar", max_new_tokens=6, controls=rt.controls.off())

@@ -15,6 +15,7 @@ from clover_gguf.convert import convert
 from clover_gguf.decoding import MODES, generate_all
 from clover_gguf.reference import ReferenceBackend
 from clover_gguf.runtime import CloverRuntime
+from clover_gguf.testing.device import env_offload_kwargs
 from clover_gguf.testing.train_tiny import (ASSET_DIR, EVAL_ROWS, chat_prompt, load_eval, load_tiny,
                                             row_conversation, row_kind, strip_thinking)
 
@@ -79,7 +80,7 @@ def test_training_renders_the_prompt_the_runtime_sends(ggufs):
 def test_llama_diffusion_matches_the_reference_decode(tiny, ggufs):
     model, tok, rows = tiny
     ref_out, ref_passes = _decode_all(ReferenceBackend(model), tok, rows, mode="diffusion", threshold=0.95)
-    with CloverRuntime(ggufs["f32"], n_ctx=512, exact=True, n_threads=2) as rt:
+    with CloverRuntime(ggufs["f32"], n_ctx=512, exact=True, n_threads=2, **env_offload_kwargs()) as rt:
         out, passes = _decode_all(rt.backend, tok, rows, mode="diffusion", threshold=0.95)
     assert out == ref_out
     assert passes == ref_passes
@@ -89,7 +90,7 @@ def test_llama_diffusion_matches_the_reference_decode(tiny, ggufs):
 @pytest.mark.parametrize("rollback", ["redecode", "snapshot"])
 def test_draft_self_exact_equals_ar(tiny, ggufs, kind, rollback):
     _, tok, rows = tiny
-    with CloverRuntime(ggufs[kind], n_ctx=512, rollback=rollback, n_threads=2) as rt:
+    with CloverRuntime(ggufs[kind], n_ctx=512, rollback=rollback, n_threads=2, **env_offload_kwargs()) as rt:
         ar, _ = _decode_all(rt.backend, tok, rows, mode="ar")
         ds, _ = _decode_all(rt.backend, tok, rows, mode="draft-self", accept="exact")
     assert ds == ar
@@ -134,7 +135,7 @@ def test_eval_draft_self_exact_gives_the_ar_text_on_every_row(full_eval):
 def test_generate_with_the_cards_controls_answers(ggufs, tiny):
     """The user-facing path (GGUF chat template, llama tokenizer, the card's controls on) answers correctly."""
     _, _, rows = tiny
-    with CloverRuntime(ggufs["f32"], n_ctx=512, n_threads=2) as rt:
+    with CloverRuntime(ggufs["f32"], n_ctx=512, n_threads=2, **env_offload_kwargs()) as rt:
         for row in rows[::3]:
             conv = row_conversation(row)
             for mode in MODES:

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from clover_gguf.llama_context import LlamaContext, load_binding
+from clover_gguf.testing.device import env_offload_kwargs
 
 TOL = 1e-4
 N_EXPERTS, VOCAB = 16, 1024
@@ -70,7 +71,7 @@ def test_the_slice_has_the_35b_layer_shape(ref):
 
 
 def _runner(gguf, coreset: bool, probe=None) -> LlamaContext:
-    return LlamaContext(gguf, n_ctx=256, n_ubatch=256, exact=True, n_threads=2,
+    return LlamaContext(gguf, n_ctx=256, n_ubatch=256, exact=True, n_threads=2, **env_offload_kwargs(),
                         overrides={"clover.moe_block_coreset.enabled": coreset},
                         eval_callback=None if probe is None else probe.callback)
 
@@ -142,7 +143,7 @@ def test_grown_vocabulary_tokenizes_like_hf(files):
     assert len(tok) == VOCAB - UNUSED_VOCAB_ROWS  # the rows past it are padding
     trained = len(train_bpe(DEFAULT_CORPUS, 200)[0])
     grown = range(trained, tok.convert_tokens_to_ids(SPECIAL_TOKENS[0]))
-    r = LlamaContext(gguf, n_ctx=64, n_threads=2)
+    r = LlamaContext(gguf, n_ctx=64, n_threads=2, **env_offload_kwargs())
     try:
         assert r.n_vocab == VOCAB
         used = []
