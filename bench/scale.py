@@ -172,7 +172,7 @@ def bench_vocab(ckpt: Path, q4: Path, threads: int) -> dict:
     n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
     L.llama_model_free(model)
     rt, rt_w, rt_c = timed(lambda: CloverRuntime(q4, n_ctx=1024, n_threads=threads))
-    _, eog_w, eog_c = timed(rt._end_tokens)
+    _, eog_w, eog_c = timed(rt._scan_vocab)
     rt.close()
     n_real = sum(1 for t in vocab.tokens if not t.startswith("[PAD"))
     print(f"tokenizer.json ({n_real:,} tokens, {len(vocab.merges):,} merges, {cfg.vocab_size:,} rows) read: "
@@ -180,7 +180,7 @@ def bench_vocab(ckpt: Path, q4: Path, threads: int) -> dict:
           f"{write_w:.2f} / {write_c:.2f} s")
     print(f"llama.cpp loading the vocabulary alone ({n_vocab:,} tokens): {vocab_w:.2f} / {vocab_c:.2f} s")
     print(f"runtime start-up (CloverRuntime on the Q4_K_M file, n_ctx 1024): {rt_w:.2f} / {rt_c:.2f} s, of which the "
-          f"end-token scan over the vocabulary {eog_w:.2f} / {eog_c:.2f} s")
+          f"vocabulary scan (end tokens, control-token texts) {eog_w:.2f} / {eog_c:.2f} s")
     return dict(read=(read_w, read_c), write=(write_w, write_c), vocab_only=(vocab_w, vocab_c),
                 runtime=(rt_w, rt_c), eog_scan=(eog_w, eog_c), meta_bytes=meta_bytes)
 
@@ -336,10 +336,21 @@ def bundled_pass_mix(wd: Path, threads: int, n_prompts: int) -> dict:
     mix = {}
     for mode in ("ar", "diffusion", "draft-self"):
         with CloverRuntime(gguf, n_ctx=1024, n_threads=threads) as rt:
-            calls: list[tuple[int, bool]] = []
-            decode = rt.ctx.decode
-            rt.ctx.decode = lambda ids, *a, f=decode, **kw: (calls.append((len(ids), kw.get("causal", True))),
-                                                             f(ids, *a, **kw))[1]
+            calls: list[tuple[int, bool]] = []  # (tokens, causal) of every llama_decode
+            decode, block, in_block = rt.ctx.decode, rt.ctx.block, [False]
+
+            def counted_decode(ids, *a, **kw):
+                calls.append((len(ids), not in_block[0]))
+                return decode(ids, *a, **kw)
+
+            def counted_block(*a, **kw):  # a block pass is one decode on the scratch sequence
+                in_block[0] = True
+                try:
+                    return block(*a, **kw)
+                finally:
+                    in_block[0] = False
+
+            rt.ctx.decode, rt.ctx.block = counted_decode, counted_block
             tokens, blocks, causal = 0, 0, []
             for p in prompts:
                 calls.clear()

@@ -40,7 +40,10 @@ PROMPT = "What is 2 + 3?"
 # ---- running a command ------------------------------------------------------------------------------------------
 def _limits(fsize: int | None = None) -> Callable[[], None]:
     def apply() -> None:
-        signal.signal(signal.SIGHUP, signal.SIG_DFL)  # as in a terminal, whatever ran the tests (nohup ignores it)
+        # as in a terminal, whatever ran the tests: nohup ignores SIGHUP, and a shell's background job (`cmd &`)
+        # ignores SIGINT, which Python then leaves ignored (no KeyboardInterrupt)
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
         resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE, ADDRESS_SPACE))
         if fsize is not None:  # a "full disk": writes past fsize fail with EFBIG (Python ignores SIGXFSZ)
             resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))

@@ -414,6 +414,10 @@ def cmd_decode(a) -> None:
     print_decode(a.name, out)
 
 
+# a diffusion commit and a draft-self verification are both one causal pass over a block's tokens
+SAME_SHAPE = {"commit": "verify", "verify": "commit"}
+
+
 def project(this: dict, mix_from: dict) -> dict:
     """tok/s each mode would reach with this model's pass costs (median ms per kind) and the pass mix (passes of each
     kind per generated token) of a trained model (the bundled one): random weights resolve almost nothing per block
@@ -422,6 +426,9 @@ def project(this: dict, mix_from: dict) -> dict:
     for mode in MODES:
         for kind, p in this["modes"][mode]["passes"].items():
             cost.setdefault(kind, p["median_ms"])
+    for kind, twin in SAME_SHAPE.items():  # a kind this run never made, priced by its twin of the same shape
+        if kind not in cost and twin in cost:
+            cost[kind] = cost[twin]
     out = {}
     for mode in MODES:
         mix = mix_from["modes"][mode]["passes"]
