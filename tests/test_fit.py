@@ -17,7 +17,6 @@ from clover_gguf.convert import convert
 from clover_gguf.errors import UserError
 from clover_gguf.llama_memory import DryRun
 from clover_gguf.quantize import _pad, plan
-from clover_gguf.testing.train_tiny import ASSET_DIR
 
 GiB = 2**30
 
@@ -85,10 +84,8 @@ def test_35b_q3_k_s_on_16_gib_says_what_context_fits(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def ggufs(make_checkpoint, tmp_path_factory) -> dict[str, Path]:
-    d = tmp_path_factory.mktemp("fit")
-    out = {"tiny-clover": d / "tiny-clover.gguf", "small": d / "small.gguf"}
-    convert(ASSET_DIR, out["tiny-clover"], outtype="f32", quiet=True)
+def ggufs(make_checkpoint, bundled_gguf, tmp_path_factory) -> dict[str, Path]:
+    out = {"tiny-clover": bundled_gguf, "small": tmp_path_factory.mktemp("fit") / "small.gguf"}
     convert(make_checkpoint(seed=4, preset="small"), out["small"], outtype="f32", quiet=True)
     return out
 

@@ -22,8 +22,6 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from clover_gguf.convert import convert  # noqa: E402
-from clover_gguf.testing.train_tiny import ASSET_DIR  # noqa: E402
 
 KEY = "hostile-key"
 LONG = "What is 34 + 58? " * 6  # the prompt: between --ctx 64 and llama.cpp's padded 256 before the fix
@@ -31,10 +29,8 @@ TOO_LONG = "What is 34 + 58? " * 80  # past any context these tests make
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("hostile") / "tiny.gguf"
-    convert(ASSET_DIR, out, outtype="f32", quiet=True)
-    return out
+def model(bundled_gguf) -> Path:
+    return bundled_gguf
 
 
 def _edited(model: Path, dest: Path, key: str, value) -> Path:

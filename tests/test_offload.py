@@ -21,13 +21,6 @@ OVERRIDE_RE = r"tensor (\S+) \(.*\) buffer type overridden to (\S+)"
 
 
 @pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("offload") / "tiny-clover-f32.gguf"
-    convert(ASSET_DIR, out, outtype="f32", quiet=True)
-    return out
-
-
-@pytest.fixture(scope="module")
 def small_gguf(make_checkpoint, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("offload") / "small.gguf"
     convert(make_checkpoint(seed=3, preset="small"), out, outtype="f32", quiet=True)
@@ -67,21 +60,21 @@ def test_expert_tensors_of_exactly_the_chosen_layers_go_to_the_cpu_buffer(small_
     assert host == expected | {"token_embd.weight"}
 
 
-def test_answers_are_unchanged_with_the_options_in_every_mode(tiny_gguf):
+def test_answers_are_unchanged_with_the_options_in_every_mode(bundled_gguf):
     _, tok, rows = load_tiny(ASSET_DIR)
     prompts = [chat_prompt(r["prompt"]) for r in rows[::40]]
     options = Offload(gpu_layers="all", n_cpu_moe=2, mmap=False)
     answers = {}
     for name, off in (("plain", None), ("options", options)):
-        with CloverRuntime(tiny_gguf, n_ctx=512, n_threads=2, offload=off) as rt:
+        with CloverRuntime(bundled_gguf, n_ctx=512, n_threads=2, offload=off) as rt:
             answers[name] = ["".join(t for t, _ in rt.stream_ids(rt.raw_prompt_ids(p), mode=mode, max_new_tokens=48))
                              for mode in ("ar", "diffusion", "draft-self") for p in prompts]
     assert answers["options"] == answers["plain"]
     assert all(answers["plain"])
 
 
-def test_cli_accepts_the_options_and_says_once_that_without_a_gpu_they_do_nothing(tiny_gguf):
-    base = ["generate", tiny_gguf, "-p", "Count from 3 to 6.", "-n", "12", "--mode", "ar", "--threads", "2"]
+def test_cli_accepts_the_options_and_says_once_that_without_a_gpu_they_do_nothing(bundled_gguf):
+    base = ["generate", bundled_gguf, "-p", "Count from 3 to 6.", "-n", "12", "--mode", "ar", "--threads", "2"]
     plain = _cli(*base)
     with_opts = _cli(*base, "-ngl", "all", "--n-cpu-moe", "2", "--no-mmap")
     assert plain.returncode == 0 and with_opts.returncode == 0, with_opts.stderr
@@ -93,8 +86,8 @@ def test_cli_accepts_the_options_and_says_once_that_without_a_gpu_they_do_nothin
 @pytest.mark.parametrize("args, message", [(("--n-cpu-moe", "9"), "above the model's 4 layers"),
                                            (("-ngl", "most"), "--gpu-layers must be"),
                                            (("--n-cpu-moe", "-1"), "at least 0")])
-def test_bad_offload_values_get_one_line_and_exit_2(tiny_gguf, args, message):
-    r = _cli("generate", tiny_gguf, "-p", "hi", "-n", "2", *args)
+def test_bad_offload_values_get_one_line_and_exit_2(bundled_gguf, args, message):
+    r = _cli("generate", bundled_gguf, "-p", "hi", "-n", "2", *args)
     assert r.returncode == 2
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("clover-gguf: error:")]
     assert len(errors) == 1 and message in errors[0], r.stderr
@@ -116,10 +109,10 @@ def test_offload_values():
     assert not on_device("token_embd.weight", 4, ALL, [])
 
 
-def test_log_capture_collects_debug_lines_and_stays_silent(tiny_gguf, capfd):
+def test_log_capture_collects_debug_lines_and_stays_silent(bundled_gguf, capfd):
     with capture_llama_log() as outer:
         with capture_llama_log() as inner:
-            ctx = LlamaContext(tiny_gguf, n_ctx=256, n_threads=2)
+            ctx = LlamaContext(bundled_gguf, n_ctx=256, n_threads=2)
         ctx.close()
     assert inner.grep(r"KV buffer size") and inner.grep(r"compute buffer size =")
     assert any(level == LOG_DEBUG for level, _ in inner.lines)
@@ -130,14 +123,14 @@ def test_log_capture_collects_debug_lines_and_stays_silent(tiny_gguf, capfd):
     assert capfd.readouterr().err == ""
 
 
-def test_a_call_asking_for_more_logits_rows_than_the_context_holds_raises(tiny_gguf):
-    with LlamaContext(tiny_gguf, n_ctx=256, n_threads=2, n_outputs_max=4) as ctx:
+def test_a_call_asking_for_more_logits_rows_than_the_context_holds_raises(bundled_gguf):
+    with LlamaContext(bundled_gguf, n_ctx=256, n_threads=2, n_outputs_max=4) as ctx:
         assert ctx.decode([1, 2, 3, 4], 0).shape[0] == 4
         with pytest.raises(ValueError, match="at most 4"):
             ctx.decode([5, 6, 7, 8, 9], 4)
         assert ctx.decode([5, 6, 7, 8, 9], 4, logits=[False] * 4 + [True]).shape[0] == 1
         assert ctx.max_outputs == 4
-    with CloverRuntime(tiny_gguf, n_ctx=256, n_threads=2) as rt:
+    with CloverRuntime(bundled_gguf, n_ctx=256, n_threads=2) as rt:
         assert rt.ctx.n_outputs_max == rt.block_size
         with pytest.raises(UserError, match="block size 64 is above the 32"):
             rt.generate("hi", mode="diffusion", block_size=64, max_new_tokens=4)

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from clover_gguf.chat import ChatSession
-from clover_gguf.convert import convert
 from clover_gguf.decoding import MODES, generate_all
 from clover_gguf.reference import ReferenceBackend
 from clover_gguf.runtime import CloverRuntime
@@ -36,15 +35,12 @@ def tiny():
 
 
 @pytest.fixture(scope="module")
-def ggufs(tmp_path_factory) -> dict[str, Path]:
+def ggufs(bundled_gguf, tmp_path_factory) -> dict[str, Path]:
     from clover_gguf.quantize import quantize
 
-    d = tmp_path_factory.mktemp("tiny-gguf")
-    f32 = d / "tiny-f32.gguf"
-    convert(ASSET_DIR, f32, outtype="f32", quiet=True)
-    q8 = d / "tiny-q8_0.gguf"
-    quantize(f32, q8, "Q8_0", quiet=True)
-    return {"f32": f32, "q8_0": q8}
+    q8 = tmp_path_factory.mktemp("tiny-gguf") / "tiny-q8_0.gguf"
+    quantize(bundled_gguf, q8, "Q8_0", quiet=True)
+    return {"f32": bundled_gguf, "q8_0": q8}
 
 
 def _decode_all(backend, tok, rows, **kw):
