@@ -203,7 +203,7 @@ class PassRunner:
         self.ar = rng.integers(0, vocab_size, 4096).tolist()
         cb = None if probe is None else probe.callback
         self.ctxs = {c: LlamaContext(gguf, n_ctx=512, n_ubatch=512, n_seq_max=3, n_threads=threads,
-                                     eval_callback=cb, overrides={"clover.moe_block_coreset.enabled": c == "on"})
+                                     eval_callback=cb, overrides={"clover_moe.moe_block_coreset.enabled": c == "on"})
                      for c in ("on", "off")}
         for c in self.ctxs.values():
             c.decode(self.prefix, 0, 0, logits=False)

@@ -42,11 +42,12 @@ class ThinkingRenderer:
 
 
 class ChatSession:
-    def __init__(self, model: Path, mode: str = "draft-self", max_new_tokens: int = 1024, think: bool = True,
+    def __init__(self, model: Path, mode: str | None = None, max_new_tokens: int = 1024, think: bool = True,
                  show_thinking: bool = True, temp: float = 0.0, seed: int | None = None, n_ctx: int | None = None,
                  json_stats: bool = False, out: TextIO = sys.stdout, inp: TextIO = sys.stdin,
                  rollback: str = "redecode", offload: Offload | None = None, **runtime_kwargs):
         self.rt = CloverRuntime(model, n_ctx=n_ctx, rollback=rollback, offload=offload, **runtime_kwargs)
+        mode = mode or self.rt.default_mode
         self.mode, self.max_new_tokens, self.think, self.show_thinking = mode, max_new_tokens, think, show_thinking
         self.temp, self.seed, self.json_stats = temp, seed, json_stats
         self.out, self.inp = out, inp
@@ -71,6 +72,8 @@ class ChatSession:
             else:
                 self.mode = arg.strip()
                 self.say(f"(mode: {self.mode})")
+                if note := self.rt.reading_note(self.mode):
+                    self.say(f"({note})")
         elif cmd == "/stats":
             self.say(self.stats_line() if self.last else "(no answer yet)")
         else:
@@ -113,6 +116,8 @@ class ChatSession:
 
     def loop(self) -> None:
         self.say(f"clover-gguf chat: {self.rt.path.name}, mode {self.mode}. /reset /mode /stats /quit")
+        if note := self.rt.reading_note(self.mode):
+            self.say(f"({note})")
         try:
             while True:
                 try:

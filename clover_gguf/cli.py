@@ -27,7 +27,7 @@ class OutType(str, Enum):
 
 
 class Arch(str, Enum):
-    clover = "clover"
+    clover_moe = "clover_moe"
     qwen35moe = "qwen35moe"
 
 
@@ -83,7 +83,8 @@ def convert(
     src: Path = typer.Argument(..., help="checkpoint folder (config.json, safetensors, tokenizer)"),
     out: Path = typer.Option(..., "-o", "--out", help="output GGUF file"),
     outtype: OutType = typer.Option(OutType.bf16, "--outtype", help="storage type of the weight matrices"),
-    arch: Arch = typer.Option(Arch.clover, "--arch", help="clover, or qwen35moe: AR only, for stock llama.cpp"),
+    arch: Arch = typer.Option(Arch.clover_moe, "--arch", help="clover_moe (with the block-mode tensors), or "
+                              "qwen35moe: AR only, for llama.cpp builds older than b12060"),
     skip_unknown: bool = typer.Option(False, "--skip-unknown", help="drop tensors the map does not know (warns)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="validate and print the plan; write nothing"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
@@ -113,20 +114,57 @@ def convert(
 @app.command("export-ar")
 def export_ar(
     src: Path = typer.Argument(..., help="a Clover GGUF (any type, quantized too)"),
-    out: Path = typer.Argument(..., help="output qwen35moe GGUF"),
+    out: Path = typer.Argument(..., help="output GGUF"),
+    arch: Arch = typer.Option(Arch.clover_moe, "--arch", help="clover_moe: what upstream's converter writes (llama.cpp "
+                              "b12060 and later); qwen35moe: for older builds and apps"),
     force: bool = typer.Option(False, "--force", help="overwrite OUT"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
-    """Clover GGUF -> qwen35moe GGUF for stock llama.cpp, Ollama, LM Studio (AR only; tensors copied as they are)."""
+    """Clover GGUF -> the AR-only GGUF stock llama.cpp runs (tensors copied as they are)."""
     from clover_gguf.export import export_ar as run
 
-    res = run(src, out, force=force, quiet=quiet or as_json)
+    res = run(src, out, force=force, quiet=quiet or as_json, arch=arch.value)
     if as_json:
         typer.echo(json.dumps({"out": str(res.out), "tensors": res.n_tensors, "size_bytes": res.size_bytes,
                                "dropped_tensors": res.dropped_tensors, "dropped_keys": res.dropped_keys}))
     else:
-        typer.echo(f"wrote {res.out}: qwen35moe, {res.n_tensors} tensors, {res.size_bytes / 2**30:.3f} GiB")
+        typer.echo(f"wrote {res.out}: {arch.value}, {res.n_tensors} tensors, {res.size_bytes / 2**30:.3f} GiB")
+
+
+@app.command()
+def graft(
+    src: Path = typer.Argument(..., help="a clover_moe GGUF without the block-mode tensors (an official file)"),
+    from_: str = typer.Option(..., "--from", help="the checkpoint: a local folder, or a Hugging Face repo id "
+                              "(ranged reads: only the block tensors and the headers are downloaded)"),
+    out: Path = typer.Option(..., "-o", "--out", help="output GGUF"),
+    revision: Optional[str] = typer.Option(None, "--revision", help="with a repo id: branch, tag or commit"),
+    force: bool = typer.Option(False, "--force", help="overwrite OUT"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Add the block-mode tensors and keys to an AR-only GGUF (its tensors copied byte for byte)."""
+    from clover_gguf.graft import graft as run
+
+    res = run(src, from_, out, revision=revision, force=force, quiet=quiet or as_json)
+    typer.echo(json.dumps(res.to_json()) if as_json else res.summary())
+
+
+@app.command("check-block")
+@offload_options
+def check_block(
+    model: Path = typer.Argument(..., help="a Clover GGUF with the block-mode tensors"),
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help="one prompt per line (default: a built-in set)"),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", min=1),
+    ctx: Optional[int] = typer.Option(None, "--ctx", min=16),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+    offload=None,
+) -> None:
+    """Check the file's reading of the block tensors: the share of drafted tokens its own causal path accepts."""
+    from clover_gguf.check_block import check_block as run
+
+    res = run(model, prompts=prompts, max_new_tokens=max_new_tokens, n_ctx=ctx, offload=offload)
+    typer.echo(json.dumps(res.to_json()) if as_json else res.format())
 
 
 @app.command()
@@ -267,7 +305,8 @@ EndRule = _choices("EndRule", END_RULES)
 def generate(
     model: Path = typer.Argument(..., help="a Clover GGUF"),
     prompt: str = typer.Option(..., "-p", "--prompt", help="the user message"),
-    mode: Mode = typer.Option(Mode.draft_self, "--mode", help="ar, diffusion (block decoding) or draft-self"),
+    mode: Optional[Mode] = typer.Option(None, "--mode", help="ar, diffusion (block decoding) or draft-self (the "
+                                        "default; ar for a file without the block-mode tensors)"),
     max_new_tokens: int = typer.Option(512, "--max-new-tokens", "-n", min=1),
     block_size: Optional[int] = typer.Option(None, "--block-size", min=1, help="default: the GGUF's (32)"),
     threshold: Optional[float] = typer.Option(None, "--threshold", min=0.0, max=1.0, help="default: the GGUF's"),
@@ -305,7 +344,10 @@ def generate(
     with CloverRuntime(model, n_ctx=ctx, rollback=rollback.value, offload=offload, block_size=block_size,
                        **_rpc(rpc)) as rt:
         controls = replace(rt.controls.off() if no_controls else rt.controls, **overrides)
-        kw = dict(mode=mode.value, max_new_tokens=max_new_tokens, block_size=block_size, threshold=threshold,
+        mode_ = mode.value if mode else rt.default_mode
+        if note := rt.reading_note(mode_):
+            typer.echo(note, err=True)
+        kw = dict(mode=mode_, max_new_tokens=max_new_tokens, block_size=block_size, threshold=threshold,
                   accept=accept.value, temp=temp, top_p=top_p, top_k=top_k, seed=seed, think=think,
                   controls=controls, end_rule=end_rule.value)
         if as_json:
@@ -324,7 +366,7 @@ def generate(
 @offload_options
 def chat(
     model: Path = typer.Argument(..., help="a Clover GGUF"),
-    mode: Mode = typer.Option(Mode.draft_self, "--mode"),
+    mode: Optional[Mode] = typer.Option(None, "--mode", help="default: draft-self (ar for an AR-only file)"),
     max_new_tokens: int = typer.Option(1024, "--max-new-tokens", "-n", min=1),
     think: bool = typer.Option(True, "--think/--no-think"),
     show_thinking: bool = typer.Option(True, "--show-thinking/--hide-thinking", help="thinking dimmed, or hidden"),
@@ -342,7 +384,7 @@ def chat(
 
     check_sampling(temp)
 
-    ChatSession(model, mode=mode.value, max_new_tokens=max_new_tokens, think=think, show_thinking=show_thinking,
+    ChatSession(model, mode=mode.value if mode else None, max_new_tokens=max_new_tokens, think=think, show_thinking=show_thinking,
                 temp=temp, seed=seed, n_ctx=ctx, json_stats=json_stats, rollback=rollback.value,
                 offload=offload, **_rpc(rpc)).loop()
 
@@ -353,7 +395,8 @@ def serve(
     model: Path = typer.Argument(..., help="a Clover GGUF"),
     host: str = typer.Option("127.0.0.1", "--host", help="bind address (loopback by default)"),
     port: int = typer.Option(8080, "--port", min=0, max=65535),
-    mode: Mode = typer.Option(Mode.draft_self, "--mode", help="default mode; a request may set its own `mode`"),
+    mode: Optional[Mode] = typer.Option(None, "--mode", help="default mode (draft-self; ar for an AR-only file); a "
+                                        "request may set its own `mode`"),
     ctx: Optional[int] = typer.Option(None, "--ctx", min=16, help="context per slot (default: min(8192, model's))"),
     parallel: int = typer.Option(1, "--parallel", min=1, help="slots: independent contexts serving requests at once"),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="CLOVER_GGUF_API_KEY",
@@ -365,7 +408,7 @@ def serve(
     """An OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models, /health."""
     from clover_gguf.server import serve as run
 
-    run(model, host=host, port=port, mode=mode.value, ctx=ctx, parallel=parallel, api_key=api_key,
+    run(model, host=host, port=port, mode=mode.value if mode else None, ctx=ctx, parallel=parallel, api_key=api_key,
         rollback=rollback.value, n_threads=offload.threads, offload=offload, **_rpc(rpc))  # threads per slot
 
 

@@ -102,8 +102,10 @@ class GenerationStats:
     generated_tokens: int = 0
     forward_passes: int = 0  # every prefill / commit / block_logits call, the prompt's included
     block_passes: int = 0  # the block_logits calls among them
-    drafted_tokens: int = 0  # draft-self: draft tokens offered for verification
-    accepted_tokens: int = 0  # draft-self: draft tokens the causal pass accepted
+    # drafted / accepted: block-proposed tokens that a causal pass checked, and how many of them it would have chosen
+    # itself (draft-self: its verification; diffusion: the commit pass, greedy): the check of the block reading
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
     finish_reason: str | None = None  # "stop" (end token) or "length"
 
     @property
@@ -319,8 +321,14 @@ def _diffusion(backend, prompt_ids, max_new, block_size, threshold, sampler, pro
             yield _finish(stats, took, "length")
             return
         yield Chunk(took, stats)
-        backend.commit(block)  # one causal pass makes the block part of the prefix
+        ver = backend.commit(block)  # one causal pass makes the block part of the prefix
         stats.forward_passes += 1
+        # how far the causal path agrees with the block (greedy, controls on): diffusion's acceptance
+        target = greedy(process(processors, [out[:len(out) - len(block) + i + 1] for i in range(block_size - 1)],
+                                ver[:-1]))
+        stats.drafted_tokens += block_size - 1
+        stats.accepted_tokens += next((i for i in range(block_size - 1) if block[i + 1] != int(target[i])),
+                                      block_size - 1)
 
 
 def _draft_self(backend, prompt_ids, max_new, block_size, threshold, accept, sampler, processors, stats, end_rule

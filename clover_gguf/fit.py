@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from clover_gguf.errors import UserError
+from clover_gguf.metadata import ARCH, BLOCK_MODE, hparam
 from clover_gguf.offload import ALL, Offload, on_device
 from clover_gguf.quantize import _pad
 
@@ -69,17 +70,17 @@ class Shape:
     def from_kv(cls, kv: dict[str, Any], where: str) -> "Shape":
         from clover_gguf.gguf_header import ArrayInfo
 
-        if kv.get("general.architecture") != "clover":
+        if kv.get("general.architecture") != ARCH:
             raise UserError(f"{where} is not a Clover GGUF (architecture {kv.get('general.architecture')!r})")
 
         def key(name: str, default: Any = None) -> Any:
-            v = kv.get(f"clover.{name}", default)
+            v = kv.get(hparam(name), default)
             if v is None:
-                raise UserError(f"{where}: the GGUF has no clover.{name}")
+                raise UserError(f"{where}: the GGUF has no {hparam(name)}")
             return v
 
         n_layer = int(key("block_count"))
-        recr = kv.get("clover.attention.recurrent_layers")
+        recr = kv.get(hparam("attention.recurrent_layers"))
         if not isinstance(recr, list) or len(recr) < n_layer:
             interval = int(key("full_attention_interval", 4))
             recr = [(i + 1) % interval != 0 for i in range(n_layer)]
@@ -97,7 +98,7 @@ class Shape:
             kv_per_cell=int(n_head_kv) * (int(key("attention.key_length")) + int(key("attention.value_length"))),
             # llama.cpp's n_embd_r + n_embd_s (llama-hparams.cpp): (d_conv - 1) * conv channels + d_state * d_inner
             state_per_seq=(d_conv - 1) * (d_inner + 2 * n_group * d_state) + d_state * d_inner,
-            block_mode=bool(kv.get("clover.block_mode", False)))
+            block_mode=bool(kv.get(BLOCK_MODE, False)))
 
 
 @dataclass

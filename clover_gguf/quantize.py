@@ -34,6 +34,7 @@ from clover_gguf.fsutil import atomic_output, check_free_disk, check_output
 from clover_gguf.gguf_header import (GGUF_MAGIC, GGUFHeader, check_model, read_header,  # noqa: F401 - re-exported
                                      tensor_bytes)
 from clover_gguf.offload import Offload, no_offload_notice
+from clover_gguf.metadata import ARCH
 from clover_gguf.metadata import QUANT_RECIPE as RECIPE_KEY
 from clover_gguf.recipes import FTYPES, NEEDS_IMATRIX, Recipe, check_rules, recipe_for
 
@@ -60,7 +61,7 @@ def _added_kv_bytes(h: GGUFHeader, kvs: list[tuple[str, str | int]]) -> int:
 
 
 def check_clover(h: GGUFHeader) -> None:
-    if h.arch != "clover":
+    if h.arch != ARCH:
         raise UserError(f"{h.path} is not a Clover GGUF (general.architecture = {h.arch!r}); "
                         "convert the checkpoint with `clover-gguf convert` first")
 

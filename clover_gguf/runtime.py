@@ -168,8 +168,8 @@ class RunStats(decoding.GenerationStats):
         """One line for a person (generate --stats, chat): tokens, passes, tokens/pass, tok/s, acceptance."""
         parts = [f"{self.generated_tokens} tokens", f"{self.forward_passes} passes",
                  f"{self.tokens_per_pass:.2f} tokens/pass", f"{self.tokens_per_s:.1f} tok/s"]
-        if self.acceptance_rate is not None:
-            parts.append(f"{self.acceptance_rate:.0%} of drafts accepted")
+        if self.acceptance_rate is not None:  # every block-mode run: the check of the block reading
+            parts.append(f"{self.acceptance_rate:.0%} of block tokens accepted by the causal path")
         parts.append(f"{self.seconds:.2f} s")
         if self.finish_reason == "length":
             parts.append("cut at the token limit")
@@ -213,6 +213,8 @@ class CloverRuntime:
         self.path = path
         card = md.GenerationDefaults()
         self.block_mode = bool(meta.get(md.BLOCK_MODE, False))
+        self.reading = meta.get(md.BLOCK_READING)
+        self.reading_verified = bool(meta.get(md.BLOCK_READING_VERIFIED, False))
         self.context_length = int(meta.get(md.hparam("context_length"), 4096))
         self.block_size = int(meta.get(md.BLOCK_SIZE, card.block_size))
         self.threshold = float(meta.get(md.THRESHOLD, card.threshold))
@@ -260,6 +262,20 @@ class CloverRuntime:
         ids = self.ctx.tokenize(text, special=True)
         return ids[0] if len(ids) == 1 else None
 
+    @property
+    def default_mode(self) -> str:
+        """The mode when none is asked for: draft-self (AR's text, fewer passes), or ar for an AR-only file."""
+        return "draft-self" if self.block_mode else "ar"
+
+    def reading_note(self, mode: str) -> str | None:
+        """One line for a block-mode run on a file whose block tensors are read under our reading of their math,
+        not trained under it (the real checkpoint, until check-block confirms the reading); None otherwise."""
+        if mode == "ar" or not self.block_mode or self.reading_verified:
+            return None
+        return (f"note: the block tensors of {self.path.name} are read as clover-gguf's reading "
+                f"{self.reading or '(unknown)'} says, not yet verified for these weights: `clover-gguf check-block "
+                f"{self.path.name}` measures how much of each block the causal path accepts")
+
     # ---- prompts ----------------------------------------------------------------------------------------
     def render(self, messages: Sequence[dict[str, str]], think: bool = True) -> str:
         """The GGUF's chat template over these messages (UserError when the template refuses them)."""
@@ -282,8 +298,7 @@ class CloverRuntime:
             raise UserError("max_new_tokens and the block size must be at least 1")
         if mode != "ar":
             if not self.block_mode:
-                raise UserError(f"{self.path.name} has no Clover block-mode tensors (a plain Qwen3.5-MoE conversion): "
-                                f"use --mode ar")
+                raise UserError(no_block_tensors(self.path, mode))
             if self.mask_token_id is None:
                 raise UserError(f"{self.path.name} has no tokenizer.ggml.mask_token_id: block mode is unavailable")
             if block_size > self.ctx.n_ubatch:  # one block is one llama.cpp micro-batch (it aborts otherwise)
@@ -403,6 +418,13 @@ class CloverRuntime:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def no_block_tensors(path: Path, mode: str) -> str:
+    """Why `mode` cannot run on a file without the block-mode tensors, and the fix."""
+    name = Path(path).name
+    return (f"{name} has no block-mode tensors (an AR-only file, as the official GGUFs are), so --mode {mode} cannot "
+            f"run: add them with `clover-gguf graft {name} --from {md.HF_REPO} -o OUT.gguf`, or use --mode ar")
 
 
 def _check_utf8(text: str, what: str) -> None:

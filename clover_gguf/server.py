@@ -637,7 +637,7 @@ def load_runtimes(model: str | Path | Callable[[], Any], parallel: int, ctx: int
     return runtimes, name
 
 
-def create_app(model: str | Path | Callable[[], Any], mode: str = "draft-self", api_key: str | None = None,
+def create_app(model: str | Path | Callable[[], Any], mode: str | None = None, api_key: str | None = None,
                parallel: int = 1, ctx: int | None = None, model_id: str | None = None,
                runtime_kwargs: dict[str, Any] | None = None):
     """-> a FastAPI (ASGI) app serving `model`: a GGUF path, or a factory returning a CloverRuntime-like object
@@ -648,17 +648,23 @@ def create_app(model: str | Path | Callable[[], Any], mode: str = "draft-self", 
     from starlette.exceptions import HTTPException
 
     ChatRequest, CompletionRequest = _models()
-    if mode not in MODES:
+    if mode is not None and mode not in MODES:
         raise UserError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
     if parallel < 1:
         raise UserError("--parallel must be at least 1")
     if ctx is not None and ctx < 16:
         raise UserError("--ctx must be at least 16")
     runtimes, name = load_runtimes(model, parallel, ctx, model_id, runtime_kwargs)
-    if mode != "ar" and not getattr(runtimes[0], "block_mode", True):
+    first = runtimes[0]
+    mode = mode or getattr(first, "default_mode", "draft-self")  # ar for an AR-only file
+    if mode != "ar" and not getattr(first, "block_mode", True):
         for rt in runtimes:
             rt.close()
-        raise UserError(f"the model has no Clover block-mode tensors, so --mode {mode} cannot run: use --mode ar")
+        from clover_gguf.runtime import no_block_tensors
+
+        raise UserError(no_block_tensors(first.path, mode))
+    if hasattr(first, "reading_note") and (note := first.reading_note(mode)):
+        log.warning("%s", note)
     pool = Pool(runtimes)
 
     @contextlib.asynccontextmanager
@@ -690,7 +696,7 @@ def create_app(model: str | Path | Callable[[], Any], mode: str = "draft-self", 
     return app
 
 
-def serve(model: str | Path, host: str = "127.0.0.1", port: int = 8080, mode: str = "draft-self",
+def serve(model: str | Path, host: str = "127.0.0.1", port: int = 8080, mode: str | None = None,
           ctx: int | None = None, parallel: int = 1, api_key: str | None = None, model_id: str | None = None,
           log_level: str = "info", **runtime_kwargs) -> None:
     """Load the model and serve it with uvicorn until interrupted."""

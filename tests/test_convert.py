@@ -156,17 +156,17 @@ def test_metadata_and_vocabulary_round_trip(tiny, tmp_path):
     cfg = CloverConfig.from_file(tiny)
     assert txt("general.architecture") == "clover"
     assert txt("tokenizer.ggml.pre") == "qwen35" and txt("tokenizer.ggml.model") == "gpt2"
-    assert val("clover.block_count") == cfg.num_hidden_layers
-    assert val("clover.attention.key_length") == cfg.head_dim
-    assert val("clover.ssm.time_step_rank") == cfg.linear_num_value_heads
-    assert val("clover.diffusion.block_size") == 32
-    assert abs(val("clover.diffusion.threshold") - 0.95) < 1e-6
-    assert val("clover.ssm.conv_right_kernel") == cfg.right_kernel
-    assert bool(val("clover.block_mode")) and bool(val("clover.moe_block_coreset.enabled"))
-    assert abs(val("clover.moe_block_coreset.top_p") - 0.9) < 1e-6
-    assert abs(val("clover.generation.presence_penalty") - 0.9) < 1e-6
-    assert abs(val("clover.generation.repetition_penalty") - 1.05) < 1e-6
-    assert val("clover.generation.think_end_bias_start") == 4096
+    assert val("clover_moe.block_count") == cfg.num_hidden_layers
+    assert val("clover_moe.attention.key_length") == cfg.head_dim
+    assert val("clover_moe.ssm.time_step_rank") == cfg.linear_num_value_heads
+    assert val("clover_moe.diffusion.block_size") == 32
+    assert abs(val("clover_moe.diffusion.threshold") - 0.95) < 1e-6
+    assert val("clover_moe.ssm.conv_right_kernel") == cfg.right_kernel
+    assert bool(val("clover_moe.block_mode")) and bool(val("clover_moe.moe_block_coreset.enabled"))
+    assert abs(val("clover_moe.moe_block_coreset.top_p") - 0.9) < 1e-6
+    assert abs(val("clover_moe.generation.presence_penalty") - 0.9) < 1e-6
+    assert abs(val("clover_moe.generation.repetition_penalty") - 1.05) < 1e-6
+    assert val("clover_moe.generation.think_end_bias_start") == 4096
     assert val("tokenizer.ggml.mask_token_id") == cfg.mask_token_id
     assert "enable_thinking" in txt("tokenizer.chat_template")
 

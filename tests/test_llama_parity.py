@@ -142,7 +142,7 @@ def test_masked_block_parity(clover_files, ref, seqs, filled, coreset):
         block[i] = seqs["block"][i]
     with torch.no_grad():
         want = ref.block_logits(prefix, block, coreset=coreset).numpy()
-    r = _runner(clover_files[1], overrides={"clover.moe_block_coreset.enabled": coreset})
+    r = _runner(clover_files[1], overrides={"clover_moe.moe_block_coreset.enabled": coreset})
     try:
         r.decode(prefix, 0, 0)
         assert parity(r.block(block, len(prefix)), want) <= TOL
@@ -151,9 +151,9 @@ def test_masked_block_parity(clover_files, ref, seqs, filled, coreset):
 
 
 @pytest.mark.parametrize("overrides,coreset", [
-    ({"clover.moe_block_coreset.enabled": False}, False),
-    ({"clover.moe_block_coreset.top_p": 0.5}, 0.5),
-    ({"clover.moe_block_coreset.top_p": 1.0}, 1.0),
+    ({"clover_moe.moe_block_coreset.enabled": False}, False),
+    ({"clover_moe.moe_block_coreset.top_p": 0.5}, 0.5),
+    ({"clover_moe.moe_block_coreset.top_p": 1.0}, 1.0),
 ], ids=["off", "top_p-0.5", "top_p-1.0"])
 @pytest.mark.slow
 def test_block_coreset_overrides(clover_files, ref, seqs, overrides, coreset):
@@ -281,7 +281,7 @@ def test_saved_model_keeps_block_settings(clover_files, ref, seqs, tmp_path):
     decodes blocks to the same logits (here with a coreset override that must survive too)."""
     prefix, block = seqs["prefix"], seqs["block"]
     saved = tmp_path / "saved.gguf"
-    r = _runner(clover_files[1], overrides={"clover.moe_block_coreset.top_p": 0.5})
+    r = _runner(clover_files[1], overrides={"clover_moe.moe_block_coreset.top_p": 0.5})
     try:
         r.decode(prefix, 0, 0)
         want = r.block(block, len(prefix))
@@ -292,7 +292,7 @@ def test_saved_model_keeps_block_settings(clover_files, ref, seqs, tmp_path):
         assert parity(want, ref.block_logits(prefix, block, coreset=0.5).numpy()) <= TOL
     r = _runner(saved)
     try:
-        assert r.meta("clover.moe_block_coreset.top_p") == "0.500000" and r.meta("clover.block_mode") == "true"
+        assert r.meta("clover_moe.moe_block_coreset.top_p") == "0.500000" and r.meta("clover_moe.block_mode") == "true"
         r.decode(prefix, 0, 0)
         assert np.array_equal(r.block(block, len(prefix)), want)
     finally:
