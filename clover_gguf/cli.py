@@ -423,7 +423,7 @@ def fit(
     unified: Optional[bool] = typer.Option(None, "--unified/--discrete", help="the GPU shares host memory "
                                            "(Apple silicon; default: as llama.cpp reports the GPU, else discrete)"),
     ctx: Optional[int] = typer.Option(None, "--ctx", help="the context you want (default: the largest that fits)"),
-    mode: Mode = typer.Option(Mode.draft_self, "--mode"),
+    mode: Optional[Mode] = typer.Option(None, "--mode", help="default: draft-self (ar for an AR-only file)"),
     parallel: int = typer.Option(1, "--parallel", min=1, help="server slots (each holds its own model and context)"),
     rollback: Rollback = typer.Option(Rollback.redecode, "--rollback", help="draft-self rollback strategy"),
     mmap: bool = typer.Option(True, "--mmap/--no-mmap", help="as the run would load the file"),
@@ -434,7 +434,8 @@ def fit(
     """Which offload and context fit a GPU or Mac, the predicted memory part by part, and the command to run."""
     from clover_gguf.fit import fit as run
 
-    res = run(model, config=config, qtype=qtype, vram=vram, ram=ram, ctx=ctx, mode=mode.value, parallel=parallel,
+    res = run(model, config=config, qtype=qtype, vram=vram, ram=ram, ctx=ctx, mode=mode.value if mode else None,
+              parallel=parallel,
               rollback=rollback.value, mmap=mmap, unified=unified, do_measure=measure)
     typer.echo(json.dumps(res.to_json()) if as_json else res.format())
 

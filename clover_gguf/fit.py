@@ -535,7 +535,7 @@ def llama_fit_params(model: Model, setup: Setup, ctx: int | None, floor: int) ->
 
 # ---- the command --------------------------------------------------------------------------------------------------
 def fit(model_path: Path | None = None, config: Path | None = None, qtype: str | None = None,
-        vram: str | None = None, ram: str | None = None, ctx: int | None = None, mode: str = "draft-self",
+        vram: str | None = None, ram: str | None = None, ctx: int | None = None, mode: str | None = None,
         parallel: int = 1, rollback: str = "redecode", mmap: bool = True, unified: bool | None = None,
         do_measure: bool = False) -> FitResult:
     from clover_gguf.llama_memory import DryRun, gpu_devices
@@ -556,12 +556,15 @@ def fit(model_path: Path | None = None, config: Path | None = None, qtype: str |
     for v in budget_in:
         if v is not None:
             parse_size(v)  # bad units fail before any work
-    setup = Setup(mode=mode, rollback=rollback, parallel=parallel, mmap=mmap)
     with tempfile.TemporaryDirectory(prefix="clover-fit-") as tmp:
         model = model_from_file(Path(model_path)) if model_path is not None else \
             model_from_config(Path(config), qtype, Path(tmp))  # type: ignore[arg-type]
+        mode = mode or ("draft-self" if model.shape.block_mode else "ar")  # as the runtime's default_mode
         if mode != "ar" and not model.shape.block_mode:
-            raise UserError(f"{model.label} has no Clover block-mode tensors: use --mode ar")
+            from clover_gguf.runtime import no_block_tensors
+
+            raise UserError(no_block_tensors(Path(model.label), mode))
+        setup = Setup(mode=mode, rollback=rollback, parallel=parallel, mmap=mmap)
         devices = gpu_devices()
         if do_measure and vram is not None and not devices:
             raise UserError("--measure loads the model on this machine, which has no GPU: leave out --vram")

@@ -18,7 +18,8 @@ KINDS = {
                   "patched llama.cpp",
     "clover_moe-ar": "clover_moe without the block-mode tensors (upstream's file, the official GGUFs, export-ar): AR "
                      "in llama.cpp b12060+ and ours; `clover-gguf graft` adds the block tensors",
-    "qwen35moe": "qwen35moe (export-ar --arch qwen35moe): AR only; loads in older llama.cpp and the apps built on it",
+    "qwen35moe": "qwen35moe (export-ar --arch qwen35moe): AR only; loads in stock llama.cpp, older builds too, and "
+                 "the apps built on them",
 }
 
 

@@ -337,8 +337,18 @@ def _make_plan(h: GGUFHeader, recipe: Recipe, run: _Run, source: str) -> QuantPl
                 notes.append(f"rule {pattern!r} -> {qtype.name}: {t.name} is {t.type.name} "
                              f"(llama.cpp {'never quantizes it' if t.type == t.src_type else 'fell back'})")
     # the input's header as it is (not padded: llama.cpp pads once, after the keys it adds)
-    header = h.header_bytes + _added_kv_bytes(h, run.kvs)
+    header = h.header_bytes + _added_kv_bytes(h, run.kvs) - _trailing_dim_bytes(h)
     return QuantPlan(recipe.ftype, recipe, tensors, header, h.alignment, _dedupe(notes), source)
+
+
+def _trailing_dim_bytes(h: GGUFHeader) -> int:
+    """llama.cpp writes a tensor's dimensions up to its last one above 1 (ggml_n_dims): a [1, H] tensor as the
+    input stores it (ffn_gate_inp_shexp, as upstream's converter writes it) loses 8 bytes of header in the output."""
+    n = 0
+    for shape, _ in h.tensors.values():  # numpy order: ggml's trailing dimensions come first
+        lead = next((i for i, d in enumerate(shape) if d != 1), len(shape) - 1)
+        n += 8 * min(lead, len(shape) - 1)
+    return n
 
 
 def _dedupe(notes: list[str], limit: int = 12) -> list[str]:

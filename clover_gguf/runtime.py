@@ -170,6 +170,8 @@ class RunStats(decoding.GenerationStats):
                  f"{self.tokens_per_pass:.2f} tokens/pass", f"{self.tokens_per_s:.1f} tok/s"]
         if self.acceptance_rate is not None:  # every block-mode run: the check of the block reading
             parts.append(f"{self.acceptance_rate:.0%} of block tokens accepted by the causal path")
+        elif self.mode != "ar":  # the answer ended inside its first block: no causal pass checked one
+            parts.append("no block checked by the causal path yet")
         parts.append(f"{self.seconds:.2f} s")
         if self.finish_reason == "length":
             parts.append("cut at the token limit")

@@ -509,7 +509,7 @@ def edit_gguf(src: Path, dst: Path, changes: dict[str, bytes | None], cut_tail: 
 
 
 U32, I32, F32, BOOL = 4, 5, 6, 7
-A = "clover."
+A = "clover_moe."
 GGUF_CASES: dict[str, tuple[str, dict, str]] = {
     # 3: hyperparameters that abort llama.cpp (GGML_ASSERT) when it loads the model
     "expert-used-0": ("3", {A + "expert_used_count": _kv(U32, 0)}, "expert_used_count"),

@@ -14,7 +14,7 @@ from clover_gguf.build import llama_tool
 
 
 def test_llama_archs_clover_passes():
-    p = subprocess.run([str(llama_tool("test-llama-archs")), "-a", "clover"], capture_output=True, text=True,
+    p = subprocess.run([str(llama_tool("test-llama-archs")), "-a", "clover_moe"], capture_output=True, text=True,
                        timeout=900, stdin=subprocess.DEVNULL)  # fmt: skip
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-4000:]

@@ -396,7 +396,7 @@ def test_patches_apply_to_a_fresh_pinned_tree(tmp_path):
     sdist = llama_sdist.fetch_sdist(build.cache_root() / "sdist", quiet=True)
     tree = llama_sdist.extract_llama_source(sdist, tmp_path / "llama.cpp")
     build.apply_patches(tree, build.patch_files())
-    assert (tree / "src" / "models" / "clover.cpp").is_file()
+    assert (tree / "src" / "models" / "clover-moe.cpp").is_file()
     assert "LLM_ARCH_CLOVER" in (tree / "src" / "llama-arch.h").read_text()
 
 
@@ -425,7 +425,7 @@ def test_llama_server_answers_the_openai_client(bundled_gguf, bundled_eval, tmp_
 
     from clover_gguf.export import export_ar
 
-    model = bundled_gguf if kind == "clover" else export_ar(bundled_gguf, tmp_path / "ar.gguf", quiet=True).out
+    model = bundled_gguf if kind == "clover" else export_ar(bundled_gguf, tmp_path / "ar.gguf", quiet=True, arch="qwen35moe").out
     row = bundled_eval[0]
     port = _free_port()
     server = subprocess.Popen([str(llama_tool("llama-server")), "-m", str(model), "--host", "127.0.0.1",

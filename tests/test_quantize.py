@@ -124,7 +124,8 @@ def test_recipe_output_matches_plan(wide, tmp_path, qtype):
     # the Clover invariants every recipe carries
     for name, (shape, qt) in got.tensors.items():
         if ".ssm_alpha." in name or ".ssm_beta." in name or "ffn_gate_inp" in name or "ssm_conv1d" in name \
-                or name.endswith(("ssm_block_scale", "ssm_block_gate", "ssm_a", "ssm_dt.bias")):
+                or name.endswith(("ssm_block_scale", "ssm_block_history_bias", "ssm_block_history_c", "ssm_a",
+                                  "ssm_dt.bias")):
             assert qt == QT.F32, name
     r = recipe_for(qtype)
     assert r.source.endswith(f"{qtype.lower()}.toml")
