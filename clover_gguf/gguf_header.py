@@ -17,7 +17,8 @@ from typing import Any
 from gguf import GGMLQuantizationType as QT
 from gguf.constants import GGML_QUANT_SIZES
 
-from clover_gguf.config import MAX_BLOCK
+from clover_gguf import metadata as md
+from clover_gguf.config import MAX_BLOCK, MAX_CONTEXT
 from clover_gguf.errors import UserError
 
 GGUF_MAGIC = b"GGUF"
@@ -238,7 +239,7 @@ def check_model(h: GGUFHeader) -> None:
     """Refuse, with one line naming the key, a Clover GGUF that llama.cpp would abort on (GGML_ASSERT, division by
     zero), hang on (NaN arithmetic: a zero epsilon or rope base), or that our own code would crash on (a value of
     the wrong type, an id outside the vocabulary, a template that does not compile). Called by info, quantize and
-    the runtime before llama.cpp sees the file; other architectures pass unchecked."""
+    the runtime and fit (read_clover) before llama.cpp sees the file; other architectures pass unchecked."""
     if h.arch != "clover":
         return
     c = _Checker(h)
@@ -261,6 +262,7 @@ def check_model(h: GGUFHeader) -> None:
                 "ssm.state_size", "ssm.group_count", "ssm.inner_size", "full_attention_interval",
                 "ssm.conv_right_kernel", "attention.head_count", "attention.head_count_kv", "ssm.time_step_rank"):
         count(key, 1, big)
+    count("context_length", 1, MAX_CONTEXT)
     n_blocks, n_experts, head_k = hp["block_count"], hp["expert_count"], hp["attention.key_length"]
     count("block_count", 1, MAX_LAYERS)
     count("nextn_predict_layers", 0, n_blocks - 1)
@@ -299,6 +301,23 @@ def check_model(h: GGUFHeader) -> None:
         raise c.fail("clover.rope.scaling.type", f"is {hp['rope.scaling.type']!r}; llama.cpp knows "
                      f"{', '.join(ROPE_SCALING_TYPES)}")
     _check_tokenizer(c)
+
+
+def read_clover(path: Path) -> GGUFHeader:
+    """The one way in for a Clover GGUF that llama.cpp is about to load (generate, chat, serve, fit): the file is
+    there, its header reads, its architecture is Clover and check_model passes; one line naming the problem
+    otherwise."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"no such model file: {path}")
+    try:
+        h = read_header(path)
+    except UserError as e:
+        raise UserError(f"{path} is not a readable GGUF file ({e})") from None
+    if h.kv.get(md.ARCHITECTURE) != md.ARCH:
+        raise UserError(f"{path} is not a Clover GGUF (architecture {h.kv.get(md.ARCHITECTURE)!r})")
+    check_model(h)  # hyperparameters llama.cpp would abort on, before it sees the file
+    return h
 
 
 def _check_tokenizer(c: _Checker) -> None:
