@@ -459,10 +459,12 @@ def main(argv: list[str] | None = None) -> None:
         app(args=["--help"], prog_name="clover-gguf", standalone_mode=False)
         sys.exit(2)
     stdout = sys.stdout
-    sys.stdout = _GuardedStdout(stdout)
+    if stdout is not None:  # None: started with stdout closed (`>&-`); click then writes nothing
+        sys.stdout = _GuardedStdout(stdout)
     try:
         rv = app(args=args, prog_name="clover-gguf", standalone_mode=False)
-        sys.stdout.flush()  # output still buffered fails here, not in the interpreter's flush at exit
+        if sys.stdout is not None:  # output still buffered fails here, not in the interpreter's flush at exit
+            sys.stdout.flush()
     except StdoutError as e:
         sys.exit(_stdout_failed(stdout, e.error))
     except UserError as e:

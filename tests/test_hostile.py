@@ -1014,6 +1014,20 @@ def test_a_closed_stdout_pipe_ends_quietly(base, tmp_path, name, argv, stdin):
     assert proc.returncode == 141 and err == b"", (proc.returncode, err.decode(errors="replace")[-2000:])
 
 
+def test_a_closed_stdout_descriptor_is_no_error(base, tmp_path):
+    """Started with stdout closed (`>&-`: Python's sys.stdout is None): the command runs and writes nothing, as
+    before the stdout guard (which must leave a missing stdout alone)."""
+    model = Work(tmp_path, base).gguf
+
+    def no_stdout() -> None:
+        _limits()()
+        os.close(1)
+
+    p = subprocess.run([sys.executable, "-m", "clover_gguf", "info", str(model)], stdin=subprocess.DEVNULL,
+                       stderr=subprocess.PIPE, env=_env(), cwd=ROOT, preexec_fn=no_stdout, timeout=TIMEOUT_S)
+    assert p.returncode == 0 and p.stderr == b"", (p.returncode, p.stderr.decode(errors="replace")[-2000:])
+
+
 # ---- 5. fit stopped by TERM or HUP removes its scratch folder, as Ctrl-C did -------------------------------------
 @pytest.mark.parametrize("sig,group", [(signal.SIGTERM, False), (signal.SIGHUP, False), (signal.SIGINT, True)],
                          ids=["sigterm", "sighup", "ctrl-c"])
