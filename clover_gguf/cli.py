@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import sys
 from enum import Enum
 from pathlib import Path
@@ -50,7 +52,60 @@ def _rpc(spec: Optional[str]) -> dict:
 
 
 def _err(msg: str) -> None:
+    """The one error line: a newline inside the message (a path, a --rpc value) is shown escaped, never as a
+    second line."""
+    msg = str(msg).replace("\r", "\\r").replace("\n", "\\n")
     typer.echo(f"clover-gguf: error: {msg}", err=True)
+
+
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a Unix tool whose reader left (`| head`)
+
+
+class StdoutError(Exception):
+    """Writing the command's output to stdout failed (the reader left: EPIPE; a full disk: ENOSPC; ...)."""
+
+    def __init__(self, error: OSError):
+        super().__init__(error)
+        self.error = error
+
+
+class _GuardedStdout:
+    """sys.stdout as the commands see it while main runs: a failed write or flush raises StdoutError, so main tells
+    a broken stdout from every other OSError, in one place for every command."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text):
+        try:
+            return self._stream.write(text)
+        except OSError as e:
+            raise StdoutError(e) from None
+
+    def flush(self):
+        try:
+            return self._stream.flush()
+        except OSError as e:
+            raise StdoutError(e) from None
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def _stdout_failed(stream, error: OSError) -> int:
+    """-> the exit code for a stdout that cannot take the output: EPIPE silently (the reader chose to stop),
+    anything else one line. What is still buffered is dropped (stdout now goes to /dev/null), so the interpreter's
+    own flush at exit cannot fail again."""
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, stream.fileno())
+        os.close(null)
+    except (OSError, ValueError, AttributeError):  # no file descriptor (a test's capture): nothing is flushed later
+        pass
+    if error.errno == errno.EPIPE:
+        return EXIT_BROKEN_PIPE
+    _err(f"cannot write the output to stdout: {error.strerror or error}")
+    return 2
 
 
 def offload_options(command):
@@ -441,13 +496,21 @@ def fit(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """The entry point: every error is one line on stderr; usage and input errors exit 2, Ctrl-C 130."""
+    """The entry point: every error is one line on stderr; usage and input errors exit 2, Ctrl-C 130, a closed
+    stdout pipe 141 without a word (see _stdout_failed)."""
     args = sys.argv[1:] if argv is None else list(argv)
     if not args:  # bare `clover-gguf`: the help, as a usage error
         app(args=["--help"], prog_name="clover-gguf", standalone_mode=False)
         sys.exit(2)
+    stdout = sys.stdout
+    if stdout is not None:  # None: started with stdout closed (`>&-`); click then writes nothing
+        sys.stdout = _GuardedStdout(stdout)
     try:
         rv = app(args=args, prog_name="clover-gguf", standalone_mode=False)
+        if sys.stdout is not None:  # output still buffered fails here, not in the interpreter's flush at exit
+            sys.stdout.flush()
+    except StdoutError as e:
+        sys.exit(_stdout_failed(stdout, e.error))
     except UserError as e:
         _err(str(e))
         sys.exit(e.exit_code)
@@ -459,6 +522,17 @@ def main(argv: list[str] | None = None) -> None:
         hint = f" (see {ctx.command_path} --help)" if ctx is not None else ""
         _err(" ".join(e.format_message().replace("Value error, ", "").split()) + hint)
         sys.exit(2)
+    finally:
+        sys.stdout = stdout
+        _forget_caught_interrupts()
     if rv == 130:  # typer turns a Ctrl-C inside a command into Exit(130)
         _err("interrupted")
     sys.exit(rv if isinstance(rv, int) else 0)
+
+
+def _forget_caught_interrupts() -> None:
+    """CPython (3.11, 3.12) marks a KeyboardInterrupt that leaves code run by exec() of a string as unhandled, even
+    when it is caught later, and at exit then kills the process with SIGINT (exit -2, not our 130). dataclasses
+    build their methods that way, so a Ctrl-C or TERM during a lazy import did it. Any exec() of a string clears the
+    mark (pythonrun.c, run_eval_code_obj); main lets no KeyboardInterrupt escape, so every mark here is stale."""
+    exec("None")

@@ -33,6 +33,10 @@ MAX_VOCAB = 2**22
 MAX_WIDTH = 2**20  # any one width or head count
 MAX_KERNEL = 64
 MAX_BLOCK = 4096  # a diffusion block: one block pass holds it in a single ubatch
+# the context a model may claim: 128 times the 35B's 131,072 and above any published model. llama.cpp pads n_ctx to
+# a multiple of 256 in a u32 (2^32 - 1 wraps to 0 and aborts), and a context is sized before it is refused:
+# planning 2^31 tokens took 50 s, planning 2^24 takes about 2 s and 1 GB
+MAX_CONTEXT = 2**24
 MAX_U32 = 2**32 - 1
 REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
             "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
@@ -277,7 +281,7 @@ class CloverConfig:
             rope_theta=rope_theta,
             partial_rotary_factor=partial,
             mrope_section=tuple(mrope) if mrope else None,
-            max_position_embeddings=f.int("max_position_embeddings", 1, MAX_U32, default=131072),
+            max_position_embeddings=f.int("max_position_embeddings", 1, MAX_CONTEXT, default=131072),
             tie_word_embeddings=f.bool("tie_word_embeddings", default=False),
             full_attention_interval=interval,
             hidden_act=f.str("hidden_act", default="silu"),

@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 from gguf import GGMLQuantizationType as QT
-from gguf import GGUFWriter, quants
+from gguf import GGML_QUANT_VERSION, GGUFType, GGUFWriter, LlamaFileType, Metadata, quants
 
 from clover_gguf.checkpoint import Checkpoint
 from clover_gguf.config import MAX_KERNEL, CloverConfig, read_json
@@ -20,11 +20,14 @@ from clover_gguf.fsutil import atomic_output, check_free_disk, check_output
 from clover_gguf.gguf_header import BOOL, F32, HPARAMS, STRING, U32
 from clover_gguf.metadata import (ARCH, BLOCK_READING, BLOCK_READING_VERIFIED, READING, READING_FIELD,
                                   GenerationDefaults, hparam)
-from clover_gguf.tensor_map import (EXPERT_KINDS, FUSED_RE, PER_EXPERT_RE, REORDER_ONLY, TRANSFORMS, TensorRule,
+from clover_gguf.tensor_map import (CLOVER_EXTRA_RE, EXPERT_KINDS, FUSED_RE, PER_EXPERT_RE, REORDER_ONLY, TRANSFORMS, TensorRule,
                                     expert_shape, gguf_names, match_rule, mtp_as_layer, out_shape)
 from clover_gguf.vocab import Vocab, load_vocab
 
 OUTTYPES = {"f32": QT.F32, "f16": QT.F16, "bf16": QT.BF16, "q8_0": QT.Q8_0}
+# general.file_type of each output type, as upstream's converter writes it
+FILE_TYPES = {QT.F32: LlamaFileType.ALL_F32, QT.F16: LlamaFileType.MOSTLY_F16, QT.BF16: LlamaFileType.MOSTLY_BF16,
+              QT.Q8_0: LlamaFileType.MOSTLY_Q8_0}
 # what each safetensors storage dtype is in GGML terms: a reorder-only tensor whose output type equals its source
 # type is copied bit for bit
 SOURCE_TYPES = {"F32": QT.F32, "F16": QT.F16, "BF16": QT.BF16}
@@ -313,13 +316,40 @@ def write_keys(w: GGUFWriter, keys: dict[str, tuple[int, Any]]) -> None:
         write[t](k, v)
 
 
+def describe(src: Path | None, plan: ConversionPlan, gen: GenerationDefaults, outtype: str,
+             name: str | None = None) -> tuple[Metadata, LlamaFileType]:
+    """The general.* description upstream's converter writes, made the same way, with gguf-py's Metadata: the
+    model card and the folder's name (name, size label, licence, base models, tags ...), generation_config.json's
+    sampling keys, and the size label from the parameter count when neither names one. The count leaves out our
+    block-mode tensors, so a checkpoint gets the label upstream gives it. The card's repetition penalty is written
+    where llama.cpp's own tools read sampling defaults when the checkpoint names none."""
+    counter = GGUFWriter(path=None, arch=ARCH)  # gguf-py's own count: experts told apart by "_exps." and shape
+    for t in plan.tensors:
+        if not CLOVER_EXTRA_RE.match(t.name):
+            counter.add_tensor_info(t.name, t.shape, np.dtype(np.float32), 0, raw_dtype=QT.F32)
+    total, shared, expert, n_expert = counter.get_total_parameter_count()
+    meta = Metadata.load(None, src, name, total)
+    if meta.name is None:
+        meta.name = name or (src.name if src is not None else "clover")
+    if meta.size_label is None and total > 0:
+        from gguf import size_label
+
+        meta.size_label = size_label(total, shared, expert, n_expert)
+    if meta.sampling_penalty_repeat is None:
+        meta.sampling_penalty_repeat = float(gen.repetition_penalty)
+    return meta, FILE_TYPES[OUTTYPES[outtype]]
+
+
 def write_metadata(w: GGUFWriter, cfg: CloverConfig, vocab: Vocab, gen: GenerationDefaults, n_blocks: int,
-                   name: str, arch: str = ARCH) -> None:
-    """The hyperparameters upstream's converter writes for `arch` (UPSTREAM_HPARAMS, under its prefix), for
-    clover_moe our block-mode keys, the card's repetition penalty and the tokenizer."""
+                   meta: Metadata, file_type: LlamaFileType, arch: str = ARCH) -> None:
+    """What upstream's converter writes for `arch`: the general.* description (describe), the hyperparameters
+    (UPSTREAM_HPARAMS, under its prefix) and the tokenizer; for clover_moe also our block-mode keys."""
     rope_sections = list(cfg.rope_sections) + [0] * (4 - len(cfg.rope_sections))
     recurrent = [not cfg.is_full_attention(i) if i < cfg.num_hidden_layers else False for i in range(n_blocks)]
-    w.add_name(name)
+    w.add_type(GGUFType.MODEL)
+    meta.set_gguf_meta_model(w)
+    w.add_file_type(file_type)
+    w.add_quantization_version(GGML_QUANT_VERSION)
     upstream = {
         "context_length": cfg.max_position_embeddings, "embedding_length": cfg.hidden_size, "block_count": n_blocks,
         "attention.head_count": cfg.num_attention_heads, "attention.head_count_kv": cfg.num_key_value_heads,
@@ -340,9 +370,6 @@ def write_metadata(w: GGUFWriter, cfg: CloverConfig, vocab: Vocab, gen: Generati
         write_keys(w, block_mode_keys(cfg, gen))
     w.add_array(f"{arch}.rope.dimension_sections", rope_sections)
     w.add_array(f"{arch}.attention.recurrent_layers", recurrent)
-    # the card's repetition penalty where llama.cpp's own tools (llama-cli, llama-server) read sampling defaults;
-    # llama.cpp has no key for the presence and frequency penalties
-    w.add_sampling_penalty_repeat(float(gen.repetition_penalty))
 
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen35")
@@ -359,6 +386,7 @@ def write_metadata(w: GGUFWriter, cfg: CloverConfig, vocab: Vocab, gen: Generati
     if "mask" in ids:
         w.add_mask_token_id(ids["mask"])
     w.add_add_bos_token(vocab.add_bos)
+    w.add_add_eos_token(vocab.add_eos)
     if vocab.chat_template:
         w.add_chat_template(vocab.chat_template)
 
@@ -408,17 +436,17 @@ def convert(src: Path, out: Path, outtype: str = "bf16", skip_unknown: bool = Fa
         check_output(out, inputs, force=force)
         check_free_disk(out, plan.nbytes + 16 * 2**20)
         with atomic_output(out) as tmp:
-            _write(tmp, plan, vocab, gen, plan.n_blocks, src.name, quiet, after_tensor=ck.drop_resident_pages,
-                   arch=arch)
+            _write(tmp, plan, vocab, gen, describe(src, plan, gen, outtype), quiet,
+                   after_tensor=ck.drop_resident_pages, arch=arch)
     return ConvertResult(out, len(plan.tensors), plan.nbytes, plan.notices, plan.skipped_unknown, plan)
 
 
-def _write(path: Path, plan: ConversionPlan, vocab: Vocab, gen: GenerationDefaults, n_blocks: int, name: str,
-           quiet: bool, after_tensor: Callable[[], None] = lambda: None, arch: str = ARCH) -> None:
+def _write(path: Path, plan: ConversionPlan, vocab: Vocab, gen: GenerationDefaults,
+           description: tuple[Metadata, LlamaFileType], quiet: bool, after_tensor: Callable[[], None] = lambda: None, arch: str = ARCH) -> None:
     from tqdm import tqdm
 
     w = GGUFWriter(path=None, arch=arch)
-    write_metadata(w, plan.cfg, vocab, gen, n_blocks, name, arch)
+    write_metadata(w, plan.cfg, vocab, gen, plan.n_blocks, *description, arch)
     for t in plan.tensors:
         nbytes = t.nbytes
         storage = {QT.F32: np.float32, QT.F16: np.float16, QT.BF16: np.uint16, QT.Q8_0: np.uint8}[t.qtype]

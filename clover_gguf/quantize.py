@@ -30,7 +30,7 @@ from gguf import GGUFReader
 
 from clover_gguf.build import llama_tool
 from clover_gguf.errors import UserError
-from clover_gguf.fsutil import atomic_output, check_free_disk, check_output
+from clover_gguf.fsutil import atomic_output, check_free_disk, check_output, temp_dir
 from clover_gguf.gguf_header import (GGUF_MAGIC, GGUFHeader, check_model, read_header,  # noqa: F401 - re-exported
                                      tensor_bytes)
 from clover_gguf.offload import Offload, no_offload_notice
@@ -417,8 +417,8 @@ def plan(type_name: str, src: Path | None = None, config: Path | None = None, re
 
     recipe_for(type_name, recipe_file)  # a bad --type or recipe is named before anything else
     _library_for_plan()
-    with tempfile.TemporaryDirectory(prefix="clover-skeleton-") as tmp:
-        path = Path(tmp) / "skeleton.gguf"
+    with temp_dir("clover-skeleton-") as tmp:  # removed on TERM and HUP too
+        path = tmp / "skeleton.gguf"
         write_skeleton(Path(config), path)
         h, recipe = _prepare(path, type_name, recipe_file)
         run = _run_llama(path, None, recipe, h.names, True, None, _imatrix_arg(imatrix))
@@ -451,6 +451,9 @@ def quantize(src: Path, out: Path, type_name: str, recipe_file: Path | None = No
 
     from tqdm import tqdm
 
+    from clover_gguf.offload import check_threads
+
+    check_threads(threads)
     src, out = Path(src), Path(out)
     h, recipe = _prepare(src, type_name, recipe_file)
     _check_source_types(h)

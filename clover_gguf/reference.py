@@ -8,7 +8,6 @@ or float64, autograd works. Tensors carry a batch dimension `N` internally; the 
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path

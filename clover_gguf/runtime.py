@@ -199,18 +199,10 @@ class CloverRuntime:
         """block_size: the largest block a request may use (default: the GGUF's); the context keeps logits rows
         for that many tokens and no more (see context_settings). rpc: llama.cpp RPC servers (HOST:PORT) that hold
         the layers (clover_gguf.rpc)."""
-        from clover_gguf.gguf_header import check_model, read_header
+        from clover_gguf.gguf_header import read_clover
 
         path = Path(gguf)
-        if not path.is_file():
-            raise UserError(f"no such model file: {path}")
-        try:
-            meta = (header := read_header(path)).kv
-        except UserError as e:
-            raise UserError(f"{path} is not a readable GGUF file ({e})") from None
-        if meta.get(md.ARCHITECTURE) != md.ARCH:
-            raise UserError(f"{path} is not a Clover GGUF (architecture {meta.get(md.ARCHITECTURE)!r})")
-        check_model(header)  # hyperparameters llama.cpp would abort on, before it sees the file
+        meta = read_clover(path).kv  # checked as llama.cpp needs it, before it sees the file (fit does the same)
         self.meta = meta
         self.path = path
         card = md.GenerationDefaults()
@@ -238,27 +230,32 @@ class CloverRuntime:
         self.ctx = LlamaContext(path, overrides=overrides or None, n_threads=n_threads,
                                 n_threads_batch=n_threads_batch, offload=offload, rpc=rpc, **settings)
         self.n_ctx = self.ctx.n_ctx
-        self.eos_ids, self._control_text = self._scan_vocab()
+        self.eos_ids, self._control_text, self.max_token_bytes = self._scan_vocab()
         self.think_id = self._special("<think>")
         self.think_end_id = self._special("</think>")
         self.backend = LlamaBackend(self.ctx, self.mask_token_id if self.mask_token_id is not None else -1,
                                     self.eos_ids, self.block_size, rollback=rollback)
 
-    def _scan_vocab(self) -> tuple[list[int], re.Pattern | None]:
-        """-> (the end tokens, a pattern matching the text of every control token). The tokenizer reads control
-        tokens (<|im_end|>, ...) in text only when told to parse them: user text must never be."""
+    def _scan_vocab(self) -> tuple[list[int], re.Pattern | None, int]:
+        """-> (the end tokens, a pattern matching the text of every control token, the most bytes of prompt text
+        one token can stand for). The tokenizer reads control tokens (<|im_end|>, ...) in text only when told to
+        parse them: user text must never be. The byte count is the longest token text as the vocabulary stores it
+        (byte-level BPE spells a byte with one or two, SentencePiece a space with three, byte tokens as <0xNN>):
+        never less than the bytes a token covers, so least_prompt_tokens stays a lower bound."""
         L, vocab = self.ctx.L, self.ctx.vocab
         control = L.LLAMA_TOKEN_ATTR_CONTROL | L.LLAMA_TOKEN_ATTR_UNKNOWN
-        ends, texts = [], set()
+        ends, texts, longest = [], set(), 1
         for t in range(self.ctx.n_vocab):
             if L.llama_vocab_is_eog(vocab, t):
                 ends.append(t)
+            raw = L.llama_vocab_get_text(vocab, t) or b""
+            longest = max(longest, len(raw))
             if L.llama_vocab_get_attr(vocab, t) & control:
-                text = (L.llama_vocab_get_text(vocab, t) or b"").decode("utf-8", "replace")
+                text = raw.decode("utf-8", "replace")
                 if text:
                     texts.add(text)
         pattern = re.compile("|".join(map(re.escape, sorted(texts, key=len, reverse=True)))) if texts else None
-        return ends, pattern
+        return ends, pattern, longest
 
     def _special(self, text: str) -> int | None:
         ids = self.ctx.tokenize(text, special=True)
@@ -292,8 +289,10 @@ class CloverRuntime:
         return b"".join(self.ctx.token_to_piece(t, special=True) for t in tokens).decode("utf-8", "replace")
 
     # ---- checks -----------------------------------------------------------------------------------------
-    def check_request(self, n_prompt: int, max_new_tokens: int, mode: str, block_size: int) -> None:
-        """Refuse, before any llama.cpp call, a request this context cannot run (UserError, one line)."""
+    def check_request(self, n_prompt: int, max_new_tokens: int, mode: str, block_size: int,
+                      at_least: bool = False) -> None:
+        """Refuse, before any llama.cpp call, a request this context cannot run (UserError, one line).
+        at_least: n_prompt is a lower bound (least_prompt_tokens), not the count."""
         if mode not in decoding.MODES:
             raise UserError(f"unknown mode {mode!r}: choose one of {', '.join(decoding.MODES)}")
         if max_new_tokens < 1 or block_size < 1:
@@ -314,9 +313,20 @@ class CloverRuntime:
         limit = min(self.context_length, self.n_ctx)
         if need > limit:
             what = "the model's context" if limit == self.context_length else "the context (--ctx)"
-            raise UserError(f"request needs {need} tokens (prompt {n_prompt} + max_new_tokens {max_new_tokens}"
+            least = "at least " if at_least else ""
+            raise UserError(f"request needs {least}{need} tokens (prompt {least}{n_prompt} + max_new_tokens "
+                            f"{max_new_tokens}"
                             + (f" + {room} to resolve a final block" if room else "")
                             + f"), {need - limit} more than {what} of {limit}")
+
+    def least_prompt_tokens(self, messages: Sequence[dict[str, str]] | None = None, prompt: str | None = None,
+                            think: bool = True) -> int:
+        """A lower bound on the tokens of a prompt (chat messages through the template, or a raw prompt) without
+        tokenizing it: its UTF-8 bytes over max_token_bytes. Rendering takes milliseconds where llama.cpp's
+        tokenizer takes minutes on 100,000 messages, so the server refuses an over-context request with this before
+        the request takes a slot."""
+        text = self.render(messages, think=think) if messages is not None else (prompt or "")
+        return -(-len(text.encode("utf-8", "surrogatepass")) // self.max_token_bytes)
 
     def prompt_ids(self, messages: Sequence[dict[str, str]] | str, think: bool = True) -> list[int]:
         """Chat messages (or one user message) -> the prompt's tokens, rendered with the GGUF's chat template.

@@ -166,10 +166,11 @@ TENSOR_RULES: tuple[TensorRule, ...] = (
                lambda c: (c.conv_dim, c.hidden_size)),
     TensorRule("model.layers.{i}.linear_attn.in_proj_z.weight", "blk.{i}.attn_gate.weight", "v_rows",
                lambda c: (c.value_dim, c.hidden_size)),
+    # [Hv, H] in the output type, as upstream's converter writes them (the quantize recipes keep them F32)
     TensorRule("model.layers.{i}.linear_attn.in_proj_b.weight", "blk.{i}.ssm_beta.weight", "head_rows",
-               lambda c: (c.linear_num_value_heads, c.hidden_size), f32=True),
+               lambda c: (c.linear_num_value_heads, c.hidden_size)),
     TensorRule("model.layers.{i}.linear_attn.in_proj_a.weight", "blk.{i}.ssm_alpha.weight", "head_rows",
-               lambda c: (c.linear_num_value_heads, c.hidden_size), f32=True),
+               lambda c: (c.linear_num_value_heads, c.hidden_size)),
     # [conv_dim, 1, K] -> [conv_dim, K]
     TensorRule("model.layers.{i}.linear_attn.conv1d.weight", "blk.{i}.ssm_conv1d.weight", "conv",
                lambda c: (c.conv_dim, 1, c.linear_conv_kernel_dim), f32=True, init=("normal", 0.5)),
