@@ -200,9 +200,11 @@ HPARAMS: dict[str, tuple[int, bool]] = {
     "rope.scaling.type": (STRING, False), "quant.recipe": (STRING, False),
     "expert_shared_count": (U32, False), "block_reading": (STRING, False), "block_reading_verified": (BOOL, False),
 }
-# arrays: (element type, required)
-HPARAM_ARRAYS: dict[str, tuple[int, bool]] = {
-    "rope.dimension_sections": (I32, True), "attention.recurrent_layers": (BOOL, False),
+# arrays: (the element types llama.cpp's loader takes, required). Its get_arr reads a BOOL, UINT32 or INT32 array
+# into int arrays (convert writes BOOL and INT32; llama_model_save_to_file writes recurrent_layers as UINT32). It
+# would also take one value for every layer, which no hybrid model can be: refused as a wrong type.
+HPARAM_ARRAYS: dict[str, tuple[tuple[int, ...], bool]] = {
+    "rope.dimension_sections": ((I32, U32, BOOL), True), "attention.recurrent_layers": ((BOOL, U32, I32), False),
 }
 ROPE_SCALING_TYPES = ("none", "linear", "yarn", "longrope")  # llama.cpp's; another name aborts it
 MAX_LAYERS, MAX_EXPERTS = 512, 1024  # LLAMA_MAX_LAYERS, LLAMA_MAX_EXPERTS
@@ -215,15 +217,17 @@ class _Checker:
     def fail(self, key: str, why: str) -> UserError:
         return UserError(f"{self.h.path.name}: {key} {why}")
 
-    def typed(self, key: str, want: int, sub: int | None = None, required: bool = False) -> Any:
+    def typed(self, key: str, want: int, sub: int | tuple[int, ...] | None = None, required: bool = False) -> Any:
+        """The key's value if its GGUF type is `want` (an ARRAY: of `sub` or one of them)."""
         if key not in self.h.kv:
             if required:
                 raise self.fail(key, "is missing")
             return None
+        subs = (sub,) if isinstance(sub, int) else sub
         got, got_sub = self.types.get(key, (None, None))
-        if got != want or (sub is not None and got_sub != sub):
+        if got != want or (subs is not None and got_sub not in subs):
             have = TYPE_NAMES.get(got, got) if got != ARRAY else f"ARRAY of {TYPE_NAMES.get(got_sub, got_sub)}"
-            need = TYPE_NAMES[want] if want != ARRAY else f"ARRAY of {TYPE_NAMES[sub]}"
+            need = TYPE_NAMES[want] if want != ARRAY else f"ARRAY of {' or '.join(TYPE_NAMES[t] for t in subs)}"
             raise self.fail(key, f"has GGUF type {have}; it must be {need}")
         return self.h.kv[key]
 
@@ -250,8 +254,8 @@ def check_model(h: GGUFHeader) -> None:
     hp: dict[str, Any] = {}
     for key, (t, required) in HPARAMS.items():
         hp[key] = c.typed(md.hparam(key), t, required=required)
-    for key, (sub, required) in HPARAM_ARRAYS.items():
-        hp[key] = c.typed(md.hparam(key), ARRAY, sub, required=required)
+    for key, (subs, required) in HPARAM_ARRAYS.items():
+        hp[key] = c.typed(md.hparam(key), ARRAY, subs, required=required)
 
     def count(key: str, lo: int, hi: int) -> None:
         c.count(md.hparam(key), lo, hi, hp[key])

@@ -572,6 +572,23 @@ def test_bad_gguf_refused_before_llama_cpp(base, tmp_path, case, cmd):
     assert_refused(p, before, tmp_path, expect)
 
 
+# what llama.cpp's loader takes for attention.recurrent_layers (get_arr): an array of BOOL, UINT32 (what its own
+# llama_model_save_to_file writes) or INT32; our check takes the same
+@pytest.mark.parametrize("sub", [U32, I32], ids=["uint32", "int32"])
+def test_what_llama_cpp_loads_we_load(base, tmp_path, sub):
+    raw = _kv_arr(sub, [1, 1, 1, 0])
+    model = edit_gguf(base["gguf"], tmp_path / "m.gguf", {A + "attention.recurrent_layers": raw})
+    p = clover("generate", model, "-p", PROMPT, "-n", "4", "--mode", "ar")
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert clover("info", model).returncode == 0
+
+
+def test_recurrent_layers_of_another_type_is_refused(base, tmp_path):
+    model = edit_gguf(base["gguf"], tmp_path / "m.gguf", {A + "attention.recurrent_layers": _kv_arr(F32, [1.0] * 4)})
+    before = snapshot(tmp_path)
+    assert_refused(clover("info", model), before, tmp_path, "ARRAY of BOOL or UINT32 or INT32")
+
+
 def test_gguf_editor_round_trips(base, tmp_path):
     """The editor above changes only what it is told to: with no change it reproduces the file byte for byte."""
     assert edit_gguf(base["gguf"], tmp_path / "same.gguf", {}).read_bytes() == base["gguf"].read_bytes()

@@ -290,6 +290,9 @@ def test_saved_model_keeps_block_settings(clover_files, ref, seqs, tmp_path):
         r.close()
     with torch.no_grad():
         assert parity(want, ref.block_logits(prefix, block, coreset=0.5).numpy()) <= TOL
+    from clover_gguf.gguf_header import read_clover
+
+    assert read_clover(saved).types["clover_moe.attention.recurrent_layers"][1] == 4  # llama.cpp's UINT32, taken
     r = _runner(saved)
     try:
         assert r.meta("clover_moe.moe_block_coreset.top_p") == "0.500000" and r.meta("clover_moe.block_mode") == "true"
