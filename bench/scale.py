@@ -137,7 +137,8 @@ def bench_quantize(bf16: Path, ckpt: Path, wd: Path, types: list[str], threads: 
 def bench_vocab(ckpt: Path, q4: Path, threads: int) -> dict:
     from gguf import GGUFWriter
 
-    from clover_gguf.config import CloverConfig, GenerationDefaults
+    from clover_gguf.config import CloverConfig
+    from clover_gguf.metadata import GenerationDefaults
     from clover_gguf.convert import ARCH, write_metadata
     from clover_gguf.llama_context import _quiet_log, load_binding
     from clover_gguf.runtime import CloverRuntime

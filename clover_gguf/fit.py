@@ -537,7 +537,8 @@ def fit(model_path: Path | None = None, config: Path | None = None, qtype: str |
         vram: str | None = None, ram: str | None = None, ctx: int | None = None, mode: str = "draft-self",
         parallel: int = 1, rollback: str = "redecode", mmap: bool = True, unified: bool | None = None,
         do_measure: bool = False) -> FitResult:
-    from clover_gguf.llama_memory import DryRun, gpu_devices
+    from clover_gguf.llama_context import gpu_devices
+    from clover_gguf.llama_memory import DryRun
 
     if (model_path is None) == (config is None):
         raise UserError("give either MODEL.gguf or --config config.json --type T")

@@ -13,6 +13,7 @@ import ctypes
 import os
 import re
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -22,7 +23,7 @@ from clover_gguf.errors import UserError
 from clover_gguf.offload import Offload, no_offload_notice
 
 GGML_TYPE_F32 = 0
-GGML_BACKEND_DEVICE_TYPE_CPU = 0
+GGML_BACKEND_DEVICE_TYPE_CPU, GGML_BACKEND_DEVICE_TYPE_GPU, GGML_BACKEND_DEVICE_TYPE_IGPU = 0, 1, 2  # ggml_backend_dev_type
 LOAD_MODE_NONE, LOAD_MODE_AUTO = 0, -1  # enum llama_load_mode
 
 # llama.cpp rounds the context up to a multiple of this (llama-context.cpp, "GGML_PAD(cparams.n_ctx, 256)") but
@@ -126,6 +127,46 @@ def _buft_overrides(L: Any, patterns: list[str]) -> Any:
     return arr
 
 
+@dataclass(frozen=True)
+class Device:
+    name: str
+    description: str
+    free: int
+    total: int
+    integrated: bool  # shares host memory: an integrated GPU, or Metal (which reports itself as a plain GPU)
+
+
+def gpu_devices() -> list[Device]:
+    """The GPUs llama.cpp sees, with their free and total memory as the backend reports it (Metal: total is
+    recommendedMaxWorkingSetSize, see docs/hardware.md)."""
+    L = load_binding()
+    L.llama_backend_init()
+    lib = L.llama_cpp._lib
+    sig = {"ggml_backend_dev_count": (ctypes.c_size_t, []), "ggml_backend_dev_get": (ctypes.c_void_p, [ctypes.c_size_t]),
+           "ggml_backend_dev_type": (ctypes.c_int, [ctypes.c_void_p]),
+           "ggml_backend_dev_name": (ctypes.c_char_p, [ctypes.c_void_p]),
+           "ggml_backend_dev_description": (ctypes.c_char_p, [ctypes.c_void_p]),
+           "ggml_backend_dev_memory": (None, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t),
+                                              ctypes.POINTER(ctypes.c_size_t)])}
+    fn = {}
+    for name, (res, args) in sig.items():
+        f = getattr(lib, name)
+        f.restype, f.argtypes = res, args
+        fn[name] = f
+    out = []
+    for i in range(fn["ggml_backend_dev_count"]()):
+        dev = fn["ggml_backend_dev_get"](i)
+        kind = fn["ggml_backend_dev_type"](dev)
+        if kind not in (GGML_BACKEND_DEVICE_TYPE_GPU, GGML_BACKEND_DEVICE_TYPE_IGPU):
+            continue
+        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        fn["ggml_backend_dev_memory"](dev, ctypes.byref(free), ctypes.byref(total))
+        name = fn["ggml_backend_dev_name"](dev).decode()
+        out.append(Device(name, fn["ggml_backend_dev_description"](dev).decode(), free.value, total.value,
+                          kind == GGML_BACKEND_DEVICE_TYPE_IGPU or name.startswith("MTL")))
+    return out
+
+
 def block_count(path: Path) -> int:
     from clover_gguf.gguf_header import read_header
 
@@ -144,8 +185,6 @@ def _load_model(L: Any, path: Path, offload: Offload, overrides: dict | None, ke
     L.llama_log_set(_quiet_log(L), ctypes.c_void_p())
     patterns = offload.expert_patterns(block_count(path)) if offload.cpu_moe or offload.n_cpu_moe else []
     supported = bool(L.llama_supports_gpu_offload())
-    from clover_gguf.llama_memory import gpu_devices
-
     if not rpc and not gpu_devices():  # a CPU build, or one with GPU backends (RPC too) but no device to use
         no_offload_notice(offload)
     mp = L.llama_model_default_params()
