@@ -259,6 +259,11 @@ class Sampling:
         self.rng = np.random.default_rng(None if seed is None or seed < 0 else seed)
 
     def __call__(self, logits: np.ndarray) -> np.ndarray:
+        p = self.probs(logits)
+        return np.array([self.rng.choice(row.size, p=row) for row in p], dtype=np.int64)
+
+    def probs(self, logits: np.ndarray) -> np.ndarray:
+        """[T, V] processed logits -> the distribution each row is drawn from [T, V]."""
         x = np.atleast_2d(np.asarray(logits, dtype=np.float64)) / self.temp  # [T, V]
         if self.top_k and self.top_k < x.shape[-1]:
             kth = np.partition(x, -self.top_k, axis=-1)[:, -self.top_k:].min(-1, keepdims=True)
@@ -272,7 +277,7 @@ class Sampling:
             np.put_along_axis(keep, order, keep_ranked, -1)
             p = np.where(keep, p, 0.0)
             p /= p.sum(-1, keepdims=True)
-        return np.array([self.rng.choice(row.size, p=row) for row in p], dtype=np.int64)
+        return p
 
     def uniforms(self, n: int) -> np.ndarray:
         """n draws for the graph's sampler, from this sampler's generator: float32 on a grid of 2^22 points inside
@@ -368,11 +373,10 @@ class Gather:
         return out
 
     def padded_coef(self) -> np.ndarray:
-        """[3, T, width] float32: unused slots unchanged (1, 1, 0)."""
+        """[3, T, width] float32: unused slots repeat the first id's (the graph writes every slot back to its id)."""
         out = np.empty((3, self.n_rows, self.width), dtype=np.float32)
-        out[:2] = 1.0
-        out[2] = 0.0
         out[:, :, :len(self.ids)] = self.coef
+        out[:, :, len(self.ids):] = self.coef[:, :, :1]
         return out
 
 

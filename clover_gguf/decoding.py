@@ -112,7 +112,8 @@ class _Passes:
 
     def __init__(self, backend: Backend, selector: Selector):
         self.b, self.sel = backend, selector
-        self.graph = selector.in_graph and isinstance(backend, GraphBackend)
+        self.graph = (selector.in_graph and isinstance(backend, GraphBackend) and
+                      getattr(backend, "select_in_graph", True))
 
     def prefill(self, ids: Sequence[int], h: Histories) -> Choice:
         if self.graph:

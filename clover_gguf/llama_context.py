@@ -4,6 +4,10 @@ The binding loads libllama from $LLAMA_CPP_LIB_PATH; `load_binding()` points it 
 (`clover-gguf build-llama`). Block passes follow docs/llama-cpp-patch.md: the scratch sequence is switched to block
 attention once (`llama_set_block_attn`, the patch's API); a block pass copies the committed sequence to it, decodes the
 block there with logits for every block token and drops the copy, so the committed sequence never changes.
+
+A decode returns the logits of its rows, or, given a `controls.Gather`, what patches/0004's sampler computed in the
+graph (`controls.GraphRows`): a sequence decoded that way carries the sampler (llama.cpp's backend sampling), and
+llama.cpp then copies no logits at all. Switching a sequence between the two rebuilds llama.cpp's graph.
 """
 
 from __future__ import annotations
@@ -19,12 +23,15 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from clover_gguf.controls import Gather, GraphRows
 from clover_gguf.errors import UserError
 from clover_gguf.offload import Offload, no_offload_notice
 
 GGML_TYPE_F32 = 0
 GGML_BACKEND_DEVICE_TYPE_CPU, GGML_BACKEND_DEVICE_TYPE_GPU, GGML_BACKEND_DEVICE_TYPE_IGPU = 0, 1, 2  # ggml_backend_dev_type
 LOAD_MODE_NONE, LOAD_MODE_AUTO = 0, -1  # enum llama_load_mode
+
+N_TOP = 8  # the graph's selection: the largest logits of a row's rest it returns (controls.Selector reads them)
 
 # llama.cpp rounds the context up to a multiple of this (llama-context.cpp, "GGML_PAD(cparams.n_ctx, 256)") but
 # caps the batch at the size asked for: we round first, so the batch limit and the context limit are the same number
@@ -72,6 +79,13 @@ def _clover_api(L: Any) -> Any:
         lib.llama_get_memory_breakdown_entries.argtypes = [ctypes.c_void_p, ctypes.POINTER(_MemoryBreakdownEntry),
                                                            ctypes.c_int32]
         lib.llama_get_memory_breakdown_entries.restype = ctypes.c_int32
+        smpl = L.llama_cpp.llama_sampler_p_ctypes
+        lib.llama_sampler_init_clover.argtypes = [ctypes.c_int32, ctypes.c_int32, ctypes.c_float, ctypes.c_int32,
+                                                  ctypes.c_float]
+        lib.llama_sampler_init_clover.restype = smpl
+        lib.llama_sampler_clover_set_rows.argtypes = [smpl, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                                      ctypes.c_int32]
+        lib.llama_sampler_clover_set_rows.restype = None
     except AttributeError:
         raise UserError(f"{lib._name} is not the patched llama.cpp (no llama_set_block_attn): "
                         "run `clover-gguf build-llama`") from None
@@ -220,6 +234,7 @@ def _context_params(L: Any, n_ctx: int, n_ubatch: int, n_batch: int | None, n_se
     # rows of logits one decode call may ask for; llama.cpp sizes the output buffer and the logits part of the
     # compute buffer by it (0 = n_batch: on a 248k vocabulary, 512 rows are about 0.5 GB of compute buffer)
     cp.n_outputs_max = n_outputs_max
+    cp.n_outputs_max_per_seq = 0  # = n_outputs_max: a block pass's rows all belong to one sequence (backend sampling)
     cp.kv_unified = True  # seq_cp of the KV cache is then metadata only
     # llama.cpp's split: n_threads for one-token calls, n_threads_batch for calls of several tokens
     threads = n_threads or max(1, min(8, os.cpu_count() or 1))
@@ -274,6 +289,8 @@ class LlamaContext:
         self.n_ubatch = L.llama_n_ubatch(self.ctx)  # the most tokens one block pass may take (likewise)
         self.mem = L.llama_get_memory(self.ctx)
         self._batch: _Batch | None = None  # reused by every decode call, grown when a call needs more room
+        self._selectors: dict[int, tuple[tuple, Any]] = {}  # seq -> (settings, llama.cpp sampler chain)
+        self._rows_in: tuple = ()  # the arrays the sampler reads during the current decode
 
     # ---- metadata ---------------------------------------------------------------------------------------
     def meta(self, key: str) -> str | None:
@@ -301,10 +318,12 @@ class LlamaContext:
         (self._block_seqs.add if enabled else self._block_seqs.discard)(seq)
 
     def decode(self, ids: Sequence[int], pos0: int, seq: int = 0, logits: bool | Sequence[bool] = True,
-               extra: Sequence[tuple[Sequence[int], int, int]] = ()) -> np.ndarray:
+               extra: Sequence[tuple[Sequence[int], int, int]] = (), gather: Gather | None = None
+               ) -> np.ndarray | GraphRows | None:
         """Decode `ids` at positions pos0.. on `seq` (plus (ids, pos0, seq) parts in the same batch) ->
-        logits [n_out, V] for the tokens that asked for them (all by default). A sequence switched to block
-        attention (set_block_attn) is decoded as one block."""
+        logits [n_out, V] for the tokens that asked for them (all by default); with `gather`, the graph's selection
+        rows for them instead (GraphRows; None when no token asked). A sequence switched to block attention
+        (set_block_attn) is decoded as one block."""
         parts = [(ids, pos0, seq), *extra]
         n = sum(len(p[0]) for p in parts)
         # llama.cpp aborts the process on this (GGML_ASSERT): refuse it here, callers check requests earlier. (A block
@@ -331,29 +350,94 @@ class LlamaContext:
         n_out = int(np.count_nonzero(want))
         if n_out > self.n_outputs_max:  # llama.cpp would abort the process
             raise ValueError(f"{n_out} logits rows asked for, the context was made for at most {self.n_outputs_max}")
+        if gather is not None and n_out:
+            self._select_on(seq, gather, n_out, n, extra)
+        elif n_out:  # logits wanted: no sequence may carry a sampler (llama.cpp would copy no logits)
+            for s in list(self._selectors):
+                self._select_off(s)
         batch.struct.n_tokens = n
         rc = self.L.llama_decode(self.ctx, batch.struct)
         if rc != 0:
             raise RuntimeError(f"llama_decode returned {rc}")
         self.max_outputs = max(self.max_outputs, n_out)
+        if gather is not None:  # llama.cpp finds a decode's rows by the batch index of the first
+            return self._graph_rows(int(np.argmax(want)), n_out, gather) if n_out else None
         if not n_out:
             return np.empty((0, self.n_vocab), dtype=np.float32)
         # llama.cpp stores the requested rows contiguously, in batch order
         return np.ctypeslib.as_array(self.L.llama_get_logits(self.ctx), shape=(n_out, self.n_vocab)).copy()
+
+    # ---- selection in the graph (patches/0004) ----------------------------------------------------------
+    def _select_on(self, seq: int, g: Gather, n_out: int, n: int, extra) -> None:
+        """Give `seq` the selection sampler for this gather (a new one when its settings changed) and its rows."""
+        if extra:
+            raise ValueError("a decode with a gather holds one sequence")
+        if g.n_rows != n_out:
+            raise ValueError(f"a gather for {g.n_rows} rows, the decode has {n_out}")
+        if n_out > 1 and n > self.n_ubatch:  # the sampler reads one ubatch's rows
+            raise ValueError(f"{n} tokens with {n_out} selected rows: more than one micro-batch ({self.n_ubatch})")
+        key = (g.width, N_TOP, g.temp, g.top_k, g.top_p)
+        held = self._selectors.get(seq)
+        if held is None or held[0] != key:
+            L = self.L
+            chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
+            L.llama_sampler_chain_add(chain, self._api.llama_sampler_init_clover(g.width, N_TOP, g.temp, g.top_k,
+                                                                                 g.top_p))
+            if not L.llama_set_sampler(self.ctx, seq, chain):
+                L.llama_sampler_free(chain)
+                raise RuntimeError(f"llama.cpp refused the selection sampler on sequence {seq}")
+            if held is not None:
+                L.llama_sampler_free(held[1])
+            self._selectors[seq] = held = (key, chain)
+        ids = g.padded_ids()
+        coef = g.padded_coef() if g.coef is not None else None
+        u = np.ascontiguousarray(g.uniform, dtype=np.float32) if g.uniform is not None else None
+        self._rows_in = (ids, coef, u)  # alive until the next decode
+        self._api.llama_sampler_clover_set_rows(held[1], ids.ctypes.data, None if coef is None else coef.ctypes.data,
+                                                None if u is None else u.ctypes.data, n_out)
+
+    def _select_off(self, seq: int) -> None:
+        held = self._selectors.pop(seq, None)
+        if held is not None:
+            self.L.llama_set_sampler(self.ctx, seq, None)
+            self.L.llama_sampler_free(held[1])
+
+    def _graph_rows(self, first: int, n_out: int, g: Gather) -> GraphRows:
+        """The sampler's outputs for the decode's rows, the first at batch index `first` (llama.cpp keeps the rows in
+        batch order, each at a stride of n_vocab)."""
+        L, v = self.L, self.n_vocab
+        n_f = L.llama_get_sampled_logits_count_ith(self.ctx, first)
+        f = np.ctypeslib.as_array(L.llama_get_sampled_logits_ith(self.ctx, first), shape=(n_out, v))[:, :n_f].copy()
+        w = g.width
+        if g.temp > 0:
+            rows = np.flatnonzero(self._batch.logits[:self._batch.struct.n_tokens])
+            tokens = np.fromiter((L.llama_get_sampled_token_ith(self.ctx, int(i)) for i in rows), dtype=np.int64,
+                                 count=n_out)
+            return GraphRows(at_ids=f[:, :w], tokens=tokens, token_probs=f[:, w])
+        k = (n_f - w) // 2
+        top = np.ctypeslib.as_array(L.llama_get_sampled_candidates_ith(self.ctx, first), shape=(n_out, v))[:, :k].copy()
+        return GraphRows(at_ids=f[:, :w], top_ids=top, top_logits=f[:, w:w + k], top_probs=f[:, w + k:w + 2 * k])
 
     def _batch_for(self, n: int) -> "_Batch":
         if self._batch is None or self._batch.capacity < n:
             self._batch = _Batch(self.L, max(n, 64, 2 * (self._batch.capacity if self._batch else 0)))
         return self._batch
 
-    def block(self, block_ids: Sequence[int], n_past: int, seq: int = 0, scratch: int = 1) -> np.ndarray:
-        """Block-mode logits [B, V] for `block_ids` after the n_past tokens of `seq`, which is left untouched."""
+    def block(self, block_ids: Sequence[int], n_past: int, seq: int = 0, scratch: int = 1,
+              positions: Sequence[int] | None = None, gather: Gather | None = None) -> np.ndarray | GraphRows:
+        """Block-mode logits [B, V] for `block_ids` after the n_past tokens of `seq`, which is left untouched; only
+        the rows of `positions` when given; the graph's selection rows with `gather` (decode)."""
         if scratch not in self._block_seqs:
             self.set_block_attn(scratch)
         L = self.L
+        want: bool | list[bool] = True
+        if positions is not None:
+            want = [False] * len(block_ids)
+            for i in positions:
+                want[i] = True
         L.llama_memory_seq_cp(self.mem, seq, scratch, -1, -1)
         try:
-            return self.decode(block_ids, n_past, seq=scratch)
+            return self.decode(block_ids, n_past, seq=scratch, logits=want, gather=gather)
         finally:
             L.llama_memory_seq_rm(self.mem, scratch, -1, -1)
 
@@ -387,6 +471,9 @@ class LlamaContext:
         if getattr(self, "ctx", None):
             self.L.llama_free(self.ctx)
             self.ctx = None
+        for _, chain in getattr(self, "_selectors", {}).values():  # after the context that held them
+            self.L.llama_sampler_free(chain)
+        self._selectors = {}
         if getattr(self, "model", None):
             self.L.llama_model_free(self.model)
             self.model = None
