@@ -121,9 +121,9 @@ class _Penalties:
         pen = pen - c.frequency_penalty * counts - c.presence_penalty  # float64, rounded once below
         return np.where(counts > 0, pen, x).astype(np.float32)
 
-    # sparse form: only the tokens of the histories change
-    def touches(self, rows: "_Rows") -> Sequence[int]:
-        return rows.history_ids()
+    # sparse form: only the tokens of the histories change (history = True: Selector.gather takes them all)
+    def touches(self) -> Sequence[int]:
+        return ()
 
     def at(self, rows: "_Rows", logits: np.ndarray) -> np.ndarray:
         return self._apply(logits, rows.counts())
@@ -153,7 +153,7 @@ class _LengthPenalty:
     def __call__(self, histories, logits):
         return _raise_rows(logits, self.ends, self._amounts([len(h) for h in histories]))
 
-    def touches(self, rows: "_Rows") -> Sequence[int]:
+    def touches(self) -> Sequence[int]:
         return self.ends.tolist()
 
     def at(self, rows: "_Rows", logits: np.ndarray) -> np.ndarray:
@@ -178,7 +178,7 @@ class _ThinkEndBias:
         spans = thinking_spans(histories, self.think_id, self.think_end_id, self.at_start)
         return _raise_rows(logits, self.think_end_id, self._amounts(spans))
 
-    def touches(self, rows: "_Rows") -> Sequence[int]:
+    def touches(self) -> Sequence[int]:
         return [self.think_end_id]
 
     def _spans(self, rows: "_Rows") -> list[int | None]:
@@ -333,17 +333,22 @@ class _DenseChoice(Choice):
 
 
 class _SparseChoice(Choice):
-    """A choice from the graph's rows: `values` [T, W] holds, per row, what softmax is taken over at the gathered
-    ids (processed logits, greedy; probabilities, sampled), `log_total` [T] the log of the row's normaliser (None
-    when `values` are probabilities)."""
+    """A choice from the graph's rows: `values` [T, W] holds, per row, at the gathered ids, the processed logits
+    (greedy; `log_total` [T] the log of the row's softmax total, None when the pass asked for tokens only) or the
+    probabilities (sampled: `log_total` None, `probs` True)."""
 
-    def __init__(self, tokens, conf, col: dict[int, int], values: np.ndarray, log_total: np.ndarray | None):
+    def __init__(self, tokens, conf, col, values: np.ndarray, log_total: np.ndarray | None,
+                 probs: bool = False):
         super().__init__(tokens, conf)
-        self.col, self.values, self.log_total = col, values, log_total
+        self.col, self.values, self.log_total, self.probs = col, values, log_total, probs
 
     def prob(self, i: int, token: int) -> float:
+        if not self.probs and self.log_total is None:
+            raise ValueError("this pass was run for its tokens only (Gather.probs False)")
+        if int(token) not in self.col:
+            raise ValueError(f"token {token} was not asked for when the pass ran (Selector.gather's want)")
         v = self.values[i, self.col[int(token)]]
-        return float(v if self.log_total is None else np.exp(v - self.log_total[i]))
+        return float(v if self.probs else np.exp(v - self.log_total[i]))
 
     def best_of(self, i: int, ids: Sequence[int]) -> int:
         ids = sorted(ids)
@@ -354,16 +359,19 @@ class _SparseChoice(Choice):
 class Gather:
     """The per-row inputs of a pass whose selection runs in the graph: the ids whose logits are taken out of every
     row (the same list for all rows), and with temperature the per-id coefficients [3, T, W] and one uniform per
-    row. `width` is the graph's gather width (a few sizes, so that the graph is rebuilt rarely)."""
+    row. `width` is the graph's gather width (a few sizes, so that the graph is rebuilt rarely); `probs` False when
+    the pass needs tokens only (an AR step, an exact verification), which spares the graph a softmax per row."""
 
     ids: np.ndarray  # [W] int32, distinct
     n_rows: int
     width: int
+    probs: bool = True  # greedy: also what the confidences need (the rest of each row's softmax total)
     temp: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     coef: np.ndarray | None = None  # [3, T, W] float32
     uniform: np.ndarray | None = None  # [T] float32
+    columns: "_Columns | None" = None  # token id -> column (Selector.gather)
 
     def padded_ids(self) -> np.ndarray:
         """[T, width] int32: the ids in every row, unused slots repeating the first (what the graph reads)."""
@@ -383,20 +391,22 @@ class Gather:
 @dataclass
 class GraphRows:
     """What the graph returns for T rows after a pass with a Gather (LlamaContext.decode):
-    greedy: `at_ids` [T, W] the row's logits at the gathered ids, `top_ids` / `top_logits` / `top_probs` [T, K]
-    the K largest logits of the row without those ids and their softmax probabilities there;
+    greedy: `at_ids` [T, W] the row's logits at the gathered ids; the rest of the row read in n chunks of the
+    vocabulary: `rest_ids` / `rest_logits` [T, n] each chunk's largest logit and its id, `rest_probs` [T, n] (with
+    Gather.probs) that logit's probability within its chunk's softmax;
     sampled: `tokens` [T] the draws, `token_probs` [T] their probabilities, `at_ids` [T, W] the probabilities at
     the gathered ids (softmax of the processed row at temperature 1)."""
 
     at_ids: np.ndarray
-    top_ids: np.ndarray | None = None
-    top_logits: np.ndarray | None = None
-    top_probs: np.ndarray | None = None
+    rest_ids: np.ndarray | None = None
+    rest_logits: np.ndarray | None = None
+    rest_probs: np.ndarray | None = None
     tokens: np.ndarray | None = None
     token_probs: np.ndarray | None = None
 
 
 GATHER_WIDTHS = (32, 128, 512, 2048, 8192, 32768, 131072)
+_NO_ID = np.iinfo(np.int32).max
 
 
 class _PrefixStats:
@@ -435,17 +445,29 @@ class _PrefixStats:
         self.n = len(prefix)
 
 
+class _Columns:
+    """token id -> its column in a gather list laid out as [the prefix's ids (in _PrefixStats' order) | others]:
+    without a dictionary over the whole list (rebuilding one per pass would cost more than the pass's numpy)."""
+
+    def __init__(self, prefix_col: dict[int, int], n_prefix: int, others: Sequence[int]):
+        self.prefix_col, self.n_prefix = prefix_col, n_prefix
+        self.others = {int(t): n_prefix + j for j, t in enumerate(others)}
+
+    def __getitem__(self, token: int) -> int:
+        j = self.prefix_col.get(token) if self.n_prefix else None
+        return self.others[token] if j is None else j
+
+    def __contains__(self, token: int) -> bool:
+        return (self.n_prefix and token in self.prefix_col) or token in self.others
+
+
 class _Rows:
     """One pass's rows for the sparse processors: the histories, the gathered ids and what the processors ask of
     them (occurrences, lengths, thinking spans), computed once each."""
 
-    def __init__(self, h: Histories, stats: _PrefixStats, ids: np.ndarray, col: dict[int, int]):
+    def __init__(self, h: Histories, stats: _PrefixStats, ids: np.ndarray, col: _Columns):
         self.h, self.stats, self.ids, self.col = h, stats, ids, col
         self._counts: np.ndarray | None = None
-
-    def history_ids(self) -> list[int]:
-        """Every token of any row's history: the prefix's, then the tail's."""
-        return self.stats.ids[:len(self.stats.col)].tolist() + self.h.tail[:max(self.h.lens, default=0)]
 
     def cols(self, ids) -> list[int]:
         return [self.col[int(t)] for t in np.atleast_1d(ids)]
@@ -462,8 +484,8 @@ class _Rows:
         if self._counts is None:
             st, w = self.stats, len(self.ids)
             counts = np.zeros((len(self.h), w), dtype=np.int64)
-            n_prefix = len(st.col)
-            if n_prefix:  # the prefix's ids come first in the gather list (Selector.gather)
+            n_prefix = self.col.n_prefix  # the prefix's ids come first in the gather list (Selector.gather)
+            if n_prefix:
                 counts[:, :n_prefix] = st.counts[:n_prefix]
             lens = np.asarray(self.h.lens)
             n_tail = int(lens.max(initial=0))
@@ -505,6 +527,9 @@ class Selector:
                  if t is not None]
         self.stats = _PrefixStats(marks)
         self.history = any(getattr(p, "history", False) for p in self.processors)
+        # what every gather holds besides the histories: the ids the processors touch, the end tokens
+        self.fixed_ids = list(dict.fromkeys([int(t) for p in self.processors if hasattr(p, "touches")
+                                             for t in p.touches()] + self.end_ids))
 
     # ---- dense --------------------------------------------------------------------------------------------
     def choose_dense(self, h: Sequence[Sequence[int]], logits: np.ndarray) -> Choice:
@@ -512,47 +537,52 @@ class Selector:
         return _DenseChoice(processed, self.sampler(processed))
 
     # ---- in the graph -------------------------------------------------------------------------------------
-    def gather(self, h: Histories, want: Sequence[int] = ()) -> Gather:
+    def gather(self, h: Histories, want: Sequence[int] = (), probs: bool = True) -> Gather:
         """The ids the graph takes out of every row: the prefix's tokens first (in their order in _PrefixStats), then
-        the rest the processors touch, the end tokens and `want` (tokens whose probability the decoder will ask)."""
-        self.stats.update(h.prefix)
-        # the prefix's tokens first, in _PrefixStats' order (_Rows.counts reads their occurrences from there)
-        ids = self.stats.ids[:len(self.stats.col)].tolist() if self.history else []
-        seen = set(ids)
-        rows = _Rows(h, self.stats, np.empty(0), {})
-        extra = [t for p in self.processors for t in p.touches(rows)] + self.end_ids + list(want)
-        for t in extra:
+        the tail's, the ids the processors touch, the end tokens and `want` (tokens whose probability the decoder
+        will ask). probs False: the pass needs its tokens only (Choice.conf is then NaN)."""
+        st = self.stats
+        st.update(h.prefix)
+        n_prefix = len(st.col) if self.history else 0
+        seen = st.col if self.history else {}
+        tail = h.tail[:max(h.lens, default=0)] if self.history else ()
+        others: dict[int, None] = {}  # in order, distinct
+        for t in itertools.chain(tail, self.fixed_ids, want):
             t = int(t)
             if t not in seen:
-                seen.add(t)
-                ids.append(t)
-        ids_arr = np.asarray(ids, dtype=np.int32)
+                others[t] = None
+        others = list(others)
+        ids = np.empty(n_prefix + len(others), dtype=np.int32)
+        ids[:n_prefix] = st.ids[:n_prefix]
+        ids[n_prefix:] = others
         width = next((w for w in GATHER_WIDTHS if w >= len(ids)), len(ids))
-        g = Gather(ids_arr, len(h), width)
+        g = Gather(ids, len(h), width, probs=probs)
+        g.columns = _Columns(st.col, n_prefix, others)
         if self.sampling is not None:
             s = self.sampling
             g.temp, g.top_k, g.top_p = s.temp, s.top_k, s.top_p
-            g.coef = self.coef(h, ids_arr)
+            g.coef = self.coef(h, g)
             g.uniform = s.uniforms(len(h))
         return g
 
-    def _rows(self, h: Histories, ids: np.ndarray) -> _Rows:
+    def _rows(self, h: Histories, g: Gather) -> _Rows:
         self.stats.update(h.prefix)
-        return _Rows(h, self.stats, ids, {int(t): j for j, t in enumerate(ids.tolist())})
+        return _Rows(h, self.stats, g.ids, g.columns)
 
-    def process_at(self, h: Histories, ids: np.ndarray, logits: np.ndarray) -> np.ndarray:
-        """The processed logits [T, W] at `ids`, from the raw ones there: what `process` gives in those columns."""
-        rows = self._rows(h, ids)
+    def process_at(self, h: Histories, g: Gather, logits: np.ndarray) -> np.ndarray:
+        """The processed logits [T, W] at the gathered ids, from the raw ones there: what `process` gives in those
+        columns."""
+        rows = self._rows(h, g)
         out = np.asarray(logits, dtype=np.float64)
         for p in self.processors:
             out = np.asarray(p.at(rows, out), dtype=np.float64)
         return out
 
-    def coef(self, h: Histories, ids: np.ndarray) -> np.ndarray:
-        """[3, T, W] float32: the processors as x -> x * (c0 if x > 0 else c1) + c2 at `ids` (the sampled graph's
-        form; only the penalties scale, and they come first, the rest add)."""
-        rows = self._rows(h, ids)
-        out = np.zeros((3, len(h), len(ids)), dtype=np.float32)
+    def coef(self, h: Histories, g: Gather) -> np.ndarray:
+        """[3, T, W] float32: the processors as x -> x * (c0 if x > 0 else c1) + c2 at the gathered ids (the sampled
+        graph's form; only the penalties scale, and they come first, the rest add)."""
+        rows = self._rows(h, g)
+        out = np.zeros((3, len(h), len(g.ids)), dtype=np.float32)
         out[:2] = 1.0
         for p in self.processors:
             c0, c1, c2 = p.coef(rows)
@@ -566,31 +596,33 @@ class Selector:
         """The pass's rows -> Choice: dense logits [T, V], or the graph's GraphRows for the Gather it ran with."""
         if not isinstance(rows, GraphRows):
             return self.choose_dense(h, rows)
-        ids = gather.ids
-        col = {int(t): j for j, t in enumerate(ids.tolist())}
+        ids, col = gather.ids, gather.columns
         w = len(ids)
         if rows.tokens is not None:  # sampled in the graph
-            return _SparseChoice(rows.tokens, rows.token_probs, col, rows.at_ids[:, :w].astype(np.float64), None)
-        at = self.process_at(h, ids, rows.at_ids[:, :w])  # [T, W] float64
-        # the rest of the row: its largest logit (the lowest id among equal ones) and the log of its softmax total
-        top_l = rows.top_logits.astype(np.float64)
-        order = np.lexsort((rows.top_ids, -top_l), axis=-1)  # by logit, then id
-        t = np.arange(len(at))
-        best = order[:, 0]
-        rest_id, rest_l = rows.top_ids[t, best].astype(np.int64), top_l[t, best]
-        with np.errstate(divide="ignore", invalid="ignore"):
-            rest_lse = np.where(np.isneginf(rest_l), -np.inf, rest_l - np.log(rows.top_probs[t, best].astype(np.float64)))
-        # the gathered ids: the best by processed logit, the lowest id among equal ones
-        g_order = np.lexsort((np.broadcast_to(ids, at.shape), -at), axis=-1)
-        g_best = g_order[:, 0]
-        g_id, g_l = ids[g_best].astype(np.int64), at[t, g_best]
-        take_g = (g_l > rest_l) | ((g_l == rest_l) & (g_id < rest_id))
-        tokens = np.where(take_g, g_id, rest_id)
-        chosen = np.where(take_g, g_l, rest_l)
-        m = np.maximum(at.max(-1), rest_l)  # [T]
-        with np.errstate(over="ignore"):
-            total = np.exp(at - m[:, None]).sum(-1) + np.exp(rest_lse - m)
-        log_total = m + np.log(total)
+            return _SparseChoice(rows.tokens, rows.token_probs, col, rows.at_ids[:, :w].astype(np.float64), None,
+                                 probs=True)
         if self.sampler is not greedy:
             raise ValueError("graph rows without a draw need the greedy sampler")
+        at = self.process_at(h, gather, rows.at_ids[:, :w])  # [T, W] float64
+        t = np.arange(len(at))
+        # the rest of the row: its largest logit, from the chunks' maxima (chunks hold consecutive ids: the first
+        # chunk holding the maximum holds the lowest of the ids that reach it, bar ties inside one chunk)
+        rest_l = rows.rest_logits.astype(np.float64)
+        best = np.argmax(rest_l, axis=-1)
+        rest_id, rest_l_best = rows.rest_ids[t, best].astype(np.int64), rest_l[t, best]
+        # the gathered ids: the best by processed logit, the lowest id among equal ones
+        g_l = at.max(-1)
+        g_id = np.where(at == g_l[:, None], ids, _NO_ID).min(-1).astype(np.int64)
+        take_g = (g_l > rest_l_best) | ((g_l == rest_l_best) & (g_id < rest_id))
+        tokens = np.where(take_g, g_id, rest_id)
+        if not gather.probs:
+            return _SparseChoice(tokens, np.full(len(tokens), np.nan), col, at, None)
+        chosen = np.where(take_g, g_l, rest_l_best)
+        # log of the rest's softmax total: per chunk, its maximum over that one's probability in the chunk
+        with np.errstate(divide="ignore", invalid="ignore"):
+            chunk_lse = np.where(np.isneginf(rest_l), -np.inf, rest_l - np.log(rows.rest_probs.astype(np.float64)))
+        m = np.maximum(at.max(-1), chunk_lse.max(-1))  # [T]
+        with np.errstate(over="ignore"):
+            total = np.exp(at - m[:, None]).sum(-1) + np.exp(chunk_lse - m[:, None]).sum(-1)
+        log_total = m + np.log(total)
         return _SparseChoice(tokens, np.exp(chosen - log_total), col, at, log_total)

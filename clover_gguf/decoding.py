@@ -116,8 +116,9 @@ class _Passes:
                       getattr(backend, "select_in_graph", True))
 
     def prefill(self, ids: Sequence[int], h: Histories) -> Choice:
+        """The prompt's pass and the choice of the first token (its confidence is not computed in the graph)."""
         if self.graph:
-            g = self.sel.gather(h)
+            g = self.sel.gather(h, probs=False)
             return self.sel.choose(h, self.b.prefill_rows(ids, g), g)
         return self.sel.choose(h, self.b.prefill(ids)[None])
 
@@ -128,9 +129,11 @@ class _Passes:
         else:
             self.b.prefill(ids)
 
-    def commit(self, ids: Sequence[int], h: Histories, want: Sequence[int] = ()) -> Choice:
+    def commit(self, ids: Sequence[int], h: Histories, want: Sequence[int] = (), probs: bool = False) -> Choice:
+        """A causal pass committing `ids` and the choices of its rows; probs: the probabilities of `want` (and the
+        confidences) are needed, not just the tokens."""
         if self.graph:
-            g = self.sel.gather(h, want)
+            g = self.sel.gather(h, want, probs=probs)
             return self.sel.choose(h, self.b.commit_rows(ids, g), g)
         return self.sel.choose(h, self.b.commit(ids))
 
@@ -394,7 +397,7 @@ def _draft_self(passes: _Passes, prompt_ids, max_new, block_size, threshold, acc
         # verify: one causal pass commits all D tokens; row i predicts the token after draft[i], its history is
         # the answer plus draft[:i + 1]
         causal = passes.commit(draft, Histories(out, draft, range(1, d + 1)),
-                               want=draft[1:] if accept == "threshold" else ())
+                               want=draft[1:] if accept == "threshold" else (), probs=accept == "threshold")
         stats.forward_passes += 1
         target = causal.tokens  # [D]: target[i] = causal choice for position i + 1
         if accept == "exact":

@@ -31,8 +31,6 @@ GGML_TYPE_F32 = 0
 GGML_BACKEND_DEVICE_TYPE_CPU, GGML_BACKEND_DEVICE_TYPE_GPU, GGML_BACKEND_DEVICE_TYPE_IGPU = 0, 1, 2  # ggml_backend_dev_type
 LOAD_MODE_NONE, LOAD_MODE_AUTO = 0, -1  # enum llama_load_mode
 
-N_TOP = 8  # the graph's selection: the largest logits of a row's rest it returns (controls.Selector reads them)
-
 # llama.cpp rounds the context up to a multiple of this (llama-context.cpp, "GGML_PAD(cparams.n_ctx, 256)") but
 # caps the batch at the size asked for: we round first, so the batch limit and the context limit are the same number
 N_CTX_PAD = 256
@@ -80,12 +78,19 @@ def _clover_api(L: Any) -> Any:
                                                            ctypes.c_int32]
         lib.llama_get_memory_breakdown_entries.restype = ctypes.c_int32
         smpl = L.llama_cpp.llama_sampler_p_ctypes
-        lib.llama_sampler_init_clover.argtypes = [ctypes.c_int32, ctypes.c_int32, ctypes.c_float, ctypes.c_int32,
+        lib.llama_sampler_init_clover.argtypes = [ctypes.c_int32, ctypes.c_bool, ctypes.c_float, ctypes.c_int32,
                                                   ctypes.c_float]
         lib.llama_sampler_init_clover.restype = smpl
         lib.llama_sampler_clover_set_rows.argtypes = [smpl, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                                       ctypes.c_int32]
         lib.llama_sampler_clover_set_rows.restype = None
+        # the sampled rows, read after every selecting decode: plain addresses (the binding's wrappers cost more)
+        for name, res in (("llama_get_sampled_logits_ith", ctypes.c_void_p),
+                          ("llama_get_sampled_candidates_ith", ctypes.c_void_p),
+                          ("llama_get_sampled_logits_count_ith", ctypes.c_uint32),
+                          ("llama_get_sampled_token_ith", ctypes.c_int32)):
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_int32], res
     except AttributeError:
         raise UserError(f"{lib._name} is not the patched llama.cpp (no llama_set_block_attn): "
                         "run `clover-gguf build-llama`") from None
@@ -291,6 +296,7 @@ class LlamaContext:
         self._batch: _Batch | None = None  # reused by every decode call, grown when a call needs more room
         self._selectors: dict[int, tuple[tuple, Any]] = {}  # seq -> (settings, llama.cpp sampler chain)
         self._rows_in: tuple = ()  # the arrays the sampler reads during the current decode
+        self._views: dict[tuple, np.ndarray] = {}  # numpy views of llama.cpp's sampled-output buffers
 
     # ---- metadata ---------------------------------------------------------------------------------------
     def meta(self, key: str) -> str | None:
@@ -376,12 +382,12 @@ class LlamaContext:
             raise ValueError(f"a gather for {g.n_rows} rows, the decode has {n_out}")
         if n_out > 1 and n > self.n_ubatch:  # the sampler reads one ubatch's rows
             raise ValueError(f"{n} tokens with {n_out} selected rows: more than one micro-batch ({self.n_ubatch})")
-        key = (g.width, N_TOP, g.temp, g.top_k, g.top_p)
+        key = (g.width, g.probs, g.temp, g.top_k, g.top_p)
         held = self._selectors.get(seq)
         if held is None or held[0] != key:
             L = self.L
             chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
-            L.llama_sampler_chain_add(chain, self._api.llama_sampler_init_clover(g.width, N_TOP, g.temp, g.top_k,
+            L.llama_sampler_chain_add(chain, self._api.llama_sampler_init_clover(g.width, g.probs, g.temp, g.top_k,
                                                                                  g.top_p))
             if not L.llama_set_sampler(self.ctx, seq, chain):
                 L.llama_sampler_free(chain)
@@ -405,18 +411,42 @@ class LlamaContext:
     def _graph_rows(self, first: int, n_out: int, g: Gather) -> GraphRows:
         """The sampler's outputs for the decode's rows, the first at batch index `first` (llama.cpp keeps the rows in
         batch order, each at a stride of n_vocab)."""
-        L, v = self.L, self.n_vocab
-        n_f = L.llama_get_sampled_logits_count_ith(self.ctx, first)
-        f = np.ctypeslib.as_array(L.llama_get_sampled_logits_ith(self.ctx, first), shape=(n_out, v))[:, :n_f].copy()
+        api, ctx, v = self._api, self.ctx, self.n_vocab
+        n_f = api.llama_get_sampled_logits_count_ith(ctx, first)
+        f = self._rows_view(api.llama_get_sampled_logits_ith(ctx, first), n_out, np.float32)[:, :n_f].copy()
         w = g.width
         if g.temp > 0:
             rows = np.flatnonzero(self._batch.logits[:self._batch.struct.n_tokens])
-            tokens = np.fromiter((L.llama_get_sampled_token_ith(self.ctx, int(i)) for i in rows), dtype=np.int64,
+            tokens = np.fromiter((api.llama_get_sampled_token_ith(ctx, int(i)) for i in rows), dtype=np.int64,
                                  count=n_out)
             return GraphRows(at_ids=f[:, :w], tokens=tokens, token_probs=f[:, w])
-        k = (n_f - w) // 2
-        top = np.ctypeslib.as_array(L.llama_get_sampled_candidates_ith(self.ctx, first), shape=(n_out, v))[:, :k].copy()
-        return GraphRows(at_ids=f[:, :w], top_ids=top, top_logits=f[:, w:w + k], top_probs=f[:, w + k:w + 2 * k])
+        n, rest = divmod(n_f - w, 2 if g.probs else 1)  # the vocabulary's chunks (llama.h: llama_sampler_init_clover)
+        if rest or n < 1 or v % n:
+            raise RuntimeError(f"the selection sampler returned {n_f} values per row for a gather of {w}")
+        local = self._rows_view(api.llama_get_sampled_candidates_ith(ctx, first), n_out, np.int32)[:, :n]
+        ids = local + self._chunk_starts(n)  # index in the chunk -> token id
+        return GraphRows(at_ids=f[:, :w], rest_ids=ids, rest_logits=f[:, w:w + n],
+                         rest_probs=f[:, w + n:w + 2 * n] if g.probs else None)
+
+    def _chunk_starts(self, n: int) -> np.ndarray:
+        starts = self._views.get(("chunks", n))
+        if starts is None:
+            starts = self._views[("chunks", n)] = np.arange(n, dtype=np.int64) * (self.n_vocab // n)
+        return starts
+
+    def _rows_view(self, addr: int | None, n_out: int, dtype) -> np.ndarray:
+        """[n_out, n_vocab] numpy view of one of llama.cpp's sampled-output buffers (kept per address: making a view
+        through ctypes costs more than the rest of a pass's reading)."""
+        if not addr:
+            raise RuntimeError("llama.cpp returned no sampled rows (was the selection sampler attached?)")
+        key = (addr, n_out, dtype)
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) > 64:
+                self._views.clear()
+            buf = (ctypes.c_char * (n_out * self.n_vocab * np.dtype(dtype).itemsize)).from_address(addr)
+            view = self._views[key] = np.frombuffer(buf, dtype=dtype).reshape(n_out, self.n_vocab)
+        return view
 
     def _batch_for(self, n: int) -> "_Batch":
         if self._batch is None or self._batch.capacity < n:
@@ -474,6 +504,7 @@ class LlamaContext:
         for _, chain in getattr(self, "_selectors", {}).values():  # after the context that held them
             self.L.llama_sampler_free(chain)
         self._selectors = {}
+
         if getattr(self, "model", None):
             self.L.llama_model_free(self.model)
             self.model = None

@@ -104,6 +104,36 @@ def test_a_graph_choice_equals_the_numpy_one(runtimes):
             assert got.best_of(m, sorted(rt.eos_ids)) == dense.best_of(m, sorted(rt.eos_ids))
 
 
+def test_rows_for_tokens_only_hold_what_rows_with_probabilities_hold(runtimes):
+    """A pass that asks for tokens only (an AR step: Gather.probs False) gets the same logits at the ids and the same
+    chunk maxima as one that also asks for probabilities, and the same tokens as the numpy path."""
+    rt = runtimes["graph"]
+    b = rt.backend
+    ids, answer, block = _states(rt, 1)[0]
+    masked = [i for i, t in enumerate(block) if t == rt.mask_token_id]
+    h = Histories(answer, [t for t in block if t != rt.mask_token_id],
+                  [sum(1 for j in range(i) if block[j] != rt.mask_token_id) for i in masked])
+    procs = make_processors(BITING, rt.eos_ids, rt.think_id, rt.think_end_id, False)
+    b.reset()
+    b.prefill(ids + answer)
+    dense = Selector(procs, None, rt.eos_ids).choose(h, b.block_logits(block)[masked])
+    rows, choices = {}, {}
+    for probs in (True, False):
+        sel = Selector(procs, None, rt.eos_ids)
+        g = sel.gather(h, probs=probs)
+        rows[probs] = b.block_rows(block, masked, g)
+        choices[probs] = sel.choose(h, rows[probs], g)
+    for field in ("at_ids", "rest_ids", "rest_logits"):
+        np.testing.assert_array_equal(getattr(rows[False], field), getattr(rows[True], field))
+    assert rows[False].rest_probs is None and rows[True].rest_probs.shape == rows[True].rest_logits.shape
+    assert rows[True].rest_ids.shape[1] * (rows[True].rest_ids[0, 1] - rows[True].rest_ids[0, 0] if
+                                           rows[True].rest_ids.shape[1] > 1 else 1) <= rt.ctx.n_vocab
+    np.testing.assert_array_equal(choices[False].tokens, dense.tokens)
+    assert np.isnan(choices[False].conf).all()
+    with pytest.raises(ValueError, match="tokens only"):
+        choices[False].prob(0, rt.mask_token_id)
+
+
 SAMPLINGS = [dict(temp=1.0, top_k=6), dict(temp=2.0, top_k=12, top_p=0.6), dict(temp=3.0, top_p=0.5)]
 
 

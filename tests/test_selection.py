@@ -26,11 +26,12 @@ class Float32(FakeBackend):
 
 
 class GraphSim(Float32):
-    """The graph's selection rows, computed in numpy from the dense logits (float32 softmax)."""
+    """The graph's selection rows, computed in numpy from the dense logits (float32 softmax): the vocabulary read in
+    chunks of `chunk` ids."""
 
-    def __init__(self, *a, k: int = 4, shuffle: int = 0, **kw):
+    def __init__(self, *a, chunk: int = 4, shuffle: int = 0, shuffle_ties: bool = False, **kw):
         super().__init__(*a, **kw)
-        self.k, self.rng = k, np.random.default_rng(shuffle)
+        self.chunk, self.rng, self.shuffle_ties = chunk, np.random.default_rng(shuffle), shuffle_ties
         self.gathers = []
 
     def rows(self, logits: np.ndarray, gather) -> GraphRows:
@@ -41,11 +42,17 @@ class GraphSim(Float32):
         at = x[t, ids]
         m = x.copy()
         m[t, ids] = -np.inf
-        order = np.argsort(-m, axis=-1, kind="stable")[:, :self.k]
-        order = self.rng.permuted(order, axis=-1)  # the graph's top-k comes in no particular order
-        e = np.exp(m - m.max(-1, keepdims=True), dtype=np.float32)
-        p = e / e.sum(-1, keepdims=True, dtype=np.float32)
-        return GraphRows(at_ids=at, top_ids=order.astype(np.int32), top_logits=m[t, order], top_probs=p[t, order])
+        c = self.chunk
+        mc = m.reshape(len(x), -1, c)  # [T, n, c]
+        local = np.argmax(mc, axis=-1)
+        if self.shuffle_ties:  # the graph's top-1 of a chunk picks any of equal logits
+            local = np.asarray([[self.rng.choice(np.flatnonzero(row == row.max())) for row in r] for r in mc])
+        best = np.take_along_axis(mc, local[..., None], -1)[..., 0]
+        with np.errstate(invalid="ignore"):
+            e = np.exp(mc - best[..., None], dtype=np.float32)
+            p = (1.0 / e.sum(-1, dtype=np.float32)).astype(np.float32)  # the chunk maximum's probability there
+        return GraphRows(at_ids=at, rest_ids=local + np.arange(mc.shape[1]) * c, rest_logits=best,
+                         rest_probs=p if gather.probs else None)
 
     def prefill_rows(self, ids, gather):
         logits = self.prefill(ids)
@@ -135,7 +142,7 @@ def test_a_choice_from_the_graph_equals_the_dense_one(seed):
         dense = Selector(procs, None, [EOS]).choose(h, logits)
         sel = Selector(procs, None, [EOS])
         g = sel.gather(h, want=[4, 9])
-        sim = GraphSim(lambda ctx: None, k=3, shuffle=seed)
+        sim = GraphSim(lambda ctx: None, chunk=3, shuffle=seed)
         got = sel.choose(h, sim.rows(logits, g), g)
         np.testing.assert_array_equal(got.tokens, dense.tokens)
         np.testing.assert_allclose(got.conf, dense.conf, rtol=2e-6)
@@ -149,12 +156,12 @@ def test_a_choice_from_the_graph_equals_the_dense_one(seed):
 def test_ties_go_to_the_lowest_id_on_both_sides_of_the_gather():
     h = Histories([], [], [0, 0, 0])
     logits = np.zeros((3, V), dtype=np.float32)
-    logits[0, [3, 6]] = 5.0  # two ungathered ids tie
+    logits[0, [3, 6]] = 5.0  # two ungathered ids tie, in two chunks of 4
     logits[1, [2, EOS]] = 5.0  # an ungathered id ties with a gathered one (EOS), the ungathered lower
     logits[2, [EOS, 11]] = 5.0  # the gathered one lower
     sel = Selector((), None, [EOS])
     g = sel.gather(h)
-    got = sel.choose(h, GraphSim(lambda ctx: None, k=4, shuffle=1).rows(logits, g), g)
+    got = sel.choose(h, GraphSim(lambda ctx: None, chunk=4).rows(logits, g), g)
     assert got.tokens.tolist() == Selector((), None, [EOS]).choose(h, logits).tokens.tolist() == [3, 2, EOS]
 
 
@@ -171,7 +178,7 @@ def test_prefix_occurrences_and_spans_follow_a_growing_answer():
         tail = rng.choice([0, 1, 2, THINK, THINK_END, 6], size=5).tolist()
         h = Histories(out, tail, [0, 2, 5])
         g = sel.gather(h)
-        rows = _Rows(h, sel.stats, g.ids.astype(np.int64), {int(t): j for j, t in enumerate(g.ids.tolist())})
+        rows = _Rows(h, sel.stats, g.ids, g.columns)
         for i, hist in enumerate(h):
             want = [hist.count(int(t)) for t in g.ids]
             assert rows.counts()[i].tolist() == want, (step, i)
