@@ -71,14 +71,17 @@ def timed_run(rt, log: PassLog, ids, mode: str, n_new: int, **kw) -> list[tuple[
     return out
 
 
-def bench_passes(gguf: Path, threads: int, rounds: int, history: int) -> dict:
+def bench_passes(gguf: Path, threads: int | None, rounds: int, history: int, **runtime) -> dict:
+    """Host ms per AR step and per 32-token block pass (+ its commit), numpy selection (before) and graph selection
+    (after), rounds interleaved (bench/device/steps.py's host step runs it on the GPU). runtime: CloverRuntime's
+    options (offload)."""
     from clover_gguf.runtime import CloverRuntime
 
     n_ar = history + AR_STEPS
     n_blocks = -(-history // 32) + BLOCKS
     n_ctx = n_blocks * 32 + 256
-    rts = {"before": CloverRuntime(gguf, n_ctx=n_ctx, n_threads=threads, selection="numpy"),
-           "after": CloverRuntime(gguf, n_ctx=n_ctx, n_threads=threads, selection="graph")}
+    rts = {"before": CloverRuntime(gguf, n_ctx=n_ctx, n_threads=threads, selection="numpy", **runtime),
+           "after": CloverRuntime(gguf, n_ctx=n_ctx, n_threads=threads, selection="graph", **runtime)}
     logs = {k: PassLog(rt) for k, rt in rts.items()}
     ids = rts["after"].prompt_ids(PROMPT, think=False)
     samples = {k: {"ar": [], "block": []} for k in rts}
@@ -124,7 +127,7 @@ def llama_bench(gguf: Path, threads: int, n: int) -> float:
 
 def generate_tps(gguf: Path, threads: int, n: int) -> float:
     cmd = [sys.executable, "-m", "clover_gguf", "generate", str(gguf), "-p", PROMPT, "--no-think", "--mode", "ar",
-           "--max-new-tokens", str(n), "--threads", str(threads), "--ctx", str(n + 256), "--json", "--quiet"]
+           "--max-new-tokens", str(n), "--threads", str(threads), "--ctx", str(n + 256), "--json"]
     p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     if p.returncode != 0:
         raise SystemExit(f"clover-gguf generate failed: {p.stderr.strip()[-1000:]}")

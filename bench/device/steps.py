@@ -434,6 +434,26 @@ def print_decode(name: str, d: dict) -> None:
         print(f"projected {mode:<11} {p['tok_s']:8.1f} tok/s ({p.get('x_ar', 0):.2f} x ar), pass mix {p['mix']}")
 
 
+# ---- host ---------------------------------------------------------------------------------------------------------
+def cmd_host(a) -> None:
+    """bench/host.py's per-pass figures on a model (the slice: the 35B's vocabulary): host ms per AR step and per
+    32-token block pass outside llama_decode, selection in numpy (before) and in the graph (after), interleaved."""
+    from host import bench_passes
+    from clover_gguf.testing.device import offload_kwargs
+
+    gguf = model_from(a.gguf_from)
+    t0 = time.monotonic()
+    res = bench_passes(gguf, a.threads, a.rounds, a.history, **offload_kwargs(a.gpu_layers))
+    data = {"gguf": str(gguf), "history": a.history, "rounds": a.rounds, "gpu_layers": a.gpu_layers, "passes": res,
+            "seconds": round(time.monotonic() - t0, 1)}
+    write_section(a.name, data)
+    for kind in ("ar", "block"):
+        for path in ("before", "after"):
+            r = res[path][kind]
+            print(f"{kind:<6} {path:<7} wall {r['wall_ms']:8.2f} ms, llama_decode {r['decode_ms']:8.2f} ms, host "
+                  f"{r['host_ms']:7.2f} ms ({r['n']} passes)")
+
+
 # ---- memory -------------------------------------------------------------------------------------------------------
 def gpu_used_mib() -> dict:
     """nvidia-smi's view: memory used on the GPU, and by this process."""
@@ -590,6 +610,15 @@ def markdown(r: dict) -> str:
                          f"{p.get('x_ar', 0):.2f} x ar |")
         if d.get("llama_log"):
             lines += ["", "llama.cpp at load:", "", "```", *d["llama_log"][:24], "```"]
+    h = sec.get("host_slice")
+    if h and "passes" in h:
+        lines += ["", f"## host_slice: {Path(h['gguf']).name}, history {h['history']} tokens", "",
+                  "| pass | selection | wall ms | llama_decode ms | host ms | n |", "|---|---|---|---|---|---|"]
+        for kind, name in (("ar", "AR step"), ("block", "32-token block pass + commit")):
+            for path in ("before", "after"):
+                r = h["passes"][path][kind]
+                lines.append(f"| {name} | {'numpy' if path == 'before' else 'graph'} | {r['wall_ms']:.2f} | "
+                             f"{r['decode_ms']:.2f} | {r['host_ms']:.2f} | {r['n']} |")
     m = sec.get("memory")
     if m:
         lines += ["", f"## memory: {Path(m['gguf']).name}, n_ctx {m['n_ctx']}", ""]
@@ -664,6 +693,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--project-from", help="a decode section whose pass mix projects tok/s")
     p.add_argument("--threshold", type=float, help="block decoding's confidence threshold (default: the model's); 0 "
                    "resolves a whole block per pass, whatever the weights")
+    p = sub.add_parser("host")
+    p.add_argument("name")
+    p.add_argument("--gguf-from", required=True)
+    p.add_argument("--history", type=int, default=100)
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--gpu-layers", type=int, default=-1)
+    p.add_argument("--threads", type=int, help="llama.cpp threads (default: the runtime's)")
     p = sub.add_parser("memory")
     p.add_argument("name")
     p.add_argument("--gguf-from", required=True)
@@ -690,7 +726,7 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         {"env": cmd_env, "build": cmd_build, "llama-archs": cmd_llama_archs, "parity": cmd_parity,
-         "slice": cmd_slice, "decode": cmd_decode, "memory": cmd_memory, "record": cmd_record,
+         "slice": cmd_slice, "decode": cmd_decode, "host": cmd_host, "memory": cmd_memory, "record": cmd_record,
          "report": cmd_report}[a.cmd](a)
     except UserError as e:  # one line, the step's reason in the results
         raise SystemExit(f"error: {e}") from None
