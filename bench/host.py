@@ -137,15 +137,39 @@ def generate_tps(gguf: Path, threads: int, n: int) -> float:
     return float(stats["decode_tokens_per_s"])
 
 
+# the same request as `clover-gguf generate` makes (CloverRuntime.generate, its decode tok/s), with the selection
+# chosen: "numpy" is the path before patches/0004, which the command line no longer takes
+SELECTION_RUN = """
+import json, sys
+from clover_gguf.runtime import CloverRuntime
+gguf, selection, n, threads, prompt = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+with CloverRuntime(gguf, n_ctx=n + 256, n_threads=threads, selection=selection) as rt:
+    a = rt.generate(prompt, mode="ar", max_new_tokens=n, think=False)
+print(json.dumps(a.stats.to_json()))
+"""
+
+
+def selection_tps(gguf: Path, threads: int, n: int, selection: str) -> float:
+    p = subprocess.run([sys.executable, "-c", SELECTION_RUN, str(gguf), selection, str(n), str(threads), PROMPT],
+                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if p.returncode != 0:
+        raise SystemExit(f"generate ({selection}) failed: {p.stderr.strip()[-1000:]}")
+    return float(json.loads(p.stdout)["decode_tokens_per_s"])
+
+
 def bench_tps(gguf: Path, threads: int, rounds: int, n: int) -> dict:
-    ours, theirs = [], []
+    """Per round, alternately: `clover-gguf generate` (graph selection), `llama-bench` tg, and the same generate with
+    the numpy selection (before)."""
+    ours, theirs, before = [], [], []
     for r in range(rounds):
         ours.append(generate_tps(gguf, threads, n))
         theirs.append(llama_bench(gguf, threads, n))
-        print(f"  round {r + 1}/{rounds}: generate {ours[-1]:.1f} tok/s, llama-bench {theirs[-1]:.1f} tok/s",
-              file=sys.stderr, flush=True)
-    g, b = statistics.median(ours), statistics.median(theirs)
-    return {"generate_tok_s": g, "llama_bench_tok_s": b, "ratio": g / b, "generate_all": ours, "llama_bench_all": theirs}
+        before.append(selection_tps(gguf, threads, n, "numpy"))
+        print(f"  round {r + 1}/{rounds}: generate {ours[-1]:.1f} tok/s, llama-bench {theirs[-1]:.1f} tok/s, "
+              f"generate with numpy selection {before[-1]:.1f} tok/s", file=sys.stderr, flush=True)
+    g, b, o = statistics.median(ours), statistics.median(theirs), statistics.median(before)
+    return {"generate_tok_s": g, "llama_bench_tok_s": b, "ratio": g / b, "numpy_selection_tok_s": o,
+            "numpy_ratio": o / b, "generate_all": ours, "llama_bench_all": theirs, "numpy_selection_all": before}
 
 
 def main() -> None:
@@ -154,7 +178,7 @@ def main() -> None:
     ap.add_argument("--gguf", type=Path, help="measure this model instead of the grown tiny one")
     ap.add_argument("--vocab-size", type=int, default=248_320)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the per-pass measurements")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the per-pass measurements (0: none)")
     ap.add_argument("--history", type=int, default=400, help="answer tokens before the timed steps")
     ap.add_argument("--bench-rounds", type=int, default=5, help="generate / llama-bench pairs (0: none)")
     ap.add_argument("--bench-tokens", type=int, default=256, help="tokens per generate / llama-bench run")
@@ -165,29 +189,30 @@ def main() -> None:
     a.workdir.mkdir(parents=True, exist_ok=True)
     gguf = a.gguf or make_model(a.workdir, a.vocab_size)
     print(f"model: {gguf} ({gguf.stat().st_size / 2**20:.0f} MiB), {a.threads} threads", flush=True)
-    res = bench_passes(gguf, a.threads, a.rounds, a.history)
-    print(f"\nhost time per pass, card's controls on, history >= {a.history} tokens, medians "
-          f"({a.rounds} interleaved rounds):")
-    print(f"{'pass':<34} {'path':<7} {'n':>4} {'wall ms':>8} {'llama_decode ms':>16} {'host ms':>8} "
-          f"{'llama.cpp share':>16}")
-    names = {"ar": "AR step", "block": "32-token block pass (+ its commit)"}
-    for kind in ("ar", "block"):
-        for k in ("before", "after"):
-            r = res[k][kind]
-            print(f"{names[kind]:<34} {k:<7} {r['n']:>4} {r['wall_ms']:8.2f} {r['decode_ms']:16.2f} "
-                  f"{r['host_ms']:8.2f} {r['llama_share']:16.0%}")
-    goals = {"ar": 0.5, "block": 2.0}
-    for kind, g in goals.items():
-        after = res["after"][kind]["host_ms"]
-        print(f"goal: host <= {g} ms per {names[kind]}: {after:.2f} ms ({'met' if after <= g else 'NOT met'}; "
-              f"before {res['before'][kind]['host_ms']:.2f} ms)")
+    res = bench_passes(gguf, a.threads, a.rounds, a.history) if a.rounds else {}
+    if res:
+        print(f"\nhost time per pass, card's controls on, history >= {a.history} tokens, medians "
+              f"({a.rounds} interleaved rounds):")
+        print(f"{'pass':<34} {'path':<7} {'n':>4} {'wall ms':>8} {'llama_decode ms':>16} {'host ms':>8} "
+              f"{'llama.cpp share':>16}")
+        names = {"ar": "AR step", "block": "32-token block pass (+ its commit)"}
+        for kind in ("ar", "block"):
+            for k in ("before", "after"):
+                r = res[k][kind]
+                print(f"{names[kind]:<34} {k:<7} {r['n']:>4} {r['wall_ms']:8.2f} {r['decode_ms']:16.2f} "
+                      f"{r['host_ms']:8.2f} {r['llama_share']:16.0%}")
+        for kind, g in {"ar": 0.5, "block": 2.0}.items():
+            after = res["after"][kind]["host_ms"]
+            print(f"goal: host <= {g} ms per {names[kind]}: {after:.2f} ms ({'met' if after <= g else 'NOT met'}; "
+                  f"before {res['before'][kind]['host_ms']:.2f} ms)")
     out = {"gguf": str(gguf), "threads": a.threads, "history": a.history, "passes": res}
     if a.bench_rounds:
         print(f"\nAR tokens/s, {a.bench_tokens} tokens, {a.threads} threads, {a.bench_rounds} alternating runs each:")
         tps = bench_tps(gguf, a.threads, a.bench_rounds, a.bench_tokens)
         print(f"clover-gguf generate (decode tok/s): {tps['generate_tok_s']:.1f}; llama-bench tg: "
               f"{tps['llama_bench_tok_s']:.1f}; ratio {tps['ratio']:.3f} (goal >= 0.95: "
-              f"{'met' if tps['ratio'] >= 0.95 else 'NOT met'})")
+              f"{'met' if tps['ratio'] >= 0.95 else 'NOT met'}); before (numpy selection): "
+              f"{tps['numpy_selection_tok_s']:.1f} tok/s, ratio {tps['numpy_ratio']:.3f}")
         out["tok_s"] = tps
     (a.workdir / "host.json").write_text(json.dumps(out, indent=1) + "\n")
     print(f"\nfigures in {a.workdir / 'host.json'}")

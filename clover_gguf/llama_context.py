@@ -28,7 +28,8 @@ from clover_gguf.errors import UserError
 from clover_gguf.offload import Offload, no_offload_notice
 
 GGML_TYPE_F32 = 0
-GGML_BACKEND_DEVICE_TYPE_CPU, GGML_BACKEND_DEVICE_TYPE_GPU, GGML_BACKEND_DEVICE_TYPE_IGPU = 0, 1, 2  # ggml_backend_dev_type
+# enum ggml_backend_dev_type
+GGML_BACKEND_DEVICE_TYPE_CPU, GGML_BACKEND_DEVICE_TYPE_GPU, GGML_BACKEND_DEVICE_TYPE_IGPU = 0, 1, 2
 LOAD_MODE_NONE, LOAD_MODE_AUTO = 0, -1  # enum llama_load_mode
 
 # llama.cpp rounds the context up to a multiple of this (llama-context.cpp, "GGML_PAD(cparams.n_ctx, 256)") but
