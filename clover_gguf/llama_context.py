@@ -400,8 +400,7 @@ class LlamaContext:
         coef = g.padded_coef() if g.coef is not None else None
         u = np.ascontiguousarray(g.uniform, dtype=np.float32) if g.uniform is not None else None
         self._rows_in = (ids, coef, u)  # alive until the next decode
-        self._api.llama_sampler_clover_set_rows(held[1], ids.ctypes.data, None if coef is None else coef.ctypes.data,
-                                                None if u is None else u.ctypes.data, n_out)
+        self._api.llama_sampler_clover_set_rows(held[1], _address(ids), _address(coef), _address(u), n_out)
 
     def _select_off(self, seq: int) -> None:
         held = self._selectors.pop(seq, None)
@@ -515,6 +514,11 @@ class LlamaContext:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _address(a: np.ndarray | None) -> int | None:
+    """The data pointer of a numpy array (cheaper than .ctypes.data)."""
+    return None if a is None else a.__array_interface__["data"][0]
 
 
 class _Batch:
