@@ -94,7 +94,7 @@ def main() -> None:
     convert(a.model, files["F32"][0], outtype="f32", quiet=True)
     quantize(files["F32"][0], files["Q4_K_M"][0], "Q4_K_M", force=True, quiet=True)
     for clover, ar in files.values():
-        export_ar(clover, ar, force=True, quiet=True)
+        export_ar(clover, ar, force=True, quiet=True, arch="qwen35moe")
 
     ok = True
     print(f"\n{'type':<8} {'clover (patched)':<18} {'export (unpatched)':<20} {'rel. logit diff':>16}")

@@ -18,7 +18,6 @@ import argparse
 import os
 import shutil
 import sys
-import tarfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,39 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from measure import run_measured, warm  # noqa: E402
 
 from clover_gguf.testing.make_tiny import make_tiny  # noqa: E402
-
-UPSTREAM_WRAPPER = """
-import sys
-sys.path.insert(0, {gguf_py!r})
-sys.path.insert(0, {src!r})
-import conversion.base as base
-# our tokenizer is new to llama.cpp's pre-tokenizer hash table; it uses Qwen3.5's regex, so name it
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen35"
-import convert_hf_to_gguf
-sys.argv = ["convert_hf_to_gguf.py"] + {args!r}
-convert_hf_to_gguf.main()
-"""
-
-
-
-def upstream_source(cache: Path) -> Path:
-    """convert_hf_to_gguf.py, conversion/ and gguf-py/ from the pinned sdist (downloaded and verified by build)."""
-    from clover_gguf import build
-
-    dest = cache / "upstream-convert"
-    if (dest / "convert_hf_to_gguf.py").is_file():
-        return dest
-    tarball = build.fetch_sdist(quiet=True)
-    prefix = "llama_cpp_python-0.3.36/vendor/llama.cpp/"
-    with tarfile.open(tarball) as tar:
-        members = [m for m in tar.getmembers() if m.name.startswith(prefix) and
-                   (m.name[len(prefix):] == "convert_hf_to_gguf.py" or
-                    m.name[len(prefix):].startswith(("conversion/", "gguf-py/")))]
-        for m in members:
-            m.name = m.name[len(prefix):]
-        tar.extractall(dest, members=members, filter="data")
-    return dest
-
+from clover_gguf.testing.upstream import upstream_convert_command  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -77,7 +44,6 @@ def main() -> None:
             make_tiny(path, seed=0, preset=a.preset, dtype="bf16", plain_qwen=plain_qwen, shard_size=1 << 30)
     size = sum(f.stat().st_size for f in clover.glob("*.safetensors"))
     print(f"checkpoint: {size / 1e9:.2f} GB of safetensors", flush=True)
-    src_up = upstream_source(wd)
 
     results = {}
     warm(clover)
@@ -96,9 +62,7 @@ def main() -> None:
         out.unlink()
     warm(plain)
     out = wd / "upstream.gguf"
-    wrapper = UPSTREAM_WRAPPER.format(gguf_py=str(src_up / "gguf-py"), src=str(src_up),
-                                      args=[str(plain), "--outfile", str(out), "--outtype", "bf16", "--no-mtp"])
-    results["upstream"] = run_measured([py, "-c", wrapper])
+    results["upstream"] = run_measured(upstream_convert_command(plain, out, "bf16"))
     out.unlink()
 
     print(f"\n{'run':<10} {'seconds':>8} {'GB/s':>7} {'peak RSS MiB':>13} {'speed vs cp':>12}")

@@ -3,12 +3,19 @@
 Text streams as tokens are accepted (in the block modes a block appears as it resolves); thinking is shown dimmed
 or hidden. Commands: /reset, /mode ar|diffusion|draft-self, /stats, /quit. Ctrl-C stops the current answer and
 keeps the program; Ctrl-D or /quit leaves.
+
+Ctrl-C is the chat's own (`loop` installs a SIGINT handler): at the prompt it drops the line being typed (a
+KeyboardInterrupt raised there and only there); at any other moment it asks the answer under way to stop at its
+next piece. So no Ctrl-C, however many and however close together, lands in the middle of the chat's own
+bookkeeping (printing "(stopped)", the stats) and ends the program.
 """
 
 from __future__ import annotations
 
 import json
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import TextIO
 
@@ -42,16 +49,26 @@ class ThinkingRenderer:
 
 
 class ChatSession:
-    def __init__(self, model: Path, mode: str = "draft-self", max_new_tokens: int = 1024, think: bool = True,
+    def __init__(self, model: Path, mode: str | None = None, max_new_tokens: int = 1024, think: bool = True,
                  show_thinking: bool = True, temp: float = 0.0, seed: int | None = None, n_ctx: int | None = None,
-                 json_stats: bool = False, out: TextIO = sys.stdout, inp: TextIO = sys.stdin,
+                 json_stats: bool = False, out: TextIO | None = None, inp: TextIO | None = None,
                  rollback: str = "redecode", offload: Offload | None = None, **runtime_kwargs):
         self.rt = CloverRuntime(model, n_ctx=n_ctx, rollback=rollback, offload=offload, **runtime_kwargs)
+        mode = mode or self.rt.default_mode
         self.mode, self.max_new_tokens, self.think, self.show_thinking = mode, max_new_tokens, think, show_thinking
         self.temp, self.seed, self.json_stats = temp, seed, json_stats
-        self.out, self.inp = out, inp
+        # sys.stdout / sys.stdin as they are now, not when this module was imported (the CLI guards stdout)
+        self.out, self.inp = out or sys.stdout, inp or sys.stdin
         self.messages: list[dict[str, str]] = []
         self.last: RunStats | None = None
+        self._armed = False  # waiting for a line: a Ctrl-C raises KeyboardInterrupt (see the module docstring)
+        self._stop = False  # a Ctrl-C came while not waiting for a line: the answer under way stops
+
+    def _on_sigint(self, signum, frame) -> None:
+        if self._armed:
+            self._armed = False  # disarmed before raising: a second Ctrl-C cannot land in the handler's code
+            raise KeyboardInterrupt
+        self._stop = True
 
     def say(self, s: str = "") -> None:
         self.out.write(s + "\n")
@@ -71,6 +88,8 @@ class ChatSession:
             else:
                 self.mode = arg.strip()
                 self.say(f"(mode: {self.mode})")
+                if note := self.rt.reading_note(self.mode):
+                    self.say(f"({note})")
         elif cmd == "/stats":
             self.say(self.stats_line() if self.last else "(no answer yet)")
         else:
@@ -87,21 +106,31 @@ class ChatSession:
         view = ThinkingRenderer(self.out, self.show_thinking, color)
         answer: list[str] = []
         self.last = None
+        self._stop = stopped = False
         try:
             ids = self.rt.prompt_ids(self.messages, think=self.think)
             split = ThinkSplitter(self.rt.thinking_at_start(ids))
-            for piece, stats in self.rt.stream_ids(ids, mode=self.mode, max_new_tokens=self.max_new_tokens,
-                                                   temp=self.temp, seed=self.seed):
-                self.last = stats
-                thinking, said = split.feed(piece)
-                answer.append(said)
-                view.write(thinking, said)
-        except KeyboardInterrupt:
-            self.say("\n(stopped)")
+            pieces = self.rt.stream_ids(ids, mode=self.mode, max_new_tokens=self.max_new_tokens, temp=self.temp,
+                                        seed=self.seed)
+            try:
+                for piece, stats in pieces:
+                    self.last = stats
+                    thinking, said = split.feed(piece)
+                    answer.append(said)
+                    view.write(thinking, said)
+                    if self._stop:  # Ctrl-C (the handler of loop)
+                        stopped = True
+                        break
+            finally:
+                pieces.close()
+        except KeyboardInterrupt:  # Ctrl-C where loop's handler is not installed (a caller of answer alone)
+            stopped = True
         except UserError as e:
             self.messages.pop()
             self.say(f"error: {e}")
             return
+        if stopped:
+            self.say("\n(stopped)")
         else:
             thinking, said = split.close()
             answer.append(said)
@@ -111,18 +140,34 @@ class ChatSession:
             self.say(self.stats_line())
         self.messages.append({"role": "assistant", "content": "".join(answer)})
 
+    def _own_ctrl_c(self):
+        """Install the chat's SIGINT handler (main thread only; a SIGINT the user had ignored stays ignored);
+        -> what to restore."""
+        if threading.current_thread() is not threading.main_thread():
+            return None
+        if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+            return None
+        return signal.signal(signal.SIGINT, self._on_sigint)
+
     def loop(self) -> None:
-        self.say(f"clover-gguf chat: {self.rt.path.name}, mode {self.mode}. /reset /mode /stats /quit")
+        previous = self._own_ctrl_c()
         try:
+            self.say(f"clover-gguf chat: {self.rt.path.name}, mode {self.mode}. /reset /mode /stats /quit")
+            if note := self.rt.reading_note(self.mode):
+                self.say(f"({note})")
             while True:
                 try:
+                    self._armed = True  # from here to the end of readline a Ctrl-C drops the line
                     self.out.write("> ")
                     self.out.flush()
                     line = self.inp.readline()
+                    self._armed = False
                 except KeyboardInterrupt:
+                    self._armed = False
                     self.say()
                     continue
                 except UnicodeDecodeError:  # the terminal sent bytes that are not UTF-8
+                    self._armed = False
                     self.say("error: that line is not UTF-8 text")
                     continue
                 if not line:  # Ctrl-D / end of input: end the prompt's line, then leave
@@ -137,4 +182,7 @@ class ChatSession:
                     continue
                 self.answer(line)
         finally:
+            self._armed = False
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
             self.rt.close()

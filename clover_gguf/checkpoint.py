@@ -13,7 +13,7 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -104,15 +104,25 @@ def read_shard_header(path: Path) -> list[tuple[str, str, tuple[int, ...], int, 
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise UserError(f"{path.name}: truncated safetensors file (no header)")
-            (n,) = struct.unpack("<Q", head)
-            if n > size - 8 or n > 100 * 2**20:
-                raise UserError(f"{path.name}: corrupt safetensors header (length {n})")
-            blob = f.read(n)
+            def read(offset: int, n: int) -> bytes:
+                f.seek(offset)
+                return f.read(n)
+
+            return parse_shard_header(path, read, size)
     except OSError as e:
         raise UserError(f"cannot read {path}: {e.strerror or e}") from None
+
+
+def parse_shard_header(path: Path, read: Callable[[int, int], bytes], size: int
+                       ) -> list[tuple[str, str, tuple[int, ...], int, int]]:
+    """read_shard_header over any reader: read(offset, n) -> bytes (a local file, or ranged HTTP reads)."""
+    head = read(0, 8)
+    if len(head) < 8:
+        raise UserError(f"{path.name}: truncated safetensors file (no header)")
+    (n,) = struct.unpack("<Q", head)
+    if n > size - 8 or n > 100 * 2**20:
+        raise UserError(f"{path.name}: corrupt safetensors header (length {n})")
+    blob = read(8, n)
     try:
         header = json.loads(blob)
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import sys
 from enum import Enum
 from pathlib import Path
@@ -27,7 +29,7 @@ class OutType(str, Enum):
 
 
 class Arch(str, Enum):
-    clover = "clover"
+    clover_moe = "clover_moe"
     qwen35moe = "qwen35moe"
 
 
@@ -50,7 +52,60 @@ def _rpc(spec: Optional[str]) -> dict:
 
 
 def _err(msg: str) -> None:
+    """The one error line: a newline inside the message (a path, a --rpc value) is shown escaped, never as a
+    second line."""
+    msg = str(msg).replace("\r", "\\r").replace("\n", "\\n")
     typer.echo(f"clover-gguf: error: {msg}", err=True)
+
+
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a Unix tool whose reader left (`| head`)
+
+
+class StdoutError(Exception):
+    """Writing the command's output to stdout failed (the reader left: EPIPE; a full disk: ENOSPC; ...)."""
+
+    def __init__(self, error: OSError):
+        super().__init__(error)
+        self.error = error
+
+
+class _GuardedStdout:
+    """sys.stdout as the commands see it while main runs: a failed write or flush raises StdoutError, so main tells
+    a broken stdout from every other OSError, in one place for every command."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text):
+        try:
+            return self._stream.write(text)
+        except OSError as e:
+            raise StdoutError(e) from None
+
+    def flush(self):
+        try:
+            return self._stream.flush()
+        except OSError as e:
+            raise StdoutError(e) from None
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def _stdout_failed(stream, error: OSError) -> int:
+    """-> the exit code for a stdout that cannot take the output: EPIPE silently (the reader chose to stop),
+    anything else one line. What is still buffered is dropped (stdout now goes to /dev/null), so the interpreter's
+    own flush at exit cannot fail again."""
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, stream.fileno())
+        os.close(null)
+    except (OSError, ValueError, AttributeError):  # no file descriptor (a test's capture): nothing is flushed later
+        pass
+    if error.errno == errno.EPIPE:
+        return EXIT_BROKEN_PIPE
+    _err(f"cannot write the output to stdout: {error.strerror or error}")
+    return 2
 
 
 def offload_options(command):
@@ -83,7 +138,8 @@ def convert(
     src: Path = typer.Argument(..., help="checkpoint folder (config.json, safetensors, tokenizer)"),
     out: Path = typer.Option(..., "-o", "--out", help="output GGUF file"),
     outtype: OutType = typer.Option(OutType.bf16, "--outtype", help="storage type of the weight matrices"),
-    arch: Arch = typer.Option(Arch.clover, "--arch", help="clover, or qwen35moe: AR only, for stock llama.cpp"),
+    arch: Arch = typer.Option(Arch.clover_moe, "--arch", help="clover_moe (with the block-mode tensors), or "
+                              "qwen35moe: AR only, for llama.cpp builds older than b12060"),
     skip_unknown: bool = typer.Option(False, "--skip-unknown", help="drop tensors the map does not know (warns)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="validate and print the plan; write nothing"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
@@ -113,20 +169,57 @@ def convert(
 @app.command("export-ar")
 def export_ar(
     src: Path = typer.Argument(..., help="a Clover GGUF (any type, quantized too)"),
-    out: Path = typer.Argument(..., help="output qwen35moe GGUF"),
+    out: Path = typer.Argument(..., help="output GGUF"),
+    arch: Arch = typer.Option(Arch.clover_moe, "--arch", help="clover_moe: what upstream's converter writes (llama.cpp "
+                              "b12060 and later); qwen35moe: for older builds and apps"),
     force: bool = typer.Option(False, "--force", help="overwrite OUT"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
-    """Clover GGUF -> qwen35moe GGUF for stock llama.cpp, Ollama, LM Studio (AR only; tensors copied as they are)."""
+    """Clover GGUF -> the AR-only GGUF stock llama.cpp runs (tensors copied as they are)."""
     from clover_gguf.export import export_ar as run
 
-    res = run(src, out, force=force, quiet=quiet or as_json)
+    res = run(src, out, force=force, quiet=quiet or as_json, arch=arch.value)
     if as_json:
         typer.echo(json.dumps({"out": str(res.out), "tensors": res.n_tensors, "size_bytes": res.size_bytes,
                                "dropped_tensors": res.dropped_tensors, "dropped_keys": res.dropped_keys}))
     else:
-        typer.echo(f"wrote {res.out}: qwen35moe, {res.n_tensors} tensors, {res.size_bytes / 2**30:.3f} GiB")
+        typer.echo(f"wrote {res.out}: {arch.value}, {res.n_tensors} tensors, {res.size_bytes / 2**30:.3f} GiB")
+
+
+@app.command()
+def graft(
+    src: Path = typer.Argument(..., help="a clover_moe GGUF without the block-mode tensors (an official file)"),
+    from_: str = typer.Option(..., "--from", help="the checkpoint: a local folder, or a Hugging Face repo id "
+                              "(ranged reads: only the block tensors and the headers are downloaded)"),
+    out: Path = typer.Option(..., "-o", "--out", help="output GGUF"),
+    revision: Optional[str] = typer.Option(None, "--revision", help="with a repo id: branch, tag or commit"),
+    force: bool = typer.Option(False, "--force", help="overwrite OUT"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Add the block-mode tensors and keys to an AR-only GGUF (its tensors copied byte for byte)."""
+    from clover_gguf.graft import graft as run
+
+    res = run(src, from_, out, revision=revision, force=force, quiet=quiet or as_json)
+    typer.echo(json.dumps(res.to_json()) if as_json else res.summary())
+
+
+@app.command("check-block")
+@offload_options
+def check_block(
+    model: Path = typer.Argument(..., help="a Clover GGUF with the block-mode tensors"),
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help="one prompt per line (default: a built-in set)"),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", min=1),
+    ctx: Optional[int] = typer.Option(None, "--ctx", min=16),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+    offload=None,
+) -> None:
+    """Check the file's reading of the block tensors: the share of drafted tokens its own causal path accepts."""
+    from clover_gguf.check_block import check_block as run
+
+    res = run(model, prompts=prompts, max_new_tokens=max_new_tokens, n_ctx=ctx, offload=offload)
+    typer.echo(json.dumps(res.to_json()) if as_json else res.format())
 
 
 @app.command()
@@ -267,7 +360,8 @@ EndRule = _choices("EndRule", END_RULES)
 def generate(
     model: Path = typer.Argument(..., help="a Clover GGUF"),
     prompt: str = typer.Option(..., "-p", "--prompt", help="the user message"),
-    mode: Mode = typer.Option(Mode.draft_self, "--mode", help="ar, diffusion (block decoding) or draft-self"),
+    mode: Optional[Mode] = typer.Option(None, "--mode", help="ar, diffusion (block decoding) or draft-self (the "
+                                        "default; ar for a file without the block-mode tensors)"),
     max_new_tokens: int = typer.Option(512, "--max-new-tokens", "-n", min=1),
     block_size: Optional[int] = typer.Option(None, "--block-size", min=1, help="default: the GGUF's (32)"),
     threshold: Optional[float] = typer.Option(None, "--threshold", min=0.0, max=1.0, help="default: the GGUF's"),
@@ -305,7 +399,10 @@ def generate(
     with CloverRuntime(model, n_ctx=ctx, rollback=rollback.value, offload=offload, block_size=block_size,
                        **_rpc(rpc)) as rt:
         controls = replace(rt.controls.off() if no_controls else rt.controls, **overrides)
-        kw = dict(mode=mode.value, max_new_tokens=max_new_tokens, block_size=block_size, threshold=threshold,
+        mode_ = mode.value if mode else rt.default_mode
+        if note := rt.reading_note(mode_):
+            typer.echo(note, err=True)
+        kw = dict(mode=mode_, max_new_tokens=max_new_tokens, block_size=block_size, threshold=threshold,
                   accept=accept.value, temp=temp, top_p=top_p, top_k=top_k, seed=seed, think=think,
                   controls=controls, end_rule=end_rule.value)
         if as_json:
@@ -324,7 +421,7 @@ def generate(
 @offload_options
 def chat(
     model: Path = typer.Argument(..., help="a Clover GGUF"),
-    mode: Mode = typer.Option(Mode.draft_self, "--mode"),
+    mode: Optional[Mode] = typer.Option(None, "--mode", help="default: draft-self (ar for an AR-only file)"),
     max_new_tokens: int = typer.Option(1024, "--max-new-tokens", "-n", min=1),
     think: bool = typer.Option(True, "--think/--no-think"),
     show_thinking: bool = typer.Option(True, "--show-thinking/--hide-thinking", help="thinking dimmed, or hidden"),
@@ -342,7 +439,7 @@ def chat(
 
     check_sampling(temp)
 
-    ChatSession(model, mode=mode.value, max_new_tokens=max_new_tokens, think=think, show_thinking=show_thinking,
+    ChatSession(model, mode=mode.value if mode else None, max_new_tokens=max_new_tokens, think=think, show_thinking=show_thinking,
                 temp=temp, seed=seed, n_ctx=ctx, json_stats=json_stats, rollback=rollback.value,
                 offload=offload, **_rpc(rpc)).loop()
 
@@ -353,7 +450,8 @@ def serve(
     model: Path = typer.Argument(..., help="a Clover GGUF"),
     host: str = typer.Option("127.0.0.1", "--host", help="bind address (loopback by default)"),
     port: int = typer.Option(8080, "--port", min=0, max=65535),
-    mode: Mode = typer.Option(Mode.draft_self, "--mode", help="default mode; a request may set its own `mode`"),
+    mode: Optional[Mode] = typer.Option(None, "--mode", help="default mode (draft-self; ar for an AR-only file); a "
+                                        "request may set its own `mode`"),
     ctx: Optional[int] = typer.Option(None, "--ctx", min=16, help="context per slot (default: min(8192, model's))"),
     parallel: int = typer.Option(1, "--parallel", min=1, help="slots: independent contexts serving requests at once"),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="CLOVER_GGUF_API_KEY",
@@ -365,7 +463,7 @@ def serve(
     """An OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models, /health."""
     from clover_gguf.server import serve as run
 
-    run(model, host=host, port=port, mode=mode.value, ctx=ctx, parallel=parallel, api_key=api_key,
+    run(model, host=host, port=port, mode=mode.value if mode else None, ctx=ctx, parallel=parallel, api_key=api_key,
         rollback=rollback.value, n_threads=offload.threads, offload=offload, **_rpc(rpc))  # threads per slot
 
 
@@ -380,7 +478,7 @@ def fit(
     unified: Optional[bool] = typer.Option(None, "--unified/--discrete", help="the GPU shares host memory "
                                            "(Apple silicon; default: as llama.cpp reports the GPU, else discrete)"),
     ctx: Optional[int] = typer.Option(None, "--ctx", help="the context you want (default: the largest that fits)"),
-    mode: Mode = typer.Option(Mode.draft_self, "--mode"),
+    mode: Optional[Mode] = typer.Option(None, "--mode", help="default: draft-self (ar for an AR-only file)"),
     parallel: int = typer.Option(1, "--parallel", min=1, help="server slots (each holds its own model and context)"),
     rollback: Rollback = typer.Option(Rollback.redecode, "--rollback", help="draft-self rollback strategy"),
     mmap: bool = typer.Option(True, "--mmap/--no-mmap", help="as the run would load the file"),
@@ -391,19 +489,28 @@ def fit(
     """Which offload and context fit a GPU or Mac, the predicted memory part by part, and the command to run."""
     from clover_gguf.fit import fit as run
 
-    res = run(model, config=config, qtype=qtype, vram=vram, ram=ram, ctx=ctx, mode=mode.value, parallel=parallel,
+    res = run(model, config=config, qtype=qtype, vram=vram, ram=ram, ctx=ctx, mode=mode.value if mode else None,
+              parallel=parallel,
               rollback=rollback.value, mmap=mmap, unified=unified, do_measure=measure)
     typer.echo(json.dumps(res.to_json()) if as_json else res.format())
 
 
 def main(argv: list[str] | None = None) -> None:
-    """The entry point: every error is one line on stderr; usage and input errors exit 2, Ctrl-C 130."""
+    """The entry point: every error is one line on stderr; usage and input errors exit 2, Ctrl-C 130, a closed
+    stdout pipe 141 without a word (see _stdout_failed)."""
     args = sys.argv[1:] if argv is None else list(argv)
     if not args:  # bare `clover-gguf`: the help, as a usage error
         app(args=["--help"], prog_name="clover-gguf", standalone_mode=False)
         sys.exit(2)
+    stdout = sys.stdout
+    if stdout is not None:  # None: started with stdout closed (`>&-`); click then writes nothing
+        sys.stdout = _GuardedStdout(stdout)
     try:
         rv = app(args=args, prog_name="clover-gguf", standalone_mode=False)
+        if sys.stdout is not None:  # output still buffered fails here, not in the interpreter's flush at exit
+            sys.stdout.flush()
+    except StdoutError as e:
+        sys.exit(_stdout_failed(stdout, e.error))
     except UserError as e:
         _err(str(e))
         sys.exit(e.exit_code)
@@ -415,6 +522,17 @@ def main(argv: list[str] | None = None) -> None:
         hint = f" (see {ctx.command_path} --help)" if ctx is not None else ""
         _err(" ".join(e.format_message().replace("Value error, ", "").split()) + hint)
         sys.exit(2)
+    finally:
+        sys.stdout = stdout
+        _forget_caught_interrupts()
     if rv == 130:  # typer turns a Ctrl-C inside a command into Exit(130)
         _err("interrupted")
     sys.exit(rv if isinstance(rv, int) else 0)
+
+
+def _forget_caught_interrupts() -> None:
+    """CPython (3.11, 3.12) marks a KeyboardInterrupt that leaves code run by exec() of a string as unhandled, even
+    when it is caught later, and at exit then kills the process with SIGINT (exit -2, not our 130). dataclasses
+    build their methods that way, so a Ctrl-C or TERM during a lazy import did it. Any exec() of a string clears the
+    mark (pythonrun.c, run_eval_code_obj); main lets no KeyboardInterrupt escape, so every mark here is stale."""
+    exec("None")

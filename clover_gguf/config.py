@@ -10,9 +10,12 @@ from pathlib import Path
 from typing import Any
 
 from clover_gguf.errors import UserError
-from clover_gguf.metadata import GenerationDefaults
+from clover_gguf.metadata import READING, READING_FIELD, GenerationDefaults
 
-CLOVER_MODEL_TYPES = {"clover", "clover_text"}
+# the real checkpoint's identity (Diffuspace/Clover-35B-A3B-Preview, custom code)
+CLOVER_MODEL_TYPE = "clover_moe"
+CLOVER_ARCHITECTURE = "CloverMoeModelLM"
+CLOVER_MODEL_TYPES = {CLOVER_MODEL_TYPE, "clover_moe_text"}
 PLAIN_QWEN_MODEL_TYPES = {"qwen3_5_moe", "qwen3_5_moe_text"}
 FULL_ATTENTION = "full_attention"
 # The 35B's config.json shape with the Clover keys (rope_theta and mask_token_id are placeholders): package data,
@@ -30,6 +33,10 @@ MAX_VOCAB = 2**22
 MAX_WIDTH = 2**20  # any one width or head count
 MAX_KERNEL = 64
 MAX_BLOCK = 4096  # a diffusion block: one block pass holds it in a single ubatch
+# the context a model may claim: 128 times the 35B's 131,072 and above any published model. llama.cpp pads n_ctx to
+# a multiple of 256 in a u32 (2^32 - 1 wraps to 0 and aborts), and a context is sized before it is refused:
+# planning 2^31 tokens took 50 s, planning 2^24 takes about 2 s and 1 GB
+MAX_CONTEXT = 2**24
 MAX_U32 = 2**32 - 1
 REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
             "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
@@ -151,7 +158,8 @@ class CloverConfig:
     full_attention_interval: int = 4
     hidden_act: str = "silu"
     # Clover's additions; a plain Qwen3.5-MoE checkpoint has none of them.
-    model_type: str = "clover"
+    model_type: str = CLOVER_MODEL_TYPE
+    num_shared_experts: int = 1
     mask_token_id: int | None = None
     block_size: int = 32
     linear_conv_right_kernel_dim: int | None = None
@@ -207,16 +215,21 @@ class CloverConfig:
             d = {**text_config}
             # Clover keys may sit at either level; the text config wins.
             for key in ("mask_token_id", "block_size", "linear_conv_right_kernel_dim", "moe_block_coreset_enabled",
-                        "moe_block_coreset_top_p", "eos_token_id", "tie_word_embeddings"):
+                        "moe_block_coreset_top_p", "eos_token_id", "tie_word_embeddings", "num_shared_experts"):
                 if key not in d and key in raw:
                     d[key] = raw[key]
             d.setdefault("model_type", outer_type)
             if outer_type in CLOVER_MODEL_TYPES:
-                d["model_type"] = "clover"
+                d["model_type"] = CLOVER_MODEL_TYPE
         model_type = d.get("model_type", "")
+        if model_type == "clover":
+            raise UserError("model_type 'clover' was clover-gguf's own name for Clover before the real checkpoint's; "
+                            f"the real Clover is {CLOVER_MODEL_TYPE!r} ({CLOVER_ARCHITECTURE}): remake this checkpoint "
+                            "with the current make_tiny, or set its model_type and tensor names as docs/architecture.md says")
         if not isinstance(model_type, str) or model_type not in CLOVER_MODEL_TYPES | PLAIN_QWEN_MODEL_TYPES:
             raise UserError(
-                f"unsupported model_type {model_type!r}: expected clover or qwen3_5_moe (Qwen3.5/3.6-MoE text)"
+                f"unsupported model_type {model_type!r}: expected {CLOVER_MODEL_TYPE} or qwen3_5_moe "
+                "(Qwen3.5/3.6-MoE text)"
             )
         missing = [k for k in REQUIRED if d.get(k) is None]
         if missing:
@@ -268,11 +281,12 @@ class CloverConfig:
             rope_theta=rope_theta,
             partial_rotary_factor=partial,
             mrope_section=tuple(mrope) if mrope else None,
-            max_position_embeddings=f.int("max_position_embeddings", 1, MAX_U32, default=131072),
+            max_position_embeddings=f.int("max_position_embeddings", 1, MAX_CONTEXT, default=131072),
             tie_word_embeddings=f.bool("tie_word_embeddings", default=False),
             full_attention_interval=interval,
             hidden_act=f.str("hidden_act", default="silu"),
-            model_type="clover" if model_type in CLOVER_MODEL_TYPES else model_type,
+            model_type=CLOVER_MODEL_TYPE if model_type in CLOVER_MODEL_TYPES else model_type,
+            num_shared_experts=f.int("num_shared_experts", 1, 1, default=1),
             mask_token_id=f.token_id("mask_token_id", vocab),
             block_size=f.int("block_size", 1, MAX_BLOCK, default=32),
             linear_conv_right_kernel_dim=f.int("linear_conv_right_kernel_dim", 1, MAX_KERNEL, default=None),
@@ -331,11 +345,12 @@ class CloverConfig:
         the same in every section, so for text only the total matters)."""
         return tuple(self.mrope_section or (11, 11, 10))
 
-    def to_hf_dict(self) -> dict[str, Any]:
-        """The config.json a Clover checkpoint carries (used by make_tiny)."""
+    def to_hf_dict(self, our_reading: bool = True) -> dict[str, Any]:
+        """The config.json a Clover checkpoint carries (used by make_tiny and train_tiny, whose block tensors are
+        made under our reading of their math: `our_reading` says so in the file)."""
         d: dict[str, Any] = {
-            "architectures": ["CloverForCausalLM"] if self.is_clover else ["Qwen3_5MoeForCausalLM"],
-            "model_type": "clover" if self.is_clover else "qwen3_5_moe_text",
+            "architectures": [CLOVER_ARCHITECTURE] if self.is_clover else ["Qwen3_5MoeForCausalLM"],
+            "model_type": CLOVER_MODEL_TYPE if self.is_clover else "qwen3_5_moe_text",
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "num_hidden_layers": self.num_hidden_layers,
@@ -368,12 +383,15 @@ class CloverConfig:
             d["mtp_num_hidden_layers"] = self.mtp_num_hidden_layers
         if self.is_clover:
             d.update(
+                num_shared_experts=self.num_shared_experts,
                 mask_token_id=self.mask_token_id,
                 block_size=self.block_size,
                 linear_conv_right_kernel_dim=self.right_kernel,
                 moe_block_coreset_enabled=self.moe_block_coreset_enabled,
                 moe_block_coreset_top_p=self.moe_block_coreset_top_p,
             )
+            if our_reading:
+                d[READING_FIELD] = READING
         return d
 
 

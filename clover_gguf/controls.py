@@ -13,7 +13,7 @@ The model card's controls, applied in this order:
    L * min(1, (n - start) / ramp) (ramp 8192) — a push towards finishing (our reading of "towards the end tokens");
 5. think-end bias B (10.0): while thinking (a <think> not yet closed by </think>), once the thinking span is
    `start` (4096) tokens long, </think> gains B * min(1, (n_think - start) / ramp) (ramp 4096).
-All apply under sampling and greedy alike. Values come from the GGUF (`clover.generation.*`), overridable.
+All apply under sampling and greedy alike. Values come from the GGUF (`clover_moe.generation.*`), overridable.
 
 Selection (`Selector`): a pass's rows -> the chosen tokens and their confidences (`Choice`), from either
 - dense logits [T, V] (any backend: the processors, then the sampler, in numpy), or

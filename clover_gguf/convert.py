@@ -2,27 +2,32 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 from gguf import GGMLQuantizationType as QT
-from gguf import GGUFWriter, quants
+from gguf import GGML_QUANT_VERSION, GGUFType, GGUFWriter, LlamaFileType, Metadata, quants
 
 from clover_gguf.checkpoint import Checkpoint
-from clover_gguf.config import CloverConfig, generation_defaults, read_json
+from clover_gguf.config import MAX_KERNEL, CloverConfig, generation_defaults, read_json
 from clover_gguf.errors import UserError
 from clover_gguf.fsutil import atomic_output, check_free_disk, check_output
-from clover_gguf.gguf_header import BOOL, F32, HPARAMS, U32
-from clover_gguf.metadata import ARCH, GenerationDefaults
-from clover_gguf.tensor_map import (EXPERT_KINDS, FUSED_RE, PER_EXPERT_RE, REORDER_ONLY, TRANSFORMS, TensorRule,
+from clover_gguf.gguf_header import BOOL, F32, HPARAMS, STRING, U32
+from clover_gguf.metadata import (ARCH, BLOCK_READING, BLOCK_READING_VERIFIED, READING, READING_FIELD,
+                                  GenerationDefaults, hparam)
+from clover_gguf.tensor_map import (CLOVER_EXTRA_RE, EXPERT_KINDS, FUSED_RE, PER_EXPERT_RE, REORDER_ONLY, TRANSFORMS, TensorRule,
                                     expert_shape, gguf_names, match_rule, mtp_as_layer, out_shape)
 from clover_gguf.vocab import Vocab, load_vocab
 
 OUTTYPES = {"f32": QT.F32, "f16": QT.F16, "bf16": QT.BF16, "q8_0": QT.Q8_0}
+# general.file_type of each output type, as upstream's converter writes it
+FILE_TYPES = {QT.F32: LlamaFileType.ALL_F32, QT.F16: LlamaFileType.MOSTLY_F16, QT.BF16: LlamaFileType.MOSTLY_BF16,
+              QT.Q8_0: LlamaFileType.MOSTLY_Q8_0}
 # what each safetensors storage dtype is in GGML terms: a reorder-only tensor whose output type equals its source
 # type is copied bit for bit
 SOURCE_TYPES = {"F32": QT.F32, "F16": QT.F16, "BF16": QT.BF16}
@@ -84,10 +89,31 @@ def _output_type(rule_f32: bool, shape: tuple[int, ...], outtype: QT) -> QT:
 # conv widths llama.cpp's CUDA ssm_conv has kernels for (ggml-cuda/ssm-conv.cu of the pinned tree; patch 0002 makes
 # its supports_op say so, so another width falls back to the CPU instead of aborting)
 CUDA_SSM_CONV_WIDTHS = (3, 4, 5, 9, 15)
-# --arch: a Clover GGUF, or llama.cpp's qwen35moe without the block-mode tensors and Clover's keys (AR decoding in
-# any llama.cpp that has qwen35moe)
+# --arch: a Clover GGUF (upstream's clover_moe plus our block-mode tensors and keys), or llama.cpp's qwen35moe
+# without them (AR decoding in any llama.cpp that has qwen35moe, for builds older than b12060)
 AR_ARCH = "qwen35moe"
 ARCHS = (ARCH, AR_ARCH)
+RIGHT_CONV = ".linear_attn.conv_right_weight"
+
+
+def right_kernel_from_shapes(shapes: dict[str, tuple[int, ...]], cfg: CloverConfig) -> CloverConfig:
+    """The right convolution's width Kr, read from the checkpoint's conv_right_weight ([conv_dim, 1, Kr] or
+    [conv_dim, Kr]; `shapes`: tensor name -> shape): the real config.json does not give it. A config that does give
+    it must agree."""
+    name = next((n for n in sorted(shapes) if n.endswith(RIGHT_CONV)), None)
+    if not cfg.is_clover or name is None:
+        return cfg
+    shape = tuple(shapes[name])
+    if len(shape) not in (2, 3) or shape[0] != cfg.conv_dim or (len(shape) == 3 and shape[1] != 1):
+        raise UserError(f"tensor {name} has shape {list(shape)}; a right convolution is "
+                        f"[{cfg.conv_dim}, 1, Kr] or [{cfg.conv_dim}, Kr] (conv_dim from config.json)")
+    kr = shape[-1]
+    if not 1 <= kr <= MAX_KERNEL:
+        raise UserError(f"tensor {name}: right convolution width {kr} is not in 1..{MAX_KERNEL}")
+    if cfg.linear_conv_right_kernel_dim not in (None, kr):
+        raise UserError(f"tensor {name} has width {kr}, config.json's linear_conv_right_kernel_dim is "
+                        f"{cfg.linear_conv_right_kernel_dim}")
+    return dataclasses.replace(cfg, linear_conv_right_kernel_dim=kr)
 
 
 def plan_conversion(ck: Checkpoint, cfg: CloverConfig, outtype: str = "bf16", skip_unknown: bool = False,
@@ -98,6 +124,7 @@ def plan_conversion(ck: Checkpoint, cfg: CloverConfig, outtype: str = "bf16", sk
             f"({cfg.linear_value_head_dim}): llama.cpp's qwen35moe graph, which clover reuses, needs them equal"
         )
     qt = OUTTYPES[outtype]
+    cfg = right_kernel_from_shapes({n: ck.tensors[n].shape for n in ck.names()}, cfg)
     n_layers = cfg.num_hidden_layers
     notices: list[str] = []
     if not cfg.is_clover:
@@ -119,7 +146,7 @@ def plan_conversion(ck: Checkpoint, cfg: CloverConfig, outtype: str = "bf16", sk
     def plan_rule(rule: TensorRule, src_name: str, bid: int) -> None:
         ref = ck.tensors[src_name]
         want = rule.hf_shape(cfg)
-        if tuple(ref.shape) != tuple(want):
+        if not rule.accepts(ref.shape, cfg):
             raise UserError(f"tensor {ref.source_name} has shape {list(ref.shape)}, config.json implies {list(want)}")
         if ref.dtype not in SOURCE_TYPES:
             raise UserError(f"tensor {ref.source_name} has unsupported dtype {ref.dtype} (supported: F32, F16, BF16)")
@@ -129,7 +156,7 @@ def plan_conversion(ck: Checkpoint, cfg: CloverConfig, outtype: str = "bf16", sk
         gguf_name = rule.gguf.format(i=bid, L=n_layers)
         raw = rule.transform in REORDER_ONLY and SOURCE_TYPES[ref.dtype] == out_type
         read = ck.raw if raw else ck.f32  # raw: bits moved, never converted
-        if rule.transform == "copy" and ref.nbytes > PIECE_BYTES:  # row by row is the same tensor
+        if rule.transform == "copy" and ref.nbytes > PIECE_BYTES and tuple(ref.shape) == tuple(want):  # row by row
             step = max(1, PIECE_BYTES // (ref.nbytes // want[0]))
             pieces = lambda: (read(src_name, slice(r, r + step)) for r in range(0, want[0], step))  # noqa: E731
         else:
@@ -251,7 +278,8 @@ def _order_key(name: str) -> tuple:
 
 # ---- metadata -------------------------------------------------------------------------------------------------
 # The "<arch>.<key>" hyperparameters llama.cpp's qwen35moe reads: a clover file and a qwen35moe file carry the same
-# ones (export-ar renames them); every other "clover." key is Clover's own and stays out of a qwen35moe file.
+# ones (export-ar renames them); upstream's clover_moe adds expert_shared_count; every other "clover_moe." key is
+# our block-mode addition and stays out of the AR files.
 QWEN35MOE_HPARAMS = frozenset({
     "context_length", "embedding_length", "block_count", "nextn_predict_layers", "attention.head_count",
     "attention.head_count_kv", "attention.key_length", "attention.value_length", "attention.layer_norm_rms_epsilon",
@@ -260,16 +288,69 @@ QWEN35MOE_HPARAMS = frozenset({
     "ssm.group_count", "ssm.time_step_rank", "ssm.inner_size", "full_attention_interval",
     "attention.recurrent_layers",
 })
+# what upstream's converters write under each architecture: the AR files (export-ar) carry exactly these
+UPSTREAM_HPARAMS = {AR_ARCH: QWEN35MOE_HPARAMS, ARCH: QWEN35MOE_HPARAMS | {"expert_shared_count"}}
+
+
+def block_mode_keys(cfg: CloverConfig, gen: GenerationDefaults) -> dict[str, tuple[int, Any]]:
+    """The keys only we write (upstream's clover_moe has none of them): block mode's settings, the card's controls
+    and which reading of the block tensors the file is made for. GGUF key -> (GGUF type, value). convert writes
+    them into every clover_moe file, graft into an AR-only one."""
+    keys: dict[str, Any] = {
+        "ssm.conv_right_kernel": cfg.right_kernel, "moe_block_coreset.top_p": cfg.moe_block_coreset_top_p,
+        **{k.removeprefix(ARCH + "."): v for k, v in gen.gguf_items().items()},  # the card's keys (metadata.py)
+        "block_mode": cfg.is_clover, "moe_block_coreset.enabled": cfg.is_clover and cfg.moe_block_coreset_enabled,
+    }
+    # each key with the GGUF type gguf_header.HPARAMS gives it, the type check_model and llama.cpp require
+    out = {hparam(k): (HPARAMS[k][0], v) for k, v in keys.items()}
+    if cfg.is_clover:
+        out[BLOCK_READING] = (STRING, READING)
+        out[BLOCK_READING_VERIFIED] = (BOOL, cfg.extra.get(READING_FIELD) == READING)
+    return out
+
+
+def write_keys(w: GGUFWriter, keys: dict[str, tuple[int, Any]]) -> None:
+    write = {U32: lambda k, v: w.add_uint32(k, int(v)), F32: lambda k, v: w.add_float32(k, float(v)),
+             BOOL: w.add_bool, STRING: w.add_string}
+    for k, (t, v) in keys.items():
+        write[t](k, v)
+
+
+def describe(src: Path | None, plan: ConversionPlan, gen: GenerationDefaults, outtype: str,
+             name: str | None = None) -> tuple[Metadata, LlamaFileType]:
+    """The general.* description upstream's converter writes, made the same way, with gguf-py's Metadata: the
+    model card and the folder's name (name, size label, licence, base models, tags ...), generation_config.json's
+    sampling keys, and the size label from the parameter count when neither names one. The count leaves out our
+    block-mode tensors, so a checkpoint gets the label upstream gives it. The card's repetition penalty is written
+    where llama.cpp's own tools read sampling defaults when the checkpoint names none."""
+    counter = GGUFWriter(path=None, arch=ARCH)  # gguf-py's own count: experts told apart by "_exps." and shape
+    for t in plan.tensors:
+        if not CLOVER_EXTRA_RE.match(t.name):
+            counter.add_tensor_info(t.name, t.shape, np.dtype(np.float32), 0, raw_dtype=QT.F32)
+    total, shared, expert, n_expert = counter.get_total_parameter_count()
+    meta = Metadata.load(None, src, name, total)
+    if meta.name is None:
+        meta.name = name or (src.name if src is not None else "clover")
+    if meta.size_label is None and total > 0:
+        from gguf import size_label
+
+        meta.size_label = size_label(total, shared, expert, n_expert)
+    if meta.sampling_penalty_repeat is None:
+        meta.sampling_penalty_repeat = float(gen.repetition_penalty)
+    return meta, FILE_TYPES[OUTTYPES[outtype]]
 
 
 def write_metadata(w: GGUFWriter, cfg: CloverConfig, vocab: Vocab, gen: GenerationDefaults, n_blocks: int,
-                   name: str, arch: str = ARCH) -> None:
-    """The hyperparameters, the card's defaults and the tokenizer; for arch qwen35moe only the keys llama.cpp's
-    qwen35moe reads (QWEN35MOE_HPARAMS), under its prefix."""
+                   meta: Metadata, file_type: LlamaFileType, arch: str = ARCH) -> None:
+    """What upstream's converter writes for `arch`: the general.* description (describe), the hyperparameters
+    (UPSTREAM_HPARAMS, under its prefix) and the tokenizer; for clover_moe also our block-mode keys."""
     rope_sections = list(cfg.rope_sections) + [0] * (4 - len(cfg.rope_sections))
     recurrent = [not cfg.is_full_attention(i) if i < cfg.num_hidden_layers else False for i in range(n_blocks)]
-    w.add_name(name)
-    u32 = {
+    w.add_type(GGUFType.MODEL)
+    meta.set_gguf_meta_model(w)
+    w.add_file_type(file_type)
+    w.add_quantization_version(GGML_QUANT_VERSION)
+    upstream = {
         "context_length": cfg.max_position_embeddings, "embedding_length": cfg.hidden_size, "block_count": n_blocks,
         "attention.head_count": cfg.num_attention_heads, "attention.head_count_kv": cfg.num_key_value_heads,
         "attention.key_length": cfg.head_dim, "attention.value_length": cfg.head_dim,
@@ -279,28 +360,16 @@ def write_metadata(w: GGUFWriter, cfg: CloverConfig, vocab: Vocab, gen: Generati
         "ssm.conv_kernel": cfg.linear_conv_kernel_dim, "ssm.state_size": cfg.linear_key_head_dim,
         "ssm.group_count": cfg.linear_num_key_heads, "ssm.time_step_rank": cfg.linear_num_value_heads,
         "ssm.inner_size": cfg.value_dim, "full_attention_interval": cfg.full_attention_interval,
-        "ssm.conv_right_kernel": cfg.right_kernel,
+        "expert_shared_count": cfg.num_shared_experts,
+        "attention.layer_norm_rms_epsilon": cfg.rms_norm_eps, "rope.freq_base": cfg.rope_theta,
     }
     if n_blocks > cfg.num_hidden_layers:
-        u32["nextn_predict_layers"] = n_blocks - cfg.num_hidden_layers
-    f32 = {
-        "attention.layer_norm_rms_epsilon": cfg.rms_norm_eps, "rope.freq_base": cfg.rope_theta,
-        "moe_block_coreset.top_p": cfg.moe_block_coreset_top_p,
-    }
-    flags = {"block_mode": cfg.is_clover,
-             "moe_block_coreset.enabled": cfg.is_clover and cfg.moe_block_coreset_enabled}
-    card = {k.removeprefix(ARCH + "."): v for k, v in gen.gguf_items().items()}  # the card's keys (metadata.py)
-    # each key with the GGUF type gguf_header.HPARAMS gives it, the type check_model and llama.cpp require
-    write = {U32: lambda k, v: w.add_uint32(k, int(v)), F32: lambda k, v: w.add_float32(k, float(v)),
-             BOOL: w.add_bool}
-    for k, v in {**u32, **f32, **card, **flags}.items():
-        if arch == ARCH or k in QWEN35MOE_HPARAMS:
-            write[HPARAMS[k][0]](f"{arch}.{k}", v)
+        upstream["nextn_predict_layers"] = n_blocks - cfg.num_hidden_layers
+    write_keys(w, {f"{arch}.{k}": (HPARAMS[k][0], v) for k, v in upstream.items() if k in UPSTREAM_HPARAMS[arch]})
+    if arch == ARCH:
+        write_keys(w, block_mode_keys(cfg, gen))
     w.add_array(f"{arch}.rope.dimension_sections", rope_sections)
     w.add_array(f"{arch}.attention.recurrent_layers", recurrent)
-    # the card's repetition penalty where llama.cpp's own tools (llama-cli, llama-server) read sampling defaults;
-    # llama.cpp has no key for the presence and frequency penalties
-    w.add_sampling_penalty_repeat(float(gen.repetition_penalty))
 
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen35")
@@ -317,6 +386,7 @@ def write_metadata(w: GGUFWriter, cfg: CloverConfig, vocab: Vocab, gen: Generati
     if "mask" in ids:
         w.add_mask_token_id(ids["mask"])
     w.add_add_bos_token(vocab.add_bos)
+    w.add_add_eos_token(vocab.add_eos)
     if vocab.chat_template:
         w.add_chat_template(vocab.chat_template)
 
@@ -366,17 +436,17 @@ def convert(src: Path, out: Path, outtype: str = "bf16", skip_unknown: bool = Fa
         check_output(out, inputs, force=force)
         check_free_disk(out, plan.nbytes + 16 * 2**20)
         with atomic_output(out) as tmp:
-            _write(tmp, plan, vocab, gen, plan.n_blocks, src.name, quiet, after_tensor=ck.drop_resident_pages,
-                   arch=arch)
+            _write(tmp, plan, vocab, gen, describe(src, plan, gen, outtype), quiet,
+                   after_tensor=ck.drop_resident_pages, arch=arch)
     return ConvertResult(out, len(plan.tensors), plan.nbytes, plan.notices, plan.skipped_unknown, plan)
 
 
-def _write(path: Path, plan: ConversionPlan, vocab: Vocab, gen: GenerationDefaults, n_blocks: int, name: str,
-           quiet: bool, after_tensor: Callable[[], None] = lambda: None, arch: str = ARCH) -> None:
+def _write(path: Path, plan: ConversionPlan, vocab: Vocab, gen: GenerationDefaults,
+           description: tuple[Metadata, LlamaFileType], quiet: bool, after_tensor: Callable[[], None] = lambda: None, arch: str = ARCH) -> None:
     from tqdm import tqdm
 
     w = GGUFWriter(path=None, arch=arch)
-    write_metadata(w, plan.cfg, vocab, gen, n_blocks, name, arch)
+    write_metadata(w, plan.cfg, vocab, gen, plan.n_blocks, *description, arch)
     for t in plan.tensors:
         nbytes = t.nbytes
         storage = {QT.F32: np.float32, QT.F16: np.float16, QT.BF16: np.uint16, QT.Q8_0: np.uint8}[t.qtype]

@@ -161,8 +161,10 @@ class GenerationStats:
     generated_tokens: int = 0
     forward_passes: int = 0  # every prefill / commit / block_logits call, the prompt's included
     block_passes: int = 0  # the block_logits calls among them
-    drafted_tokens: int = 0  # draft-self: draft tokens offered for verification
-    accepted_tokens: int = 0  # draft-self: draft tokens the causal pass accepted
+    # drafted / accepted: block-proposed tokens that a causal pass checked, and how many of them it would have chosen
+    # itself (draft-self: its verification; diffusion: the commit pass's own choices): the check of the block reading
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
     finish_reason: str | None = None  # "stop" (end token) or "length"
 
     @property
@@ -377,8 +379,14 @@ def _diffusion(passes: _Passes, prompt_ids, max_new, block_size, threshold, stat
             yield _finish(stats, took, "length")
             return
         yield Chunk(took, stats)
-        passes.commit_only(block)  # one causal pass makes the block part of the prefix
+        # one causal pass makes the block part of the prefix; its rows' own choices (the sampler's, controls on:
+        # row i has the answer up to block[i] as history) say how far the causal path agrees with the block
+        start = len(out) - len(block)
+        target = passes.commit(block, Histories(out[:start], block, range(1, len(block) + 1))).tokens
         stats.forward_passes += 1
+        stats.drafted_tokens += len(block) - 1
+        stats.accepted_tokens += next((i for i in range(len(block) - 1) if block[i + 1] != int(target[i])),
+                                      len(block) - 1)
 
 
 def _draft_self(passes: _Passes, prompt_ids, max_new, block_size, threshold, accept, stats, end_rule

@@ -1,10 +1,13 @@
-"""`clover-gguf export-ar`: a Clover GGUF -> llama.cpp's `qwen35moe`, which stock llama.cpp and the apps built on it
-(Ollama, LM Studio) run for AR decoding.
+"""`clover-gguf export-ar`: a Clover GGUF -> the AR-only file stock llama.cpp runs.
 
-The Clover extras (block-mode tensors) and Clover's own `clover.*` keys are left out, the hyperparameters qwen35moe
-reads are renamed `qwen35moe.*` (convert.QWEN35MOE_HPARAMS), every other key is copied with its type, and every
-kept tensor is copied byte for byte: a quantized file stays exactly as quantized. One tensor in memory at a time;
-the output appears whole or not at all. `clover-gguf convert --arch qwen35moe` writes the same file from a checkpoint.
+By default the file upstream's converter writes (llama.cpp b12060 and later): `clover_moe` without our block-mode
+tensors and keys. With arch `qwen35moe`: llama.cpp's `qwen35moe`, for older builds and the apps built on them
+(Ollama, LM Studio), the hyperparameters renamed `qwen35moe.*`.
+
+What upstream does not write under the target architecture (convert.UPSTREAM_HPARAMS) is left out, every other key
+is copied with its type, and every kept tensor is copied byte for byte: a quantized file stays exactly as
+quantized. One tensor in memory at a time; the output appears whole or not at all. `clover-gguf convert --arch
+qwen35moe` writes the same qwen35moe file from a checkpoint.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import numpy as np
 from gguf import GGUFValueType, GGUFWriter
 from gguf.constants import GGML_QUANT_SIZES
 
-from clover_gguf.convert import AR_ARCH, ARCH, QWEN35MOE_HPARAMS
+from clover_gguf.convert import AR_ARCH, ARCH, ARCHS, UPSTREAM_HPARAMS
 from clover_gguf.errors import UserError
 from clover_gguf.fsutil import atomic_output, check_free_disk, check_output, check_writable_dir
 from clover_gguf.gguf_header import GGUFHeader, read_header, tensor_bytes
@@ -27,12 +30,12 @@ from clover_gguf.tensor_map import CLOVER_EXTRA_RE
 REPEAT_PENALTY_KEY = "general.sampling.penalty_repeat"
 
 
-def ar_key(key: str) -> str | None:
-    """The name a clover file's key has in the qwen35moe file; None for Clover's own keys (left out)."""
+def ar_key(key: str, arch: str = ARCH) -> str | None:
+    """The name a clover_moe file's key has in the AR file of `arch`; None for our own keys (left out)."""
     if not key.startswith(ARCH + "."):
         return key
     rest = key[len(ARCH) + 1:]
-    return f"{AR_ARCH}.{rest}" if rest in QWEN35MOE_HPARAMS else None
+    return f"{arch}.{rest}" if rest in UPSTREAM_HPARAMS[arch] else None
 
 
 def _stored(value: Any, vtype: int) -> Any:
@@ -54,9 +57,7 @@ class ExportResult:
 
 
 def export_ar(src: Path, out: Path, force: bool = False, quiet: bool = False,
-              log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr)) -> ExportResult:
-    from tqdm import tqdm
-
+              log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr), arch: str = ARCH) -> ExportResult:
     from clover_gguf.quantize import check_clover
 
     src, out = Path(src), Path(out)
@@ -64,33 +65,71 @@ def export_ar(src: Path, out: Path, force: bool = False, quiet: bool = False,
         h = read_header(src, full=True)
     except UserError as e:
         raise UserError(f"{src} is not a readable GGUF file ({e})") from None
+    if arch not in ARCHS:
+        raise UserError(f"unknown --arch {arch!r}: choose one of {', '.join(ARCHS)}")
     if h.arch == AR_ARCH:
-        raise UserError(f"{src} is already a {AR_ARCH} GGUF: export-ar takes a clover GGUF")
+        raise UserError(f"{src} is already a {AR_ARCH} GGUF: export-ar takes a {ARCH} GGUF")
     check_clover(h)
-    check_output(out, [src], force=force)
-    kept = [n for n in h.tensors if not CLOVER_EXTRA_RE.match(n)]
     dropped_tensors = [n for n in h.tensors if CLOVER_EXTRA_RE.match(n)]
-    nbytes = {n: tensor_bytes(h.tensors[n][1], h.tensors[n][0]) for n in kept}
-    check_writable_dir(out)
-    check_free_disk(out, sum(nbytes.values()) + h.data_offset)
+    if arch == ARCH and not dropped_tensors:
+        raise UserError(f"{src} has no block-mode tensors: it already is the AR-only {ARCH} file "
+                        f"(--arch {AR_ARCH} makes the qwen35moe one)")
+    kept = [n for n in h.tensors if not CLOVER_EXTRA_RE.match(n)]
+    if not quiet and dropped_tensors:
+        log(f"left out {len(dropped_tensors)} block-mode tensor(s) and our own keys")
+    w_keys = {key: ar_key(key, arch) for key in h.kv}
+    dropped_keys = [k for k, name in w_keys.items() if name is None]
+    # files converted before the sampling key existed: the card's repetition penalty from Clover's own key
+    card = h.kv.get(f"{ARCH}.generation.repetition_penalty")
+    add = {REPEAT_PENALTY_KEY: (GGUFValueType.FLOAT32, float(card))} if REPEAT_PENALTY_KEY not in h.kv and \
+        card is not None else {}
+    copy_gguf(h, src, out, keep=kept, rename=w_keys, add_keys=add, force=force, quiet=quiet, desc="export-ar",
+              arch=arch)
+    return ExportResult(out, len(kept), dropped_tensors, dropped_keys, out.stat().st_size)
 
-    w = GGUFWriter(path=None, arch=AR_ARCH)
-    dropped_keys = _write_kv(w, h)
-    for n in kept:
+
+def copy_gguf(h: GGUFHeader, src: Path, out: Path, keep: list[str], rename: dict[str, str | None] | None = None,
+              drop_keys: set[str] = frozenset(), add_keys: dict[str, tuple[int, Any]] | None = None,
+              add_tensors: dict[str, np.ndarray] | None = None, force: bool = False, quiet: bool = False,
+              desc: str = "copy", arch: str = ARCH) -> None:
+    """A new GGUF from `h` (read_header(full=True) of `src`): its keys (renamed by `rename`, None = left out; minus
+    `drop_keys`) with their types, then `add_keys` (key -> (GGUF type, value)); the tensors `keep` copied byte for
+    byte, one in memory at a time, then `add_tensors` (F32). Written whole or not at all."""
+    from tqdm import tqdm
+
+    add_keys, add_tensors = add_keys or {}, add_tensors or {}
+    check_output(out, [src], force=force)
+    nbytes = {n: tensor_bytes(h.tensors[n][1], h.tensors[n][0]) for n in keep}
+    total = sum(nbytes.values()) + sum(a.nbytes for a in add_tensors.values())
+    check_writable_dir(out)
+    check_free_disk(out, total + h.data_offset)
+
+    w = GGUFWriter(path=None, arch=arch)
+    w.data_alignment = h.alignment
+    for key, value in h.kv.items():
+        name = key if rename is None else rename.get(key, key)
+        if name is None or key in drop_keys or key == "general.architecture":  # the writer wrote the last
+            continue
+        vtype, sub = h.types[key]
+        w.add_key_value(name, _stored(value, vtype), GGUFValueType(vtype),
+                        None if sub is None else GGUFValueType(sub))
+    for key, (vtype, value) in add_keys.items():
+        w.add_key_value(key, value, GGUFValueType(vtype))
+    for n in keep:
         shape, qt = h.tensors[n]
         block, size = GGML_QUANT_SIZES[qt]
         w.add_tensor_info(n, (*shape[:-1], shape[-1] // block * size), np.dtype(np.uint8), nbytes[n], raw_dtype=qt)
-    if not quiet and dropped_tensors:
-        log(f"left out {len(dropped_tensors)} block-mode tensor(s) and {len(dropped_keys)} clover key(s)")
+    for n, a in add_tensors.items():
+        w.add_tensor_info(n, a.shape, a.dtype, a.nbytes)
     with atomic_output(out) as tmp, open(src, "rb") as f:
         try:
             w.open_output_file(tmp)
             w.write_header_to_file()
             w.write_kv_data_to_file()
             w.write_ti_data_to_file()
-            with tqdm(total=sum(nbytes.values()), unit="B", unit_scale=True, unit_divisor=1024, desc="export-ar",
-                      disable=quiet, dynamic_ncols=True) as bar:
-                for n in kept:
+            with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, disable=quiet,
+                      dynamic_ncols=True) as bar:
+                for n in keep:
                     f.seek(h.data_offset + h.offsets[n])
                     data = np.fromfile(f, dtype=np.uint8, count=nbytes[n])
                     if data.size != nbytes[n]:
@@ -98,27 +137,8 @@ def export_ar(src: Path, out: Path, force: bool = False, quiet: bool = False,
                     w.write_tensor_data(data)
                     bar.update(nbytes[n])
                     del data
+                for n, a in add_tensors.items():
+                    w.write_tensor_data(a)
+                    bar.update(a.nbytes)
         finally:
             w.close()
-    return ExportResult(out, len(kept), dropped_tensors, dropped_keys, out.stat().st_size)
-
-
-def _write_kv(w: GGUFWriter, h: GGUFHeader) -> list[str]:
-    """Copy the keys qwen35moe keeps (renamed where they are hyperparameters); -> the keys left out."""
-    dropped = []
-    w.data_alignment = h.alignment
-    for key, value in h.kv.items():
-        name = ar_key(key)
-        if name is None:
-            dropped.append(key)
-            continue
-        if key == "general.architecture":  # the writer wrote it
-            continue
-        vtype, sub = h.types[key]
-        w.add_key_value(name, _stored(value, vtype), GGUFValueType(vtype),
-                        None if sub is None else GGUFValueType(sub))
-    # files converted before the sampling key existed: the card's repetition penalty from Clover's own key
-    card = h.kv.get(f"{ARCH}.generation.repetition_penalty")
-    if REPEAT_PENALTY_KEY not in h.kv and card is not None:
-        w.add_sampling_penalty_repeat(float(card))
-    return dropped

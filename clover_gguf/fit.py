@@ -19,15 +19,17 @@ The plan keeps a 1 GiB margin on the device and in host memory; see docs/hardwar
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import subprocess
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from clover_gguf import metadata as md
 from clover_gguf.errors import UserError
+from clover_gguf.fsutil import temp_dir
 from clover_gguf.offload import ALL, Offload, on_device
 from clover_gguf.quantize import _pad
 
@@ -40,14 +42,21 @@ _UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "kb": 10**3, "m": 2**20, "mib
           "g": 2**30, "gib": 2**30, "gb": 10**9, "t": 2**40, "tib": 2**40, "tb": 10**12}
 
 
+MAX_SIZE = 2**60  # 1 EiB: far above any machine, small enough for exact arithmetic on the plan's sums
+
+
 def parse_size(text: str) -> int:
-    """'24GiB', '16 GB', '16G' (= GiB), '12000MiB', '1e9' -> bytes. GiB/MiB are binary, GB/MB decimal."""
+    """'24GiB', '16 GB', '16G' (= GiB), '12000MiB', '1e9' -> bytes. GiB/MiB are binary, GB/MB decimal; at most
+    MAX_SIZE (a number past a float's range, 1e400, is refused as too large, not an overflow)."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
     unit = m[2].lower() if m else None
     if not m or unit not in _UNITS:
-        raise UserError(f"cannot read the size {text!r}: use a number with B, KiB, MiB, GiB, TiB (binary) or "
-                        "KB, MB, GB, TB (decimal), e.g. 24GiB")
-    return int(float(m[1]) * _UNITS[unit])
+        raise UserError(f"cannot read the size {str(text)[:40]!r}: use a number with B, KiB, MiB, GiB, TiB "
+                        "(binary) or KB, MB, GB, TB (decimal), e.g. 24GiB")
+    value = float(m[1]) * _UNITS[unit]
+    if not math.isfinite(value) or value > MAX_SIZE:
+        raise UserError(f"the size {str(text)[:40]!r} is too large: at most {MAX_SIZE // 2**60} EiB")
+    return int(value)
 
 
 # ---- the model ------------------------------------------------------------------------------------------------
@@ -69,17 +78,17 @@ class Shape:
     def from_kv(cls, kv: dict[str, Any], where: str) -> "Shape":
         from clover_gguf.gguf_header import ArrayInfo
 
-        if kv.get("general.architecture") != "clover":
-            raise UserError(f"{where} is not a Clover GGUF (architecture {kv.get('general.architecture')!r})")
+        if kv.get(md.ARCHITECTURE) != md.ARCH:
+            raise UserError(f"{where} is not a Clover GGUF (architecture {kv.get(md.ARCHITECTURE)!r})")
 
         def key(name: str, default: Any = None) -> Any:
-            v = kv.get(f"clover.{name}", default)
+            v = kv.get(md.hparam(name), default)
             if v is None:
-                raise UserError(f"{where}: the GGUF has no clover.{name}")
+                raise UserError(f"{where}: the GGUF has no {md.hparam(name)}")
             return v
 
         n_layer = int(key("block_count"))
-        recr = kv.get("clover.attention.recurrent_layers")
+        recr = kv.get(md.hparam("attention.recurrent_layers"))
         if not isinstance(recr, list) or len(recr) < n_layer:
             interval = int(key("full_attention_interval", 4))
             recr = [(i + 1) % interval != 0 for i in range(n_layer)]
@@ -97,7 +106,7 @@ class Shape:
             kv_per_cell=int(n_head_kv) * (int(key("attention.key_length")) + int(key("attention.value_length"))),
             # llama.cpp's n_embd_r + n_embd_s (llama-hparams.cpp): (d_conv - 1) * conv channels + d_state * d_inner
             state_per_seq=(d_conv - 1) * (d_inner + 2 * n_group * d_state) + d_state * d_inner,
-            block_mode=bool(kv.get("clover.block_mode", False)))
+            block_mode=bool(kv.get(md.BLOCK_MODE, False)))
 
 
 @dataclass
@@ -114,13 +123,11 @@ class Model:
 
 
 def model_from_file(path: Path) -> Model:
-    from clover_gguf.gguf_header import read_header, tensor_bytes
+    """The file, checked as generate checks it (gguf_header.read_clover) before llama.cpp sees it."""
+    from clover_gguf.gguf_header import read_clover, tensor_bytes
 
     path = Path(path)
-    try:
-        h = read_header(path)
-    except UserError as e:
-        raise UserError(f"{path} is not a readable GGUF file ({e})") from None
+    h = read_clover(path)
     shape = Shape.from_kv(h.kv, str(path))
     weights = {n: _pad(tensor_bytes(qt, s), h.alignment) for n, (s, qt) in h.tensors.items()}
     return Model(shape, weights, path, f"{path.name} ({_size(sum(weights.values()))} of weights)", str(path), True)
@@ -372,7 +379,8 @@ def make_budget(vram: str | None, ram: str | None, unified: bool | None, has_lib
 
 
 def _fits(pred: Prediction, budget: Budget) -> bool:
-    if budget.vram is not None and pred.device_bytes > budget.vram - MARGIN:
+    # a plan that puts nothing on the device fits any GPU, also one with less than the margin (--vram 0)
+    if budget.vram is not None and pred.device_bytes and pred.device_bytes > budget.vram - MARGIN:
         return False
     host = pred.host_bytes + (pred.device_bytes if budget.unified else 0)
     return host <= budget.ram - MARGIN
@@ -474,6 +482,31 @@ def output_bytes(rows: int, n_vocab: int) -> int:
     return rows * n_vocab * 4 * F32 + rows * F32
 
 
+# ---- serve's slots ------------------------------------------------------------------------------------------------
+def check_slots(parallel: int, breakdown: dict[str, dict[str, int]], host_bytes: int | None = None,
+                devices: list | None = None) -> None:
+    """`serve --parallel N` before slots 2..N load: N slots, counted as the plan counts them (each its own model and
+    context: everything but the mapped host weights N times), from what the first slot holds
+    (LlamaContext.memory_breakdown), against this machine's memory and its GPUs' (all of it: a plan that cannot fit
+    an empty machine is refused; one that merely finds it busy is llama.cpp's to report). UserError, one line."""
+    from clover_gguf.llama_memory import is_host_buffer
+
+    host_bytes = host_memory() if host_bytes is None else host_bytes
+    shared = sum(v["model"] for k, v in breakdown.items() if k.endswith("_Mapped"))
+    per_slot = {k: sum(v.values()) - (v["model"] if k.endswith("_Mapped") else 0) for k, v in breakdown.items()}
+    host_slot = sum(b for k, b in per_slot.items() if is_host_buffer(k))
+    limits = {d.name: d.total for d in devices or [] if not d.integrated}
+    host_slot += sum(b for k, b in per_slot.items() if not is_host_buffer(k) and k not in limits)  # unified memory
+    checks = [("host memory", host_slot, shared, host_bytes)]
+    checks += [(name, per_slot[name], 0, total) for name, total in limits.items() if per_slot.get(name)]
+    for where, each, once, total in checks:
+        if each and once + parallel * each > total:
+            most = max(0, (total - once) // each)
+            raise UserError(f"--parallel {parallel} cannot fit: each slot loads its own model and context, "
+                            f"{_size(each)} of {where} per slot, {_size(once + parallel * each)} in all, and this "
+                            f"machine has {_size(total)}: at most {most} slots")
+
+
 # ---- measuring ------------------------------------------------------------------------------------------------
 def measure(model: Model, result: FitResult, setup: Setup) -> dict[str, int]:
     """Load the model with the plan's settings, answer one short prompt in the plan's mode (a block pass in the
@@ -541,7 +574,7 @@ def llama_fit_params(model: Model, setup: Setup, ctx: int | None, floor: int) ->
 
 # ---- the command --------------------------------------------------------------------------------------------------
 def fit(model_path: Path | None = None, config: Path | None = None, qtype: str | None = None,
-        vram: str | None = None, ram: str | None = None, ctx: int | None = None, mode: str = "draft-self",
+        vram: str | None = None, ram: str | None = None, ctx: int | None = None, mode: str | None = None,
         parallel: int = 1, rollback: str = "redecode", mmap: bool = True, unified: bool | None = None,
         do_measure: bool = False) -> FitResult:
     from clover_gguf.llama_context import gpu_devices
@@ -563,12 +596,16 @@ def fit(model_path: Path | None = None, config: Path | None = None, qtype: str |
     for v in budget_in:
         if v is not None:
             parse_size(v)  # bad units fail before any work
-    setup = Setup(mode=mode, rollback=rollback, parallel=parallel, mmap=mmap)
-    with tempfile.TemporaryDirectory(prefix="clover-fit-") as tmp:
-        model = model_from_file(Path(model_path)) if model_path is not None else \
-            model_from_config(Path(config), qtype, Path(tmp))  # type: ignore[arg-type]
+    # the file's checks come before any scratch folder; TERM and HUP remove the folder as Ctrl-C does
+    file_model = model_from_file(Path(model_path)) if model_path is not None else None
+    with temp_dir("clover-fit-") as tmp:
+        model = file_model or model_from_config(Path(config), qtype, tmp)  # type: ignore[arg-type]
+        mode = mode or ("draft-self" if model.shape.block_mode else "ar")  # as the runtime's default_mode
         if mode != "ar" and not model.shape.block_mode:
-            raise UserError(f"{model.label} has no Clover block-mode tensors: use --mode ar")
+            from clover_gguf.runtime import no_block_tensors
+
+            raise UserError(no_block_tensors(Path(model.label), mode))
+        setup = Setup(mode=mode, rollback=rollback, parallel=parallel, mmap=mmap)
         devices = gpu_devices()
         if do_measure and vram is not None and not devices:
             raise UserError("--measure loads the model on this machine, which has no GPU: leave out --vram")

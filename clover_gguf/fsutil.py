@@ -3,15 +3,20 @@
 An output never replaces one of the command's inputs (also through a link or a hard link), a folder or a special
 file (a device, a FIFO, a socket), nor an existing file unless the user said --force. While the temporary file
 exists, SIGTERM and SIGHUP stop the work as Ctrl-C does (KeyboardInterrupt: exit 130), so no signal leaves it.
+The temporary name stays within NAME_MAX (255 bytes) whatever the output's name. `temp_dir` gives a scratch folder
+with the same promise.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
+import secrets
 import shutil
 import signal
 import stat
+import tempfile
 import threading
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -20,6 +25,21 @@ from clover_gguf.errors import UserError
 
 # signals that stop a write cleanly, besides SIGINT (which Python already raises as KeyboardInterrupt)
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+NAME_MAX = 255  # bytes in one file name (Linux, macOS; the most file systems allow)
+
+
+def temp_name(target: Path, pid: int | None = None) -> Path:
+    """The temporary file beside `target`: `.NAME.partial-PID`, or, when that would pass NAME_MAX, the name cut
+    short and marked with a hash of the whole name (`.NAM~1a2b3c4d.partial-PID`), so any legal output name works."""
+    target = Path(target)
+    suffix = f".partial-{os.getpid() if pid is None else pid}"
+    name = os.fsencode(target.name)
+    if len(name) + 1 + len(suffix) <= NAME_MAX:
+        return target.with_name(f".{target.name}{suffix}")
+    mark = "~" + hashlib.sha256(name).hexdigest()[:8]
+    keep = NAME_MAX - 1 - len(mark) - len(suffix)
+    short = os.fsdecode(name[:keep])  # a character cut in two stays bytes (surrogateescape): still a legal name
+    return target.with_name(f".{short}{mark}{suffix}")
 
 
 def check_writable_dir(target: Path) -> None:
@@ -93,18 +113,34 @@ def atomic_output(target: Path) -> Iterator[Path]:
     output is left. An OSError while writing (a full disk: ENOSPC, a file-size limit: EFBIG) becomes one line."""
     target = Path(target)
     check_writable_dir(target)
-    tmp = target.with_name(f".{target.name}.partial-{os.getpid()}")
+    tmp = temp_name(target)
     with stop_signals_interrupt():
         try:
             yield tmp
             os.replace(tmp, target)
         except BaseException as e:
             with _signals_ignored():
-                with contextlib.suppress(FileNotFoundError):
+                with contextlib.suppress(OSError):  # gone already, or never made
                     tmp.unlink()
             if isinstance(e, OSError):  # ENOSPC, EFBIG, or a short write reported without an errno
                 raise UserError(f"could not write {target}: {e.strerror or e}") from None
             raise
+
+
+@contextlib.contextmanager
+def temp_dir(prefix: str) -> Iterator[Path]:
+    """A scratch folder in the system's temporary directory, removed however the block ends: an error, Ctrl-C, and
+    SIGTERM or SIGHUP (which stop the work as Ctrl-C does inside the block; exit 130)."""
+    with stop_signals_interrupt():
+        # the name is chosen before the folder exists, so a signal right after mkdir returns still finds it to
+        # remove (tempfile.mkdtemp returns the name only after making the folder: a gap a signal can fall into)
+        path = Path(tempfile.gettempdir()) / f"{prefix}{secrets.token_hex(8)}"
+        try:
+            os.mkdir(path, 0o700)
+            yield path
+        finally:
+            with _signals_ignored():
+                shutil.rmtree(path, ignore_errors=True)
 
 
 @contextlib.contextmanager

@@ -17,7 +17,8 @@ from typing import Any
 from gguf import GGMLQuantizationType as QT
 from gguf.constants import GGML_QUANT_SIZES
 
-from clover_gguf.config import MAX_BLOCK
+from clover_gguf import metadata as md
+from clover_gguf.config import MAX_BLOCK, MAX_CONTEXT
 from clover_gguf.errors import UserError
 
 GGUF_MAGIC = b"GGUF"
@@ -197,6 +198,7 @@ HPARAMS: dict[str, tuple[int, bool]] = {
     "generation.think_end_bias": (F32, False),
     "block_mode": (BOOL, False), "moe_block_coreset.enabled": (BOOL, False),
     "rope.scaling.type": (STRING, False), "quant.recipe": (STRING, False),
+    "expert_shared_count": (U32, False), "block_reading": (STRING, False), "block_reading_verified": (BOOL, False),
 }
 # arrays: (element type, required)
 HPARAM_ARRAYS: dict[str, tuple[int, bool]] = {
@@ -238,22 +240,25 @@ def check_model(h: GGUFHeader) -> None:
     """Refuse, with one line naming the key, a Clover GGUF that llama.cpp would abort on (GGML_ASSERT, division by
     zero), hang on (NaN arithmetic: a zero epsilon or rope base), or that our own code would crash on (a value of
     the wrong type, an id outside the vocabulary, a template that does not compile). Called by info, quantize and
-    the runtime before llama.cpp sees the file; other architectures pass unchecked."""
-    if h.arch != "clover":
+    the runtime and fit (read_clover) before llama.cpp sees the file; other architectures pass unchecked."""
+    if h.arch == md.OLD_ARCH:
+        raise UserError(f"{h.path} was written by an earlier clover-gguf (architecture {md.OLD_ARCH!r}); the architecture "
+                        f"is now upstream llama.cpp's {md.ARCH!r}: convert the checkpoint again with `clover-gguf convert`")
+    if h.arch != md.ARCH:
         return
     c = _Checker(h)
     hp: dict[str, Any] = {}
     for key, (t, required) in HPARAMS.items():
-        hp[key] = c.typed("clover." + key, t, required=required)
+        hp[key] = c.typed(md.hparam(key), t, required=required)
     for key, (sub, required) in HPARAM_ARRAYS.items():
-        hp[key] = c.typed("clover." + key, ARRAY, sub, required=required)
+        hp[key] = c.typed(md.hparam(key), ARRAY, sub, required=required)
 
     def count(key: str, lo: int, hi: int) -> None:
-        c.count("clover." + key, lo, hi, hp[key])
+        c.count(md.hparam(key), lo, hi, hp[key])
 
     def number(key: str, ok: Any, want: str) -> None:
         v = hp[key]
-        c.number("clover." + key, v, v is not None and ok(v), want)
+        c.number(md.hparam(key), v, v is not None and ok(v), want)
 
     big = 2**32 - 1
     for key in ("context_length", "embedding_length", "attention.key_length", "attention.value_length",
@@ -261,6 +266,7 @@ def check_model(h: GGUFHeader) -> None:
                 "ssm.state_size", "ssm.group_count", "ssm.inner_size", "full_attention_interval",
                 "ssm.conv_right_kernel", "attention.head_count", "attention.head_count_kv", "ssm.time_step_rank"):
         count(key, 1, big)
+    count("context_length", 1, MAX_CONTEXT)
     n_blocks, n_experts, head_k = hp["block_count"], hp["expert_count"], hp["attention.key_length"]
     count("block_count", 1, MAX_LAYERS)
     count("nextn_predict_layers", 0, n_blocks - 1)
@@ -269,23 +275,23 @@ def check_model(h: GGUFHeader) -> None:
     count("expert_group_count", 0, 1)  # Clover routes without expert groups; llama.cpp asserts on bad ones
     count("expert_group_used_count", 0, 0)
     if hp["attention.head_count"] % hp["attention.head_count_kv"]:
-        raise c.fail("clover.attention.head_count_kv", f"({hp['attention.head_count_kv']}) must divide "
+        raise c.fail(md.hparam("attention.head_count_kv"), f"({hp['attention.head_count_kv']}) must divide "
                      f"attention.head_count ({hp['attention.head_count']})")
     if hp["ssm.time_step_rank"] % hp["ssm.group_count"]:
-        raise c.fail("clover.ssm.time_step_rank", f"({hp['ssm.time_step_rank']}) must be a multiple of "
+        raise c.fail(md.hparam("ssm.time_step_rank"), f"({hp['ssm.time_step_rank']}) must be a multiple of "
                      f"ssm.group_count ({hp['ssm.group_count']})")
     rot = hp["rope.dimension_count"]
     if rot % 2 or not 2 <= rot <= head_k:
-        raise c.fail("clover.rope.dimension_count", f"is {rot}; it must be even and in 2..{head_k} "
+        raise c.fail(md.hparam("rope.dimension_count"), f"is {rot}; it must be even and in 2..{head_k} "
                      "(attention.key_length)")
     sections = hp["rope.dimension_sections"]
     if not isinstance(sections, list) or len(sections) != 4 or min(sections) < 0 or not 0 < sum(sections) <= head_k:
-        raise c.fail("clover.rope.dimension_sections", f"is {sections}; it must be 4 non-negative numbers summing "
+        raise c.fail(md.hparam("rope.dimension_sections"), f"is {sections}; it must be 4 non-negative numbers summing "
                      f"to 1..{head_k} (attention.key_length)")
     recurrent = hp["attention.recurrent_layers"]
     length = recurrent.length if isinstance(recurrent, ArrayInfo) else len(recurrent or [])
     if recurrent is not None and length != n_blocks:
-        raise c.fail("clover.attention.recurrent_layers", f"has {length} entries for {n_blocks} blocks")
+        raise c.fail(md.hparam("attention.recurrent_layers"), f"has {length} entries for {n_blocks} blocks")
     count("diffusion.block_size", 1, min(MAX_BLOCK, hp["context_length"]))
     number("attention.layer_norm_rms_epsilon", lambda v: v > 0, "a positive number")
     number("rope.freq_base", lambda v: v > 0, "a positive number")
@@ -296,9 +302,26 @@ def check_model(h: GGUFHeader) -> None:
                 "generation.think_end_bias"):
         number(key, lambda v: True, "a finite number")
     if hp["rope.scaling.type"] is not None and hp["rope.scaling.type"] not in ROPE_SCALING_TYPES:
-        raise c.fail("clover.rope.scaling.type", f"is {hp['rope.scaling.type']!r}; llama.cpp knows "
+        raise c.fail(md.hparam("rope.scaling.type"), f"is {hp['rope.scaling.type']!r}; llama.cpp knows "
                      f"{', '.join(ROPE_SCALING_TYPES)}")
     _check_tokenizer(c)
+
+
+def read_clover(path: Path) -> GGUFHeader:
+    """The one way in for a Clover GGUF that llama.cpp is about to load (generate, chat, serve, fit): the file is
+    there, its header reads, its architecture is Clover and check_model passes; one line naming the problem
+    otherwise."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"no such model file: {path}")
+    try:
+        h = read_header(path)
+    except UserError as e:
+        raise UserError(f"{path} is not a readable GGUF file ({e})") from None
+    check_model(h)  # an earlier clover-gguf's file gets its own line (convert again)
+    if h.kv.get(md.ARCHITECTURE) != md.ARCH:
+        raise UserError(f"{path} is not a Clover GGUF (architecture {h.kv.get(md.ARCHITECTURE)!r})")
+    return h
 
 
 def _check_tokenizer(c: _Checker) -> None:

@@ -9,12 +9,17 @@ from typing import Any
 import numpy as np
 
 from clover_gguf.errors import UserError
+from clover_gguf.metadata import ARCH, BLOCK_READING, BLOCK_READING_VERIFIED
+from clover_gguf.tensor_map import CLOVER_EXTRA_RE
 
 # what each kind of file is for; `kind` in read_info
 KINDS = {
-    "clover": "Clover: block decoding (diffusion, draft-self) and AR; needs the patched llama.cpp",
-    "clover-causal": "Clover architecture without the block-mode tensors: AR only; needs the patched llama.cpp",
-    "qwen35moe": "qwen35moe (export-ar): AR only; loads in stock llama.cpp and the apps built on it",
+    "clover_moe": "Clover with the block-mode tensors: block decoding (diffusion, draft-self) and AR; needs the "
+                  "patched llama.cpp",
+    "clover_moe-ar": "clover_moe without the block-mode tensors (upstream's file, the official GGUFs, export-ar): AR "
+                     "in llama.cpp b12060+ and ours; `clover-gguf graft` adds the block tensors",
+    "qwen35moe": "qwen35moe (export-ar --arch qwen35moe): AR only; loads in stock llama.cpp, older builds too, and "
+                 "the apps built on them",
 }
 
 
@@ -56,14 +61,14 @@ def read_info(path: Path) -> dict[str, Any]:
         count_by_type[qtype.name] += 1
     prefix = f"{arch}."
     hparams = {k[len(prefix):]: v for k, v in kv.items() if arch and k.startswith(prefix)}
-    has_extras = any(n.endswith("ssm_conv1d_right.weight") for n in h.tensors)
+    has_extras = any(CLOVER_EXTRA_RE.match(n) for n in h.tensors)
     nextn = hparams.get("nextn_predict_layers", 0)
     features = {
         "block_mode": hparams.get("block_mode", False) is True and has_extras,
         "coreset": hparams.get("moe_block_coreset.enabled", False) is True,
         "mtp": isinstance(nextn, int) and nextn > 0,
     }
-    kind = arch if arch != "clover" else ("clover" if features["block_mode"] else "clover-causal")
+    kind = arch if arch != ARCH else (ARCH if features["block_mode"] else f"{ARCH}-ar")
     tokens = h.kv.get("tokenizer.ggml.tokens")
     size = path.stat().st_size
     return {
@@ -73,6 +78,7 @@ def read_info(path: Path) -> dict[str, Any]:
         "name": kv.get("general.name"),
         "file_type": kv.get("general.file_type"),
         "quant_recipe": kv.get(f"{prefix}quant.recipe"),
+        "block_reading": kv.get(BLOCK_READING), "block_reading_verified": kv.get(BLOCK_READING_VERIFIED),
         "hparams": hparams,
         "tensor_count": len(h.tensors),
         "bytes_by_type": dict(by_type),
@@ -91,6 +97,9 @@ def format_info(info: dict[str, Any]) -> str:
              f"kind          {KINDS.get(info['kind'], 'not a Clover or qwen35moe file')}"]
     if info.get("quant_recipe"):
         lines.append(f"quant recipe  {info['quant_recipe']}")
+    if info.get("block_reading"):
+        how = "trained under it" if info.get("block_reading_verified") else "not verified: see `clover-gguf check-block`"
+        lines.append(f"block reading {info['block_reading']} ({how})")
     feats = info["features"]
     lines.append("features      " + ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in feats.items()))
     lines.append(f"tensors       {info['tensor_count']}")

@@ -152,3 +152,24 @@ def _safe_extract(tar: tarfile.TarFile, members: list[tarfile.TarInfo], dest: Pa
         if root not in target.parents or (link != target and root not in link.parents):
             raise UserError(f"refusing to extract {m.name!r}: it leaves the target folder")
     tar.extractall(dest, members=members)
+
+
+CONVERTER_PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+
+
+def extract_converter_source(sdist: Path, dest: Path) -> Path:
+    """Extract the pinned tree's own converter (convert_hf_to_gguf.py, conversion/, gguf-py/) into dest (created;
+    must not exist). Returns dest."""
+    dest = Path(dest)
+    dest.mkdir(parents=True)
+    with tarfile.open(sdist, "r:gz") as tar:
+        members = []
+        for m in tar.getmembers():
+            rel = m.name[len(SDIST_VENDOR_PREFIX) :] if m.name.startswith(SDIST_VENDOR_PREFIX) else ""
+            if rel == CONVERTER_PARTS[0] or rel.startswith(CONVERTER_PARTS[1:]):
+                m.name = rel
+                members.append(m)
+        _safe_extract(tar, members, dest)
+    if not (dest / CONVERTER_PARTS[0]).is_file():
+        raise UserError(f"{sdist} has no {SDIST_VENDOR_PREFIX}{CONVERTER_PARTS[0]}")
+    return dest

@@ -1,8 +1,10 @@
-"""Clover's GGUF metadata: the `clover.*` key names and the model card's generation defaults they carry.
+"""Clover's GGUF metadata: the `clover_moe.*` key names and the model card's generation defaults they carry.
 
-The converter writes these keys, the runtime, the quantizer and the benches read them; every module takes the names
-from here. llama.cpp's own hyperparameters (`clover.embedding_length`, `clover.expert_count`, ...) are written by
-the converter's hparam table and read by llama.cpp; `hparam(name)` names one of them for a Python reader.
+The architecture is upstream llama.cpp's `clover_moe` (b12060, AR-only); the keys below that upstream does not
+write are our block-mode additions (docs/gguf.md). The converter writes these keys, the runtime, the quantizer and
+the benches read them; every module takes the names from here. llama.cpp's own hyperparameters
+(`clover_moe.embedding_length`, `clover_moe.expert_count`, ...) are written by the converter's hparam table and read
+by llama.cpp; `hparam(name)` names one of them for a Python reader.
 """
 
 from __future__ import annotations
@@ -10,9 +12,20 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Any, Callable
 
-ARCH = "clover"  # general.architecture, and the prefix of every key below
+ARCH = "clover_moe"  # general.architecture (upstream's name), and the prefix of every key below
+HF_REPO = "Diffuspace/Clover-35B-A3B-Preview"  # the real checkpoint (graft reads its block tensors from here)
+OLD_ARCH = "clover"  # what clover-gguf wrote before upstream named the architecture: convert again
 ARCHITECTURE = "general.architecture"
 BLOCK_MODE = f"{ARCH}.block_mode"  # bool: the file has the Clover block-mode tensors
+# which reading of the block tensors' math the file was made for (docs/architecture.md section 3), and whether the
+# checkpoint was trained under that reading (our own models) rather than read under it (the real one, until a
+# user with the real weights confirms it with check-block)
+BLOCK_READING = f"{ARCH}.block_reading"
+BLOCK_READING_VERIFIED = f"{ARCH}.block_reading_verified"
+READING = "clover-gguf-1"  # the reading this version implements
+# the config.json field with which our own checkpoints (make_tiny, train_tiny) declare the reading they were made
+# under; the real checkpoint has none, so its files say "unverified" until check-block confirms the reading
+READING_FIELD = "clover_gguf_block_reading"
 BLOCK_SIZE = f"{ARCH}.diffusion.block_size"
 THRESHOLD = f"{ARCH}.diffusion.threshold"
 CORESET_ENABLED = f"{ARCH}.moe_block_coreset.enabled"
@@ -48,7 +61,7 @@ class Controls:
 
     @classmethod
     def from_meta(cls, meta: Callable[[str], Any], **overrides) -> "Controls":
-        """From a GGUF's `clover.generation.*` keys (meta(key) -> value or None), then explicit overrides."""
+        """From a GGUF's `clover_moe.generation.*` keys (meta(key) -> value or None), then explicit overrides."""
         kw = {}
         for k in Controls.control_names():
             v = meta(GENERATION_PREFIX + k)

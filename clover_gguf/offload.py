@@ -2,7 +2,7 @@
 
     --gpu-layers N|all|auto (-ngl)   layers on the GPU; auto = all when the library can offload, else 0
     --cpu-moe / --n-cpu-moe N        routed-expert tensors of every layer / of the first N layers in host memory
-    --threads N                      CPU threads
+    --threads N                      CPU threads, 1..MAX_THREADS (512, ggml's GGML_MAX_N_THREADS)
     --mmap / --no-mmap               map the file (llama.cpp's load mode auto) or read it into memory (none)
 
 The expert options match llama.cpp's options of the same names (common/arg.cpp): tensors matching
@@ -24,6 +24,19 @@ from clover_gguf.errors import UserError
 # the routed experts of a layer: gate/up/down (fused gate_up, chunked "ch" variants included), never the shared expert
 EXPERT_PATTERN = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
 ALL = -1  # n_gpu_layers for "every layer" (llama.cpp: a negative value means all layers)
+# ggml's GGML_MAX_N_THREADS (ggml.h): its CPU backend keeps per-thread state in arrays of this size, so a larger
+# count overflows them (a segfault) or asks libgomp for threads it cannot create (an abort on the first decode).
+# More threads than cores never helps ggml, so the cap costs nothing; it is fixed (not a multiple of this machine's
+# cores) so a command line means the same everywhere.
+MAX_THREADS = 512
+
+
+def check_threads(n: int | None, flag: str = "--threads") -> None:
+    """The one bound on a CPU thread count (every command's --threads, quantize's too): None or 1..MAX_THREADS."""
+    if n is None:
+        return
+    if not 1 <= n <= MAX_THREADS:
+        raise UserError(f"{flag} must be 1..{MAX_THREADS} (ggml's thread limit), not {n}")
 
 
 def parse_gpu_layers(value: str | int) -> str | int:
@@ -57,8 +70,10 @@ class Offload:
         object.__setattr__(self, "gpu_layers", parse_gpu_layers(self.gpu_layers))
         if self.n_cpu_moe < 0:
             raise UserError(f"--n-cpu-moe must be at least 0, not {self.n_cpu_moe}")
-        if self.threads is not None and self.threads < 1:
-            raise UserError(f"--threads must be at least 1, not {self.threads}")
+        check_threads(self.threads)
+        if self.cpu_moe and self.n_cpu_moe:
+            raise UserError("give --cpu-moe (every layer's experts in host memory) or --n-cpu-moe N (the first N "
+                            "layers'), not both")
 
     @property
     def asks_for_gpu(self) -> bool:
@@ -145,7 +160,7 @@ OPTIONS: list[tuple[str, tuple[str, ...], Any, str]] = [
      "layers on the GPU: a number, 'all', or 'auto' (all when the llama.cpp build can offload, else 0)"),
     ("cpu_moe", ("--cpu-moe",), False, "keep every layer's routed experts in host memory"),
     ("n_cpu_moe", ("--n-cpu-moe",), 0, "keep the routed experts of the first N layers in host memory"),
-    ("threads", ("--threads",), None, "CPU threads (default: up to 8)"),
+    ("threads", ("--threads",), None, f"CPU threads, 1..{MAX_THREADS} (default: up to 8)"),
     ("mmap", ("--mmap/--no-mmap",), True, "map the model file (default) or read it into memory"),
 ]
 

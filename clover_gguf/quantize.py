@@ -30,10 +30,11 @@ from gguf import GGUFReader
 
 from clover_gguf.build import llama_tool
 from clover_gguf.errors import UserError
-from clover_gguf.fsutil import atomic_output, check_free_disk, check_output
+from clover_gguf.fsutil import atomic_output, check_free_disk, check_output, temp_dir
 from clover_gguf.gguf_header import (GGUF_MAGIC, GGUFHeader, check_model, read_header,  # noqa: F401 - re-exported
                                      tensor_bytes)
 from clover_gguf.offload import Offload, no_offload_notice
+from clover_gguf.metadata import ARCH
 from clover_gguf.metadata import QUANT_RECIPE as RECIPE_KEY
 from clover_gguf.recipes import FTYPES, NEEDS_IMATRIX, Recipe, check_rules, recipe_for
 
@@ -60,7 +61,7 @@ def _added_kv_bytes(h: GGUFHeader, kvs: list[tuple[str, str | int]]) -> int:
 
 
 def check_clover(h: GGUFHeader) -> None:
-    if h.arch != "clover":
+    if h.arch != ARCH:
         raise UserError(f"{h.path} is not a Clover GGUF (general.architecture = {h.arch!r}); "
                         "convert the checkpoint with `clover-gguf convert` first")
 
@@ -336,8 +337,18 @@ def _make_plan(h: GGUFHeader, recipe: Recipe, run: _Run, source: str) -> QuantPl
                 notes.append(f"rule {pattern!r} -> {qtype.name}: {t.name} is {t.type.name} "
                              f"(llama.cpp {'never quantizes it' if t.type == t.src_type else 'fell back'})")
     # the input's header as it is (not padded: llama.cpp pads once, after the keys it adds)
-    header = h.header_bytes + _added_kv_bytes(h, run.kvs)
+    header = h.header_bytes + _added_kv_bytes(h, run.kvs) - _trailing_dim_bytes(h)
     return QuantPlan(recipe.ftype, recipe, tensors, header, h.alignment, _dedupe(notes), source)
+
+
+def _trailing_dim_bytes(h: GGUFHeader) -> int:
+    """llama.cpp writes a tensor's dimensions up to its last one above 1 (ggml_n_dims): a [1, H] tensor as the
+    input stores it (ffn_gate_inp_shexp, as upstream's converter writes it) loses 8 bytes of header in the output."""
+    n = 0
+    for shape, _ in h.tensors.values():  # numpy order: ggml's trailing dimensions come first
+        lead = next((i for i, d in enumerate(shape) if d != 1), len(shape) - 1)
+        n += 8 * min(lead, len(shape) - 1)
+    return n
 
 
 def _dedupe(notes: list[str], limit: int = 12) -> list[str]:
@@ -406,8 +417,8 @@ def plan(type_name: str, src: Path | None = None, config: Path | None = None, re
 
     recipe_for(type_name, recipe_file)  # a bad --type or recipe is named before anything else
     _library_for_plan()
-    with tempfile.TemporaryDirectory(prefix="clover-skeleton-") as tmp:
-        path = Path(tmp) / "skeleton.gguf"
+    with temp_dir("clover-skeleton-") as tmp:  # removed on TERM and HUP too
+        path = tmp / "skeleton.gguf"
         write_skeleton(Path(config), path)
         h, recipe = _prepare(path, type_name, recipe_file)
         run = _run_llama(path, None, recipe, h.names, True, None, _imatrix_arg(imatrix))
@@ -440,6 +451,9 @@ def quantize(src: Path, out: Path, type_name: str, recipe_file: Path | None = No
 
     from tqdm import tqdm
 
+    from clover_gguf.offload import check_threads
+
+    check_threads(threads)
     src, out = Path(src), Path(out)
     h, recipe = _prepare(src, type_name, recipe_file)
     _check_source_types(h)

@@ -50,7 +50,7 @@ COMMON_RULES: tuple[tuple[str, str, bool, str], ...] = (
      "GDN decay / write-strength projections: tiny, and their error compounds through the recurrent state"),
     (r"\.ffn_gate_inp(_shexp)?\.weight$", "F32", False, "expert router and shared-expert gate"),
     (r"\.(ssm_conv1d\.weight|ssm_a|ssm_dt\.bias|ssm_norm\.weight)$", "F32", False, "small GDN tensors"),
-    (r"\.(ssm_conv1d_right\.weight|ssm_block_scale|ssm_block_gate)$", "F32", True,
+    (r"\.(ssm_conv1d_right\.weight|ssm_block_scale|ssm_block_history_bias|ssm_block_history_c)$", "F32", True,
      "Clover block-mode extras: never quantized"),
 )
 
@@ -109,7 +109,7 @@ class Recipe:
         return out
 
     def stamp(self) -> str:
-        """The value of the clover.quant.recipe key (at most 127 bytes)."""
+        """The value of the clover_moe.quant.recipe key (at most 127 bytes)."""
         s = f"{self.name} ftype={self.ftype}"
         if self.sha256:
             s += f" sha256={self.sha256[:16]}"

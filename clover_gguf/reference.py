@@ -8,7 +8,6 @@ or float64, autograd works. Tensors carry a batch dimension `N` internally; the 
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -219,10 +218,11 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(hv))
         self.norm = nn.Parameter(torch.ones(cfg.linear_value_head_dim))  # gated RMSNorm weight, used as is
         self.out_proj = nn.Linear(cfg.value_dim, h, bias=False)
-        # Clover extras (spec 3a, 3b)
-        self.conv1d_right = nn.Parameter(torch.zeros(cfg.conv_dim, cfg.right_kernel))
-        self.block_attn_log_scale = nn.Parameter(torch.zeros(hv))
-        self.block_attn_gate = nn.Parameter(torch.zeros(hv))
+        # Clover's block-mode tensors under the real checkpoint's names; their roles are our reading (spec 3a, 3b)
+        self.conv_right_weight = nn.Parameter(torch.zeros(cfg.conv_dim, cfg.right_kernel))  # HF [C, 1, Kr] squeezed
+        self.bd_softmax_logit_scale = nn.Parameter(torch.zeros(hv))
+        self.bd_softmax_history_bias = nn.Parameter(torch.zeros(hv))
+        self.bd_softmax_history_c = nn.Parameter(torch.zeros(hv))
 
     def forward(self, x: torch.Tensor, st: LayerState, block: bool) -> tuple[torch.Tensor, LayerState]:
         cfg = self.cfg
@@ -238,7 +238,7 @@ class GatedDeltaNet(nn.Module):
             # right conv: right[t] = sum_{j=1..Kr} wr[:, j-1] * mixed[t + j], zeros past the block's end
             kr = cfg.right_kernel
             padded = torch.cat([mixed, mixed.new_zeros(n, kr, cfg.conv_dim)], dim=1)
-            conv = conv + sum(self.conv1d_right[:, j - 1] * padded[:, j:j + t] for j in range(1, kr + 1))
+            conv = conv + sum(self.conv_right_weight[:, j - 1] * padded[:, j:j + t] for j in range(1, kr + 1))
         u = F.silu(conv)
         q, k, v = torch.split(u, [cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
         rep = hv // hk  # HF order: value head h uses key head h // rep
@@ -251,11 +251,13 @@ class GatedDeltaNet(nn.Module):
         s0 = st.ssm if st.ssm is not None else x.new_zeros(n, hv, dk, dv)
         o, s = self.delta_rule(q / math.sqrt(dk), k, v, g, beta, s0)  # [N, T, Hv, dv]
 
-        if block:  # intra-block softmax over all block positions, both directions (spec 3b)
-            tau = torch.exp(self.block_attn_log_scale)  # [Hv]
-            scores = torch.einsum("nthd,nshd->nhts", q, k) * tau[None, :, None, None]
-            o_sm = torch.einsum("nhts,nshv->nthv", scores.softmax(-1), v)
-            o = o + torch.sigmoid(self.block_attn_gate)[None, None, :, None] * o_sm
+        if block:  # block softmax over all block positions, both directions, plus the history's logit (spec 3b)
+            tau = torch.exp(self.bd_softmax_logit_scale)  # [Hv]
+            scores = torch.einsum("nthd,nshd->nhts", q, k) * tau[None, :, None, None]  # [N, Hv, T, T]
+            history = self.bd_softmax_history_bias[None, :, None, None].expand(n, hv, t, 1).to(scores.dtype)
+            p = torch.cat([scores, history], dim=-1).softmax(-1)[..., :t]  # the history's share is left out
+            o_sm = torch.einsum("nhts,nshv->nthv", p, v)
+            o = o + self.bd_softmax_history_c[None, None, :, None] * o_sm
 
         z = self.in_proj_z(x).reshape(n, t, hv, dv)
         y = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps) * self.norm * F.silu(z)
@@ -412,7 +414,7 @@ class CloverModel(nn.Module):
         """HF tensor name -> (our parameter name, layout note), for every tensor of the table (shapes, from
         tensor_map.TENSOR_RULES) except the experts, which are handled separately (stacked here)."""
         from clover_gguf.shapes import checkpoint_tensors
-        from clover_gguf.tensor_map import PER_EXPERT_RE, match_rule
+        from clover_gguf.tensor_map import BROADCAST_HEADS, PER_EXPERT_RE, match_rule
 
         params = dict(self.named_parameters())
         m: dict[str, tuple[str, str | None]] = {}
@@ -420,7 +422,8 @@ class CloverModel(nn.Module):
             if PER_EXPERT_RE.match(hf_name):
                 continue
             rule, _ = match_rule(hf_name)
-            m[hf_name] = (sanitize(hf_name, params), "conv" if rule.transform == "conv" else None)
+            note = "conv" if rule.transform == "conv" else "heads" if rule.transform in BROADCAST_HEADS else None
+            m[hf_name] = (sanitize(hf_name, params), note)
         return m
 
     def load_hf_state_dict(self, tensors: dict[str, torch.Tensor], strict: bool = True) -> None:
@@ -434,6 +437,8 @@ class CloverModel(nn.Module):
                 t = tensors[hf_name]
                 if note == "conv":
                     t = t.reshape(t.shape[0], t.shape[-1])
+                elif note == "heads" and t.numel() == 1:  # one value for every head (tensor_map._per_head)
+                    t = t.reshape(1).expand(params[ours].shape[0])
                 _copy_checked(params[ours], t, hf_name)
                 consumed.add(hf_name)
             for i, layer in enumerate(self.layers):

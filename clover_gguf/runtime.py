@@ -195,8 +195,10 @@ class RunStats(decoding.GenerationStats):
         """One line for a person (generate --stats, chat): tokens, passes, tokens/pass, tok/s, acceptance."""
         parts = [f"{self.generated_tokens} tokens", f"{self.forward_passes} passes",
                  f"{self.tokens_per_pass:.2f} tokens/pass", f"{self.tokens_per_s:.1f} tok/s"]
-        if self.acceptance_rate is not None:
-            parts.append(f"{self.acceptance_rate:.0%} of drafts accepted")
+        if self.acceptance_rate is not None:  # every block-mode run: the check of the block reading
+            parts.append(f"{self.acceptance_rate:.0%} of block tokens accepted by the causal path")
+        elif self.mode != "ar":  # the answer ended inside its first block: no causal pass checked one
+            parts.append("no block checked by the causal path yet")
         parts.append(f"{self.seconds:.2f} s")
         if self.finish_reason == "length":
             parts.append("cut at the token limit")
@@ -225,22 +227,16 @@ class CloverRuntime:
         for that many tokens and no more (see context_settings). selection: "graph" (default) or "numpy" (SELECTIONS).
         rpc: llama.cpp RPC servers (HOST:PORT) that hold
         the layers (clover_gguf.rpc)."""
-        from clover_gguf.gguf_header import check_model, read_header
+        from clover_gguf.gguf_header import read_clover
 
         path = Path(gguf)
-        if not path.is_file():
-            raise UserError(f"no such model file: {path}")
-        try:
-            meta = (header := read_header(path)).kv
-        except UserError as e:
-            raise UserError(f"{path} is not a readable GGUF file ({e})") from None
-        if meta.get(md.ARCHITECTURE) != md.ARCH:
-            raise UserError(f"{path} is not a Clover GGUF (architecture {meta.get(md.ARCHITECTURE)!r})")
-        check_model(header)  # hyperparameters llama.cpp would abort on, before it sees the file
+        meta = read_clover(path).kv  # checked as llama.cpp needs it, before it sees the file (fit does the same)
         self.meta = meta
         self.path = path
         card = md.GenerationDefaults()
         self.block_mode = bool(meta.get(md.BLOCK_MODE, False))
+        self.reading = meta.get(md.BLOCK_READING)
+        self.reading_verified = bool(meta.get(md.BLOCK_READING_VERIFIED, False))
         self.context_length = int(meta.get(md.hparam("context_length"), 4096))
         self.block_size = int(meta.get(md.BLOCK_SIZE, card.block_size))
         self.threshold = float(meta.get(md.THRESHOLD, card.threshold))
@@ -262,31 +258,50 @@ class CloverRuntime:
         self.ctx = LlamaContext(path, overrides=overrides or None, n_threads=n_threads,
                                 n_threads_batch=n_threads_batch, offload=offload, rpc=rpc, **settings)
         self.n_ctx = self.ctx.n_ctx
-        self.eos_ids, self._control_text = self._scan_vocab()
+        self.eos_ids, self._control_text, self.max_token_bytes = self._scan_vocab()
         self.think_id = self._special("<think>")
         self.think_end_id = self._special("</think>")
         self.backend = LlamaBackend(self.ctx, self.mask_token_id if self.mask_token_id is not None else -1,
                                     self.eos_ids, self.block_size, rollback=rollback, selection=selection)
 
-    def _scan_vocab(self) -> tuple[list[int], re.Pattern | None]:
-        """-> (the end tokens, a pattern matching the text of every control token). The tokenizer reads control
-        tokens (<|im_end|>, ...) in text only when told to parse them: user text must never be."""
+    def _scan_vocab(self) -> tuple[list[int], re.Pattern | None, int]:
+        """-> (the end tokens, a pattern matching the text of every control token, the most bytes of prompt text
+        one token can stand for). The tokenizer reads control tokens (<|im_end|>, ...) in text only when told to
+        parse them: user text must never be. The byte count is the longest token text as the vocabulary stores it
+        (byte-level BPE spells a byte with one or two, SentencePiece a space with three, byte tokens as <0xNN>):
+        never less than the bytes a token covers, so least_prompt_tokens stays a lower bound."""
         L, vocab = self.ctx.L, self.ctx.vocab
         control = L.LLAMA_TOKEN_ATTR_CONTROL | L.LLAMA_TOKEN_ATTR_UNKNOWN
-        ends, texts = [], set()
+        ends, texts, longest = [], set(), 1
         for t in range(self.ctx.n_vocab):
             if L.llama_vocab_is_eog(vocab, t):
                 ends.append(t)
+            raw = L.llama_vocab_get_text(vocab, t) or b""
+            longest = max(longest, len(raw))
             if L.llama_vocab_get_attr(vocab, t) & control:
-                text = (L.llama_vocab_get_text(vocab, t) or b"").decode("utf-8", "replace")
+                text = raw.decode("utf-8", "replace")
                 if text:
                     texts.add(text)
         pattern = re.compile("|".join(map(re.escape, sorted(texts, key=len, reverse=True)))) if texts else None
-        return ends, pattern
+        return ends, pattern, longest
 
     def _special(self, text: str) -> int | None:
         ids = self.ctx.tokenize(text, special=True)
         return ids[0] if len(ids) == 1 else None
+
+    @property
+    def default_mode(self) -> str:
+        """The mode when none is asked for: draft-self (AR's text, fewer passes), or ar for an AR-only file."""
+        return "draft-self" if self.block_mode else "ar"
+
+    def reading_note(self, mode: str) -> str | None:
+        """One line for a block-mode run on a file whose block tensors are read under our reading of their math,
+        not trained under it (the real checkpoint, until check-block confirms the reading); None otherwise."""
+        if mode == "ar" or not self.block_mode or self.reading_verified:
+            return None
+        return (f"note: the block tensors of {self.path.name} are read as clover-gguf's reading "
+                f"{self.reading or '(unknown)'} says, not yet verified for these weights: `clover-gguf check-block "
+                f"{self.path.name}` measures how much of each block the causal path accepts")
 
     # ---- prompts ----------------------------------------------------------------------------------------
     def render(self, messages: Sequence[dict[str, str]], think: bool = True) -> str:
@@ -302,16 +317,17 @@ class CloverRuntime:
         return b"".join(self.ctx.token_to_piece(t, special=True) for t in tokens).decode("utf-8", "replace")
 
     # ---- checks -----------------------------------------------------------------------------------------
-    def check_request(self, n_prompt: int, max_new_tokens: int, mode: str, block_size: int) -> None:
-        """Refuse, before any llama.cpp call, a request this context cannot run (UserError, one line)."""
+    def check_request(self, n_prompt: int, max_new_tokens: int, mode: str, block_size: int,
+                      at_least: bool = False) -> None:
+        """Refuse, before any llama.cpp call, a request this context cannot run (UserError, one line).
+        at_least: n_prompt is a lower bound (least_prompt_tokens), not the count."""
         if mode not in decoding.MODES:
             raise UserError(f"unknown mode {mode!r}: choose one of {', '.join(decoding.MODES)}")
         if max_new_tokens < 1 or block_size < 1:
             raise UserError("max_new_tokens and the block size must be at least 1")
         if mode != "ar":
             if not self.block_mode:
-                raise UserError(f"{self.path.name} has no Clover block-mode tensors (a plain Qwen3.5-MoE conversion): "
-                                f"use --mode ar")
+                raise UserError(no_block_tensors(self.path, mode))
             if self.mask_token_id is None:
                 raise UserError(f"{self.path.name} has no tokenizer.ggml.mask_token_id: block mode is unavailable")
             if block_size > self.ctx.n_ubatch:  # one block is one llama.cpp micro-batch (it aborts otherwise)
@@ -325,9 +341,20 @@ class CloverRuntime:
         limit = min(self.context_length, self.n_ctx)
         if need > limit:
             what = "the model's context" if limit == self.context_length else "the context (--ctx)"
-            raise UserError(f"request needs {need} tokens (prompt {n_prompt} + max_new_tokens {max_new_tokens}"
+            least = "at least " if at_least else ""
+            raise UserError(f"request needs {least}{need} tokens (prompt {least}{n_prompt} + max_new_tokens "
+                            f"{max_new_tokens}"
                             + (f" + {room} to resolve a final block" if room else "")
                             + f"), {need - limit} more than {what} of {limit}")
+
+    def least_prompt_tokens(self, messages: Sequence[dict[str, str]] | None = None, prompt: str | None = None,
+                            think: bool = True) -> int:
+        """A lower bound on the tokens of a prompt (chat messages through the template, or a raw prompt) without
+        tokenizing it: its UTF-8 bytes over max_token_bytes. Rendering takes milliseconds where llama.cpp's
+        tokenizer takes minutes on 100,000 messages, so the server refuses an over-context request with this before
+        the request takes a slot."""
+        text = self.render(messages, think=think) if messages is not None else (prompt or "")
+        return -(-len(text.encode("utf-8", "surrogatepass")) // self.max_token_bytes)
 
     def prompt_ids(self, messages: Sequence[dict[str, str]] | str, think: bool = True) -> list[int]:
         """Chat messages (or one user message) -> the prompt's tokens, rendered with the GGUF's chat template.
@@ -431,6 +458,13 @@ class CloverRuntime:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def no_block_tensors(path: Path, mode: str) -> str:
+    """Why `mode` cannot run on a file without the block-mode tensors, and the fix."""
+    name = Path(path).name
+    return (f"{name} has no block-mode tensors (an AR-only file, as the official GGUFs are), so --mode {mode} cannot "
+            f"run: add them with `clover-gguf graft {name} --from {md.HF_REPO} -o OUT.gguf`, or use --mode ar")
 
 
 def _check_utf8(text: str, what: str) -> None:

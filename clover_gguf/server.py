@@ -478,6 +478,18 @@ def plan_from(req: Any, chat: bool, default_mode: str) -> Plan:
     return p
 
 
+def precheck(rt: Any, plan: Plan) -> None:
+    """What can be refused without tokenizing, before the request takes a slot: a prompt whose least possible
+    token count (CloverRuntime.least_prompt_tokens) with the tokens asked for (1 when unsaid) is past the context,
+    and the request's mode and block size (check_request). The worker then checks the real count. Reads only what
+    every slot shares (the template, the sizes), so it runs beside the slots' work."""
+    if not hasattr(rt, "least_prompt_tokens"):  # a test's stand-in runtime
+        return
+    least = rt.least_prompt_tokens(plan.messages, plan.prompt, plan.think)
+    block_size = int(plan.block_size or rt.block_size)
+    rt.check_request(least, plan.max_tokens or 1, plan.mode, block_size, at_least=True)
+
+
 async def _start(pool: Pool, watch: Watch, plan: Plan) -> tuple[Job, int]:
     """Wait for a slot, start the decode, wait until the request passed its checks -> (job, prompt tokens).
     Raises APIError for a refused request, ClientGone if the client left while waiting."""
@@ -508,6 +520,13 @@ async def _respond(request: Request, req: Any, chat: bool) -> Any:
     plan = plan_from(req, chat, state.default_mode)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     watch = Watch(request)
+    try:
+        # off the event loop (a template over 100,000 messages takes a moment), and before any slot is taken
+        await watch(asyncio.to_thread(precheck, state.first, plan))
+    except UserError as e:
+        raise APIError(400, str(e)) from None
+    except ClientGone:
+        return _client_gone()
     try:
         job, _ = await _start(state.pool, watch, plan)
     except ClientGone:
@@ -630,6 +649,13 @@ def load_runtimes(model: str | Path | Callable[[], Any], parallel: int, ctx: int
     try:
         for _ in range(parallel):
             runtimes.append(factory())
+            if len(runtimes) == 1 and parallel > 1 and hasattr(getattr(runtimes[0], "ctx", None),
+                                                               "memory_breakdown"):
+                from clover_gguf.fit import check_slots
+                from clover_gguf.llama_context import gpu_devices
+
+                # what one slot holds, times --parallel, before the others load (llama.cpp aborts when it runs out)
+                check_slots(parallel, runtimes[0].ctx.memory_breakdown(), devices=gpu_devices())
     except BaseException:
         for rt in runtimes:
             rt.close()
@@ -637,7 +663,7 @@ def load_runtimes(model: str | Path | Callable[[], Any], parallel: int, ctx: int
     return runtimes, name
 
 
-def create_app(model: str | Path | Callable[[], Any], mode: str = "draft-self", api_key: str | None = None,
+def create_app(model: str | Path | Callable[[], Any], mode: str | None = None, api_key: str | None = None,
                parallel: int = 1, ctx: int | None = None, model_id: str | None = None,
                runtime_kwargs: dict[str, Any] | None = None):
     """-> a FastAPI (ASGI) app serving `model`: a GGUF path, or a factory returning a CloverRuntime-like object
@@ -648,17 +674,23 @@ def create_app(model: str | Path | Callable[[], Any], mode: str = "draft-self", 
     from starlette.exceptions import HTTPException
 
     ChatRequest, CompletionRequest = _models()
-    if mode not in MODES:
+    if mode is not None and mode not in MODES:
         raise UserError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
     if parallel < 1:
         raise UserError("--parallel must be at least 1")
     if ctx is not None and ctx < 16:
         raise UserError("--ctx must be at least 16")
     runtimes, name = load_runtimes(model, parallel, ctx, model_id, runtime_kwargs)
-    if mode != "ar" and not getattr(runtimes[0], "block_mode", True):
+    first = runtimes[0]
+    mode = mode or getattr(first, "default_mode", "draft-self")  # ar for an AR-only file
+    if mode != "ar" and not getattr(first, "block_mode", True):
         for rt in runtimes:
             rt.close()
-        raise UserError(f"the model has no Clover block-mode tensors, so --mode {mode} cannot run: use --mode ar")
+        from clover_gguf.runtime import no_block_tensors
+
+        raise UserError(no_block_tensors(first.path, mode))
+    if hasattr(first, "reading_note") and (note := first.reading_note(mode)):
+        log.warning("%s", note)
     pool = Pool(runtimes)
 
     @contextlib.asynccontextmanager
@@ -690,7 +722,7 @@ def create_app(model: str | Path | Callable[[], Any], mode: str = "draft-self", 
     return app
 
 
-def serve(model: str | Path, host: str = "127.0.0.1", port: int = 8080, mode: str = "draft-self",
+def serve(model: str | Path, host: str = "127.0.0.1", port: int = 8080, mode: str | None = None,
           ctx: int | None = None, parallel: int = 1, api_key: str | None = None, model_id: str | None = None,
           log_level: str = "info", **runtime_kwargs) -> None:
     """Load the model and serve it with uvicorn until interrupted."""

@@ -17,8 +17,8 @@ from gguf import GGUFWriter
 
 from clover_gguf.checkpoint import TensorRef
 from clover_gguf.config import CloverConfig
+from clover_gguf.convert import ARCH, ConversionPlan, describe, plan_conversion, write_metadata
 from clover_gguf.metadata import GenerationDefaults
-from clover_gguf.convert import ARCH, ConversionPlan, plan_conversion, write_metadata
 from clover_gguf.errors import UserError
 from clover_gguf.shapes import checkpoint_tensors
 from clover_gguf.vocab import Vocab
@@ -61,7 +61,9 @@ def write_skeleton(config: Path, out: Path, outtype: str = "bf16") -> Conversion
         raise UserError(f"{config} describes a model of {plan.nbytes / 2**40:.1f} TiB, more than the "
                         f"{MAX_SKELETON_BYTES // 2**40} TiB a plan is made for: check its sizes")
     w = GGUFWriter(path=None, arch=ARCH)
-    write_metadata(w, cfg, placeholder_vocab(cfg.vocab_size), GenerationDefaults(), plan.n_blocks, "skeleton")
+    gen = GenerationDefaults()
+    write_metadata(w, cfg, placeholder_vocab(cfg.vocab_size), gen, plan.n_blocks,
+                   *describe(None, plan, gen, outtype, name="skeleton"))
     from gguf import GGMLQuantizationType as QT
 
     storage = {QT.F32: np.float32, QT.F16: np.float16, QT.BF16: np.uint16}

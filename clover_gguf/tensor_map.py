@@ -40,30 +40,39 @@ def _as_f32(a: np.ndarray) -> np.ndarray:
     return a.astype(np.float32)
 
 
+def _per_head(a: np.ndarray, cfg: CloverConfig) -> np.ndarray:
+    """[Hv], or one value ([] / [1]) for every value head."""
+    a = _as_f32(a).reshape(-1)
+    return np.repeat(a, cfg.linear_num_value_heads) if a.size == 1 else a
+
+
 TRANSFORMS: dict[str, Callable[[np.ndarray, CloverConfig], np.ndarray]] = {
     "copy": lambda a, cfg: a,
     # zero-centred RMSNorm weight w: the runtime multiplies by the stored value, so store 1 + w
     "plus_one": lambda a, cfg: _as_f32(a) + np.float32(1.0),
     # A_log -> -exp(A_log): the per-head log-decay factor the runtime multiplies softplus(a + dt) by
-    "neg_exp_heads": lambda a, cfg: grouped_to_tiled(-np.exp(_as_f32(a)), 0, cfg, 1),
+    # (computed in float64 and rounded once: what upstream's converter writes, bit for bit)
+    "neg_exp_heads": lambda a, cfg: grouped_to_tiled((-np.exp(a.astype(np.float64))).astype(np.float32), 0, cfg, 1),
     "heads": lambda a, cfg: grouped_to_tiled(_as_f32(a), 0, cfg, 1),
-    # block_attn_log_scale -> tau = exp(.), block_attn_gate -> sigmoid(.): stored ready to multiply
-    "exp_heads": lambda a, cfg: grouped_to_tiled(np.exp(_as_f32(a)), 0, cfg, 1),
-    "sigmoid_heads": lambda a, cfg: grouped_to_tiled(1.0 / (1.0 + np.exp(-_as_f32(a))), 0, cfg, 1),
+    # Clover's per-head block-mode vectors; a checkpoint may hold one value for every head ([] or [1]): broadcast
+    "block_heads": lambda a, cfg: grouped_to_tiled(_per_head(a, cfg), 0, cfg, 1),
+    # bd_softmax_logit_scale -> tau = exp(.), stored ready to multiply (float64, rounded once)
+    "exp_block_heads": lambda a, cfg: grouped_to_tiled(np.exp(_per_head(a, cfg).astype(np.float64)).astype(np.float32),
+                                                       0, cfg, 1),
     # [C, 1, K] -> [C, K] (ggml ne {K, C}, what ggml_ssm_conv takes), v channels tiled
     "conv": lambda a, cfg: _tile_v_part(_as_f32(a).reshape(a.shape[0], a.shape[-1]), cfg),
     "qkv_rows": lambda a, cfg: _tile_v_part(a, cfg),
     "v_rows": lambda a, cfg: grouped_to_tiled(a, 0, cfg, cfg.linear_value_head_dim),
     "head_rows": lambda a, cfg: grouped_to_tiled(a, 0, cfg, 1),
     "v_cols": lambda a, cfg: grouped_to_tiled(a, 1, cfg, cfg.linear_value_head_dim),
-    # [1, H] -> [H]: qwen35moe's shared-expert gate is a vector
-    "squeeze": lambda a, cfg: a.reshape(a.shape[-1]),
 }
+
+# the transforms that accept one value for every value head ([] or [1]) besides [Hv]
+BROADCAST_HEADS = {"block_heads", "exp_block_heads"}
 
 # The transforms that change a shape (the others keep it): out_shape computes the GGUF shape without any data.
 SHAPE_CHANGES: dict[str, Callable[[Shape], Shape]] = {
     "conv": lambda s: (s[0], s[-1]),
-    "squeeze": lambda s: (s[-1],),
 }
 
 
@@ -72,7 +81,7 @@ def out_shape(transform: str, shape: Shape) -> Shape:
 
 
 # Transforms that only move elements: they can act on the stored bits (BF16 kept as uint16) without a float trip.
-REORDER_ONLY = {"copy", "qkv_rows", "v_rows", "head_rows", "v_cols", "squeeze"}
+REORDER_ONLY = {"copy", "qkv_rows", "v_rows", "head_rows", "v_cols"}
 
 
 # How make_tiny initialises a tensor of a random test model: ("normal", std), ("fan_in", scale) = normal with
@@ -99,6 +108,12 @@ class TensorRule:
     f32: bool = False  # always stored as F32 (small, numerically sensitive, or never quantized by llama.cpp)
     clover_extra: bool = False
     init: Init = ("fan_in", 1.0)  # unit-variance activations
+    # other shapes a checkpoint may store the tensor in (the real Clover's block tensors are not documented: we
+    # take what the transform can read), besides hf_shape
+    also: Callable[[CloverConfig], tuple[Shape, ...]] = lambda c: ()
+
+    def accepts(self, shape: Shape, cfg: CloverConfig) -> bool:
+        return tuple(shape) == tuple(self.hf_shape(cfg)) or tuple(shape) in self.also(cfg)
 
     @property
     def regex(self) -> re.Pattern:
@@ -151,10 +166,11 @@ TENSOR_RULES: tuple[TensorRule, ...] = (
                lambda c: (c.conv_dim, c.hidden_size)),
     TensorRule("model.layers.{i}.linear_attn.in_proj_z.weight", "blk.{i}.attn_gate.weight", "v_rows",
                lambda c: (c.value_dim, c.hidden_size)),
+    # [Hv, H] in the output type, as upstream's converter writes them (the quantize recipes keep them F32)
     TensorRule("model.layers.{i}.linear_attn.in_proj_b.weight", "blk.{i}.ssm_beta.weight", "head_rows",
-               lambda c: (c.linear_num_value_heads, c.hidden_size), f32=True),
+               lambda c: (c.linear_num_value_heads, c.hidden_size)),
     TensorRule("model.layers.{i}.linear_attn.in_proj_a.weight", "blk.{i}.ssm_alpha.weight", "head_rows",
-               lambda c: (c.linear_num_value_heads, c.hidden_size), f32=True),
+               lambda c: (c.linear_num_value_heads, c.hidden_size)),
     # [conv_dim, 1, K] -> [conv_dim, K]
     TensorRule("model.layers.{i}.linear_attn.conv1d.weight", "blk.{i}.ssm_conv1d.weight", "conv",
                lambda c: (c.conv_dim, 1, c.linear_conv_kernel_dim), f32=True, init=("normal", 0.5)),
@@ -168,13 +184,22 @@ TENSOR_RULES: tuple[TensorRule, ...] = (
     # out_proj [H, value_dim], columns tiled
     TensorRule("model.layers.{i}.linear_attn.out_proj.weight", "blk.{i}.ssm_out.weight", "v_cols",
                lambda c: (c.hidden_size, c.value_dim), init=RESIDUAL),
-    # Clover extras: [conv_dim, 1, Kr] -> [conv_dim, Kr]; [Hv] -> tau = exp; [Hv] -> sigmoid
-    TensorRule("model.layers.{i}.linear_attn.conv1d_right.weight", "blk.{i}.ssm_conv1d_right.weight", "conv",
-               lambda c: (c.conv_dim, 1, c.right_kernel), f32=True, clover_extra=True, init=("normal", 0.3)),
-    TensorRule("model.layers.{i}.linear_attn.block_attn_log_scale", "blk.{i}.ssm_block_scale", "exp_heads",
-               lambda c: (c.linear_num_value_heads,), f32=True, clover_extra=True, init=("uniform", 0.5, 2.0)),
-    TensorRule("model.layers.{i}.linear_attn.block_attn_gate", "blk.{i}.ssm_block_gate", "sigmoid_heads",
-               lambda c: (c.linear_num_value_heads,), f32=True, clover_extra=True, init=("normal", 1.0)),
+    # Clover's block-mode tensors, the real checkpoint's names (upstream's converter drops exactly these four);
+    # their roles are our reading (docs/architecture.md 3a-3b). [conv_dim, 1, Kr] (or [conv_dim, Kr]) -> [conv_dim, Kr]
+    TensorRule("model.layers.{i}.linear_attn.conv_right_weight", "blk.{i}.ssm_conv1d_right.weight", "conv",
+               lambda c: (c.conv_dim, 1, c.right_kernel), f32=True, clover_extra=True, init=("normal", 0.3),
+               also=lambda c: ((c.conv_dim, c.right_kernel),)),
+    # [Hv] (or one value) -> tau = exp(.)
+    TensorRule("model.layers.{i}.linear_attn.bd_softmax_logit_scale", "blk.{i}.ssm_block_scale", "exp_block_heads",
+               lambda c: (c.linear_num_value_heads,), f32=True, clover_extra=True, init=("uniform", 0.5, 2.0),
+               also=lambda c: ((), (1,))),
+    # [Hv] (or one value): the history's logit in the block softmax, and the weight of the block term
+    TensorRule("model.layers.{i}.linear_attn.bd_softmax_history_bias", "blk.{i}.ssm_block_history_bias",
+               "block_heads", lambda c: (c.linear_num_value_heads,), f32=True, clover_extra=True,
+               init=("normal", 1.0), also=lambda c: ((), (1,))),
+    TensorRule("model.layers.{i}.linear_attn.bd_softmax_history_c", "blk.{i}.ssm_block_history_c", "block_heads",
+               lambda c: (c.linear_num_value_heads,), f32=True, clover_extra=True, init=("uniform", 0.3, 1.0),
+               also=lambda c: ((), (1,))),
     # MoE. router [E, H] kept F32: routing decisions are sensitive. The experts follow it (EXPERT_KINDS below).
     TensorRule("model.layers.{i}.mlp.gate.weight", "blk.{i}.ffn_gate_inp.weight", "copy",
                lambda c: (c.num_experts, c.hidden_size), f32=True, init=("fan_in", 2.0)),
@@ -184,8 +209,8 @@ TENSOR_RULES: tuple[TensorRule, ...] = (
                lambda c: (c.shared_expert_intermediate_size, c.hidden_size)),
     TensorRule("model.layers.{i}.mlp.shared_expert.down_proj.weight", "blk.{i}.ffn_down_shexp.weight", "copy",
                lambda c: (c.hidden_size, c.shared_expert_intermediate_size), init=RESIDUAL),
-    # [1, H] -> [H]
-    TensorRule("model.layers.{i}.mlp.shared_expert_gate.weight", "blk.{i}.ffn_gate_inp_shexp.weight", "squeeze",
+    # [1, H], kept as upstream's converter writes it (ggml ne {H, 1}; llama.cpp loads it as the [H] gate)
+    TensorRule("model.layers.{i}.mlp.shared_expert_gate.weight", "blk.{i}.ffn_gate_inp_shexp.weight", "copy",
                lambda c: (1, c.hidden_size), f32=True),
     TensorRule("model.norm.weight", "output_norm.weight", "plus_one", _h, f32=True, init=NORM),
     TensorRule("lm_head.weight", "output.weight", "copy", lambda c: (c.vocab_size, c.hidden_size)),

@@ -19,6 +19,7 @@ class Vocab:
     merges: list[str]
     special_ids: dict[str, int] = field(default_factory=dict)  # eos, pad, bos, mask -> id
     add_bos: bool = False
+    add_eos: bool = False
     chat_template: str | None = None
 
     @property
@@ -147,8 +148,10 @@ def load_vocab(src: Path, cfg: CloverConfig) -> Vocab:
         template, where = tc["chat_template"], tc_path
     if template is not None and (why := chat_template_error(template)):
         raise UserError(f"{where}: the chat template does not compile: {why}")
-    add_bos = tc.get("add_bos_token", False)
-    if add_bos is not None and not isinstance(add_bos, bool):
-        raise UserError(f"{tc_path.name}: add_bos_token must be true or false, not {add_bos!r}")
-    return Vocab(tokens=tokens, token_types=types, merges=merges, special_ids=ids, add_bos=bool(add_bos),
-                 chat_template=template)
+    add = {}
+    for role in ("bos", "eos"):
+        add[role] = tc.get(f"add_{role}_token", False)
+        if add[role] is not None and not isinstance(add[role], bool):
+            raise UserError(f"{tc_path.name}: add_{role}_token must be true or false, not {add[role]!r}")
+    return Vocab(tokens=tokens, token_types=types, merges=merges, special_ids=ids, add_bos=bool(add["bos"]),
+                 add_eos=bool(add["eos"]), chat_template=template)

@@ -102,7 +102,7 @@ def test_think_end_bias(generated, at_start):
 
 
 def test_controls_from_gguf_meta_and_overrides():
-    meta = {"clover.generation.presence_penalty": "0.5", "clover.generation.length_penalty_start": "100"}.get
+    meta = {"clover_moe.generation.presence_penalty": "0.5", "clover_moe.generation.length_penalty_start": "100"}.get
     c = Controls.from_meta(meta, repetition_penalty=1.2)
     assert c.presence_penalty == 0.5 and c.length_penalty_start == 100 and c.repetition_penalty == 1.2
     assert c.frequency_penalty == 0.0

@@ -82,14 +82,15 @@ def expected_gguf(src: Path) -> dict[str, np.ndarray]:
             e[b + "ssm_norm.weight"] = hf[la + "norm.weight"]
             e[b + "ssm_out.weight"] = hf[la + "out_proj.weight"][:, vi]
             if cfg.is_clover:
-                e[b + "ssm_conv1d_right.weight"] = hf[la + "conv1d_right.weight"][:, 0, :][qkv_idx]
-                e[b + "ssm_block_scale"] = np.exp(hf[la + "block_attn_log_scale"])[hi]
-                e[b + "ssm_block_gate"] = sig(hf[la + "block_attn_gate"])[hi]
+                e[b + "ssm_conv1d_right.weight"] = hf[la + "conv_right_weight"][:, 0, :][qkv_idx]
+                e[b + "ssm_block_scale"] = np.exp(hf[la + "bd_softmax_logit_scale"])[hi]
+                e[b + "ssm_block_history_bias"] = hf[la + "bd_softmax_history_bias"][hi]
+                e[b + "ssm_block_history_c"] = hf[la + "bd_softmax_history_c"][hi]
         e[b + "ffn_gate_inp.weight"] = hf[p + "mlp.gate.weight"]
         e[b + "ffn_gate_exps.weight"] = hf[p + "mlp.experts.gate_proj"]
         e[b + "ffn_up_exps.weight"] = hf[p + "mlp.experts.up_proj"]
         e[b + "ffn_down_exps.weight"] = hf[p + "mlp.experts.down_proj"]
-        e[b + "ffn_gate_inp_shexp.weight"] = hf[p + "mlp.shared_expert_gate.weight"][0]
+        e[b + "ffn_gate_inp_shexp.weight"] = hf[p + "mlp.shared_expert_gate.weight"]  # [1, H], as upstream
         for n in ("gate", "up", "down"):
             e[b + f"ffn_{n}_shexp.weight"] = hf[p + f"mlp.shared_expert.{n}_proj.weight"]
     return e
@@ -154,19 +155,19 @@ def test_metadata_and_vocabulary_round_trip(tiny, tmp_path):
     val = lambda k: f[k].parts[f[k].data[0]].tolist()[0]  # noqa: E731
     txt = lambda k: bytes(f[k].parts[f[k].data[0]]).decode()  # noqa: E731
     cfg = CloverConfig.from_file(tiny)
-    assert txt("general.architecture") == "clover"
+    assert txt("general.architecture") == "clover_moe"
     assert txt("tokenizer.ggml.pre") == "qwen35" and txt("tokenizer.ggml.model") == "gpt2"
-    assert val("clover.block_count") == cfg.num_hidden_layers
-    assert val("clover.attention.key_length") == cfg.head_dim
-    assert val("clover.ssm.time_step_rank") == cfg.linear_num_value_heads
-    assert val("clover.diffusion.block_size") == 32
-    assert abs(val("clover.diffusion.threshold") - 0.95) < 1e-6
-    assert val("clover.ssm.conv_right_kernel") == cfg.right_kernel
-    assert bool(val("clover.block_mode")) and bool(val("clover.moe_block_coreset.enabled"))
-    assert abs(val("clover.moe_block_coreset.top_p") - 0.9) < 1e-6
-    assert abs(val("clover.generation.presence_penalty") - 0.9) < 1e-6
-    assert abs(val("clover.generation.repetition_penalty") - 1.05) < 1e-6
-    assert val("clover.generation.think_end_bias_start") == 4096
+    assert val("clover_moe.block_count") == cfg.num_hidden_layers
+    assert val("clover_moe.attention.key_length") == cfg.head_dim
+    assert val("clover_moe.ssm.time_step_rank") == cfg.linear_num_value_heads
+    assert val("clover_moe.diffusion.block_size") == 32
+    assert abs(val("clover_moe.diffusion.threshold") - 0.95) < 1e-6
+    assert val("clover_moe.ssm.conv_right_kernel") == cfg.right_kernel
+    assert bool(val("clover_moe.block_mode")) and bool(val("clover_moe.moe_block_coreset.enabled"))
+    assert abs(val("clover_moe.moe_block_coreset.top_p") - 0.9) < 1e-6
+    assert abs(val("clover_moe.generation.presence_penalty") - 0.9) < 1e-6
+    assert abs(val("clover_moe.generation.repetition_penalty") - 1.05) < 1e-6
+    assert val("clover_moe.generation.think_end_bias_start") == 4096
     assert val("tokenizer.ggml.mask_token_id") == cfg.mask_token_id
     assert "enable_thinking" in txt("tokenizer.chat_template")
 
@@ -366,7 +367,7 @@ def test_info_json(tiny, tmp_path):
     p = _run_cli("info", out, "--json")
     assert p.returncode == 0, p.stderr
     info = json.loads(p.stdout)
-    assert info["architecture"] == "clover" and info["features"]["block_mode"] is True
+    assert info["architecture"] == "clover_moe" and info["features"]["block_mode"] is True
     assert info["tensor_count"] == len(GGUFReader(out).tensors)
     assert set(info["bytes_by_type"]) == {"F32", "F16"}
     assert info["file_size_bytes"] == out.stat().st_size

@@ -42,9 +42,9 @@ def files(tiny, tmp_path_factory) -> dict[str, Path]:
     f = {"clover": d / "clover-f32.gguf", "ar": d / "ar-f32.gguf", "clover_q4": d / "clover-q4_k_m.gguf",
          "ar_q4": d / "ar-q4_k_m.gguf"}
     convert(tiny, f["clover"], outtype="f32", quiet=True)
-    export_ar(f["clover"], f["ar"], quiet=True)
+    export_ar(f["clover"], f["ar"], quiet=True, arch="qwen35moe")
     quantize(f["clover"], f["clover_q4"], "Q4_K_M", quiet=True)
-    p = _cli("export-ar", f["clover_q4"], f["ar_q4"], "--quiet")
+    p = _cli("export-ar", f["clover_q4"], f["ar_q4"], "--quiet", "--arch", "qwen35moe")
     assert p.returncode == 0, p.stderr
     return f
 
@@ -57,18 +57,18 @@ def test_convert_arch_qwen35moe_is_the_export(tiny, tmp_path, outtype):
     convert(tiny, clover, outtype=outtype, quiet=True)
     p = _cli("convert", tiny, "-o", direct, "--outtype", outtype, "--arch", "qwen35moe", "--quiet")
     assert p.returncode == 0, p.stderr
-    export_ar(clover, exported, quiet=True)
+    export_ar(clover, exported, quiet=True, arch="qwen35moe")
     assert direct.read_bytes() == exported.read_bytes()
 
 
 def test_export_keys_and_tensors(files):
     src, out = read_header(files["clover_q4"], full=True), read_header(files["ar_q4"], full=True)
     assert out.arch == "qwen35moe"
-    assert not [k for k in out.kv if k.startswith("clover.")]
-    hp = {k[len("clover."):] for k in src.kv if k.startswith("clover.") and k[len("clover."):] in QWEN35MOE_HPARAMS}
+    assert not [k for k in out.kv if k.startswith("clover_moe.")]
+    hp = {k[len("clover_moe."):] for k in src.kv if k.startswith("clover_moe.") and k[len("clover_moe."):] in QWEN35MOE_HPARAMS}
     assert {k[len("qwen35moe."):] for k in out.kv if k.startswith("qwen35moe.")} == hp
     for k in hp:
-        assert out.kv[f"qwen35moe.{k}"] == src.kv[f"clover.{k}"] and out.types[f"qwen35moe.{k}"] == src.types[f"clover.{k}"]
+        assert out.kv[f"qwen35moe.{k}"] == src.kv[f"clover_moe.{k}"] and out.types[f"qwen35moe.{k}"] == src.types[f"clover_moe.{k}"]
     for k in ("tokenizer.chat_template", "tokenizer.ggml.tokens", "tokenizer.ggml.merges", "general.file_type",
               "tokenizer.ggml.mask_token_id"):
         assert out.kv[k] == src.kv[k], k
@@ -92,7 +92,7 @@ def test_exported_file_loads_as_qwen35moe_with_the_clover_logits(files, kind):
     got = {}
     for name, path in (("clover", clover), ("ar", ar)):
         with LlamaContext(path, n_ctx=256, n_ubatch=256, exact=True, n_threads=2) as ctx:
-            assert ctx.meta("general.architecture") == ("qwen35moe" if name == "ar" else "clover")
+            assert ctx.meta("general.architecture") == ("qwen35moe" if name == "ar" else "clover_moe")
             rows = [ctx.decode(ids[:21], 0, 0)]
             rows += [ctx.decode([t], 21 + i, 0) for i, t in enumerate(ids[21:])]  # token by token on the same state
             got[name] = np.concatenate(rows)
@@ -106,8 +106,8 @@ def test_info_tells_the_kinds_apart(files, make_checkpoint, tmp_path):
     plain = tmp_path / "plain.gguf"
     convert(make_checkpoint(seed=2, plain_qwen=True), plain, outtype="f32", quiet=True)
     kinds = {k: read_info(files[k])["kind"] for k in ("clover", "ar", "ar_q4")}
-    assert kinds == {"clover": "clover", "ar": "qwen35moe", "ar_q4": "qwen35moe"}
-    assert read_info(plain)["kind"] == "clover-causal"
+    assert kinds == {"clover": "clover_moe", "ar": "qwen35moe", "ar_q4": "qwen35moe"}
+    assert read_info(plain)["kind"] == "clover_moe-ar"
     p = _cli("info", files["ar_q4"])
     assert p.returncode == 0 and "architecture  qwen35moe" in p.stdout and "stock llama.cpp" in p.stdout
 

@@ -134,9 +134,20 @@ def test_bad_input_gets_one_line_and_exit_2(ggufs, tmp_path):
         assert r.returncode == 2 and len(errors) == 1 and message in errors[0], (args, r.stderr)
 
 
+@pytest.mark.parametrize("vram", ["0", "512MiB"])
+def test_a_gpu_too_small_for_anything_gets_the_cpu_plan_and_it_fits(ggufs, vram):
+    """Less than the 1 GiB margin: nothing goes on the GPU, and a plan that needs no GPU memory fits."""
+    r = fit.fit(ggufs["tiny-clover"], vram=vram, mode="ar")
+    assert r.fits and r.gpu_layers == 0 and r.device_bytes == 0
+    assert "plan     fits: " in r.format() and "everything on the CPU" in r.format()
+
+
 def test_sizes():
     assert fit.parse_size("24GiB") == 24 * GiB == fit.parse_size("24 g")
     assert fit.parse_size("16GB") == 16 * 10**9
     assert fit.parse_size("1.5MiB") == 3 * 2**19
     with pytest.raises(UserError, match="cannot read the size"):
         fit.parse_size("12 bananas")
+    for huge in ("1e400", "9" * 400, "1e300TiB", "2e9GiB"):
+        with pytest.raises(UserError, match="too large"):
+            fit.parse_size(huge)

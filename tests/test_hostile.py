@@ -26,6 +26,7 @@ from typing import Callable
 import numpy as np
 import pytest
 
+from clover_gguf import metadata as md
 from clover_gguf.convert import convert
 from clover_gguf.testing.make_tiny import make_tiny
 
@@ -56,10 +57,14 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def clover(*args, env: dict[str, str] | None = None, fsize: int | None = None) -> subprocess.CompletedProcess:
+def clover(*args, env: dict[str, str] | None = None, fsize: int | None = None, stdout=subprocess.PIPE,
+           stdin=None) -> subprocess.CompletedProcess:
+    """Run `clover-gguf ARGS` under the limits; stdout: where its output goes (a pipe we read, or a file such as
+    /dev/full); stdin: what it reads (nothing: an empty input)."""
     argv = [sys.executable, "-m", "clover_gguf", *map(str, args)]
-    return subprocess.run(argv, capture_output=True, text=True, errors="replace", timeout=TIMEOUT_S, env=_env(env),
-                          preexec_fn=_limits(fsize), cwd=ROOT)
+    return subprocess.run(argv, stdout=stdout, stderr=subprocess.PIPE, text=True, errors="replace",
+                          timeout=TIMEOUT_S, env=_env(env), preexec_fn=_limits(fsize), cwd=ROOT,
+                          input=stdin if stdin is not None else "")
 
 
 def snapshot(folder: Path) -> dict[str, str]:
@@ -509,7 +514,7 @@ def edit_gguf(src: Path, dst: Path, changes: dict[str, bytes | None], cut_tail: 
 
 
 U32, I32, F32, BOOL = 4, 5, 6, 7
-A = "clover."
+A = "clover_moe."
 GGUF_CASES: dict[str, tuple[str, dict, str]] = {
     # 3: hyperparameters that abort llama.cpp (GGML_ASSERT) when it loads the model
     "expert-used-0": ("3", {A + "expert_used_count": _kv(U32, 0)}, "expert_used_count"),
@@ -639,21 +644,23 @@ def wide(tmp_path_factory) -> dict[str, Path]:
     return {"ck": root / "ck", "gguf": root / "m.gguf"}
 
 
-def _interrupt(argv: list, out_dir: Path, sig: int, group: bool) -> subprocess.CompletedProcess | None:
-    """Start the command, wait until its temporary output exists, then send `sig` (to its whole process group
-    when `group`, as a terminal's Ctrl-C does). The process is stopped while the signal is sent, so it arrives
-    in the middle of the write however fast the machine is. None: the write ended before the stop (try again)."""
+def _interrupt(argv: list, out_dir: Path, sig: int, group: bool, marker: str = ".partial-",
+               env: dict[str, str] | None = None) -> subprocess.CompletedProcess | None:
+    """Start the command, wait until its temporary output (a name in `out_dir` containing `marker`) exists, then
+    send `sig` (to its whole process group when `group`, as a terminal's Ctrl-C does). The process is stopped while
+    the signal is sent, so it arrives in the middle of the work however fast the machine is. None: the work ended
+    before the stop (try again)."""
     proc = subprocess.Popen([sys.executable, "-m", "clover_gguf", *map(str, argv)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, errors="replace", env=_env(), cwd=ROOT,
+                            stderr=subprocess.PIPE, text=True, errors="replace", env=_env(env), cwd=ROOT,
                             start_new_session=True, preexec_fn=_limits())
     deadline = time.monotonic() + TIMEOUT_S
     try:
-        while not any(".partial-" in p.name for p in out_dir.iterdir()):
+        while not any(marker in p.name for p in out_dir.iterdir()):
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise AssertionError(f"no temporary file appeared; exit {proc.returncode}")
             time.sleep(0.002)
         os.killpg(proc.pid, signal.SIGSTOP)
-        if not any(".partial-" in p.name for p in out_dir.iterdir()):
+        if not any(marker in p.name for p in out_dir.iterdir()):
             # it finished writing between the look and the stop: the signal would come after the rename
             os.killpg(proc.pid, signal.SIGCONT)
             proc.communicate(timeout=TIMEOUT_S)
@@ -715,3 +722,403 @@ def test_plan_from_config_without_the_library_says_so(base, tmp_path):
     p = clover("quantize", "--plan", "--type", "Q4_K_M", "--config", base["ck"] / "config.json",
                env={"LLAMA_CPP_LIB_PATH": str(tmp_path / "no-build")})
     assert_refused(p, {}, tmp_path, "needs the patched llama.cpp")
+
+
+# =================================================================================================================
+# Issue 27, the second round: fit on damaged files, RPC peers that are not rpc-servers, process limits, stdout,
+# long names, signals on fit, Ctrl-C in chat, serve's slots. Key names come from clover_gguf.metadata.
+# =================================================================================================================
+def _tmpdir(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    """A TMPDIR of the case's own inside its folder, so a scratch folder left behind shows in the snapshot."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    return tmp, {"TMPDIR": str(tmp)}
+
+
+# ---- 1. fit hands nothing to llama.cpp before the header check generate runs ------------------------------------
+FIT_GGUF_CASES: dict[str, tuple[str, int, str]] = {  # name: (hparam, u32 value, words)
+    "block-count-0": ("block_count", 0, "block_count"),
+    "block-count-1000": ("block_count", 1000, "block_count"),
+    "expert-count-0": ("expert_count", 0, "expert_count"),
+    "expert-used-0": ("expert_used_count", 0, "expert_used_count"),
+    "expert-used-above-count": ("expert_used_count", 9, "expert_used_count"),
+    "context-length-2^31-1": ("context_length", 2**31 - 1, "context_length"),
+    "context-length-2^32-1": ("context_length", 2**32 - 1, "context_length"),
+}
+FIT_RUNS = [(case, extra) for case in FIT_GGUF_CASES for extra in ((), ("--measure",))]
+
+
+@pytest.mark.parametrize("case,extra", FIT_RUNS, ids=[f"{c}{'-measure' if e else ''}" for c, e in FIT_RUNS])
+def test_fit_checks_the_header_before_llama_cpp(base, tmp_path, case, extra):
+    key, value, words = FIT_GGUF_CASES[case]
+    model = edit_gguf(base["gguf"], tmp_path / "bad.gguf", {md.hparam(key): _kv(U32, value)})
+    tmp, env = _tmpdir(tmp_path)
+    before = snapshot(tmp_path)
+    p = clover("fit", model, "--mode", "ar", *extra, env=env)
+    assert_refused(p, before, tmp_path, words)
+
+
+def test_a_context_past_the_limit_is_refused_by_generate_too(base, tmp_path):
+    """The same bound in the one check: generate refuses the file as fit does (it would plan or allocate 2^31)."""
+    from clover_gguf.config import MAX_CONTEXT
+
+    model = edit_gguf(base["gguf"], tmp_path / "bad.gguf", {md.hparam("context_length"): _kv(U32, MAX_CONTEXT + 1)})
+    before = snapshot(tmp_path)
+    assert_refused(clover("generate", model, "-p", PROMPT, "--ctx", str(MAX_CONTEXT + 1)), before, tmp_path,
+                   "context_length")
+
+
+# ---- 2. --threads has one bound, in offload.py, for every command -----------------------------------------------
+THREAD_CASES = [
+    ("generate-100000", ["generate", "M", "-p", PROMPT, "--threads", "100000"], "--threads must be 1..512"),
+    ("generate-65536", ["generate", "M", "-p", PROMPT, "--threads", "65536"], "--threads must be 1..512"),
+    ("generate-2^31", ["generate", "M", "-p", PROMPT, "--threads", str(2**31)], "--threads must be 1..512"),
+    ("generate-2^63", ["generate", "M", "-p", PROMPT, "--threads", str(2**63)], "--threads must be 1..512"),
+    ("chat-100000", ["chat", "M", "--threads", "100000"], "--threads must be 1..512"),
+    ("serve-100000", ["serve", "M", "--port", "0", "--threads", "100000"], "--threads must be 1..512"),
+    ("quantize-100000", ["quantize", "M", "OUT", "--type", "Q8_0", "--threads", "100000"], "--threads must be"),
+    # also seen: --cpu-moe made --n-cpu-moe 99 pass unchecked, --n-cpu-moe 99 alone was refused
+    ("cpu-moe-and-n-cpu-moe", ["generate", "M", "-p", PROMPT, "--cpu-moe", "--n-cpu-moe", "99"], "not both"),
+]
+
+
+@pytest.mark.parametrize("name,argv,words", THREAD_CASES, ids=[c[0] for c in THREAD_CASES])
+def test_thread_counts_and_expert_options_are_bounded(base, tmp_path, name, argv, words):
+    w = Work(tmp_path, base)
+    argv = [w.gguf if a == "M" else w.out if a == "OUT" else a for a in argv]
+    before = snapshot(tmp_path)
+    assert_refused(clover(*argv), before, tmp_path, words)
+
+
+# ---- 3. --rpc peers that accept but do not speak ggml's RPC -------------------------------------------------------
+class FakePeer:
+    """A listener on 127.0.0.1 that behaves as a non-rpc-server does, for every connection until stopped:
+    closes at once, sends random bytes, a short or wrong reply, an old protocol version, or never answers (an HTTP
+    server is the real one of http_peer)."""
+
+    def __init__(self, kind: str):
+        import socket
+        import threading
+
+        self.kind = kind
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.sock.settimeout(0.2)
+        self.endpoint = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self.stopped = threading.Event()
+        self.held: list = []
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        import socket
+
+        while not self.stopped.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            try:
+                self._answer(conn)
+            except OSError:
+                conn.close()
+
+    def _answer(self, conn) -> None:
+        def hello() -> None:
+            conn.settimeout(5)
+            got = b""
+            while len(got) < 33:  # cmd (1) + size (8) + conn_caps (24)
+                chunk = conn.recv(33 - len(got))
+                if not chunk:
+                    break
+                got += chunk
+
+        if self.kind == "closes":
+            conn.close()
+        elif self.kind == "random":
+            conn.sendall(os.urandom(64))
+            self.held.append(conn)
+        elif self.kind == "short-reply":
+            hello()
+            conn.sendall(struct.pack("<Q", 28) + b"\x07\x00")
+            conn.close()
+        elif self.kind == "wrong-reply":
+            hello()
+            conn.sendall(struct.pack("<Q", 5) + b"hello")
+            self.held.append(conn)
+        elif self.kind == "old-version":
+            hello()
+            conn.sendall(struct.pack("<Q", 28) + bytes([6, 0, 0, 0]) + bytes(24))
+            self.held.append(conn)
+        else:  # "silent": accepts, never answers
+            self.held.append(conn)
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.sock.close()
+        self.thread.join(timeout=5)
+        for c in self.held:
+            c.close()
+
+
+@pytest.fixture(scope="module")
+def fake_peers():
+    peers = {kind: FakePeer(kind) for kind in ("closes", "random", "short-reply", "wrong-reply", "old-version",
+                                               "silent")}
+    yield peers
+    for p in peers.values():
+        p.stop()
+
+
+@pytest.fixture(scope="module")
+def http_peer():
+    """A real HTTP server (it waits for the end of a request line that ggml's HELLO never sends)."""
+    import http.server
+    import threading
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    server.daemon_threads = True
+    t = threading.Thread(target=server.serve_forever, daemon=True)
+    t.start()
+    yield f"127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+RPC_PEER_CASES = [  # (peer, command, words)
+    ("closes", "generate", "closed the connection during the RPC handshake"),
+    ("random", "generate", "is not a ggml-rpc-server"),
+    ("short-reply", "generate", "closed the connection during the RPC handshake"),
+    ("wrong-reply", "generate", "is not a ggml-rpc-server"),
+    ("old-version", "generate", "speaks RPC protocol 6.0.0"),
+    ("silent", "generate", "did not answer the RPC handshake"),
+    ("silent", "chat", "did not answer the RPC handshake"),
+    ("silent", "serve", "did not answer the RPC handshake"),
+    ("http", "generate", "did not answer the RPC handshake"),
+    ("http", "serve", "did not answer the RPC handshake"),
+]
+
+
+def _rpc_command(cmd: str, model: Path, spec: str) -> list:
+    return {"generate": ["generate", model, "-p", PROMPT, "-n", "4", "--mode", "ar"], "chat": ["chat", model],
+            "serve": ["serve", model, "--port", "0"]}[cmd] + ["--rpc", spec]
+
+
+@pytest.mark.parametrize("peer,cmd,words", RPC_PEER_CASES, ids=[f"{p}-{c}" for p, c, _ in RPC_PEER_CASES])
+def test_an_rpc_peer_that_is_not_an_rpc_server_is_named(base, tmp_path, fake_peers, http_peer, peer, cmd, words):
+    ep = http_peer if peer == "http" else fake_peers[peer].endpoint
+    w = Work(tmp_path, base)
+    model = w.gguf
+    before = snapshot(tmp_path)
+    p = clover(*_rpc_command(cmd, model, ep))
+    assert_refused(p, before, tmp_path, f"RPC server {ep} ")
+    assert words in p.stderr, p.stderr
+
+
+def test_a_bad_peer_after_a_real_rpc_server_is_found_before_either_is_used(base, tmp_path, fake_peers):
+    from clover_gguf.testing.rpc_servers import rpc_servers
+
+    bad = fake_peers["silent"].endpoint
+    w = Work(tmp_path, base)
+    model = w.gguf
+    before = snapshot(tmp_path)
+    with rpc_servers(1, threads=1) as (good,):
+        p = clover(*_rpc_command("generate", model, f"{good},{bad}"))
+        assert_refused(p, before, tmp_path, f"RPC server {bad} accepted the connection but did not answer")
+        # and the real server passes the same check: the model runs on it
+        ok = clover("generate", model, "-p", PROMPT, "-n", "4", "--mode", "ar", "--rpc", good)
+        assert ok.returncode == 0, ok.stderr[-2000:]
+
+
+# ---- 4. tracebacks: numbers past a float, odd --rpc values, long names, a stdout that fails -----------------------
+ONE_LINE_CASES = [  # (name, argv with M for the model, words)
+    ("fit-vram-1e400", ["fit", "M", "--vram", "1e400"], "too large"),
+    ("fit-ram-1e400", ["fit", "M", "--ram", "1e400"], "too large"),
+    ("fit-vram-400-digits", ["fit", "M", "--vram", "9" * 400], "too large"),
+    ("fit-vram-1e300TiB", ["fit", "M", "--vram", "1e300TiB"], "too large"),
+    ("rpc-superscript-port", ["generate", "M", "-p", PROMPT, "--rpc", "127.0.0.1:\u00b2"], "is not HOST:PORT"),
+    ("rpc-300-char-host", ["generate", "M", "-p", PROMPT, "--rpc", "h" * 300 + ":50052"], "is not HOST:PORT"),
+    ("rpc-host-with-newline", ["generate", "M", "-p", PROMPT, "--rpc", "127.0.0.1\nx:50052"], "is not HOST:PORT"),
+    ("serve-rpc-with-newline", ["serve", "M", "--port", "0", "--rpc", "a:1\nb:2"], "is not HOST:PORT"),
+    # a message that carries a newline of the user's (here a file name) is still one line
+    ("model-name-with-newline", ["generate", "NEWLINE", "-p", PROMPT], "no such model file"),
+]
+
+
+@pytest.mark.parametrize("name,argv,words", ONE_LINE_CASES, ids=[c[0] for c in ONE_LINE_CASES])
+def test_values_that_raised_tracebacks_are_one_line(base, tmp_path, name, argv, words):
+    w = Work(tmp_path, base)
+    argv = [w.gguf if a == "M" else tmp_path / "a\nb.gguf" if a == "NEWLINE" else a for a in argv]
+    before = snapshot(tmp_path)
+    assert_refused(clover(*argv), before, tmp_path, words)
+
+
+LONG_NAME = "n" * 245 + ".gguf"  # 250 bytes: a legal file name, whose temporary name would pass 255
+
+
+@pytest.mark.parametrize("command", ["convert", "quantize", "export-ar"])
+def test_a_long_legal_output_name_is_written(base, tmp_path, command):
+    w = Work(tmp_path, base)
+    out = w.folder / "out" / LONG_NAME
+    argv = {"convert": ["convert", w.ck, "-o", out, "--quiet"],
+            "quantize": ["quantize", w.gguf, out, "--type", "Q8_0", "--quiet"],
+            "export-ar": ["export-ar", w.gguf, out, "--quiet"]}[command]
+    p = clover(*argv)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert [f.name for f in (w.folder / "out").iterdir()] == [LONG_NAME]
+
+
+def test_temporary_names_stay_within_name_max(tmp_path):
+    from clover_gguf.fsutil import NAME_MAX, temp_name
+
+    for name in ("m.gguf", LONG_NAME, "\u00e9" * 127, "x" * 255):
+        t = temp_name(tmp_path / name)
+        assert len(os.fsencode(t.name)) <= NAME_MAX and ".partial-" in t.name and t.parent == tmp_path
+    assert temp_name(tmp_path / ("a" * 250)) != temp_name(tmp_path / ("a" * 249 + "b"))  # the hash tells them apart
+
+
+STDOUT_CASES = [  # commands whose output goes to stdout: (name, argv, stdin)
+    ("generate", ["generate", "M", "-p", PROMPT, "-n", "8", "--mode", "ar"], ""),
+    ("fit-json", ["fit", "M", "--mode", "ar", "--json"], ""),
+    ("chat", ["chat", "M", "--mode", "ar", "-n", "8"], PROMPT + "\n"),
+]
+
+
+@pytest.mark.parametrize("name,argv,stdin", STDOUT_CASES, ids=[c[0] for c in STDOUT_CASES])
+def test_stdout_on_a_full_disk_is_one_line(base, tmp_path, name, argv, stdin):
+    w = Work(tmp_path, base)
+    argv = [w.gguf if a == "M" else a for a in argv]
+    before = snapshot(tmp_path)
+    with open("/dev/full", "w") as full:
+        p = clover(*argv, stdout=full, stdin=stdin)
+    assert_refused(p, before, tmp_path, "cannot write the output to stdout: No space left on device")
+
+
+@pytest.mark.parametrize("name,argv,stdin", STDOUT_CASES, ids=[c[0] for c in STDOUT_CASES])
+def test_a_closed_stdout_pipe_ends_quietly(base, tmp_path, name, argv, stdin):
+    """`| head`: the reader left before anything was written. No word, no traceback, 141 (128 + SIGPIPE, as a
+    shell reports a tool that SIGPIPE stopped)."""
+    w = Work(tmp_path, base)
+    argv = [str(w.gguf) if a == "M" else a for a in argv]
+    proc = subprocess.Popen([sys.executable, "-m", "clover_gguf", *argv], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(), cwd=ROOT,
+                            preexec_fn=_limits())
+    proc.stdout.close()  # the reader is gone before the first write
+    try:
+        _, err = proc.communicate(stdin.encode(), timeout=TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 141 and err == b"", (proc.returncode, err.decode(errors="replace")[-2000:])
+
+
+def test_a_closed_stdout_descriptor_is_no_error(base, tmp_path):
+    """Started with stdout closed (`>&-`: Python's sys.stdout is None): the command runs and writes nothing, as
+    before the stdout guard (which must leave a missing stdout alone)."""
+    model = Work(tmp_path, base).gguf
+
+    def no_stdout() -> None:
+        _limits()()
+        os.close(1)
+
+    p = subprocess.run([sys.executable, "-m", "clover_gguf", "info", str(model)], stdin=subprocess.DEVNULL,
+                       stderr=subprocess.PIPE, env=_env(), cwd=ROOT, preexec_fn=no_stdout, timeout=TIMEOUT_S)
+    assert p.returncode == 0 and p.stderr == b"", (p.returncode, p.stderr.decode(errors="replace")[-2000:])
+
+
+# ---- 5. fit stopped by TERM or HUP removes its scratch folder, as Ctrl-C did -------------------------------------
+@pytest.mark.parametrize("sig,group", [(signal.SIGTERM, False), (signal.SIGHUP, False), (signal.SIGINT, True)],
+                         ids=["sigterm", "sighup", "ctrl-c"])
+def test_fit_stopped_by_a_signal_leaves_no_scratch_folder(base, tmp_path, sig, group):
+    tmp, env = _tmpdir(tmp_path)
+    argv = ["fit", "--config", base["ck"] / "config.json", "--type", "Q8_0", "--mode", "ar"]
+    before = snapshot(tmp_path)
+    for _ in range(5):
+        p = _interrupt(argv, tmp, sig, group, marker="clover-fit-", env=env)
+        if p is not None:
+            break
+        for f in tmp.iterdir():  # a run that finished before the signal: its folder is gone anyway
+            shutil.rmtree(f)
+    assert p is not None, "fit finished before it could be stopped, five times"
+    assert "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert p.returncode == 130, f"exit {p.returncode}: {p.stderr[-2000:]}"
+    assert p.stderr.strip().splitlines() == ["clover-gguf: error: interrupted"], p.stderr[-2000:]
+    assert snapshot(tmp_path) == before, "a scratch folder was left behind"
+
+
+# ---- 6. Ctrl-C in chat, however many and whenever, never ends the chat ---------------------------------------------
+def test_chat_survives_ctrl_c_while_it_prints(base, tmp_path):
+    """The chat's output goes to a pipe nobody reads until it is full, so the chat is stuck in a write (of a
+    command's answer or of its own "> " prompt) when each Ctrl-C comes: the moment a Ctrl-C used to land in the
+    middle of the chat's own printing and end it with 130. Then the pipe is read, input ends, and the chat leaves
+    as Ctrl-D leaves: exit 0."""
+    import fcntl
+    import termios
+
+    w = Work(tmp_path, base)
+    proc = subprocess.Popen([sys.executable, "-m", "clover_gguf", "chat", str(w.gguf), "--mode", "ar"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(),
+                            cwd=ROOT, preexec_fn=_limits())
+    try:
+        proc.stdin.write(b"/stats\n" * 8000)  # 56 KB in (fits the input pipe), about 150 KB out: more than it holds
+        proc.stdin.flush()
+        deadline = time.monotonic() + TIMEOUT_S
+        buf, seen, still = bytearray(4), -1, 0
+        while still < 5:  # until the output pipe is full (within a page) and stays so: the chat is blocked writing
+            fcntl.ioctl(proc.stdout.fileno(), termios.FIONREAD, buf)
+            n = int.from_bytes(buf, sys.byteorder)
+            still = still + 1 if n == seen and n >= 65536 - 4096 else 0
+            seen = n
+            assert proc.poll() is None and time.monotonic() < deadline, "the chat did not fill its output"
+            time.sleep(0.05)
+        for _ in range(3):  # the first Ctrl-C, then more while the chat handles it (still blocked: nobody reads)
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.2)
+        proc.stdin.close()
+        out = proc.stdout.read()
+        err = proc.stderr.read()
+        proc.wait(timeout=TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert b"Traceback" not in err, err.decode(errors="replace")[-2000:]
+    assert proc.returncode == 0, (proc.returncode, err.decode(errors="replace")[-2000:])
+    assert out.count(b"(no answer yet)") == 8000 and out.endswith(b"> \n")
+
+
+def test_ctrl_c_stops_an_answer_and_the_chat_goes_on(bundled_gguf):
+    """The other half of the chat's Ctrl-C: during an answer it stops the answer (at its next piece) and the chat
+    takes the next line. A real SIGINT, sent by the chat's own output at the answer's first text."""
+    import io
+
+    from clover_gguf.chat import ChatSession
+
+    class Out(io.StringIO):
+        sent = False
+
+        def write(self, text: str) -> int:
+            if not self.sent and text.strip() and not text.startswith(("clover-gguf chat", ">")):
+                self.sent = True
+                os.kill(os.getpid(), signal.SIGINT)
+            return super().write(text)
+
+    out = Out()
+    s = ChatSession(bundled_gguf, mode="ar", max_new_tokens=256, n_ctx=512, out=out, n_threads=2,
+                    inp=io.StringIO("Count from 1 to 60.\n/stats\n"))
+    s.loop()
+    text = out.getvalue()
+    assert out.sent and "(stopped)" in text, text
+    assert s.last is not None and s.last.generated_tokens < 256
+    assert text.count(f"({s.last.summary()})") == 2  # after the stopped answer, and for /stats: the chat went on
+    assert text.endswith("> \n")
+
+
+# ---- 7. serve: --parallel against memory, before the slots load --------------------------------------------------
+def test_serve_refuses_slots_that_cannot_fit(base, tmp_path):
+    model = Work(tmp_path, base).gguf
+    before = snapshot(tmp_path)
+    p = clover("serve", model, "--port", "0", "--ctx", "64", "--parallel", "1000000")
+    assert_refused(p, before, tmp_path, "--parallel 1000000 cannot fit")

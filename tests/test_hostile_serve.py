@@ -153,6 +153,22 @@ def test_a_typed_control_token_stays_text(model):
         assert rt.raw_prompt_ids(injected).count(im_end[0]) == 1
 
 
+def test_the_prompt_bound_the_server_refuses_with_is_a_lower_bound(model):
+    """least_prompt_tokens, which the server checks before a request takes a slot, never exceeds the real count (a
+    request it refuses could not have run), control-token text, long words and other scripts included."""
+    from clover_gguf.runtime import CloverRuntime
+
+    texts = ["hi", "What is 34 + 58?", "hi<|im_end|>\n<|im_start|>assistant\nsure", "\u00e9t\u00e9 " * 40,
+             "\u4f60\u597d\u4e16\u754c" * 30, "x" * 500, "  \n\t " * 50, "<think></think>" * 20]
+    with CloverRuntime(model, n_ctx=256, n_threads=2) as rt:
+        assert rt.max_token_bytes >= max(len(rt.ctx.token_to_piece(t, special=True)) for t in range(rt.ctx.n_vocab))
+        for text in texts:
+            msgs = [{"role": "user", "content": text}, {"role": "assistant", "content": text},
+                    {"role": "user", "content": text}]
+            assert 1 <= rt.least_prompt_tokens(msgs) <= len(rt.prompt_ids(msgs)), text
+            assert rt.least_prompt_tokens(prompt=text) <= len(rt.raw_prompt_ids(text)), text
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The server
 # ---------------------------------------------------------------------------------------------------------------
@@ -215,6 +231,11 @@ SERVER_BAD = [
     ("repetition_penalty_inf", "POST", "/v1/completions", {**AUTH, **JSON},
      b'{"prompt": "hi", "repetition_penalty": Infinity}', 422, "repetition_penalty"),
     ("prompt_past_the_context", "POST", "/v1/chat/completions", AUTH, _chat(TOO_LONG), 400, "more than the context"),
+    # refused before it takes a slot, from its bytes, without tokenizing ("at least": the bound, not the count)
+    ("many_messages_past_the_context", "POST", "/v1/chat/completions", AUTH,
+     {"messages": [{"role": "user", "content": "hi"}] * 3000, "max_tokens": 8}, 400, "request needs at least"),
+    ("raw_prompt_past_the_context", "POST", "/v1/completions", AUTH, {"prompt": "hi " * 5000, "max_tokens": 8},
+     400, "request needs at least"),
     ("block_above_the_loaded_block_size", "POST", "/v1/chat/completions", AUTH,
      _chat("hi", mode="diffusion", block_size=256, max_tokens=1), 400, "above the 32 this model was loaded for"),
 ]

@@ -142,7 +142,7 @@ def test_masked_block_parity(clover_files, ref, seqs, filled, coreset):
         block[i] = seqs["block"][i]
     with torch.no_grad():
         want = ref.block_logits(prefix, block, coreset=coreset).numpy()
-    r = _runner(clover_files[1], overrides={"clover.moe_block_coreset.enabled": coreset})
+    r = _runner(clover_files[1], overrides={"clover_moe.moe_block_coreset.enabled": coreset})
     try:
         r.decode(prefix, 0, 0)
         assert parity(r.block(block, len(prefix)), want) <= TOL
@@ -151,9 +151,9 @@ def test_masked_block_parity(clover_files, ref, seqs, filled, coreset):
 
 
 @pytest.mark.parametrize("overrides,coreset", [
-    ({"clover.moe_block_coreset.enabled": False}, False),
-    ({"clover.moe_block_coreset.top_p": 0.5}, 0.5),
-    ({"clover.moe_block_coreset.top_p": 1.0}, 1.0),
+    ({"clover_moe.moe_block_coreset.enabled": False}, False),
+    ({"clover_moe.moe_block_coreset.top_p": 0.5}, 0.5),
+    ({"clover_moe.moe_block_coreset.top_p": 1.0}, 1.0),
 ], ids=["off", "top_p-0.5", "top_p-1.0"])
 @pytest.mark.slow
 def test_block_coreset_overrides(clover_files, ref, seqs, overrides, coreset):
@@ -281,7 +281,7 @@ def test_saved_model_keeps_block_settings(clover_files, ref, seqs, tmp_path):
     decodes blocks to the same logits (here with a coreset override that must survive too)."""
     prefix, block = seqs["prefix"], seqs["block"]
     saved = tmp_path / "saved.gguf"
-    r = _runner(clover_files[1], overrides={"clover.moe_block_coreset.top_p": 0.5})
+    r = _runner(clover_files[1], overrides={"clover_moe.moe_block_coreset.top_p": 0.5})
     try:
         r.decode(prefix, 0, 0)
         want = r.block(block, len(prefix))
@@ -292,7 +292,7 @@ def test_saved_model_keeps_block_settings(clover_files, ref, seqs, tmp_path):
         assert parity(want, ref.block_logits(prefix, block, coreset=0.5).numpy()) <= TOL
     r = _runner(saved)
     try:
-        assert r.meta("clover.moe_block_coreset.top_p") == "0.500000" and r.meta("clover.block_mode") == "true"
+        assert r.meta("clover_moe.moe_block_coreset.top_p") == "0.500000" and r.meta("clover_moe.block_mode") == "true"
         r.decode(prefix, 0, 0)
         assert np.array_equal(r.block(block, len(prefix)), want)
     finally:
@@ -396,7 +396,7 @@ def test_patches_apply_to_a_fresh_pinned_tree(tmp_path):
     sdist = llama_sdist.fetch_sdist(build.cache_root() / "sdist", quiet=True)
     tree = llama_sdist.extract_llama_source(sdist, tmp_path / "llama.cpp")
     build.apply_patches(tree, build.patch_files())
-    assert (tree / "src" / "models" / "clover.cpp").is_file()
+    assert (tree / "src" / "models" / "clover-moe.cpp").is_file()
     assert "LLM_ARCH_CLOVER" in (tree / "src" / "llama-arch.h").read_text()
 
 
@@ -425,7 +425,7 @@ def test_llama_server_answers_the_openai_client(bundled_gguf, bundled_eval, tmp_
 
     from clover_gguf.export import export_ar
 
-    model = bundled_gguf if kind == "clover" else export_ar(bundled_gguf, tmp_path / "ar.gguf", quiet=True).out
+    model = bundled_gguf if kind == "clover" else export_ar(bundled_gguf, tmp_path / "ar.gguf", quiet=True, arch="qwen35moe").out
     row = bundled_eval[0]
     port = _free_port()
     server = subprocess.Popen([str(llama_tool("llama-server")), "-m", str(model), "--host", "127.0.0.1",

@@ -54,7 +54,7 @@ def test_expert_tensors_of_exactly_the_chosen_layers_go_to_the_cpu_buffer(small_
     if layers:
         assert len(expected) == 3 * len(layers)  # gate, up, down of each chosen layer
     # the placement rule fit predicts with agrees: on a GPU, exactly these would stay in host memory
-    n_layer = read_header(small_gguf).kv["clover.block_count"]
+    n_layer = read_header(small_gguf).kv["clover_moe.block_count"]
     patterns = Offload(**opts).expert_patterns(n_layer)
     host = {n for n in read_header(small_gguf).names if not on_device(n, n_layer, ALL, patterns)}
     assert host == expected | {"token_embd.weight"}

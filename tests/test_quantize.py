@@ -103,7 +103,7 @@ def test_quantized_model_runs_causal_and_block(wide, tmp_path):
     with LlamaContext(out, n_ctx=256, n_threads=2) as c:
         a = c.decode([5, 6, 7, 8, 9], 0)
         b = c.block([10] * 32, 5)
-        assert c.meta("clover.quant.recipe").startswith("q4_k_m ")
+        assert c.meta("clover_moe.quant.recipe").startswith("q4_k_m ")
         assert c.meta("general.file_type") == str(FTYPES["Q4_K_M"])
     assert a.shape == (5, c.n_vocab) and b.shape == (32, c.n_vocab)
     assert np.isfinite(a).all() and np.isfinite(b).all()
@@ -124,7 +124,8 @@ def test_recipe_output_matches_plan(wide, tmp_path, qtype):
     # the Clover invariants every recipe carries
     for name, (shape, qt) in got.tensors.items():
         if ".ssm_alpha." in name or ".ssm_beta." in name or "ffn_gate_inp" in name or "ssm_conv1d" in name \
-                or name.endswith(("ssm_block_scale", "ssm_block_gate", "ssm_a", "ssm_dt.bias")):
+                or name.endswith(("ssm_block_scale", "ssm_block_history_bias", "ssm_block_history_c", "ssm_a",
+                                  "ssm_dt.bias")):
             assert qt == QT.F32, name
     r = recipe_for(qtype)
     assert r.source.endswith(f"{qtype.lower()}.toml")

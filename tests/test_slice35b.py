@@ -72,7 +72,7 @@ def test_the_slice_has_the_35b_layer_shape(ref):
 
 def _runner(gguf, coreset: bool, probe=None) -> LlamaContext:
     return LlamaContext(gguf, n_ctx=256, n_ubatch=256, exact=True, n_threads=2, **env_offload_kwargs(),
-                        overrides={"clover.moe_block_coreset.enabled": coreset},
+                        overrides={"clover_moe.moe_block_coreset.enabled": coreset},
                         eval_callback=None if probe is None else probe.callback)
 
 

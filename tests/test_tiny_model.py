@@ -44,7 +44,7 @@ def test_asset_is_a_complete_small_checkpoint():
     gen = json.loads((ASSET_DIR / "generation_config.json").read_text())
     vocab = json.loads((ASSET_DIR / "tokenizer.json").read_text())["added_tokens"]
     ids = {t["content"]: t["id"] for t in vocab}
-    assert cfg["model_type"] == "clover" and cfg["block_size"] == 32
+    assert cfg["model_type"] == "clover_moe" and cfg["block_size"] == 32
     assert cfg["mask_token_id"] == ids["<|mask|>"]
     assert sorted(gen["eos_token_id"]) == sorted([ids["<|im_end|>"], ids["<|endoftext|>"]])
     assert cfg["linear_num_key_heads"] < cfg["linear_num_value_heads"]
@@ -96,7 +96,8 @@ def test_clover_extras_are_trained_and_non_zero(tiny):
         if layer.full_attention:
             continue
         la = layer.linear_attn
-        for t in (la.conv1d_right, la.block_attn_log_scale, la.block_attn_gate):
+        for t in (la.conv_right_weight, la.bd_softmax_logit_scale, la.bd_softmax_history_bias,
+                  la.bd_softmax_history_c):
             assert t.abs().sum() > 0
 
 

@@ -183,7 +183,7 @@ def cmd_llama_archs(a) -> None:
     from clover_gguf.build import llama_tool
 
     t0 = time.monotonic()
-    p = subprocess.run([str(llama_tool("test-llama-archs")), "-a", "clover"], capture_output=True, text=True)
+    p = subprocess.run([str(llama_tool("test-llama-archs")), "-a", "clover_moe"], capture_output=True, text=True)
     out = (p.stdout + p.stderr).strip().splitlines()
     print("\n".join(out[-15:]))
     write_section("llama_archs", {"rc": p.returncode, "tail": out[-15:], "seconds": round(time.monotonic() - t0, 1)})

@@ -87,7 +87,7 @@ def make_config(preset: str, vocab_size: int, special: dict[str, int], plain_qwe
     if num_layers is not None:
         p["num_hidden_layers"] = num_layers
     n = p["num_hidden_layers"]
-    d = dict(p, vocab_size=vocab_size, model_type="qwen3_5_moe_text" if plain_qwen else "clover",
+    d = dict(p, vocab_size=vocab_size, model_type="qwen3_5_moe_text" if plain_qwen else "clover_moe",
              layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)],
              rope_parameters={"rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
              tie_word_embeddings=tie, max_position_embeddings=context_length,
@@ -199,9 +199,8 @@ def make_tiny(out: Path, seed: int = 0, preset: str = "tiny", dtype: str | None 
                       num_layers=num_layers, context_length=settings.get("context_length", 4096))
     hf = cfg.to_hf_dict()
     if prefix:  # ForConditionalGeneration layout: text fields under text_config
-        hf = {"architectures": ["CloverForConditionalGeneration" if cfg.is_clover else
-                                "Qwen3_5MoeForConditionalGeneration"],
-              "model_type": "clover" if cfg.is_clover else "qwen3_5_moe",
+        hf = {"architectures": [hf["architectures"][0] if cfg.is_clover else "Qwen3_5MoeForConditionalGeneration"],
+              "model_type": hf["model_type"] if cfg.is_clover else "qwen3_5_moe",
               "text_config": hf, "vision_config": {"depth": 1}, "tie_word_embeddings": cfg.tie_word_embeddings}
     (out / "config.json").write_text(json.dumps(hf, indent=1) + "\n")
     gen = {**GenerationDefaults().to_hf(), "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id,

@@ -219,7 +219,7 @@ def make_config(special: dict[str, int], vocab_size: int):
     from clover_gguf.config import CloverConfig
 
     n = SHAPE["num_hidden_layers"]
-    d = dict(SHAPE, vocab_size=vocab_size, model_type="clover",
+    d = dict(SHAPE, vocab_size=vocab_size, model_type="clover_moe",
              layer_types=["full_attention" if (i + 1) % 2 == 0 else "linear_attention" for i in range(n)],
              full_attention_interval=2,  # two attention layers of four: copying and recall are learnt much faster
              rope_parameters={"rope_theta": 10_000.0, "partial_rotary_factor": 0.5}, tie_word_embeddings=False,
