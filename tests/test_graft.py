@@ -67,6 +67,29 @@ def test_official_style_file_runs_ar_and_refuses_block_modes_in_one_line(officia
         assert len(lines) == 1 and "clover-gguf graft" in lines[0] and f"--mode {mode}" in lines[0], p.stderr
 
 
+def test_official_style_file_runs_ar_in_chat_serve_and_fit(official):
+    """No --mode anywhere: each command picks ar for a file without the block tensors."""
+    p = subprocess.run([sys.executable, "-m", "clover_gguf", "chat", str(official), "--no-think", "-n", "12"],
+                       input="What is 7 + 8?\n/quit\n", capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and "mode ar" in p.stdout and "15" in p.stdout, p.stdout + p.stderr
+
+    from fastapi.testclient import TestClient
+
+    from clover_gguf.server import create_app
+
+    with TestClient(create_app(official)) as http:
+        r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "What is 7 + 8?"}],
+                                                    "max_tokens": 40})
+        assert r.status_code == 200 and "15" in r.json()["choices"][0]["message"]["content"], r.text
+        r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                                                    "mode": "diffusion"})
+        assert r.status_code == 400 and "graft" in r.json()["error"]["message"], r.text
+
+    from clover_gguf.fit import fit
+
+    assert fit(model_path=official, ram="8GiB").mode == "ar"
+
+
 def test_graft_from_a_folder_equals_a_fresh_conversion(official, bundled_gguf, tmp_path):
     out = tmp_path / "grafted.gguf"
     p = _cli("graft", official, "--from", BUNDLED, "-o", out, "--json")
