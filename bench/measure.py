@@ -1,4 +1,5 @@
-"""Shared by the benches: wall time, CPU time and peak RSS of one command, and page-cache warming."""
+"""Shared by the benches: wall time, CPU time and peak RSS of one command, page-cache warming, and the one counter of a
+runtime's model passes (PassLog)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 # Peak RSS must be read in a small launcher: a child forked straight from a large benchmark process reports that
 # process's resident size as its own high-water mark, since Linux keeps it across fork and exec.
@@ -49,3 +51,88 @@ def warm(path: Path) -> int:
             while chunk := fh.read(64 << 20):
                 total += len(chunk)
     return total
+
+
+@dataclass
+class Pass:
+    """One model pass of a runtime: its kind, the llama_decode calls in it (tokens, seconds inside llama_decode) and
+    its wall time. Times exclude the passes nested in it (a rollback settled inside a commit)."""
+
+    mode: str
+    kind: str
+    seconds: float = 0.0
+    decode_seconds: float = 0.0
+    tokens: int = 0
+    decodes: int = 0
+
+
+class PassLog:
+    """Every model pass a CloverRuntime's backend makes, the one pass counter of the benches (bench/scale.py's pass
+    mix, bench/device's ms per kind, bench/host.py's host share). Kinds: prompt, block, rollback, and a causal pass
+    named by the decoding mode (`mode`: "AR step" in ar, "commit" in diffusion, "verify" in draft-self). Each pass
+    ends with llama_synchronize, so a GPU's queued work counts in it; each llama_decode inside is timed (with its
+    synchronize) too. The backend's methods are wrapped on the instance; close() unwraps them."""
+
+    KIND_OF = {"prefill": "prompt", "prefill_rows": "prompt", "commit": "commit", "commit_rows": "commit",
+               "block_logits": "block", "block_rows": "block", "_apply_rollback": "rollback"}
+    CAUSAL = {"ar": "AR step", "diffusion": "commit", "draft-self": "verify"}
+
+    def __init__(self, rt):
+        self.rt, self.mode = rt, "ar"
+        self.passes: list[Pass] = []
+        self._open: list[Pass] = []
+        b, ctx = rt.backend, rt.ctx
+        self._L = ctx.L
+        self._wrapped = [m for m in self.KIND_OF if callable(getattr(b, m, None))]
+        for method in self._wrapped:
+            setattr(b, method, self._wrap(method, getattr(b, method)))
+        if hasattr(self._L, "llama_decode"):  # llama.cpp's own call, timed through a copy of the binding's namespace
+            proxy = SimpleNamespace(**{k: getattr(self._L, k) for k in dir(self._L) if not k.startswith("__")})
+            proxy.llama_decode = self._timed_decode(self._L.llama_decode, self._L.llama_synchronize)
+            ctx.L = proxy
+
+    def _kind(self, method: str) -> str:
+        kind = self.KIND_OF[method]
+        return self.CAUSAL[self.mode] if kind == "commit" else kind
+
+    def _wrap(self, method, fn):
+        L, ctx = self._L, self.rt.ctx
+
+        def timed(*args, **kw):
+            p = Pass(self.mode, self._kind(method))
+            self._open.append(p)
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                L.llama_synchronize(ctx.ctx)
+                p.seconds += time.perf_counter() - t0
+                self._open.pop()
+                if self._open:  # the enclosing pass's own time excludes this one
+                    self._open[-1].seconds -= p.seconds
+                self.passes.append(p)
+        return timed
+
+    def _timed_decode(self, decode, synchronize):
+        def timed(ctx, batch):
+            t0 = time.perf_counter()
+            rc = decode(ctx, batch)
+            synchronize(ctx)
+            if self._open:
+                p = self._open[-1]
+                p.decode_seconds += time.perf_counter() - t0
+                p.tokens += int(batch.n_tokens)
+                p.decodes += 1
+            return rc
+        return timed
+
+    def clear(self) -> None:
+        self.passes.clear()
+
+    def of(self, mode: str | None = None, kind: str | None = None) -> list[Pass]:
+        return [p for p in self.passes if (mode is None or p.mode == mode) and (kind is None or p.kind == kind)]
+
+    def close(self) -> None:
+        for method in self._wrapped:
+            delattr(self.rt.backend, method)
+        self.rt.ctx.L = self._L

@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from measure import measure, warm  # noqa: E402
+from measure import PassLog, measure, warm  # noqa: E402
 from quantize import OURS as QUANTIZE_OURS  # noqa: E402
 
 N_LAYERS_35B = 40
@@ -137,7 +137,8 @@ def bench_quantize(bf16: Path, ckpt: Path, wd: Path, types: list[str], threads: 
 def bench_vocab(ckpt: Path, q4: Path, threads: int) -> dict:
     from gguf import GGUFWriter
 
-    from clover_gguf.config import CloverConfig, GenerationDefaults
+    from clover_gguf.config import CloverConfig
+    from clover_gguf.metadata import GenerationDefaults
     from clover_gguf.convert import ARCH, write_metadata
     from clover_gguf.llama_context import _quiet_log, load_binding
     from clover_gguf.runtime import CloverRuntime
@@ -196,6 +197,7 @@ class PassRunner:
 
     def __init__(self, gguf: Path, threads: int, vocab_size: int, probe=None):
         from clover_gguf.llama_context import LlamaContext
+        from clover_gguf.metadata import CORESET_ENABLED
 
         rng = np.random.default_rng(0)
         self.prefix = rng.integers(0, vocab_size, PREFIX_TOKENS).tolist()
@@ -203,7 +205,7 @@ class PassRunner:
         self.ar = rng.integers(0, vocab_size, 4096).tolist()
         cb = None if probe is None else probe.callback
         self.ctxs = {c: LlamaContext(gguf, n_ctx=512, n_ubatch=512, n_seq_max=3, n_threads=threads,
-                                     eval_callback=cb, overrides={"clover_moe.moe_block_coreset.enabled": c == "on"})
+                                     eval_callback=cb, overrides={CORESET_ENABLED: c == "on"})
                      for c in ("on", "off")}
         for c in self.ctxs.values():
             c.decode(self.prefix, 0, 0, logits=False)
@@ -336,28 +338,16 @@ def bundled_pass_mix(wd: Path, threads: int, n_prompts: int) -> dict:
     mix = {}
     for mode in ("ar", "diffusion", "draft-self"):
         with CloverRuntime(gguf, n_ctx=1024, n_threads=threads) as rt:
-            calls: list[tuple[int, bool]] = []  # (tokens, causal) of every llama_decode
-            decode, block, in_block = rt.ctx.decode, rt.ctx.block, [False]
-
-            def counted_decode(ids, *a, **kw):
-                calls.append((len(ids), not in_block[0]))
-                return decode(ids, *a, **kw)
-
-            def counted_block(*a, **kw):  # a block pass is one decode on the scratch sequence
-                in_block[0] = True
-                try:
-                    return block(*a, **kw)
-                finally:
-                    in_block[0] = False
-
-            rt.ctx.decode, rt.ctx.block = counted_decode, counted_block
+            log = PassLog(rt)
+            log.mode = mode
             tokens, blocks, causal = 0, 0, []
             for p in prompts:
-                calls.clear()
+                log.clear()
                 tokens += rt.generate(p, mode=mode, max_new_tokens=96).stats.generated_tokens
-                after_prompt = calls[1:]  # the first call is the prompt's pass
-                blocks += sum(1 for _, c in after_prompt if not c)
-                causal += [n for n, c in after_prompt if c]
+                after_prompt = [q for q in log.passes if q.kind != "prompt" and q.decodes]
+                blocks += sum(1 for q in after_prompt if q.kind == "block")
+                causal += [q.tokens for q in after_prompt if q.kind != "block"]  # rollback re-decodes too
+            log.close()
         mix[mode] = dict(tokens=tokens, block_passes=blocks, causal_passes=causal)
     return mix
 

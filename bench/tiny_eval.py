@@ -33,16 +33,28 @@ from clover_gguf.testing.train_tiny import ASSET_DIR, load_eval, row_conversatio
 
 
 class EarlyEndProbe:
-    """Wraps a backend's block_logits: counts block passes handed an end token with a masked position before it."""
+    """Wraps a backend's block passes (block_logits, and block_rows when decoding selects in the graph): counts block
+    passes handed an end token with a masked position before it. install() / remove() put it on the backend."""
+
+    METHODS = ("block_logits", "block_rows")
 
     def __init__(self, backend):
-        self.backend, self.inner = backend, backend.block_logits
+        self.backend = backend
+        self.inner = {m: getattr(backend, m) for m in self.METHODS if callable(getattr(backend, m, None))}
         self.blocks_seen: set[int] = set()
         self.events = 0
         self.block_id = 0
         self._last: list[int] | None = None
 
-    def __call__(self, block):
+    def install(self) -> None:
+        for m, fn in self.inner.items():
+            setattr(self.backend, m, lambda block, *a, _fn=fn, **kw: (self.see(block), _fn(block, *a, **kw))[1])
+
+    def remove(self) -> None:
+        for m in self.inner:
+            delattr(self.backend, m)
+
+    def see(self, block) -> None:
         b = list(block)
         mask, eos = self.backend.mask_token_id, self.backend.eos_ids
         first_mask = next((i for i, t in enumerate(b) if t == mask), None)
@@ -52,7 +64,6 @@ class EarlyEndProbe:
         if first_mask is not None and any(t in eos for t in b[first_mask + 1:]):
             self.events += 1
             self.blocks_seen.add(self.block_id)
-        return self.inner(block)
 
 
 def answer_of(text: str, think: bool) -> str:
@@ -72,13 +83,13 @@ def run_rows(rt: CloverRuntime, rows, mode: str, end_rule: str = decoding.DEFAUL
         ids = rt.ctx.tokenize(rt.render(conv.messages, think=conv.think), special=True)
         procs = make_processors(rt.controls, rt.eos_ids, rt.think_id, rt.think_end_id, False) if controls else ()
         probe = EarlyEndProbe(rt.backend)
-        rt.backend.block_logits = probe
+        probe.install()
         rt.backend.keep_backup = mode == "draft-self"
         try:
             toks, stats = decoding.generate_all(rt.backend, ids, mode=mode, max_new_tokens=max_new,
                                                 threshold=threshold, end_rule=end_rule, logits_processors=procs)
         finally:
-            del rt.backend.block_logits
+            probe.remove()
         text = rt.detokenize(toks)
         ans = answer_of(text, conv.think)
         ok = row["answer"] in ans

@@ -55,6 +55,7 @@ TOOL_TARGETS = (
     "llama-fit-params",
     "ggml-rpc-server",
     "test-llama-archs",
+    "llama-bench",  # bench/host.py: llama.cpp's own token rate beside the runtime's
 )
 # CUDA architectures of a build when no NVIDIA GPU is visible (a build for another machine): machine code for the
 # RTX 30 (86) and RTX 40 (89) cards, PTX that the driver compiles on first run for Turing (75), Ampere (80), Hopper
@@ -62,7 +63,7 @@ TOOL_TARGETS = (
 DEFAULT_CUDA_ARCHS = "75-virtual;80-virtual;86-real;89-real;90-virtual"
 STAMP_NAME = "clover-build.json"
 # Bump when the way a build is made changes in a way the cmake options do not show (file layout, stamp format).
-RECIPE_VERSION = 2
+RECIPE_VERSION = 3  # 3: llama-bench among the tools
 # Rough size of a CPU build tree (sources + objects + install); checked before starting.
 BUILD_DISK_BYTES = 2 * 2**30
 

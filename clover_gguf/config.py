@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from clover_gguf.errors import UserError
-from clover_gguf.metadata import READING, READING_FIELD, GenerationDefaults  # noqa: F401 (its home: metadata.py)
+from clover_gguf.metadata import READING, READING_FIELD, GenerationDefaults
 
 # the real checkpoint's identity (Diffuspace/Clover-35B-A3B-Preview, custom code)
 CLOVER_MODEL_TYPE = "clover_moe"
@@ -393,3 +393,24 @@ class CloverConfig:
             if our_reading:
                 d[READING_FIELD] = READING
         return d
+
+
+def generation_defaults(d: Any, where: str = "generation_config.json") -> GenerationDefaults:
+    """A generation_config.json object -> GenerationDefaults, every value type- and range-checked (one line, exit 2
+    for a bad one)."""
+    if not isinstance(d, dict):
+        raise UserError(f"{where} must be a JSON object, not {type(d).__name__}")
+    f = _Fields(d, where)
+    kwargs: dict[str, Any] = {}
+    for hf_key, name in GenerationDefaults.HF_KEYS.items():
+        default = getattr(GenerationDefaults, name)
+        if isinstance(default, int):
+            lo, hi = (1, MAX_BLOCK) if name == "block_size" else (0, MAX_U32)
+            kwargs[name] = f.int(hf_key, lo, hi, default=default)
+        else:
+            kwargs[name] = f.float(hf_key, default=default)
+    if not 0.0 <= kwargs["threshold"] <= 1.0:
+        raise UserError(f"{where}: threshold must be in [0, 1], not {kwargs['threshold']}")
+    if not kwargs["repetition_penalty"] > 0.0:
+        raise UserError(f"{where}: repetition_penalty must be positive, not {kwargs['repetition_penalty']}")
+    return GenerationDefaults(**kwargs)

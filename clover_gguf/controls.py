@@ -14,12 +14,21 @@ The model card's controls, applied in this order:
 5. think-end bias B (10.0): while thinking (a <think> not yet closed by </think>), once the thinking span is
    `start` (4096) tokens long, </think> gains B * min(1, (n_think - start) / ramp) (ramp 4096).
 All apply under sampling and greedy alike. Values come from the GGUF (`clover_moe.generation.*`), overridable.
+
+Selection (`Selector`): a pass's rows -> the chosen tokens and their confidences (`Choice`), from either
+- dense logits [T, V] (any backend: the processors, then the sampler, in numpy), or
+- what llama.cpp's graph computed (`GraphRows`, runtime.LlamaBackend): the controls change the logits of a few ids
+  per row only (the tokens of the row's history, the end tokens, </think>), so the graph returns each row's logits
+  at those ids (`Gather`) and the largest logits of the rest of the row with their softmax probabilities there; the
+  processors' sparse form (`at`) then gives exactly what the dense path gives (docs/runtime.md, "Selection in
+  llama.cpp's graph"). With temperature the graph samples itself, the controls given to it as per-id coefficients.
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import Callable, Sequence
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -27,6 +36,7 @@ from clover_gguf.metadata import Controls  # the card's values and their GGUF ke
 
 Processor = Callable[[Sequence[Sequence[int]], np.ndarray], np.ndarray]  # (histories [T], logits [T, V]) -> [T, V]
 Sampler = Callable[[np.ndarray], np.ndarray]  # logits [T, V] -> tokens [T]
+
 
 
 def _ramp(n: int, start: int, ramp: int) -> float:
@@ -56,6 +66,27 @@ def process(processors: Sequence[Processor], histories: Sequence[Sequence[int]],
     return out
 
 
+# ---- histories ------------------------------------------------------------------------------------------------
+class Histories(Sequence):
+    """The histories of T rows that share a prefix: row i holds prefix + tail[:lens[i]]. A block pass: the committed
+    answer, then the block's tokens resolved before each masked position; a verification: the answer, then the draft
+    up to each row. Reads as a list of lists (what dense processors take); the sparse path uses the parts."""
+
+    def __init__(self, prefix: Sequence[int], tail: Sequence[int] = (), lens: Sequence[int] = (0,)):
+        self.prefix, self.tail, self.lens = prefix, list(tail), [int(n) for n in lens]
+
+    def __len__(self) -> int:
+        return len(self.lens)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return list(self.prefix) + self.tail[:self.lens[i]]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return (self[i] for i in range(len(self)))
+
+
 def _flatten(histories: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """-> (lengths [T], row of each token [N], tokens [N]) for T histories holding N tokens in all."""
     lens = np.fromiter((len(h) for h in histories), dtype=np.int64, count=len(histories))
@@ -66,6 +97,8 @@ def _flatten(histories: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray
 class _Penalties:
     """Repetition, frequency and presence penalties over the generated tokens (card items 1-3)."""
 
+    history = True  # the sparse form needs the histories' tokens gathered (Selector.gather)
+
     def __init__(self, c: Controls):
         self.c = c
 
@@ -75,7 +108,11 @@ class _Penalties:
             return logits
         t, v = logits.shape
         counts = np.bincount(row * v + flat, minlength=t * v).reshape(t, v)  # [T, V] occurrences per row
-        x = logits.astype(np.float32)  # [T, V]
+        return self._apply(logits, counts)
+
+    def _apply(self, logits: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """logits [T, W] and the occurrences of their tokens [T, W] (int64) -> penalised logits (float32)."""
+        x = logits.astype(np.float32)  # [T, W]
         c = self.c
         if c.repetition_penalty != 1.0:
             pen = np.where(x > 0, x / np.float32(c.repetition_penalty), x * np.float32(c.repetition_penalty))
@@ -84,6 +121,24 @@ class _Penalties:
         pen = pen - c.frequency_penalty * counts - c.presence_penalty  # float64, rounded once below
         return np.where(counts > 0, pen, x).astype(np.float32)
 
+    # sparse form: only the tokens of the histories change (history = True: Selector.gather takes them all)
+    def touches(self) -> Sequence[int]:
+        return ()
+
+    def at(self, rows: "_Rows", logits: np.ndarray) -> np.ndarray:
+        return self._apply(logits, rows.counts())
+
+    def coef(self, rows: "_Rows") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """x -> x * (c0 if x > 0 else c1) + c2 at the rows' ids: what _apply does, as coefficients (the graph's form;
+        x * (1 / r) and one float32 subtraction instead of x / r and a float64 one: at most an ulp apart)."""
+        c, counts = self.c, rows.counts()
+        seen = counts > 0
+        r = np.float32(c.repetition_penalty)
+        c0 = np.where(seen, np.float32(1.0) / r, np.float32(1.0)).astype(np.float32)
+        c1 = np.where(seen, r, np.float32(1.0)).astype(np.float32)
+        c2 = np.where(seen, -(c.frequency_penalty * counts + c.presence_penalty), 0.0).astype(np.float32)
+        return c0, c1, c2
+
 
 class _LengthPenalty:
     """The end tokens gain L * ramp once the answer is `start` tokens long (card item 4)."""
@@ -91,10 +146,21 @@ class _LengthPenalty:
     def __init__(self, c: Controls, end_ids: Sequence[int]):
         self.c, self.ends = c, np.asarray(sorted(set(end_ids)), dtype=np.int64)
 
-    def __call__(self, histories, logits):
+    def _amounts(self, lengths: Sequence[int]) -> list[float]:
         c = self.c
-        amount = [c.length_penalty * _ramp(len(h), c.length_penalty_start, c.length_penalty_ramp) for h in histories]
-        return _raise_rows(logits, self.ends, amount)
+        return [c.length_penalty * _ramp(n, c.length_penalty_start, c.length_penalty_ramp) for n in lengths]
+
+    def __call__(self, histories, logits):
+        return _raise_rows(logits, self.ends, self._amounts([len(h) for h in histories]))
+
+    def touches(self) -> Sequence[int]:
+        return self.ends.tolist()
+
+    def at(self, rows: "_Rows", logits: np.ndarray) -> np.ndarray:
+        return _raise_rows(logits, rows.cols(self.ends), self._amounts(rows.lengths()))
+
+    def coef(self, rows: "_Rows") -> tuple[None, None, np.ndarray]:
+        return None, None, _raise_rows(rows.zeros(), rows.cols(self.ends), self._amounts(rows.lengths()))
 
 
 class _ThinkEndBias:
@@ -103,12 +169,26 @@ class _ThinkEndBias:
     def __init__(self, c: Controls, think_id: int | None, think_end_id: int, thinking_at_start: bool):
         self.c, self.think_id, self.think_end_id, self.at_start = c, think_id, think_end_id, thinking_at_start
 
-    def __call__(self, histories, logits):
+    def _amounts(self, spans: Sequence[int | None]) -> list[float]:
         c = self.c
+        return [0.0 if n is None else c.think_end_bias * _ramp(n, c.think_end_bias_start, c.think_end_bias_ramp)
+                for n in spans]
+
+    def __call__(self, histories, logits):
         spans = thinking_spans(histories, self.think_id, self.think_end_id, self.at_start)
-        amount = [0.0 if n is None else c.think_end_bias * _ramp(n, c.think_end_bias_start, c.think_end_bias_ramp)
-                  for n in spans]
-        return _raise_rows(logits, self.think_end_id, amount)
+        return _raise_rows(logits, self.think_end_id, self._amounts(spans))
+
+    def touches(self) -> Sequence[int]:
+        return [self.think_end_id]
+
+    def _spans(self, rows: "_Rows") -> list[int | None]:
+        return rows.spans(self.think_id, self.think_end_id, self.at_start)
+
+    def at(self, rows: "_Rows", logits: np.ndarray) -> np.ndarray:
+        return _raise_rows(logits, rows.cols([self.think_end_id]), self._amounts(self._spans(rows)))
+
+    def coef(self, rows: "_Rows") -> tuple[None, None, np.ndarray]:
+        return None, None, _raise_rows(rows.zeros(), rows.cols([self.think_end_id]), self._amounts(self._spans(rows)))
 
 
 def _raise_rows(logits: np.ndarray, ids, amounts: Sequence[float]) -> np.ndarray:
@@ -120,6 +200,17 @@ def _raise_rows(logits: np.ndarray, ids, amounts: Sequence[float]) -> np.ndarray
         if a:
             out[i, ids] += a
     return out
+
+
+def _span(n: int, last_open: int, last_close: int, thinking_at_start: bool) -> int | None:
+    """The open thinking span of a history of n tokens whose last <think> / </think> sit at these indices (-1: none):
+    the tokens after the last <think> not followed by </think>, or all n when the prompt opened the span and neither
+    token was generated; None when not thinking."""
+    if last_open > last_close:
+        return n - last_open - 1
+    if last_close < 0 and thinking_at_start:
+        return n
+    return None
 
 
 def thinking_spans(histories: Sequence[Sequence[int]], think_id: int | None, think_end_id: int,
@@ -136,15 +227,8 @@ def thinking_spans(histories: Sequence[Sequence[int]], think_id: int | None, thi
         np.maximum.at(last_open, row[hit], pos[hit])
     hit = flat == think_end_id
     np.maximum.at(last_close, row[hit], pos[hit])
-    out: list[int | None] = []
-    for n, o, e in zip(lens.tolist(), last_open.tolist(), last_close.tolist()):
-        if o > e:
-            out.append(n - o - 1)
-        elif e < 0 and thinking_at_start:  # neither token: the prompt's span is still open
-            out.append(n)
-        else:
-            out.append(None)
-    return out
+    return [_span(n, o, e, thinking_at_start) for n, o, e in zip(lens.tolist(), last_open.tolist(),
+                                                                   last_close.tolist())]
 
 
 def thinking_span(generated: Sequence[int], think_id: int | None, think_end_id: int, thinking_at_start: bool
@@ -166,28 +250,379 @@ def greedy(logits: np.ndarray) -> np.ndarray:
     return np.argmax(logits, axis=-1)
 
 
+class Sampling:
+    """Temperature sampling (make_sampler): per row top-k, then top-p (nucleus), then a draw at temperature `temp`,
+    rows in order from one random generator. Its parameters and generator are what the graph's sampler uses too."""
+
+    def __init__(self, temp: float, top_p: float = 1.0, top_k: int = 0, seed: int | None = None):
+        self.temp, self.top_p, self.top_k = float(temp), float(top_p), int(top_k)
+        self.rng = np.random.default_rng(None if seed is None or seed < 0 else seed)
+
+    def __call__(self, logits: np.ndarray) -> np.ndarray:
+        p = self.probs(logits)
+        return np.array([self.rng.choice(row.size, p=row) for row in p], dtype=np.int64)
+
+    def probs(self, logits: np.ndarray) -> np.ndarray:
+        """[T, V] processed logits -> the distribution each row is drawn from [T, V]."""
+        x = np.atleast_2d(np.asarray(logits, dtype=np.float64)) / self.temp  # [T, V]
+        if self.top_k and self.top_k < x.shape[-1]:
+            kth = np.partition(x, -self.top_k, axis=-1)[:, -self.top_k:].min(-1, keepdims=True)
+            x = np.where(x < kth, -np.inf, x)
+        p = softmax(x)
+        if self.top_p < 1.0:
+            order = np.argsort(-p, axis=-1, kind="stable")
+            ranked = np.take_along_axis(p, order, -1)
+            keep_ranked = np.cumsum(ranked, -1) - ranked < self.top_p  # the smallest prefix reaching top_p
+            keep = np.zeros_like(keep_ranked)
+            np.put_along_axis(keep, order, keep_ranked, -1)
+            p = np.where(keep, p, 0.0)
+            p /= p.sum(-1, keepdims=True)
+        return p
+
+    def uniforms(self, n: int) -> np.ndarray:
+        """n draws for the graph's sampler, from this sampler's generator: float32 on a grid of 2^22 points inside
+        (0, 1), so that u * (a total near 1) stays strictly inside the total in float32."""
+        grid = 1 << 22
+        return ((np.floor(self.rng.random(n) * grid) + 0.5) / grid).astype(np.float32)
+
+
 def make_sampler(temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None) -> Sampler:
     """temp 0 = greedy; otherwise per row: top-k, then top-p (nucleus), then a draw at temperature `temp`, rows in
     order from one random generator (seeded: the same draws every run; None or negative, as llama.cpp's -1: a fresh
     random seed)."""
     if temp <= 0:
         return greedy
-    rng = np.random.default_rng(None if seed is None or seed < 0 else seed)
+    return Sampling(temp, top_p, top_k, seed)
 
-    def sample(logits: np.ndarray) -> np.ndarray:
-        x = np.atleast_2d(np.asarray(logits, dtype=np.float64)) / temp  # [T, V]
-        if top_k and top_k < x.shape[-1]:
-            kth = np.partition(x, -top_k, axis=-1)[:, -top_k:].min(-1, keepdims=True)
-            x = np.where(x < kth, -np.inf, x)
-        p = softmax(x)
-        if top_p < 1.0:
-            order = np.argsort(-p, axis=-1, kind="stable")
-            ranked = np.take_along_axis(p, order, -1)
-            keep_ranked = np.cumsum(ranked, -1) - ranked < top_p  # the smallest prefix reaching top_p
-            keep = np.zeros_like(keep_ranked)
-            np.put_along_axis(keep, order, keep_ranked, -1)
-            p = np.where(keep, p, 0.0)
-            p /= p.sum(-1, keepdims=True)
-        return np.array([rng.choice(row.size, p=row) for row in p], dtype=np.int64)
 
-    return sample
+# ---- selection ------------------------------------------------------------------------------------------------
+class Choice:
+    """What a pass decided for its T rows: tokens [T] and their confidence [T] (the probability of the chosen token
+    under the softmax of the processed row); the probability of any token asked for when the pass ran (`prob`), and
+    the most likely of a set of ids (`best_of`, the lowest id on ties)."""
+
+    def __init__(self, tokens: np.ndarray, conf: np.ndarray):
+        self.tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        self.conf = np.asarray(conf, dtype=np.float64).reshape(-1)
+
+    def prob(self, i: int, token: int) -> float:
+        raise NotImplementedError
+
+    def best_of(self, i: int, ids: Sequence[int]) -> int:
+        raise NotImplementedError
+
+
+class _DenseChoice(Choice):
+    def __init__(self, processed: np.ndarray, tokens: np.ndarray):
+        self.processed = processed
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        self._p: np.ndarray | None = None
+        super().__init__(tokens, self.probs()[np.arange(len(tokens)), tokens])
+
+    def probs(self) -> np.ndarray:
+        if self._p is None:
+            self._p = softmax(self.processed)
+        return self._p
+
+    def prob(self, i: int, token: int) -> float:
+        return float(self.probs()[i, token])
+
+    def best_of(self, i: int, ids: Sequence[int]) -> int:
+        ids = sorted(ids)
+        return ids[int(np.argmax(self.processed[i, ids]))]
+
+
+class _SparseChoice(Choice):
+    """A choice from the graph's rows: `values` [T, W] holds, per row, at the gathered ids, the processed logits
+    (greedy; `log_total` [T] the log of the row's softmax total, None when the pass asked for tokens only) or the
+    probabilities (sampled: `log_total` None, `probs` True)."""
+
+    def __init__(self, tokens, conf, col, values: np.ndarray, log_total: np.ndarray | None,
+                 probs: bool = False):
+        super().__init__(tokens, conf)
+        self.col, self.values, self.log_total, self.probs = col, values, log_total, probs
+
+    def prob(self, i: int, token: int) -> float:
+        if not self.probs and self.log_total is None:
+            raise ValueError("this pass was run for its tokens only (Gather.probs False)")
+        if int(token) not in self.col:
+            raise ValueError(f"token {token} was not asked for when the pass ran (Selector.gather's want)")
+        v = self.values[i, self.col[int(token)]]
+        return float(v if self.probs else np.exp(v - self.log_total[i]))
+
+    def best_of(self, i: int, ids: Sequence[int]) -> int:
+        ids = sorted(ids)
+        return ids[int(np.argmax(self.values[i, [self.col[int(t)] for t in ids]]))]
+
+
+@dataclass
+class Gather:
+    """The per-row inputs of a pass whose selection runs in the graph: the ids whose logits are taken out of every
+    row (the same list for all rows), and with temperature the per-id coefficients [3, T, W] and one uniform per
+    row. `width` is the graph's gather width (a few sizes, so that the graph is rebuilt rarely); `probs` False when
+    the pass needs tokens only (an AR step, an exact verification), which spares the graph a softmax per row."""
+
+    ids: np.ndarray  # [W] int32, distinct
+    n_rows: int
+    width: int
+    probs: bool = True  # greedy: also what the confidences need (the rest of each row's softmax total)
+    temp: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    coef: np.ndarray | None = None  # [3, T, W] float32
+    uniform: np.ndarray | None = None  # [T] float32
+    columns: "_Columns | None" = None  # token id -> column (Selector.gather)
+
+    def padded_ids(self) -> np.ndarray:
+        """[T, width] int32: the ids in every row, unused slots repeating the first (what the graph reads)."""
+        out = np.empty((self.n_rows, self.width), dtype=np.int32)
+        out[:, :len(self.ids)] = self.ids
+        out[:, len(self.ids):] = self.ids[0]
+        return out
+
+    def padded_coef(self) -> np.ndarray:
+        """[3, T, width] float32: unused slots repeat the first id's (the graph writes every slot back to its id)."""
+        out = np.empty((3, self.n_rows, self.width), dtype=np.float32)
+        out[:, :, :len(self.ids)] = self.coef
+        out[:, :, len(self.ids):] = self.coef[:, :, :1]
+        return out
+
+
+@dataclass
+class GraphRows:
+    """What the graph returns for T rows after a pass with a Gather (LlamaContext.decode):
+    greedy: `at_ids` [T, W] the row's logits at the gathered ids; the rest of the row read in n chunks of the
+    vocabulary: `rest_ids` / `rest_logits` [T, n] each chunk's largest logit and its id, `rest_probs` [T, n] (with
+    Gather.probs) that logit's probability within its chunk's softmax;
+    sampled: `tokens` [T] the draws, `token_probs` [T] their probabilities, `at_ids` [T, W] the probabilities at
+    the gathered ids (softmax of the processed row at temperature 1)."""
+
+    at_ids: np.ndarray
+    rest_ids: np.ndarray | None = None
+    rest_logits: np.ndarray | None = None
+    rest_probs: np.ndarray | None = None
+    tokens: np.ndarray | None = None
+    token_probs: np.ndarray | None = None
+
+
+GATHER_WIDTHS = (32, 128, 512, 2048, 8192, 32768, 131072)
+_NO_ID = np.iinfo(np.int32).max
+
+
+class _PrefixStats:
+    """Occurrences of each token in the prefix all rows share (the answer so far), kept up to date as it grows: the
+    prefix is a list that the decoder only appends to (a new list object starts over)."""
+
+    def __init__(self, marks: Sequence[int]):
+        self.marks = [int(t) for t in marks]  # tokens whose last position is kept (<think>, </think>)
+        self.src: Sequence[int] | None = None
+        self.reset()
+
+    def reset(self) -> None:
+        self.n = 0
+        self.col: dict[int, int] = {}  # token -> index in ids
+        self.ids = np.empty(64, dtype=np.int64)
+        self.counts = np.zeros(64, dtype=np.int64)
+        self.last = {t: -1 for t in self.marks}
+
+    def update(self, prefix: Sequence[int]) -> None:
+        if prefix is not self.src or len(prefix) < self.n:
+            self.src = prefix
+            self.reset()
+        for i in range(self.n, len(prefix)):
+            t = int(prefix[i])
+            j = self.col.get(t)
+            if j is None:
+                j = self.col[t] = len(self.col)
+                if j == len(self.ids):
+                    self.ids = np.concatenate([self.ids, np.empty_like(self.ids)])
+                    self.counts = np.concatenate([self.counts, np.zeros_like(self.counts)])
+                self.ids[j] = t
+                self.counts[j] = 0
+            self.counts[j] += 1
+            if t in self.last:
+                self.last[t] = i
+        self.n = len(prefix)
+
+
+class _Columns:
+    """token id -> its column in a gather list laid out as [the prefix's ids (in _PrefixStats' order) | others]:
+    without a dictionary over the whole list (rebuilding one per pass would cost more than the pass's numpy)."""
+
+    def __init__(self, prefix_col: dict[int, int], n_prefix: int, others: Sequence[int]):
+        self.prefix_col, self.n_prefix = prefix_col, n_prefix
+        self.others = {int(t): n_prefix + j for j, t in enumerate(others)}
+
+    def __getitem__(self, token: int) -> int:
+        j = self.prefix_col.get(token) if self.n_prefix else None
+        return self.others[token] if j is None else j
+
+    def __contains__(self, token: int) -> bool:
+        return (self.n_prefix and token in self.prefix_col) or token in self.others
+
+
+class _Rows:
+    """One pass's rows for the sparse processors: the histories, the gathered ids and what the processors ask of
+    them (occurrences, lengths, thinking spans), computed once each."""
+
+    def __init__(self, h: Histories, stats: _PrefixStats, ids: np.ndarray, col: _Columns):
+        self.h, self.stats, self.ids, self.col = h, stats, ids, col
+        self._counts: np.ndarray | None = None
+
+    def cols(self, ids) -> list[int]:
+        return [self.col[int(t)] for t in np.atleast_1d(ids)]
+
+    def zeros(self) -> np.ndarray:
+        return np.zeros((len(self.h), len(self.ids)), dtype=np.float32)
+
+    def lengths(self) -> list[int]:
+        n = len(self.h.prefix)
+        return [n + k for k in self.h.lens]
+
+    def counts(self) -> np.ndarray:
+        """[T, W] int64: occurrences of each gathered id in each row's history."""
+        if self._counts is None:
+            st, w = self.stats, len(self.ids)
+            counts = np.zeros((len(self.h), w), dtype=np.int64)
+            n_prefix = self.col.n_prefix  # the prefix's ids come first in the gather list (Selector.gather)
+            if n_prefix:
+                counts[:, :n_prefix] = st.counts[:n_prefix]
+            lens = np.asarray(self.h.lens)
+            n_tail = int(lens.max(initial=0))
+            if n_tail:
+                tail_cols = np.asarray([self.col[int(t)] for t in self.h.tail[:n_tail]])
+                r, j = np.nonzero(np.arange(n_tail)[None, :] < lens[:, None])
+                np.add.at(counts, (r, tail_cols[j]), 1)
+            self._counts = counts
+        return self._counts
+
+    def spans(self, think_id: int | None, think_end_id: int, at_start: bool) -> list[int | None]:
+        """thinking_spans of the rows, from the prefix's last marks and each row's tail."""
+        n, last = len(self.h.prefix), self.stats.last
+        o, e = last.get(think_id, -1) if think_id is not None else -1, last[think_end_id]
+        by_len = [(o, e)]
+        for k, t in enumerate(self.h.tail[:max(self.h.lens, default=0)]):
+            if t == think_id:
+                o = n + k
+            elif t == think_end_id:
+                e = n + k
+            by_len.append((o, e))
+        return [_span(n + k, *by_len[k], at_start) for k in self.h.lens]
+
+
+class Selector:
+    """Processors and a sampler, applied to a pass's rows (`choose`), dense or in the graph. One per answer: it keeps
+    the occurrences of the answer's tokens as the answer grows."""
+
+    def __init__(self, processors: Sequence[Processor] = (), sampler: Sampler | None = None,
+                 end_ids: Sequence[int] = ()):
+        self.processors = list(processors)
+        self.sampler = sampler or greedy
+        self.end_ids = sorted({int(t) for t in end_ids})
+        self.sampling = self.sampler if isinstance(self.sampler, Sampling) else None
+        # the graph can select when every processor has the sparse form and the sampler is one of ours
+        self.in_graph = (all(hasattr(p, "at") for p in self.processors) and
+                         (self.sampler is greedy or self.sampling is not None))
+        marks = [t for p in self.processors if isinstance(p, _ThinkEndBias) for t in (p.think_id, p.think_end_id)
+                 if t is not None]
+        self.stats = _PrefixStats(marks)
+        self.history = any(getattr(p, "history", False) for p in self.processors)
+        # what every gather holds besides the histories: the ids the processors touch, the end tokens
+        self.fixed_ids = list(dict.fromkeys([int(t) for p in self.processors if hasattr(p, "touches")
+                                             for t in p.touches()] + self.end_ids))
+
+    # ---- dense --------------------------------------------------------------------------------------------
+    def choose_dense(self, h: Sequence[Sequence[int]], logits: np.ndarray) -> Choice:
+        processed = process(self.processors, h, logits)
+        return _DenseChoice(processed, self.sampler(processed))
+
+    # ---- in the graph -------------------------------------------------------------------------------------
+    def gather(self, h: Histories, want: Sequence[int] = (), probs: bool = True) -> Gather:
+        """The ids the graph takes out of every row: the prefix's tokens first (in their order in _PrefixStats), then
+        the tail's, the ids the processors touch, the end tokens and `want` (tokens whose probability the decoder
+        will ask). probs False: the pass needs its tokens only (Choice.conf is then NaN)."""
+        st = self.stats
+        st.update(h.prefix)
+        n_prefix = len(st.col) if self.history else 0
+        seen = st.col if self.history else {}
+        tail = h.tail[:max(h.lens, default=0)] if self.history else ()
+        others: dict[int, None] = {}  # in order, distinct
+        for t in itertools.chain(tail, self.fixed_ids, want):
+            t = int(t)
+            if t not in seen:
+                others[t] = None
+        others = list(others)
+        ids = np.empty(n_prefix + len(others), dtype=np.int32)
+        ids[:n_prefix] = st.ids[:n_prefix]
+        ids[n_prefix:] = others
+        width = next((w for w in GATHER_WIDTHS if w >= len(ids)), len(ids))
+        g = Gather(ids, len(h), width, probs=probs)
+        g.columns = _Columns(st.col, n_prefix, others)
+        if self.sampling is not None:
+            s = self.sampling
+            g.temp, g.top_k, g.top_p = s.temp, s.top_k, s.top_p
+            g.coef = self.coef(h, g)
+            g.uniform = s.uniforms(len(h))
+        return g
+
+    def _rows(self, h: Histories, g: Gather) -> _Rows:
+        self.stats.update(h.prefix)
+        return _Rows(h, self.stats, g.ids, g.columns)
+
+    def process_at(self, h: Histories, g: Gather, logits: np.ndarray) -> np.ndarray:
+        """The processed logits [T, W] at the gathered ids, from the raw ones there: what `process` gives in those
+        columns."""
+        rows = self._rows(h, g)
+        out = np.asarray(logits, dtype=np.float64)
+        for p in self.processors:
+            out = np.asarray(p.at(rows, out), dtype=np.float64)
+        return out
+
+    def coef(self, h: Histories, g: Gather) -> np.ndarray:
+        """[3, T, W] float32: the processors as x -> x * (c0 if x > 0 else c1) + c2 at the gathered ids (the sampled
+        graph's form; only the penalties scale, and they come first, the rest add)."""
+        rows = self._rows(h, g)
+        out = np.zeros((3, len(h), len(g.ids)), dtype=np.float32)
+        out[:2] = 1.0
+        for p in self.processors:
+            c0, c1, c2 = p.coef(rows)
+            if c0 is not None:
+                out[0], out[1] = c0, c1
+            out[2] += c2
+        return out
+
+    def choose(self, h: Sequence[Sequence[int]], rows: np.ndarray | GraphRows, gather: Gather | None = None
+               ) -> Choice:
+        """The pass's rows -> Choice: dense logits [T, V], or the graph's GraphRows for the Gather it ran with."""
+        if not isinstance(rows, GraphRows):
+            return self.choose_dense(h, rows)
+        ids, col = gather.ids, gather.columns
+        w = len(ids)
+        if rows.tokens is not None:  # sampled in the graph
+            return _SparseChoice(rows.tokens, rows.token_probs, col, rows.at_ids[:, :w].astype(np.float64), None,
+                                 probs=True)
+        if self.sampler is not greedy:
+            raise ValueError("graph rows without a draw need the greedy sampler")
+        at = self.process_at(h, gather, rows.at_ids[:, :w])  # [T, W] float64
+        t = np.arange(len(at))
+        # the rest of the row: its largest logit, from the chunks' maxima (chunks hold consecutive ids: the first
+        # chunk holding the maximum holds the lowest of the ids that reach it, bar ties inside one chunk)
+        rest_l = rows.rest_logits.astype(np.float64)
+        best = np.argmax(rest_l, axis=-1)
+        rest_id, rest_l_best = rows.rest_ids[t, best].astype(np.int64), rest_l[t, best]
+        # the gathered ids: the best by processed logit, the lowest id among equal ones
+        g_l = at.max(-1)
+        g_id = np.where(at == g_l[:, None], ids, _NO_ID).min(-1).astype(np.int64)
+        take_g = (g_l > rest_l_best) | ((g_l == rest_l_best) & (g_id < rest_id))
+        tokens = np.where(take_g, g_id, rest_id)
+        if not gather.probs:
+            return _SparseChoice(tokens, np.full(len(tokens), np.nan), col, at, None)
+        chosen = np.where(take_g, g_l, rest_l_best)
+        # log of the rest's softmax total: per chunk, its maximum over that one's probability in the chunk
+        with np.errstate(divide="ignore", invalid="ignore"):
+            chunk_lse = np.where(np.isneginf(rest_l), -np.inf, rest_l - np.log(rows.rest_probs.astype(np.float64)))
+        m = np.maximum(at.max(-1), chunk_lse.max(-1))  # [T]
+        with np.errstate(over="ignore"):
+            total = np.exp(at - m[:, None]).sum(-1) + np.exp(chunk_lse - m[:, None]).sum(-1)
+        log_total = m + np.log(total)
+        return _SparseChoice(tokens, np.exp(chosen - log_total), col, at, log_total)

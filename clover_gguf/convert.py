@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf import GGML_QUANT_VERSION, GGUFType, GGUFWriter, LlamaFileType, Metadata, quants
 
 from clover_gguf.checkpoint import Checkpoint
-from clover_gguf.config import MAX_KERNEL, CloverConfig, read_json
+from clover_gguf.config import MAX_KERNEL, CloverConfig, generation_defaults, read_json
 from clover_gguf.errors import UserError
 from clover_gguf.fsutil import atomic_output, check_free_disk, check_output
 from clover_gguf.gguf_header import BOOL, F32, HPARAMS, STRING, U32
@@ -395,7 +395,7 @@ def read_generation_defaults(src: Path) -> GenerationDefaults:
     p = Path(src) / "generation_config.json"
     if not p.is_file():
         return GenerationDefaults()
-    return GenerationDefaults.from_hf(read_json(p, "generation_config.json"), where=str(p))
+    return generation_defaults(read_json(p, "generation_config.json"), where=str(p))
 
 
 @dataclass

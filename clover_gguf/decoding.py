@@ -2,8 +2,10 @@
 self-speculative decoding ("draft-self").
 
 A backend (reference.ReferenceBackend on the PyTorch reference, runtime.LlamaBackend on the patched llama.cpp)
-only evaluates the model; everything that decides tokens lives in this module and works on numpy logits. `generate` yields chunks as they resolve, in the
-style of mlx-lm's generate_step; `generate_all` collects them.
+only evaluates the model; everything that decides tokens lives here and in clover_gguf.controls (`Selector`), on
+numpy logits, or on what a backend's graph computed at the few ids the controls touch (the `*_rows` methods: the
+same decisions, docs/runtime.md). `generate` yields chunks as they resolve, in the style of mlx-lm's
+generate_step; `generate_all` collects them.
 
 Conventions
 -----------
@@ -29,7 +31,7 @@ from typing import Iterator, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-from clover_gguf.controls import Processor, Sampler, greedy, process, softmax
+from clover_gguf.controls import Choice, Gather, GraphRows, Histories, Processor, Sampler, Selector
 
 MODES = ("ar", "diffusion", "draft-self")
 ACCEPT_MODES = ("exact", "threshold")
@@ -62,6 +64,13 @@ class Backend(Protocol):
       rollback(n)                  forget the last n committed tokens (n <= n_past; only ever the tokens of the
                                    latest commit, which is all draft-self needs). The state must equal the one
                                    a causal pass over the kept tokens would give. Not counted as a pass.
+
+    Optional (GraphBackend): the same passes with the selection's full-vocabulary work done by the model's own
+    graph; a `controls.Gather` says which ids to take out of each row, and they return `controls.GraphRows`
+    (gather None: no rows at all, a commit whose logits nobody reads).
+      prefill_rows(ids, gather)            the last position's row (gather None: none)
+      commit_rows(ids, gather)             every position's row
+      block_rows(block, positions, gather) the rows of these block positions
     """
 
     mask_token_id: int
@@ -82,14 +91,64 @@ class Backend(Protocol):
     def rollback(self, n: int) -> None: ...
 
 
+@runtime_checkable
+class GraphBackend(Backend, Protocol):
+    """A Backend whose passes can also select in the model's graph (see Backend)."""
+
+    def prefill_rows(self, ids: Sequence[int], gather: Gather | None) -> GraphRows | None: ...
+
+    def commit_rows(self, ids: Sequence[int], gather: Gather | None) -> GraphRows | None: ...
+
+    def block_rows(self, block: Sequence[int], positions: Sequence[int], gather: Gather) -> GraphRows: ...
+
+
 # ---------------------------------------------------------------------------------------------------------------
-# Sampling: processors and samplers are clover_gguf.controls' one batched interface
+# Passes and their selection: processors and samplers are clover_gguf.controls' (Selector)
 # ---------------------------------------------------------------------------------------------------------------
-def _pick(logits: np.ndarray, sampler: Sampler) -> tuple[np.ndarray, np.ndarray]:
-    """processed logits [T, V] -> (tokens [T], confidence [T] = probability of the chosen token)."""
-    tok = np.asarray(sampler(logits), dtype=np.int64).reshape(-1)
-    conf = softmax(logits)[np.arange(len(tok)), tok]
-    return tok, conf
+class _Passes:
+    """The model passes of one answer with the selection of their rows: in the backend's graph when it can and the
+    selector allows it (every processor sparse, the sampler ours), else on dense logits. Either way the same
+    Choice."""
+
+    def __init__(self, backend: Backend, selector: Selector):
+        self.b, self.sel = backend, selector
+        self.graph = (selector.in_graph and isinstance(backend, GraphBackend) and
+                      getattr(backend, "select_in_graph", True))
+
+    def prefill(self, ids: Sequence[int], h: Histories) -> Choice:
+        """The prompt's pass and the choice of the first token (its confidence is not computed in the graph)."""
+        if self.graph:
+            g = self.sel.gather(h, probs=False)
+            return self.sel.choose(h, self.b.prefill_rows(ids, g), g)
+        return self.sel.choose(h, self.b.prefill(ids)[None])
+
+    def prefill_only(self, ids: Sequence[int]) -> None:
+        """A prompt's pass whose row nobody reads (the block modes' blocks start all-mask)."""
+        if self.graph:
+            self.b.prefill_rows(ids, None)
+        else:
+            self.b.prefill(ids)
+
+    def commit(self, ids: Sequence[int], h: Histories, want: Sequence[int] = (), probs: bool = False) -> Choice:
+        """A causal pass committing `ids` and the choices of its rows; probs: the probabilities of `want` (and the
+        confidences) are needed, not just the tokens."""
+        if self.graph:
+            g = self.sel.gather(h, want, probs=probs)
+            return self.sel.choose(h, self.b.commit_rows(ids, g), g)
+        return self.sel.choose(h, self.b.commit(ids))
+
+    def commit_only(self, ids: Sequence[int]) -> None:
+        """A causal pass whose rows nobody reads (a finished block)."""
+        if self.graph:
+            self.b.commit_rows(ids, None)
+        else:
+            self.b.commit(ids)
+
+    def block(self, block: Sequence[int], positions: Sequence[int], h: Histories) -> Choice:
+        if self.graph:
+            g = self.sel.gather(h)
+            return self.sel.choose(h, self.b.block_rows(block, positions, g), g)
+        return self.sel.choose(h, self.b.block_logits(block)[list(positions)])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -103,7 +162,7 @@ class GenerationStats:
     forward_passes: int = 0  # every prefill / commit / block_logits call, the prompt's included
     block_passes: int = 0  # the block_logits calls among them
     # drafted / accepted: block-proposed tokens that a causal pass checked, and how many of them it would have chosen
-    # itself (draft-self: its verification; diffusion: the commit pass, greedy): the check of the block reading
+    # itself (draft-self: its verification; diffusion: the commit pass's own choices): the check of the block reading
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     finish_reason: str | None = None  # "stop" (end token) or "length"
@@ -177,18 +236,21 @@ def _end_rule_fill(end_rule: str, is_end: np.ndarray, conf: np.ndarray, threshol
 
 
 def resolve_block(backend: Backend, block: list[int], resolved: list[bool], generated: Sequence[int],
-                  threshold: float, sampler: Sampler, processors: Sequence[Processor],
-                  stats: GenerationStats, end_rule: str = DEFAULT_END_RULE) -> int:
+                  threshold: float, sampler: Sampler | Selector | _Passes, processors: Sequence[Processor] = (),
+                  stats: GenerationStats | None = None, end_rule: str = DEFAULT_END_RULE) -> int:
     """Fill the masked positions of `block` in place by block-mode passes (the card's LowConfidence rule).
 
     Each pass fills every masked position whose confidence exceeds `threshold`, or, if none does, the single most
     confident masked position (the lowest index on ties); end tokens as `end_rule` says (END_RULES). Stops when
     every position is resolved, or when an end token is resolved with every position before it resolved (what
-    follows it is never used).
+    follows it is never used). `sampler`: a sampler (with `processors`), or the answer's Selector / passes.
     -> the number of positions that matter: index of the first end token + 1, or len(block).
     """
     if end_rule not in END_RULES:
         raise ValueError(f"end_rule must be one of {END_RULES}, not {end_rule!r}")
+    passes = sampler if isinstance(sampler, _Passes) else _Passes(
+        backend, sampler if isinstance(sampler, Selector) else Selector(processors, sampler, backend.eos_ids))
+    stats = stats if stats is not None else GenerationStats(mode="diffusion")
     eos = backend.eos_ids
     while True:
         end = _first_end(block, resolved, eos)
@@ -196,18 +258,18 @@ def resolve_block(backend: Backend, block: list[int], resolved: list[bool], gene
             return end + 1
         if all(resolved):
             return len(block)
-        logits = backend.block_logits(block)  # [B, V], commits nothing
-        stats.forward_passes += 1
-        stats.block_passes += 1
-        masked, history, before = [], [], list(generated)  # before: tokens_so_far at the current position
+        masked, lens, tail = [], [], []  # tail: the resolved tokens in block order; lens: how many precede each
         for i, r in enumerate(resolved):
             if r:
-                before.append(block[i])
+                tail.append(block[i])
             else:
                 masked.append(i)
-                history.append(list(before))
-        processed = process(processors, history, logits[masked])  # [M, V]
-        tok, conf = _pick(processed, sampler)  # [M], [M]
+                lens.append(len(tail))
+        h = Histories(generated, tail, lens)  # tokens_so_far at each masked position
+        choice = passes.block(block, masked, h)  # commits nothing
+        stats.forward_passes += 1
+        stats.block_passes += 1
+        tok, conf = choice.tokens, choice.conf  # [M], [M]
         is_end = np.isin(tok, list(eos))  # [M]
         for m in _end_rule_fill(end_rule, is_end, conf, threshold):
             block[masked[m]], resolved[masked[m]] = int(tok[m]), True
@@ -216,7 +278,7 @@ def resolve_block(backend: Backend, block: list[int], resolved: list[bool], gene
             ends = sorted(eos)
             for m, i in enumerate(masked):
                 if first is not None and i > first and not resolved[i]:
-                    block[i], resolved[i] = ends[int(np.argmax(processed[m, ends]))], True
+                    block[i], resolved[i] = choice.best_of(m, ends), True
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -245,19 +307,17 @@ def generate(backend: Backend, prompt_ids: Sequence[int], mode: str = "diffusion
         raise ValueError(f"end_rule must be one of {END_RULES}, not {end_rule!r}")
     if not len(prompt_ids):
         raise ValueError("the prompt is empty")
-    sampler = sampler or greedy
     block_size = int(block_size or backend.block_size)
     if stats is None:
         stats = GenerationStats(mode=mode, prompt_tokens=len(prompt_ids))
     backend.reset()
+    passes = _Passes(backend, Selector(logits_processors, sampler, backend.eos_ids))  # one per answer
     if mode == "ar":
-        gen = _ar(backend, prompt_ids, max_new_tokens, sampler, logits_processors, stats)
+        gen = _ar(passes, prompt_ids, max_new_tokens, stats)
     elif mode == "diffusion":
-        gen = _diffusion(backend, prompt_ids, max_new_tokens, block_size, threshold, sampler, logits_processors,
-                         stats, end_rule)
+        gen = _diffusion(passes, prompt_ids, max_new_tokens, block_size, threshold, stats, end_rule)
     else:
-        gen = _draft_self(backend, prompt_ids, max_new_tokens, block_size, threshold, accept, sampler,
-                          logits_processors, stats, end_rule)
+        gen = _draft_self(passes, prompt_ids, max_new_tokens, block_size, threshold, accept, stats, end_rule)
     yield from gen
 
 
@@ -284,13 +344,12 @@ def _finish(stats: GenerationStats, tokens: list[int], reason: str) -> Chunk:
     return Chunk(tokens, stats, finished=True)
 
 
-def _ar(backend, prompt_ids, max_new, sampler, processors, stats) -> Iterator[Chunk]:
-    logits = backend.prefill(prompt_ids)  # [V], predicts the first answer token
+def _ar(passes: _Passes, prompt_ids, max_new, stats) -> Iterator[Chunk]:
+    backend, out = passes.b, []
+    choice = passes.prefill(prompt_ids, Histories(out))  # predicts the first answer token
     stats.forward_passes += 1
-    out: list[int] = []
     while True:
-        tok, _ = _pick(process(processors, [out], logits[None]), sampler)
-        t = int(tok[0])
+        t = int(choice.tokens[0])
         if t in backend.eos_ids:
             yield _finish(stats, [], "stop")
             return
@@ -299,18 +358,17 @@ def _ar(backend, prompt_ids, max_new, sampler, processors, stats) -> Iterator[Ch
             yield _finish(stats, took, "length")
             return
         yield Chunk(took, stats)
-        logits = backend.commit([t])[-1]
+        choice = passes.commit([t], Histories(out))  # out holds t now: the history of the next token
         stats.forward_passes += 1
 
 
-def _diffusion(backend, prompt_ids, max_new, block_size, threshold, sampler, processors, stats, end_rule
-               ) -> Iterator[Chunk]:
-    backend.prefill(prompt_ids)  # commits the prompt; its logits are not used (blocks start all-mask)
+def _diffusion(passes: _Passes, prompt_ids, max_new, block_size, threshold, stats, end_rule) -> Iterator[Chunk]:
+    backend, out = passes.b, []
+    passes.prefill_only(prompt_ids)  # commits the prompt; its logits are not used (blocks start all-mask)
     stats.forward_passes += 1
-    out: list[int] = []
     while True:
         block, resolved = [backend.mask_token_id] * block_size, [False] * block_size
-        n = resolve_block(backend, block, resolved, out, threshold, sampler, processors, stats, end_rule)
+        n = resolve_block(backend, block, resolved, out, threshold, passes, stats=stats, end_rule=end_rule)
         ended = block[n - 1] in backend.eos_ids
         body = block[:n - 1] if ended else block
         took, full = _emit(body, out, max_new, stats)
@@ -321,39 +379,39 @@ def _diffusion(backend, prompt_ids, max_new, block_size, threshold, sampler, pro
             yield _finish(stats, took, "length")
             return
         yield Chunk(took, stats)
-        ver = backend.commit(block)  # one causal pass makes the block part of the prefix
+        # one causal pass makes the block part of the prefix; its rows' own choices (the sampler's, controls on:
+        # row i has the answer up to block[i] as history) say how far the causal path agrees with the block
+        start = len(out) - len(block)
+        target = passes.commit(block, Histories(out[:start], block, range(1, len(block) + 1))).tokens
         stats.forward_passes += 1
-        # how far the causal path agrees with the block (greedy, controls on): diffusion's acceptance
-        target = greedy(process(processors, [out[:len(out) - len(block) + i + 1] for i in range(block_size - 1)],
-                                ver[:-1]))
-        stats.drafted_tokens += block_size - 1
-        stats.accepted_tokens += next((i for i in range(block_size - 1) if block[i + 1] != int(target[i])),
-                                      block_size - 1)
+        stats.drafted_tokens += len(block) - 1
+        stats.accepted_tokens += next((i for i in range(len(block) - 1) if block[i + 1] != int(target[i])),
+                                      len(block) - 1)
 
 
-def _draft_self(backend, prompt_ids, max_new, block_size, threshold, accept, sampler, processors, stats, end_rule
+def _draft_self(passes: _Passes, prompt_ids, max_new, block_size, threshold, accept, stats, end_rule
                 ) -> Iterator[Chunk]:
-    eos, out = backend.eos_ids, []
-    last = backend.prefill(prompt_ids)  # [V]: causal logits predicting the first answer token
+    backend, out = passes.b, []
+    eos = backend.eos_ids
+    # the causal choice after the prompt, not committed
+    pending = int(passes.prefill(prompt_ids, Histories(out)).tokens[0])
     stats.forward_passes += 1
-    pending = int(_pick(process(processors, [out], last[None]), sampler)[0][0])  # causal choice, not committed
     while pending not in eos:
         # draft: the block's first position is the pending causal token, the rest start masked
         block = [pending] + [backend.mask_token_id] * (block_size - 1)  # [B]
         resolved = [True] + [False] * (block_size - 1)
-        d = resolve_block(backend, block, resolved, out, threshold, sampler, processors, stats, end_rule)
+        d = resolve_block(backend, block, resolved, out, threshold, passes, stats=stats, end_rule=end_rule)
         draft = block[:d]  # [D]: draft[0] = pending, draft[1:] proposed; ends at the first end token if any
-        # verify: one causal pass commits all D tokens; ver[i] predicts the token after draft[i]
-        ver = backend.commit(draft)  # [D, V]
+        # verify: one causal pass commits all D tokens; row i predicts the token after draft[i], its history is
+        # the answer plus draft[:i + 1]
+        causal = passes.commit(draft, Histories(out, draft, range(1, d + 1)),
+                               want=draft[1:] if accept == "threshold" else (), probs=accept == "threshold")
         stats.forward_passes += 1
-        history = [out + draft[:i + 1] for i in range(d)]  # tokens_so_far for the token after draft[i]
-        causal = process(processors, history, ver)  # [D, V]
-        target, _ = _pick(causal, sampler)  # [D]: target[i] = causal choice for position i + 1
+        target = causal.tokens  # [D]: target[i] = causal choice for position i + 1
         if accept == "exact":
             ok = [draft[i + 1] == int(target[i]) for i in range(d - 1)]  # [D-1]
         else:
-            prob = softmax(causal)
-            ok = [prob[i, draft[i + 1]] >= threshold for i in range(d - 1)]
+            ok = [causal.prob(i, draft[i + 1]) >= threshold for i in range(d - 1)]
         n_ok = next((i for i, good in enumerate(ok) if not good), d - 1)  # accepted draft tokens
         keep = 1 + n_ok  # [pending] + accepted proposals
         kept = draft[:keep]

@@ -8,9 +8,9 @@ The parts (bytes), for the settings the runtime really uses (runtime.context_set
 - recurrent: the GDN layers' conv and delta-rule states, one per sequence the runtime keeps (main, block scratch,
   rollback backup), times 1 + n_rs_seq with `--rollback snapshot`
 - compute: llama.cpp's compute buffers for the largest graph, from llama.cpp's own graph allocator run on the model
-  without allocating (llama_context.DryRun), plus the logits output buffer (rows x n_vocab floats). Hand arithmetic
-  would be wrong here: on the 35B shape the tensors alive at the peak of a prompt pass hold 57 MiB, the buffer is
-  76 MiB (the allocator's free blocks do not fit the next tensor). The buffer grows with the context through the
+  without allocating (llama_context.DryRun), plus the output buffer (rows x n_vocab x 4 floats: output_bytes).
+  Hand arithmetic would be wrong here: on the 35B shape the tensors alive at the peak of a prompt pass hold 57 MiB,
+  the buffer is 76 MiB (the allocator's free blocks do not fit the next tensor). The buffer grows with the context through the
   attention mask (n_ctx x n_ubatch halves), so two dry runs give it at any context.
 
 `--parallel N` multiplies everything but the mapped host weights: each server slot loads its own model and context.
@@ -204,7 +204,7 @@ class Predictor:
             else:
                 kv[layer_dev[i]] += kv_layer
         rows = 1 if st.mode == "ar" else cs["n_outputs_max"]
-        output = max(cs["n_seq_max"], rows) * s.n_vocab * F32  # host (pinned on a GPU build)
+        output = output_bytes(max(cs["n_seq_max"], rows), s.n_vocab)  # host (pinned on a GPU build)
         c_dev, c_host = self.compute_at(cs["n_ctx"], ngl, s)
         n = st.parallel
         device = n * (w_dev + kv[True] + rs[True] + c_dev)
@@ -475,6 +475,13 @@ def _command(model: Model, setup: Setup, ctx: int, ngl: int, k: int, gpu: bool) 
     return " ".join(cmd)
 
 
+def output_bytes(rows: int, n_vocab: int) -> int:
+    """llama.cpp's output buffer for `rows` rows: the logits, and, since the runtime selects in the graph (llama.cpp's
+    backend sampling, docs/runtime.md), the sampled logits, probabilities and candidates it keeps at the same stride
+    of n_vocab per row, and a token per row (llama_context::output_reserve)."""
+    return rows * n_vocab * 4 * F32 + rows * F32
+
+
 # ---- serve's slots ------------------------------------------------------------------------------------------------
 def check_slots(parallel: int, breakdown: dict[str, dict[str, int]], host_bytes: int | None = None,
                 devices: list | None = None) -> None:
@@ -527,7 +534,7 @@ def measure(model: Model, result: FitResult, setup: Setup) -> dict[str, int]:
             rt.close()
     at_load, at_free = buffer_sizes(load_log), buffer_sizes(free_log)
     model_b = at_load.get("model", {})
-    output = max(sum(at_load.get("output", {}).values()), rows * model.shape.n_vocab * F32)
+    output = max(sum(at_load.get("output", {}).values()), output_bytes(rows, model.shape.n_vocab))
     return {"weights_device": sum(v for k, v in model_b.items() if not is_host_buffer(k)),
             "weights_host": sum(v for k, v in model_b.items() if is_host_buffer(k)),
             "kv": sum(at_load.get("KV", {}).values()), "recurrent": sum(at_load.get("RS", {}).values()),
@@ -570,7 +577,8 @@ def fit(model_path: Path | None = None, config: Path | None = None, qtype: str |
         vram: str | None = None, ram: str | None = None, ctx: int | None = None, mode: str | None = None,
         parallel: int = 1, rollback: str = "redecode", mmap: bool = True, unified: bool | None = None,
         do_measure: bool = False) -> FitResult:
-    from clover_gguf.llama_memory import DryRun, gpu_devices
+    from clover_gguf.llama_context import gpu_devices
+    from clover_gguf.llama_memory import DryRun
 
     if (model_path is None) == (config is None):
         raise UserError("give either MODEL.gguf or --config config.json --type T")

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import numpy as np
 
 from clover_gguf.checkpoint import SAFETENSORS_DTYPES, normalise_name, parse_shard_header
-from clover_gguf.config import CloverConfig
+from clover_gguf.config import CloverConfig, generation_defaults
 from clover_gguf.errors import UserError
 from clover_gguf.metadata import ARCH, GenerationDefaults, MASK_TOKEN_ID, hparam
 from clover_gguf.tensor_map import TENSOR_RULES, TRANSFORMS, match_rule
@@ -214,7 +214,8 @@ def graft(src: Path, from_: str, out: Path, revision: str | None = None, force: 
     if not cfg.is_clover:
         raise UserError(f"{source.label} is not a Clover checkpoint (model_type {cfg.model_type!r})")
     gen_raw = _json(source, "generation_config.json", required=False)
-    gen = GenerationDefaults() if gen_raw is None else GenerationDefaults.from_hf(gen_raw)
+    gen = GenerationDefaults() if gen_raw is None else \
+        generation_defaults(gen_raw, where=f"{source.label}: generation_config.json")
     refs = block_tensor_refs(source)
     cfg = right_kernel_from_shapes({n: r[2] for n, r in refs.items()}, cfg)
     _check_same_model(h, cfg)

@@ -4,6 +4,10 @@ The binding loads libllama from $LLAMA_CPP_LIB_PATH; `load_binding()` points it 
 (`clover-gguf build-llama`). Block passes follow docs/llama-cpp-patch.md: the scratch sequence is switched to block
 attention once (`llama_set_block_attn`, the patch's API); a block pass copies the committed sequence to it, decodes the
 block there with logits for every block token and drops the copy, so the committed sequence never changes.
+
+A decode returns the logits of its rows, or, given a `controls.Gather`, what patches/0004's sampler computed in the
+graph (`controls.GraphRows`): a sequence decoded that way carries the sampler (llama.cpp's backend sampling), and
+llama.cpp then copies no logits at all. Switching a sequence between the two rebuilds llama.cpp's graph.
 """
 
 from __future__ import annotations
@@ -13,16 +17,19 @@ import ctypes
 import os
 import re
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from clover_gguf.controls import Gather, GraphRows
 from clover_gguf.errors import UserError
 from clover_gguf.offload import Offload, no_offload_notice
 
 GGML_TYPE_F32 = 0
-GGML_BACKEND_DEVICE_TYPE_CPU = 0
+# enum ggml_backend_dev_type
+GGML_BACKEND_DEVICE_TYPE_CPU, GGML_BACKEND_DEVICE_TYPE_GPU, GGML_BACKEND_DEVICE_TYPE_IGPU = 0, 1, 2
 LOAD_MODE_NONE, LOAD_MODE_AUTO = 0, -1  # enum llama_load_mode
 
 # llama.cpp rounds the context up to a multiple of this (llama-context.cpp, "GGML_PAD(cparams.n_ctx, 256)") but
@@ -71,6 +78,20 @@ def _clover_api(L: Any) -> Any:
         lib.llama_get_memory_breakdown_entries.argtypes = [ctypes.c_void_p, ctypes.POINTER(_MemoryBreakdownEntry),
                                                            ctypes.c_int32]
         lib.llama_get_memory_breakdown_entries.restype = ctypes.c_int32
+        smpl = L.llama_cpp.llama_sampler_p_ctypes
+        lib.llama_sampler_init_clover.argtypes = [ctypes.c_int32, ctypes.c_bool, ctypes.c_float, ctypes.c_int32,
+                                                  ctypes.c_float]
+        lib.llama_sampler_init_clover.restype = smpl
+        lib.llama_sampler_clover_set_rows.argtypes = [smpl, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                                      ctypes.c_int32]
+        lib.llama_sampler_clover_set_rows.restype = None
+        # the sampled rows, read after every selecting decode: plain addresses (the binding's wrappers cost more)
+        for name, res in (("llama_get_sampled_logits_ith", ctypes.c_void_p),
+                          ("llama_get_sampled_candidates_ith", ctypes.c_void_p),
+                          ("llama_get_sampled_logits_count_ith", ctypes.c_uint32),
+                          ("llama_get_sampled_token_ith", ctypes.c_int32)):
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_int32], res
     except AttributeError:
         raise UserError(f"{lib._name} is not the patched llama.cpp (no llama_set_block_attn): "
                         "run `clover-gguf build-llama`") from None
@@ -126,6 +147,46 @@ def _buft_overrides(L: Any, patterns: list[str]) -> Any:
     return arr
 
 
+@dataclass(frozen=True)
+class Device:
+    name: str
+    description: str
+    free: int
+    total: int
+    integrated: bool  # shares host memory: an integrated GPU, or Metal (which reports itself as a plain GPU)
+
+
+def gpu_devices() -> list[Device]:
+    """The GPUs llama.cpp sees, with their free and total memory as the backend reports it (Metal: total is
+    recommendedMaxWorkingSetSize, see docs/hardware.md)."""
+    L = load_binding()
+    L.llama_backend_init()
+    lib = L.llama_cpp._lib
+    sig = {"ggml_backend_dev_count": (ctypes.c_size_t, []), "ggml_backend_dev_get": (ctypes.c_void_p, [ctypes.c_size_t]),
+           "ggml_backend_dev_type": (ctypes.c_int, [ctypes.c_void_p]),
+           "ggml_backend_dev_name": (ctypes.c_char_p, [ctypes.c_void_p]),
+           "ggml_backend_dev_description": (ctypes.c_char_p, [ctypes.c_void_p]),
+           "ggml_backend_dev_memory": (None, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t),
+                                              ctypes.POINTER(ctypes.c_size_t)])}
+    fn = {}
+    for name, (res, args) in sig.items():
+        f = getattr(lib, name)
+        f.restype, f.argtypes = res, args
+        fn[name] = f
+    out = []
+    for i in range(fn["ggml_backend_dev_count"]()):
+        dev = fn["ggml_backend_dev_get"](i)
+        kind = fn["ggml_backend_dev_type"](dev)
+        if kind not in (GGML_BACKEND_DEVICE_TYPE_GPU, GGML_BACKEND_DEVICE_TYPE_IGPU):
+            continue
+        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        fn["ggml_backend_dev_memory"](dev, ctypes.byref(free), ctypes.byref(total))
+        name = fn["ggml_backend_dev_name"](dev).decode()
+        out.append(Device(name, fn["ggml_backend_dev_description"](dev).decode(), free.value, total.value,
+                          kind == GGML_BACKEND_DEVICE_TYPE_IGPU or name.startswith("MTL")))
+    return out
+
+
 def block_count(path: Path) -> int:
     from clover_gguf.gguf_header import read_header
 
@@ -144,8 +205,6 @@ def _load_model(L: Any, path: Path, offload: Offload, overrides: dict | None, ke
     L.llama_log_set(_quiet_log(L), ctypes.c_void_p())
     patterns = offload.expert_patterns(block_count(path)) if offload.cpu_moe or offload.n_cpu_moe else []
     supported = bool(L.llama_supports_gpu_offload())
-    from clover_gguf.llama_memory import gpu_devices
-
     if not rpc and not gpu_devices():  # a CPU build, or one with GPU backends (RPC too) but no device to use
         no_offload_notice(offload)
     mp = L.llama_model_default_params()
@@ -181,6 +240,7 @@ def _context_params(L: Any, n_ctx: int, n_ubatch: int, n_batch: int | None, n_se
     # rows of logits one decode call may ask for; llama.cpp sizes the output buffer and the logits part of the
     # compute buffer by it (0 = n_batch: on a 248k vocabulary, 512 rows are about 0.5 GB of compute buffer)
     cp.n_outputs_max = n_outputs_max
+    cp.n_outputs_max_per_seq = 0  # = n_outputs_max: a block pass's rows all belong to one sequence (backend sampling)
     cp.kv_unified = True  # seq_cp of the KV cache is then metadata only
     # llama.cpp's split: n_threads for one-token calls, n_threads_batch for calls of several tokens
     threads = n_threads or max(1, min(8, os.cpu_count() or 1))
@@ -235,6 +295,9 @@ class LlamaContext:
         self.n_ubatch = L.llama_n_ubatch(self.ctx)  # the most tokens one block pass may take (likewise)
         self.mem = L.llama_get_memory(self.ctx)
         self._batch: _Batch | None = None  # reused by every decode call, grown when a call needs more room
+        self._selectors: dict[int, tuple[tuple, Any]] = {}  # seq -> (settings, llama.cpp sampler chain)
+        self._rows_in: tuple = ()  # the arrays the sampler reads during the current decode
+        self._views: dict[tuple, np.ndarray] = {}  # numpy views of llama.cpp's sampled-output buffers
 
     # ---- metadata ---------------------------------------------------------------------------------------
     def meta(self, key: str) -> str | None:
@@ -262,10 +325,12 @@ class LlamaContext:
         (self._block_seqs.add if enabled else self._block_seqs.discard)(seq)
 
     def decode(self, ids: Sequence[int], pos0: int, seq: int = 0, logits: bool | Sequence[bool] = True,
-               extra: Sequence[tuple[Sequence[int], int, int]] = ()) -> np.ndarray:
+               extra: Sequence[tuple[Sequence[int], int, int]] = (), gather: Gather | None = None
+               ) -> np.ndarray | GraphRows | None:
         """Decode `ids` at positions pos0.. on `seq` (plus (ids, pos0, seq) parts in the same batch) ->
-        logits [n_out, V] for the tokens that asked for them (all by default). A sequence switched to block
-        attention (set_block_attn) is decoded as one block."""
+        logits [n_out, V] for the tokens that asked for them (all by default); with `gather`, the graph's selection
+        rows for them instead (GraphRows; None when no token asked). A sequence switched to block attention
+        (set_block_attn) is decoded as one block."""
         parts = [(ids, pos0, seq), *extra]
         n = sum(len(p[0]) for p in parts)
         # llama.cpp aborts the process on this (GGML_ASSERT): refuse it here, callers check requests earlier. (A block
@@ -292,29 +357,117 @@ class LlamaContext:
         n_out = int(np.count_nonzero(want))
         if n_out > self.n_outputs_max:  # llama.cpp would abort the process
             raise ValueError(f"{n_out} logits rows asked for, the context was made for at most {self.n_outputs_max}")
+        if gather is not None and n_out:
+            self._select_on(seq, gather, n_out, n, extra)
+        elif n_out:  # logits wanted: no sequence may carry a sampler (llama.cpp would copy no logits)
+            for s in list(self._selectors):
+                self._select_off(s)
         batch.struct.n_tokens = n
         rc = self.L.llama_decode(self.ctx, batch.struct)
         if rc != 0:
             raise RuntimeError(f"llama_decode returned {rc}")
         self.max_outputs = max(self.max_outputs, n_out)
+        if gather is not None:  # llama.cpp finds a decode's rows by the batch index of the first
+            return self._graph_rows(int(np.argmax(want)), n_out, gather) if n_out else None
         if not n_out:
             return np.empty((0, self.n_vocab), dtype=np.float32)
         # llama.cpp stores the requested rows contiguously, in batch order
         return np.ctypeslib.as_array(self.L.llama_get_logits(self.ctx), shape=(n_out, self.n_vocab)).copy()
+
+    # ---- selection in the graph (patches/0004) ----------------------------------------------------------
+    def _select_on(self, seq: int, g: Gather, n_out: int, n: int, extra) -> None:
+        """Give `seq` the selection sampler for this gather (a new one when its settings changed) and its rows."""
+        if extra:
+            raise ValueError("a decode with a gather holds one sequence")
+        if g.n_rows != n_out:
+            raise ValueError(f"a gather for {g.n_rows} rows, the decode has {n_out}")
+        if n_out > 1 and n > self.n_ubatch:  # the sampler reads one ubatch's rows
+            raise ValueError(f"{n} tokens with {n_out} selected rows: more than one micro-batch ({self.n_ubatch})")
+        key = (g.width, g.probs, g.temp, g.top_k, g.top_p)
+        held = self._selectors.get(seq)
+        if held is None or held[0] != key:
+            L = self.L
+            chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
+            L.llama_sampler_chain_add(chain, self._api.llama_sampler_init_clover(g.width, g.probs, g.temp, g.top_k,
+                                                                                 g.top_p))
+            if not L.llama_set_sampler(self.ctx, seq, chain):
+                L.llama_sampler_free(chain)
+                raise RuntimeError(f"llama.cpp refused the selection sampler on sequence {seq}")
+            if held is not None:
+                L.llama_sampler_free(held[1])
+            self._selectors[seq] = held = (key, chain)
+        ids = g.padded_ids()
+        coef = g.padded_coef() if g.coef is not None else None
+        u = np.ascontiguousarray(g.uniform, dtype=np.float32) if g.uniform is not None else None
+        self._rows_in = (ids, coef, u)  # alive until the next decode
+        self._api.llama_sampler_clover_set_rows(held[1], _address(ids), _address(coef), _address(u), n_out)
+
+    def _select_off(self, seq: int) -> None:
+        held = self._selectors.pop(seq, None)
+        if held is not None:
+            self.L.llama_set_sampler(self.ctx, seq, None)
+            self.L.llama_sampler_free(held[1])
+
+    def _graph_rows(self, first: int, n_out: int, g: Gather) -> GraphRows:
+        """The sampler's outputs for the decode's rows, the first at batch index `first` (llama.cpp keeps the rows in
+        batch order, each at a stride of n_vocab)."""
+        api, ctx, v = self._api, self.ctx, self.n_vocab
+        n_f = api.llama_get_sampled_logits_count_ith(ctx, first)
+        f = self._rows_view(api.llama_get_sampled_logits_ith(ctx, first), n_out, np.float32)[:, :n_f].copy()
+        w = g.width
+        if g.temp > 0:
+            rows = np.flatnonzero(self._batch.logits[:self._batch.struct.n_tokens])
+            tokens = np.fromiter((api.llama_get_sampled_token_ith(ctx, int(i)) for i in rows), dtype=np.int64,
+                                 count=n_out)
+            return GraphRows(at_ids=f[:, :w], tokens=tokens, token_probs=f[:, w])
+        n, rest = divmod(n_f - w, 2 if g.probs else 1)  # the vocabulary's chunks (llama.h: llama_sampler_init_clover)
+        if rest or n < 1 or v % n:
+            raise RuntimeError(f"the selection sampler returned {n_f} values per row for a gather of {w}")
+        local = self._rows_view(api.llama_get_sampled_candidates_ith(ctx, first), n_out, np.int32)[:, :n]
+        ids = local + self._chunk_starts(n)  # index in the chunk -> token id
+        return GraphRows(at_ids=f[:, :w], rest_ids=ids, rest_logits=f[:, w:w + n],
+                         rest_probs=f[:, w + n:w + 2 * n] if g.probs else None)
+
+    def _chunk_starts(self, n: int) -> np.ndarray:
+        starts = self._views.get(("chunks", n))
+        if starts is None:
+            starts = self._views[("chunks", n)] = np.arange(n, dtype=np.int64) * (self.n_vocab // n)
+        return starts
+
+    def _rows_view(self, addr: int | None, n_out: int, dtype) -> np.ndarray:
+        """[n_out, n_vocab] numpy view of one of llama.cpp's sampled-output buffers (kept per address: making a view
+        through ctypes costs more than the rest of a pass's reading)."""
+        if not addr:
+            raise RuntimeError("llama.cpp returned no sampled rows (was the selection sampler attached?)")
+        key = (addr, n_out, dtype)
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) > 64:
+                self._views.clear()
+            buf = (ctypes.c_char * (n_out * self.n_vocab * np.dtype(dtype).itemsize)).from_address(addr)
+            view = self._views[key] = np.frombuffer(buf, dtype=dtype).reshape(n_out, self.n_vocab)
+        return view
 
     def _batch_for(self, n: int) -> "_Batch":
         if self._batch is None or self._batch.capacity < n:
             self._batch = _Batch(self.L, max(n, 64, 2 * (self._batch.capacity if self._batch else 0)))
         return self._batch
 
-    def block(self, block_ids: Sequence[int], n_past: int, seq: int = 0, scratch: int = 1) -> np.ndarray:
-        """Block-mode logits [B, V] for `block_ids` after the n_past tokens of `seq`, which is left untouched."""
+    def block(self, block_ids: Sequence[int], n_past: int, seq: int = 0, scratch: int = 1,
+              positions: Sequence[int] | None = None, gather: Gather | None = None) -> np.ndarray | GraphRows:
+        """Block-mode logits [B, V] for `block_ids` after the n_past tokens of `seq`, which is left untouched; only
+        the rows of `positions` when given; the graph's selection rows with `gather` (decode)."""
         if scratch not in self._block_seqs:
             self.set_block_attn(scratch)
         L = self.L
+        want: bool | list[bool] = True
+        if positions is not None:
+            want = [False] * len(block_ids)
+            for i in positions:
+                want[i] = True
         L.llama_memory_seq_cp(self.mem, seq, scratch, -1, -1)
         try:
-            return self.decode(block_ids, n_past, seq=scratch)
+            return self.decode(block_ids, n_past, seq=scratch, logits=want, gather=gather)
         finally:
             L.llama_memory_seq_rm(self.mem, scratch, -1, -1)
 
@@ -348,6 +501,10 @@ class LlamaContext:
         if getattr(self, "ctx", None):
             self.L.llama_free(self.ctx)
             self.ctx = None
+        for _, chain in getattr(self, "_selectors", {}).values():  # after the context that held them
+            self.L.llama_sampler_free(chain)
+        self._selectors = {}
+
         if getattr(self, "model", None):
             self.L.llama_model_free(self.model)
             self.model = None
@@ -357,6 +514,11 @@ class LlamaContext:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _address(a: np.ndarray | None) -> int | None:
+    """The data pointer of a numpy array (cheaper than .ctypes.data)."""
+    return None if a is None else a.__array_interface__["data"][0]
 
 
 class _Batch:

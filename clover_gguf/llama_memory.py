@@ -1,11 +1,10 @@
-"""What llama.cpp allocates for a model and context: its buffer sizes as it logs them, its own plan made without
-allocating (a dry run), and the GPUs it sees. `clover-gguf fit` predicts and measures memory with these."""
+"""What llama.cpp allocates for a model and context: its buffer sizes as it logs them and its own plan made without
+allocating (a dry run); the GPUs it sees are llama_context.gpu_devices. `clover-gguf fit` predicts and measures
+memory with these."""
 
 from __future__ import annotations
 
-import ctypes
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +12,6 @@ from clover_gguf.errors import UserError
 from clover_gguf.llama_context import (LOG_ERROR, LlamaLog, _context_params, _load_model, capture_llama_log,
                                        load_binding)
 from clover_gguf.offload import Offload
-
-GGML_BACKEND_DEVICE_TYPE_GPU, GGML_BACKEND_DEVICE_TYPE_IGPU = 1, 2  # enum ggml_backend_dev_type
 
 BUFFER_RE = re.compile(r"(\S+)\s+(model|output|KV|RS|compute) buffer size (?:=|is|of)\s+([\d.]+) MiB")
 
@@ -74,43 +71,3 @@ class DryRun:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-@dataclass(frozen=True)
-class Device:
-    name: str
-    description: str
-    free: int
-    total: int
-    integrated: bool  # shares host memory: an integrated GPU, or Metal (which reports itself as a plain GPU)
-
-
-def gpu_devices() -> list[Device]:
-    """The GPUs llama.cpp sees, with their free and total memory as the backend reports it (Metal: total is
-    recommendedMaxWorkingSetSize, see docs/hardware.md)."""
-    L = load_binding()
-    L.llama_backend_init()
-    lib = L.llama_cpp._lib
-    sig = {"ggml_backend_dev_count": (ctypes.c_size_t, []), "ggml_backend_dev_get": (ctypes.c_void_p, [ctypes.c_size_t]),
-           "ggml_backend_dev_type": (ctypes.c_int, [ctypes.c_void_p]),
-           "ggml_backend_dev_name": (ctypes.c_char_p, [ctypes.c_void_p]),
-           "ggml_backend_dev_description": (ctypes.c_char_p, [ctypes.c_void_p]),
-           "ggml_backend_dev_memory": (None, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t),
-                                              ctypes.POINTER(ctypes.c_size_t)])}
-    fn = {}
-    for name, (res, args) in sig.items():
-        f = getattr(lib, name)
-        f.restype, f.argtypes = res, args
-        fn[name] = f
-    out = []
-    for i in range(fn["ggml_backend_dev_count"]()):
-        dev = fn["ggml_backend_dev_get"](i)
-        kind = fn["ggml_backend_dev_type"](dev)
-        if kind not in (GGML_BACKEND_DEVICE_TYPE_GPU, GGML_BACKEND_DEVICE_TYPE_IGPU):
-            continue
-        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
-        fn["ggml_backend_dev_memory"](dev, ctypes.byref(free), ctypes.byref(total))
-        name = fn["ggml_backend_dev_name"](dev).decode()
-        out.append(Device(name, fn["ggml_backend_dev_description"](dev).decode(), free.value, total.value,
-                          kind == GGML_BACKEND_DEVICE_TYPE_IGPU or name.startswith("MTL")))
-    return out

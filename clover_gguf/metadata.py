@@ -78,7 +78,7 @@ class Controls:
 @dataclass(frozen=True)
 class GenerationDefaults(Controls):
     """A checkpoint's generation_config.json: the controls plus the block decoding defaults; our key names for
-    start/ramp."""
+    start/ramp. config.generation_defaults reads one (checked), to_hf writes one."""
 
     block_size: int = 32
     threshold: float = 0.95
@@ -97,29 +97,6 @@ class GenerationDefaults(Controls):
         "dllm_think_end_bias_start": "think_end_bias_start",
         "dllm_think_end_bias_ramp": "think_end_bias_ramp",
     }
-
-    @classmethod
-    def from_hf(cls, d: Any, where: str = "generation_config.json") -> "GenerationDefaults":
-        """From generation_config.json, every value type- and range-checked (one line, exit 2 for a bad one)."""
-        from clover_gguf.config import MAX_BLOCK, MAX_U32, _Fields  # config imports this module
-        from clover_gguf.errors import UserError
-
-        if not isinstance(d, dict):
-            raise UserError(f"{where} must be a JSON object, not {type(d).__name__}")
-        f = _Fields(d, where)
-        kwargs: dict[str, Any] = {}
-        for hf_key, name in cls.HF_KEYS.items():
-            default = getattr(cls, name)
-            if isinstance(default, int):
-                lo, hi = (1, MAX_BLOCK) if name == "block_size" else (0, MAX_U32)
-                kwargs[name] = f.int(hf_key, lo, hi, default=default)
-            else:
-                kwargs[name] = f.float(hf_key, default=default)
-        if not 0.0 <= kwargs["threshold"] <= 1.0:
-            raise UserError(f"{where}: threshold must be in [0, 1], not {kwargs['threshold']}")
-        if not kwargs["repetition_penalty"] > 0.0:
-            raise UserError(f"{where}: repetition_penalty must be positive, not {kwargs['repetition_penalty']}")
-        return cls(**kwargs)
 
     def to_hf(self) -> dict[str, Any]:
         return {hf: getattr(self, name) for hf, name in self.HF_KEYS.items()}

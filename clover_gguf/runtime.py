@@ -28,7 +28,7 @@ import numpy as np
 from clover_gguf import decoding
 from clover_gguf import metadata as md
 from clover_gguf.config import MAX_BLOCK
-from clover_gguf.controls import Controls, make_processors, make_sampler
+from clover_gguf.controls import Controls, Gather, GraphRows, make_processors, make_sampler
 from clover_gguf.errors import UserError
 from clover_gguf.llama_context import LlamaContext
 from clover_gguf.offload import Offload
@@ -39,16 +39,23 @@ SEQ_MAIN, SEQ_BLOCK, SEQ_BACKUP = 0, 1, 2
 N_SEQ = 3
 DEFAULT_CTX = 8192  # context when none is asked for (capped by the model's)
 ROLLBACKS = ("redecode", "snapshot")
+# where a pass's rows are turned into tokens (docs/runtime.md, "Selection"): in llama.cpp's graph, only token ids and
+# a few numbers per row leaving it (the default); or from the rows' logits copied out, in numpy (the path before
+# patches/0004: every row's whole vocabulary through Python)
+SELECTIONS = ("graph", "numpy")
 
 
 class LlamaBackend:
     """decoding.Backend on sequence 0 of a LlamaContext; block passes on sequence 1 (see LlamaContext.block)."""
 
     def __init__(self, ctx: LlamaContext, mask_token_id: int, eos_ids: Sequence[int], block_size: int,
-                 rollback: str = "redecode"):
+                 rollback: str = "redecode", selection: str = "graph"):
         if rollback not in ROLLBACKS:
             raise UserError(f"unknown rollback strategy {rollback!r}: choose {' or '.join(ROLLBACKS)}")
+        if selection not in SELECTIONS:
+            raise UserError(f"unknown selection {selection!r}: choose {' or '.join(SELECTIONS)}")
         self.ctx = ctx
+        self.select_in_graph = selection == "graph"  # decoding._Passes reads it
         self.mask_token_id = int(mask_token_id)
         self.eos_ids = frozenset(int(t) for t in eos_ids)
         self.block_size = int(block_size)
@@ -72,28 +79,48 @@ class LlamaBackend:
             self._apply_rollback(n)
 
     def commit(self, ids: Sequence[int]) -> np.ndarray:
+        return self._commit(ids, True, None)
+
+    def commit_rows(self, ids: Sequence[int], gather: Gather | None) -> GraphRows | None:
+        """commit, with the selection in the graph (decoding.GraphBackend); gather None: no rows."""
+        return self._commit(ids, gather is not None, gather)
+
+    def _commit(self, ids, want, gather):
         self._settle()
         if self.keep_backup:  # both strategies keep the backup for rollbacks no snapshot covers
             self.ctx.seq_rm(SEQ_BACKUP)
             self.ctx.seq_cp(SEQ_MAIN, SEQ_BACKUP)
-        logits = self.ctx.decode(ids, self.n_past, SEQ_MAIN)  # [len(ids), V]
+        out = self.ctx.decode(ids, self.n_past, SEQ_MAIN, logits=want, gather=gather)  # [len(ids), V] / rows
         self._ids += [int(t) for t in ids]
         self._last_commit = len(ids)
-        return logits
+        return out
 
     def prefill(self, ids: Sequence[int]) -> np.ndarray:
+        return self._prefill(ids, True, None)[-1]
+
+    def prefill_rows(self, ids: Sequence[int], gather: Gather | None) -> GraphRows | None:
+        """prefill, with the selection in the graph (decoding.GraphBackend); gather None: no row."""
+        return self._prefill(ids, gather is not None, gather)
+
+    def _prefill(self, ids, last, gather):
         self._settle()
         t0 = time.perf_counter()
-        want = [False] * (len(ids) - 1) + [True]
-        logits = self.ctx.decode(ids, self.n_past, SEQ_MAIN, logits=want)
+        want = [False] * (len(ids) - 1) + [last]
+        out = self.ctx.decode(ids, self.n_past, SEQ_MAIN, logits=want, gather=gather)
         self.prefill_seconds += time.perf_counter() - t0
         self._ids += [int(t) for t in ids]
         self._last_commit = len(ids)
-        return logits[-1]
+        return out
 
     def block_logits(self, block: Sequence[int]) -> np.ndarray:
         self._settle()
         return self.ctx.block(block, self.n_past, seq=SEQ_MAIN, scratch=SEQ_BLOCK)
+
+    def block_rows(self, block: Sequence[int], positions: Sequence[int], gather: Gather) -> GraphRows:
+        """block_logits for these positions, with the selection in the graph (decoding.GraphBackend)."""
+        self._settle()
+        return self.ctx.block(block, self.n_past, seq=SEQ_MAIN, scratch=SEQ_BLOCK, positions=positions,
+                              gather=gather)
 
     @property
     def n_past(self) -> int:
@@ -195,9 +222,10 @@ class CloverRuntime:
     def __init__(self, gguf: str | Path, n_ctx: int | None = None, rollback: str = "redecode",
                  coreset: bool | None = None, coreset_top_p: float | None = None, exact: bool = False,
                  n_threads: int | None = None, n_threads_batch: int | None = None, offload: Offload | None = None,
-                 block_size: int | None = None, rpc: Sequence[str] = ()):
+                 block_size: int | None = None, rpc: Sequence[str] = (), selection: str = "graph"):
         """block_size: the largest block a request may use (default: the GGUF's); the context keeps logits rows
-        for that many tokens and no more (see context_settings). rpc: llama.cpp RPC servers (HOST:PORT) that hold
+        for that many tokens and no more (see context_settings). selection: "graph" (default) or "numpy" (SELECTIONS).
+        rpc: llama.cpp RPC servers (HOST:PORT) that hold
         the layers (clover_gguf.rpc)."""
         from clover_gguf.gguf_header import read_clover
 
@@ -234,7 +262,7 @@ class CloverRuntime:
         self.think_id = self._special("<think>")
         self.think_end_id = self._special("</think>")
         self.backend = LlamaBackend(self.ctx, self.mask_token_id if self.mask_token_id is not None else -1,
-                                    self.eos_ids, self.block_size, rollback=rollback)
+                                    self.eos_ids, self.block_size, rollback=rollback, selection=selection)
 
     def _scan_vocab(self) -> tuple[list[int], re.Pattern | None, int]:
         """-> (the end tokens, a pattern matching the text of every control token, the most bytes of prompt text

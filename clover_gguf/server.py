@@ -652,7 +652,7 @@ def load_runtimes(model: str | Path | Callable[[], Any], parallel: int, ctx: int
             if len(runtimes) == 1 and parallel > 1 and hasattr(getattr(runtimes[0], "ctx", None),
                                                                "memory_breakdown"):
                 from clover_gguf.fit import check_slots
-                from clover_gguf.llama_memory import gpu_devices
+                from clover_gguf.llama_context import gpu_devices
 
                 # what one slot holds, times --parallel, before the others load (llama.cpp aborts when it runs out)
                 check_slots(parallel, runtimes[0].ctx.memory_breakdown(), devices=gpu_devices())

@@ -16,8 +16,9 @@ import numpy as np
 from gguf import GGUFWriter
 
 from clover_gguf.checkpoint import TensorRef
-from clover_gguf.config import CloverConfig, GenerationDefaults
+from clover_gguf.config import CloverConfig
 from clover_gguf.convert import ARCH, ConversionPlan, describe, plan_conversion, write_metadata
+from clover_gguf.metadata import GenerationDefaults
 from clover_gguf.errors import UserError
 from clover_gguf.shapes import checkpoint_tensors
 from clover_gguf.vocab import Vocab

@@ -273,8 +273,9 @@ def test_each_block_position_is_processed_with_the_tokens_before_it():
     assert toks == first + [1] * B
     assert seen[0] == [[]] * B
     assert seen[1] == [[4], [4, 6], [4, 6], [4, 6]]  # positions 1, 3, 4, 5 after 0 and 2 resolved
-    # the commit pass checks the block (diffusion's acceptance): each position after the tokens before it
-    assert seen[2] == [first[:i + 1] for i in range(B - 1)]
+    # the commit pass checks the block (diffusion's acceptance): each row after the tokens up to its own (the last
+    # row's choice, the token after the block, is not used)
+    assert seen[2] == [first[:i + 1] for i in range(B)]
     assert seen[3] == [first] * B  # block 2 starts after the committed first block
     assert seen[4] == [first + [1]] * (B - 1)
 

@@ -27,49 +27,62 @@ kit = _load("kit")
 
 
 class FakeBackend:
-    """Sleeps a known time per call; commit settles a pending rollback first, as LlamaBackend does."""
+    """Sleeps a known time per call; commit settles a pending rollback first, as LlamaBackend does; every call decodes
+    through the context's binding (L.llama_decode), a rollback once."""
 
-    def __init__(self):
-        self.pending = False
+    def __init__(self, ctx):
+        self.pending, self.ctx = False, ctx
+
+    def _decode(self, n, seconds):
+        self.ctx.L.llama_decode(self.ctx.ctx, SimpleNamespace(n_tokens=n, seconds=seconds))
 
     def prefill(self, ids):
-        time.sleep(0.01)
+        self._decode(len(ids), 0.01)
 
     def commit(self, ids):
         if self.pending:
             self.pending = False
             self._apply_rollback(1)
-        time.sleep(0.03)
+        self._decode(len(ids), 0.02)
+        time.sleep(0.01)  # outside llama_decode: a sequence copy
 
     def block_logits(self, block):
-        time.sleep(0.02)
+        self._decode(len(block), 0.02)
 
     def _apply_rollback(self, n):
-        time.sleep(0.05)
+        self._decode(3, 0.05)
 
 
 def _fake_runtime():
     synced = []
-    L = SimpleNamespace(llama_synchronize=lambda ctx: synced.append(ctx))
-    return SimpleNamespace(backend=FakeBackend(), ctx=SimpleNamespace(L=L, ctx="ctx")), synced
+    L = SimpleNamespace(llama_synchronize=lambda ctx: synced.append(ctx),
+                        llama_decode=lambda ctx, batch: time.sleep(batch.seconds) or 0)
+    ctx = SimpleNamespace(L=L, ctx="ctx")
+    return SimpleNamespace(backend=FakeBackend(ctx), ctx=ctx), synced
 
 
-def test_pass_timer_names_kinds_by_mode_and_keeps_a_nested_rollback_out_of_the_commit():
+def test_pass_log_names_kinds_by_mode_and_keeps_a_nested_rollback_out_of_the_commit():
+    """bench/measure.PassLog, as bench/device/steps.py uses it."""
     rt, synced = _fake_runtime()
-    timer = steps.PassTimer(rt)
+    log = steps.PassLog(rt)
     b = rt.backend
-    timer.mode = "ar"
+    log.mode = "ar"
     b.prefill([1])
     b.commit([2])
-    timer.mode = "draft-self"
-    b.block_logits([3])
+    log.mode = "draft-self"
+    b.block_logits([3] * 4)
     b.pending = True
-    b.commit([4])  # settles the rollback inside: 0.05 s of rollback, 0.03 s of verification
-    t = timer.times
-    assert set(t["ar"]) == {"prompt", "AR step"} and set(t["draft-self"]) == {"block", "verify", "rollback"}
-    assert t["draft-self"]["verify"][0] == pytest.approx(0.03, abs=0.015)
-    assert t["draft-self"]["rollback"][0] == pytest.approx(0.05, abs=0.015)
-    assert len(synced) == 5  # every timed call ends with a synchronize (the nested one too)
+    b.commit([4, 5])  # settles the rollback inside: 0.05 s of rollback, 0.03 s of verification
+    kinds = {m: {p.kind for p in log.of(m)} for m in ("ar", "draft-self")}
+    assert kinds == {"ar": {"prompt", "AR step"}, "draft-self": {"block", "verify", "rollback"}}
+    verify, = log.of("draft-self", "verify")
+    rollback, = log.of("draft-self", "rollback")
+    assert verify.seconds == pytest.approx(0.03, abs=0.015) and verify.decode_seconds == pytest.approx(0.02, abs=0.01)
+    assert (verify.tokens, verify.decodes) == (2, 1) and (rollback.tokens, rollback.decodes) == (3, 1)
+    assert rollback.seconds == pytest.approx(0.05, abs=0.015)
+    assert len(synced) == 5 + 5  # every pass ends with a synchronize (the nested one too), every decode too
+    log.close()
+    assert "commit" not in vars(b) and rt.ctx.L.llama_decode(None, SimpleNamespace(seconds=0)) == 0
 
 
 def test_projection_prices_the_pass_mix_at_this_models_costs():

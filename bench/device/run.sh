@@ -134,17 +134,17 @@ if [[ $BACKEND == cuda ]]; then
     SCALE=1                                        # expected times and caps as written in STEPS
     GPU_LAYERS=-1                                  # every layer on the GPU
     SLICE=(--num-experts 256 --vocab-size 248320)  # make_tiny --preset slice35b at full width: 8.6 GB BF16
-    DECODE_PROMPTS=8 SLICE_PROMPTS=3 MAX_NEW=64 MEM_CTX=32768
+    DECODE_PROMPTS=8 SLICE_PROMPTS=3 MAX_NEW=64 MEM_CTX=32768 HOST_HISTORY=100
     SLICE_DECODE=()                                # the model's threshold: random weights, ~1 token per block pass
     THREADS=()                                     # the runtime's default (up to 8)
     PARITY_K=$NOT_PARITY
-    RUNTIME_K="rejection or exact_equals_ar or matches_the_reference"
+    RUNTIME_K="rejection or exact_equals_ar or matches_the_reference or graph_selection or graph_choice or sampling"
     REAL_SHAPE_K="parity"
 else
     SCALE=3                                        # 2 shared cores: three times the H200's times
     GPU_LAYERS=0
     SLICE=(--num-experts 8 --vocab-size 4096)      # the slice's layers with 8 experts, a 4k vocabulary: 0.5 GB
-    DECODE_PROMPTS=2 SLICE_PROMPTS=1 MAX_NEW=8 MEM_CTX=4096
+    DECODE_PROMPTS=2 SLICE_PROMPTS=1 MAX_NEW=8 MEM_CTX=4096 HOST_HISTORY=32
     SLICE_DECODE=(--threshold 0)                   # a whole block per pass: few passes on a slow machine
     THREADS=(--threads 1)                          # on a shared machine two threads spin waiting for each other
     PARITY_K="test_causal_parity or block_parity_and_prefix_untouched"
@@ -153,10 +153,11 @@ else
 fi
 
 SETUP_STEPS=unpack,env,build  # always made (the build is reused when it is already there)
-ALL_STEPS=$SETUP_STEPS,slice_make,parity_exact,decode_bundled,slice_quantize,decode_slice,memory,parity_defaults
+ALL_STEPS=$SETUP_STEPS,slice_make,parity_exact,decode_bundled,slice_quantize,decode_slice,host_slice,memory
+ALL_STEPS+=,parity_defaults
 ALL_STEPS+=,decode_slice_cpu_moe,parity_runtime,parity_real_shape,llama_archs
 PLANNED=${ONLY:+$SETUP_STEPS,$ONLY}
-if [[ ,$PLANNED, =~ ,(slice_quantize|decode_slice|decode_slice_cpu_moe|memory), ]]; then
+if [[ ,$PLANNED, =~ ,(slice_quantize|decode_slice|host_slice|decode_slice_cpu_moe|memory), ]]; then
     PLANNED+=,slice_make  # the slice steps need it (it reuses what a previous run made)
 fi
 PLANNED=${PLANNED:-$ALL_STEPS}
@@ -206,6 +207,10 @@ step slice_quantize 30 120 "$PY" "$STEPS_PY" slice slice_quantize "${SLICE[@]}" 
 step decode_slice 40 100 "$PY" "$STEPS_PY" decode decode_slice --gguf-from slice_quantize --prompts "$SLICE_PROMPTS" \
     --max-new-tokens "$MAX_NEW" --gpu-layers "$GPU_LAYERS" --project-from decode_bundled "${SLICE_DECODE[@]}" \
     "${THREADS[@]}"
+# 4b. the host's share at the 35B's vocabulary: ms per AR step and per 32-token block pass spent outside llama_decode,
+#     selection in numpy (before patches/0004) and in the graph, interleaved (bench/host.py). 20 s.
+step host_slice 20 90 "$PY" "$STEPS_PY" host host_slice --gguf-from slice_quantize --history "$HOST_HISTORY" \
+    --gpu-layers "$GPU_LAYERS" "${THREADS[@]}"
 # 5. memory of the slice at one context size: llama-fit-params (its estimate and its fitted arguments) and
 #    clover-gguf fit's prediction, against llama.cpp's own breakdown after decoding, and nvidia-smi. 30 s.
 step memory 30 90 "$PY" "$STEPS_PY" memory memory --gguf-from slice_quantize --ctx "$MEM_CTX" \
@@ -217,10 +222,11 @@ step parity_defaults 30 90 "$PY" "$STEPS_PY" parity parity_defaults --settings d
 step decode_slice_cpu_moe 30 100 "$PY" "$STEPS_PY" decode decode_slice_cpu_moe --gguf-from slice_quantize \
     --prompts "$SLICE_PROMPTS" --max-new-tokens "$MAX_NEW" --gpu-layers "$GPU_LAYERS" --n-cpu-moe 4 \
     --project-from decode_bundled "${SLICE_DECODE[@]}" "${THREADS[@]}"
-# 8. the runtime on this build: rollback leaves no trace (redecode, snapshot), draft-self (exact) = ar, and the
-#    bundled model's diffusion decode = the reference's, token for token and pass for pass. 45 s.
+# 8. the runtime on this build: rollback leaves no trace (redecode, snapshot), draft-self (exact) = ar, the
+#    bundled model's diffusion decode = the reference's, token for token and pass for pass, and the selection in the
+#    graph = the selection in numpy (every mode, the controls on) with sampling's distribution kept. 45 s.
 step parity_runtime 45 120 "$PY" "$STEPS_PY" parity parity_runtime --settings exact --gpu-layers "$GPU_LAYERS" -- \
-    tests/test_runtime.py tests/test_runtime_tiny.py -k "$RUNTIME_K"
+    tests/test_runtime.py tests/test_runtime_tiny.py tests/test_runtime_select.py -k "$RUNTIME_K"
 # 9. the 35B's per-layer dimensions (16 experts, 1k vocabulary) against the reference, routing included. 45 s.
 if [[ -n $REAL_SHAPE_K ]]; then
     step parity_real_shape 45 120 "$PY" "$STEPS_PY" parity parity_real_shape --settings exact \

@@ -25,6 +25,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]  # the project: the kit's copy on the device
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from measure import PassLog  # noqa: E402  (the benches' one pass counter)
 
 SKIP_RC = 3  # "not possible here": run.sh records the step as skipped, with the last line printed as the reason
 # What the device builds: the libraries the runtime loads, llama.cpp's own fit tool (the memory step) and its test of
@@ -297,41 +300,6 @@ def cmd_slice(a) -> None:
 
 
 # ---- decode -------------------------------------------------------------------------------------------------------
-class PassTimer:
-    """Wall time of every model call the decoder makes, by kind, on the runtime's LlamaBackend. Each timed call ends
-    with llama_synchronize, so a call that asks for no logits (a rollback's re-decode) is not left running on the GPU;
-    a rollback settled inside a commit or block call is counted as a rollback, not as part of that call."""
-
-    KIND_OF = {"prefill": "prompt", "block_logits": "block", "_apply_rollback": "rollback"}
-
-    def __init__(self, rt):
-        self.rt, self.mode = rt, "ar"
-        self.times: dict[str, dict[str, list[float]]] = {}
-        self._nested = [0.0]
-        b, L, ctx = rt.backend, rt.ctx.L, rt.ctx
-        for method in ("prefill", "commit", "block_logits", "_apply_rollback"):
-            setattr(b, method, self._wrap(method, getattr(b, method), L, ctx))
-
-    def _kind(self, method: str) -> str:
-        if method == "commit":
-            return {"ar": "AR step", "diffusion": "commit", "draft-self": "verify"}[self.mode]
-        return self.KIND_OF[method]
-
-    def _wrap(self, method, fn, L, ctx):
-        def timed(*args, **kw):
-            self._nested.append(0.0)
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kw)
-            finally:
-                L.llama_synchronize(ctx.ctx)
-                dt = time.perf_counter() - t0
-                inner = self._nested.pop()
-                self._nested[-1] += dt
-                self.times.setdefault(self.mode, {}).setdefault(self._kind(method), []).append(dt - inner)
-        return timed
-
-
 def eval_prompts(n: int) -> list[str]:
     rows = [json.loads(x) for x in (ASSET / "eval.jsonl").read_text().splitlines() if x.strip()]
     return [r["prompt"] for r in rows][:: max(1, len(rows) // n)][:n]  # spread over the tasks (eval is in task order)
@@ -368,13 +336,13 @@ def cmd_decode(a) -> None:
     load_s = time.perf_counter() - t_load
     placement = [line.strip() for line in log.text()
                  if re.search(r"offload|model buffer size|compute buffer size|splits|KV buffer size|RS buffer", line)]
-    timer = PassTimer(rt)
+    timer = PassLog(rt)
     rows = {m: dict(tokens=0, seconds=0.0, prompt_s=0.0, passes=0, rollback_passes=0, answers=0) for m in MODES}
     try:
         for mode in MODES:  # warm-up: first calls of each graph shape (and CUDA's first launches)
             timer.mode = mode
             rt.generate(prompts[0], mode=mode, max_new_tokens=8, threshold=a.threshold)
-        timer.times.clear()
+        timer.clear()
         for p in prompts:
             for mode in MODES:
                 timer.mode = mode
@@ -396,12 +364,17 @@ def cmd_decode(a) -> None:
            "load_s": round(load_s, 2), "memory_breakdown": breakdown, "llama_log": placement, "modes": {}}
     for mode, r in rows.items():
         per_kind = {}
-        for kind, ts in timer.times.get(mode, {}).items():
+        done = timer.of(mode)
+        for kind in dict.fromkeys(p.kind for p in done):
+            ts = [p.seconds for p in done if p.kind == kind]
             per_kind[kind] = {"count": len(ts), "per_token": len(ts) / max(r["tokens"], 1),
                               "mean_ms": 1e3 * statistics.fmean(ts), "median_ms": 1e3 * statistics.median(ts)}
-        model_s = sum(sum(ts) for ts in timer.times.get(mode, {}).values())
+        model_s = sum(p.seconds for p in done)
+        decode_s = sum(p.decode_seconds for p in done)
         out["modes"][mode] = dict(r, tok_s=r["tokens"] / r["seconds"] if r["seconds"] else 0.0,
                                   model_share=model_s / r["seconds"] if r["seconds"] else 0.0,
+                                  decode_share=decode_s / r["seconds"] if r["seconds"] else 0.0,
+                                  host_ms_per_pass=1e3 * (r["seconds"] - decode_s) / max(len(done), 1),
                                   decode_tok_s=r["tokens"] / (r["seconds"] - r["prompt_s"])
                                   if r["seconds"] > r["prompt_s"] else 0.0,
                                   passes_per_token=r["passes"] / max(r["tokens"], 1), passes=per_kind)
@@ -452,9 +425,33 @@ def print_decode(name: str, d: dict) -> None:
         kinds = ", ".join(f"{k} {p['median_ms']:.2f} ({p['count']})" for k, p in r["passes"].items())
         print(f"{mode:<11} {r['tokens']:>6} {r['tok_s']:8.1f} {r['decode_tok_s']:8.1f} {r['passes_per_token']:8.3f} "
               f"{r['model_share']:6.0%}  {kinds}")
-    print("model: the share of the wall time spent in llama.cpp calls (the rest is Python: sampling, softmax, ...)")
+    for mode, r in d["modes"].items():
+        if "decode_share" in r:
+            print(f"{mode:<11} host {r['host_ms_per_pass']:.2f} ms per pass (all but llama_decode), llama_decode "
+                  f"{r['decode_share']:.0%} of the wall time")
+    print("model: the share of the wall time spent in the backend's passes (the rest is the decoding loop in Python)")
     for mode, p in d.get("projected", {}).items():
         print(f"projected {mode:<11} {p['tok_s']:8.1f} tok/s ({p.get('x_ar', 0):.2f} x ar), pass mix {p['mix']}")
+
+
+# ---- host ---------------------------------------------------------------------------------------------------------
+def cmd_host(a) -> None:
+    """bench/host.py's per-pass figures on a model (the slice: the 35B's vocabulary): host ms per AR step and per
+    32-token block pass outside llama_decode, selection in numpy (before) and in the graph (after), interleaved."""
+    from host import bench_passes
+    from clover_gguf.testing.device import offload_kwargs
+
+    gguf = model_from(a.gguf_from)
+    t0 = time.monotonic()
+    res = bench_passes(gguf, a.threads, a.rounds, a.history, **offload_kwargs(a.gpu_layers))
+    data = {"gguf": str(gguf), "history": a.history, "rounds": a.rounds, "gpu_layers": a.gpu_layers, "passes": res,
+            "seconds": round(time.monotonic() - t0, 1)}
+    write_section(a.name, data)
+    for kind in ("ar", "block"):
+        for path in ("before", "after"):
+            r = res[path][kind]
+            print(f"{kind:<6} {path:<7} wall {r['wall_ms']:8.2f} ms, llama_decode {r['decode_ms']:8.2f} ms, host "
+                  f"{r['host_ms']:7.2f} ms ({r['n']} passes)")
 
 
 # ---- memory -------------------------------------------------------------------------------------------------------
@@ -600,17 +597,28 @@ def markdown(r: dict) -> str:
         lines += ["", f"## {name}: {Path(d['gguf']).name}", "",
                   f"{d['prompts']} prompts, max {d['max_new_tokens']} new tokens, gpu_layers {d['gpu_layers']}, "
                   f"n_cpu_moe {d['n_cpu_moe']}, load {d['load_s']} s", "",
-                  "| mode | tokens | tok/s | decode tok/s | passes/token | in llama.cpp | ms per pass (median, n) |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| mode | tokens | tok/s | decode tok/s | passes/token | in llama.cpp | host ms per pass | "
+                  "ms per pass (median, n) |",
+                  "|---|---|---|---|---|---|---|---|"]
         for mode, m in d["modes"].items():
             kinds = ", ".join(f"{k} {p['median_ms']:.2f} ({p['count']})" for k, p in m["passes"].items())
+            host = f"{m['host_ms_per_pass']:.2f}" if "host_ms_per_pass" in m else "-"
             lines.append(f"| {mode} | {m['tokens']} | {m['tok_s']:.1f} | {m['decode_tok_s']:.1f} | "
-                         f"{m['passes_per_token']:.3f} | {m['model_share']:.0%} | {kinds} |")
+                         f"{m['passes_per_token']:.3f} | {m['model_share']:.0%} | {host} | {kinds} |")
         for mode, p in d.get("projected", {}).items():
-            lines.append(f"| {mode}, projected from the bundled model's pass mix | | {p['tok_s']:.1f} | | | | "
+            lines.append(f"| {mode}, projected from the bundled model's pass mix | | {p['tok_s']:.1f} | | | | | "
                          f"{p.get('x_ar', 0):.2f} x ar |")
         if d.get("llama_log"):
             lines += ["", "llama.cpp at load:", "", "```", *d["llama_log"][:24], "```"]
+    h = sec.get("host_slice")
+    if h and "passes" in h:
+        lines += ["", f"## host_slice: {Path(h['gguf']).name}, history {h['history']} tokens", "",
+                  "| pass | selection | wall ms | llama_decode ms | host ms | n |", "|---|---|---|---|---|---|"]
+        for kind, name in (("ar", "AR step"), ("block", "32-token block pass + commit")):
+            for path in ("before", "after"):
+                r = h["passes"][path][kind]
+                lines.append(f"| {name} | {'numpy' if path == 'before' else 'graph'} | {r['wall_ms']:.2f} | "
+                             f"{r['decode_ms']:.2f} | {r['host_ms']:.2f} | {r['n']} |")
     m = sec.get("memory")
     if m:
         lines += ["", f"## memory: {Path(m['gguf']).name}, n_ctx {m['n_ctx']}", ""]
@@ -685,6 +693,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--project-from", help="a decode section whose pass mix projects tok/s")
     p.add_argument("--threshold", type=float, help="block decoding's confidence threshold (default: the model's); 0 "
                    "resolves a whole block per pass, whatever the weights")
+    p = sub.add_parser("host")
+    p.add_argument("name")
+    p.add_argument("--gguf-from", required=True)
+    p.add_argument("--history", type=int, default=100)
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--gpu-layers", type=int, default=-1)
+    p.add_argument("--threads", type=int, help="llama.cpp threads (default: the runtime's)")
     p = sub.add_parser("memory")
     p.add_argument("name")
     p.add_argument("--gguf-from", required=True)
@@ -711,7 +726,7 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         {"env": cmd_env, "build": cmd_build, "llama-archs": cmd_llama_archs, "parity": cmd_parity,
-         "slice": cmd_slice, "decode": cmd_decode, "memory": cmd_memory, "record": cmd_record,
+         "slice": cmd_slice, "decode": cmd_decode, "host": cmd_host, "memory": cmd_memory, "record": cmd_record,
          "report": cmd_report}[a.cmd](a)
     except UserError as e:  # one line, the step's reason in the results
         raise SystemExit(f"error: {e}") from None

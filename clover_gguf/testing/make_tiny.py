@@ -25,7 +25,8 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from clover_gguf.config import SHAPE_35B, CloverConfig, GenerationDefaults
+from clover_gguf.config import SHAPE_35B, CloverConfig
+from clover_gguf.metadata import GenerationDefaults
 from clover_gguf.shapes import checkpoint_tensors, layer_tensors  # noqa: F401 - re-exported
 from clover_gguf.testing.tokenizer import write_tokenizer
 

@@ -249,7 +249,7 @@ def init_model(cfg, seed: int):
 
 
 def save_checkpoint(model, out: Path) -> None:
-    from clover_gguf.config import GenerationDefaults
+    from clover_gguf.metadata import GenerationDefaults
     from clover_gguf.testing.make_tiny import write_safetensors
 
     cfg = model.cfg

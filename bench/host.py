@@ -1,0 +1,222 @@
+"""The host's share of decoding at the 35B's vocabulary (V = 248,320): milliseconds per AR step and per 32-token block
+pass spent outside llama_decode (Python, copies, the controls and the choice), before (the rows' logits copied out,
+the controls and the choice in numpy) and after (the selection in llama.cpp's graph, patches/0004), and AR tokens/s
+through `clover-gguf generate` against llama.cpp's own `llama-bench` on the same GGUF.
+
+    python bench/host.py [--workdir out/bench-host] [--vocab-size 248320] [--threads 2] [--rounds 5]
+        [--history 400] [--gguf PATH] [--bench-rounds 5] [--bench-tokens 256]
+
+1. The model: a random tiny Clover (make_tiny's `tiny`: hidden 64, 4 layers, 8 experts) grown to the 35B's vocabulary,
+   F32 GGUF, made once in the work folder: its step is short, so the host's share shows (the slice's 70 ms CPU step
+   would hide it). --gguf uses another file.
+2. Per pass, two runtimes (before: the dense path; after: the graph's), rounds interleaved, the card's controls on:
+   an answer of --history tokens and 64 more AR steps, each step timed from one token to the next (the runtime's
+   whole loop: the pass, the choice, the stats, the text); diffusion with threshold 0, so that every block is one
+   pass over 32 masked positions plus the causal commit of the block, timed from one block to the next. Host time =
+   wall time - time inside llama_decode (bench/measure.PassLog, llama_synchronize included); medians over the steps
+   and blocks after --history tokens.
+3. AR tokens/s: `clover-gguf generate --mode ar` (its decode tok/s, --json) and `llama-bench -p 0 -n N` (tg),
+   alternately, --threads each; medians and their ratio.
+Goals (issue 23): after, at most 0.5 ms of host time per AR step and 2 ms per 32-token block pass; generate at
+least 0.95x llama-bench's tg. Figures are printed, nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from measure import PassLog  # noqa: E402
+
+PROMPT = "Count from 1 to 1000, one number per line."
+AR_STEPS = 64  # timed AR steps after the history
+BLOCKS = 4  # timed block passes after the history
+
+
+def make_model(wd: Path, vocab_size: int) -> Path:
+    """make_tiny's `tiny` preset with this vocabulary, converted to F32 GGUF (kept in the work folder)."""
+    from clover_gguf.convert import convert
+    from clover_gguf.testing.make_tiny import make_tiny
+
+    gguf = wd / f"tiny-v{vocab_size}-f32.gguf"
+    if not gguf.is_file():
+        ckpt = wd / f"tiny-v{vocab_size}"
+        if not (ckpt / "config.json").is_file():
+            make_tiny(ckpt, seed=0, preset="tiny", vocab_size=vocab_size)
+        convert(ckpt, gguf, outtype="f32", quiet=True)
+    return gguf
+
+
+def timed_run(rt, log: PassLog, ids, mode: str, n_new: int, **kw) -> list[tuple[float, float]]:
+    """(wall seconds, seconds in llama_decode) from each chunk to the next of one answer (AR: a token; diffusion with
+    threshold 0: a block)."""
+    log.clear()
+    log.mode = mode
+    marks = []
+    for _ in rt.stream_ids(ids, mode=mode, max_new_tokens=n_new, **kw):
+        marks.append((time.perf_counter(), len(log.passes)))
+    out = []
+    for (t0, k0), (t1, k1) in zip(marks, marks[1:]):
+        out.append((t1 - t0, sum(p.decode_seconds for p in log.passes[k0:k1])))
+    return out
+
+
+def bench_passes(gguf: Path, threads: int | None, rounds: int, history: int, **runtime) -> dict:
+    """Host ms per AR step and per 32-token block pass (+ its commit), numpy selection (before) and graph selection
+    (after), rounds interleaved (bench/device/steps.py's host step runs it on the GPU). runtime: CloverRuntime's
+    options (offload)."""
+    from clover_gguf.runtime import CloverRuntime
+
+    n_ar = history + AR_STEPS
+    n_blocks = -(-history // 32) + BLOCKS
+    n_ctx = n_blocks * 32 + 256
+    rts = {"before": CloverRuntime(gguf, n_ctx=n_ctx, n_threads=threads, selection="numpy", **runtime),
+           "after": CloverRuntime(gguf, n_ctx=n_ctx, n_threads=threads, selection="graph", **runtime)}
+    logs = {k: PassLog(rt) for k, rt in rts.items()}
+    ids = rts["after"].prompt_ids(PROMPT, think=False)
+    samples = {k: {"ar": [], "block": []} for k in rts}
+    try:
+        for k, rt in rts.items():  # warm-up: every graph shape once
+            rt.generate(PROMPT, mode="ar", max_new_tokens=4, think=False)
+            rt.generate(PROMPT, mode="diffusion", max_new_tokens=64, threshold=0.0, think=False)
+        for r in range(rounds):
+            for k, rt in rts.items():
+                steps = timed_run(rt, logs[k], ids, "ar", n_ar)
+                samples[k]["ar"] += steps[history - 1:]  # the steps whose history holds `history` tokens or more
+                blocks = timed_run(rt, logs[k], ids, "diffusion", n_blocks * 32, threshold=0.0)
+                samples[k]["block"] += blocks[-(-history // 32) - 1:]
+            print(f"  round {r + 1}/{rounds} done", file=sys.stderr, flush=True)
+    finally:
+        for k, rt in rts.items():
+            logs[k].close()
+            rt.close()
+    res = {}
+    for k, kinds in samples.items():
+        res[k] = {}
+        for kind, xs in kinds.items():
+            wall = statistics.median(w for w, _ in xs)
+            host = statistics.median(w - d for w, d in xs)
+            dec = statistics.median(d for _, d in xs)
+            res[k][kind] = {"n": len(xs), "wall_ms": 1e3 * wall, "host_ms": 1e3 * host, "decode_ms": 1e3 * dec,
+                            "llama_share": dec / wall if wall else 0.0}
+    return res
+
+
+def llama_bench(gguf: Path, threads: int, n: int) -> float:
+    from clover_gguf.build import llama_tool
+
+    tool = llama_tool("llama-bench")
+    env = {**os.environ, "LD_LIBRARY_PATH": os.pathsep.join(filter(None, [str(tool.parent),
+                                                                          os.environ.get("LD_LIBRARY_PATH")]))}
+    p = subprocess.run([str(tool), "-m", str(gguf), "-p", "0", "-n", str(n), "-t", str(threads), "-r", "1",
+                        "-o", "json"], capture_output=True, text=True, env=env)
+    if p.returncode != 0:
+        raise SystemExit(f"llama-bench failed: {p.stderr.strip()[-1000:]}")
+    return float(json.loads(p.stdout)[0]["avg_ts"])
+
+
+def generate_tps(gguf: Path, threads: int, n: int) -> float:
+    cmd = [sys.executable, "-m", "clover_gguf", "generate", str(gguf), "-p", PROMPT, "--no-think", "--mode", "ar",
+           "--max-new-tokens", str(n), "--threads", str(threads), "--ctx", str(n + 256), "--json"]
+    p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if p.returncode != 0:
+        raise SystemExit(f"clover-gguf generate failed: {p.stderr.strip()[-1000:]}")
+    stats = json.loads(p.stdout)["stats"]
+    if stats["generated_tokens"] != n:
+        print(f"  note: generate stopped after {stats['generated_tokens']} tokens", file=sys.stderr)
+    return float(stats["decode_tokens_per_s"])
+
+
+# the same request as `clover-gguf generate` makes (CloverRuntime.generate, its decode tok/s), with the selection
+# chosen: "numpy" is the path before patches/0004, which the command line no longer takes
+SELECTION_RUN = """
+import json, sys
+from clover_gguf.runtime import CloverRuntime
+gguf, selection, n, threads, prompt = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+with CloverRuntime(gguf, n_ctx=n + 256, n_threads=threads, selection=selection) as rt:
+    a = rt.generate(prompt, mode="ar", max_new_tokens=n, think=False)
+print(json.dumps(a.stats.to_json()))
+"""
+
+
+def selection_tps(gguf: Path, threads: int, n: int, selection: str) -> float:
+    p = subprocess.run([sys.executable, "-c", SELECTION_RUN, str(gguf), selection, str(n), str(threads), PROMPT],
+                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if p.returncode != 0:
+        raise SystemExit(f"generate ({selection}) failed: {p.stderr.strip()[-1000:]}")
+    return float(json.loads(p.stdout)["decode_tokens_per_s"])
+
+
+def bench_tps(gguf: Path, threads: int, rounds: int, n: int) -> dict:
+    """Per round, alternately: `clover-gguf generate` (graph selection), `llama-bench` tg, and the same generate with
+    the numpy selection (before)."""
+    ours, theirs, before = [], [], []
+    for r in range(rounds):
+        ours.append(generate_tps(gguf, threads, n))
+        theirs.append(llama_bench(gguf, threads, n))
+        before.append(selection_tps(gguf, threads, n, "numpy"))
+        print(f"  round {r + 1}/{rounds}: generate {ours[-1]:.1f} tok/s, llama-bench {theirs[-1]:.1f} tok/s, "
+              f"generate with numpy selection {before[-1]:.1f} tok/s", file=sys.stderr, flush=True)
+    g, b, o = statistics.median(ours), statistics.median(theirs), statistics.median(before)
+    return {"generate_tok_s": g, "llama_bench_tok_s": b, "ratio": g / b, "numpy_selection_tok_s": o,
+            "numpy_ratio": o / b, "generate_all": ours, "llama_bench_all": theirs, "numpy_selection_all": before}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workdir", type=Path, default=ROOT / "out" / "bench-host")
+    ap.add_argument("--gguf", type=Path, help="measure this model instead of the grown tiny one")
+    ap.add_argument("--vocab-size", type=int, default=248_320)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the per-pass measurements (0: none)")
+    ap.add_argument("--history", type=int, default=400, help="answer tokens before the timed steps")
+    ap.add_argument("--bench-rounds", type=int, default=5, help="generate / llama-bench pairs (0: none)")
+    ap.add_argument("--bench-tokens", type=int, default=256, help="tokens per generate / llama-bench run")
+    a = ap.parse_args()
+    from clover_gguf.llama_context import load_binding
+
+    load_binding()  # sets LLAMA_CPP_LIB_PATH for this process and the ones it starts
+    a.workdir.mkdir(parents=True, exist_ok=True)
+    gguf = a.gguf or make_model(a.workdir, a.vocab_size)
+    print(f"model: {gguf} ({gguf.stat().st_size / 2**20:.0f} MiB), {a.threads} threads", flush=True)
+    res = bench_passes(gguf, a.threads, a.rounds, a.history) if a.rounds else {}
+    if res:
+        print(f"\nhost time per pass, card's controls on, history >= {a.history} tokens, medians "
+              f"({a.rounds} interleaved rounds):")
+        print(f"{'pass':<34} {'path':<7} {'n':>4} {'wall ms':>8} {'llama_decode ms':>16} {'host ms':>8} "
+              f"{'llama.cpp share':>16}")
+        names = {"ar": "AR step", "block": "32-token block pass (+ its commit)"}
+        for kind in ("ar", "block"):
+            for k in ("before", "after"):
+                r = res[k][kind]
+                print(f"{names[kind]:<34} {k:<7} {r['n']:>4} {r['wall_ms']:8.2f} {r['decode_ms']:16.2f} "
+                      f"{r['host_ms']:8.2f} {r['llama_share']:16.0%}")
+        for kind, g in {"ar": 0.5, "block": 2.0}.items():
+            after = res["after"][kind]["host_ms"]
+            print(f"goal: host <= {g} ms per {names[kind]}: {after:.2f} ms ({'met' if after <= g else 'NOT met'}; "
+                  f"before {res['before'][kind]['host_ms']:.2f} ms)")
+    out = {"gguf": str(gguf), "threads": a.threads, "history": a.history, "passes": res}
+    if a.bench_rounds:
+        print(f"\nAR tokens/s, {a.bench_tokens} tokens, {a.threads} threads, {a.bench_rounds} alternating runs each:")
+        tps = bench_tps(gguf, a.threads, a.bench_rounds, a.bench_tokens)
+        print(f"clover-gguf generate (decode tok/s): {tps['generate_tok_s']:.1f}; llama-bench tg: "
+              f"{tps['llama_bench_tok_s']:.1f}; ratio {tps['ratio']:.3f} (goal >= 0.95: "
+              f"{'met' if tps['ratio'] >= 0.95 else 'NOT met'}); before (numpy selection): "
+              f"{tps['numpy_selection_tok_s']:.1f} tok/s, ratio {tps['numpy_ratio']:.3f}")
+        out["tok_s"] = tps
+    (a.workdir / "host.json").write_text(json.dumps(out, indent=1) + "\n")
+    print(f"\nfigures in {a.workdir / 'host.json'}")
+
+
+if __name__ == "__main__":
+    main()
