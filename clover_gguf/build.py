@@ -316,8 +316,9 @@ def build_targets() -> list[str]:
 # patches
 
 
-def apply_patches(tree: Path, patches: Sequence[Path]) -> None:
-    """Apply each patch in order with `git apply`; a patch that does not apply is named in a one-line UserError."""
+def apply_patches(tree: Path, patches: Sequence[Path], include: Sequence[str] = ()) -> None:
+    """Apply each patch in order with `git apply`; a patch that does not apply is named in a one-line UserError.
+    include: only the files matching these globs (git apply --include), for a part of the tree."""
     if patches and shutil.which("git") is None:
         raise UserError("git is needed to apply the llama.cpp patches: install git")
     env = dict(os.environ)
@@ -329,7 +330,7 @@ def apply_patches(tree: Path, patches: Sequence[Path]) -> None:
         patch = Path(patch).resolve()
         for args in (["--check"], []):
             proc = subprocess.run(
-                ["git", "apply", *args, "--whitespace=nowarn", str(patch)],
+                ["git", "apply", *args, *(f"--include={g}" for g in include), "--whitespace=nowarn", str(patch)],
                 cwd=tree, env=env, capture_output=True, text=True,
             )  # fmt: skip
             if proc.returncode != 0:

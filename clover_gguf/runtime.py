@@ -254,6 +254,8 @@ class CloverRuntime:
             raise UserError(f"block size {block_size}: it must be 1..{MAX_BLOCK} (one block pass is one llama.cpp "
                             "micro-batch)")
         self.max_block_size = max(int(block_size or 0), self.block_size)
+        if self.max_block_size > self.block_size:  # llama.cpp decodes blocks up to the model's block size only
+            overrides[md.BLOCK_SIZE] = self.max_block_size
         settings = context_settings(self.max_block_size, n_ctx, self.context_length, rollback, exact)
         self.ctx = LlamaContext(path, overrides=overrides or None, n_threads=n_threads,
                                 n_threads_batch=n_threads_batch, offload=offload, rpc=rpc, **settings)

@@ -163,6 +163,10 @@ def test_pack_then_run_on_the_cpu(tmp_path):
     assert tokens - d["prompts"] <= n_ar <= tokens  # one AR step per token but the last of an answer cut by length
     assert set(sec["decode_slice"]["projected"]) == {"ar", "diffusion", "draft-self"}
     assert sec["decode_slice_cpu_moe"]["n_cpu_moe"] == 4
+    bc = sec["block_checks"]
+    assert set(bc["graph_reuse"]) == {"causal", "block", "alternating"}
+    assert bc["graph_reuse"]["alternating"]["causal_ms"] > 0 and bc["graph_reuse"]["alternating"]["block_ms"] > 0
+    assert bc["experts"]["layer_tokens"] > 0 and bc["experts"]["equal_share"] == 1.0  # the CPU against itself
     mem = sec["memory"]
     assert mem["llama_fit_print"]["rc"] == 0 and mem["llama_fit_params"]["rc"] == 0
     assert "parts" in mem["clover_fit"] and "measured" in mem["clover_fit"]

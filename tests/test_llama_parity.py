@@ -225,6 +225,96 @@ def test_causal_commit_and_block_in_one_call(clover_files, ref, seqs):
         r.close()
 
 
+def test_causal_sequences_and_a_block_take_two_ubatches(clover_files, ref, seqs):
+    """Four one-token causal continuations and a block in one llama_decode are two ubatches (the causal ones split as
+    usual, the block whole and alone), not one per sequence; each gets the logits it gets alone."""
+    from clover_gguf.graph_probe import GraphProbe
+
+    prefix, block, nxt = seqs["prefix"], seqs["block"], seqs["nxt"][:1]
+    with torch.no_grad():
+        want_block = ref.block_logits(prefix, block).numpy()
+        want_next = ref(torch.tensor(prefix + nxt)).numpy()[len(prefix):]
+    probe = GraphProbe(r"ffn_moe_topk-0", read_data=False)  # computed once per ubatch
+    r = _runner(clover_files[1], n_seq_max=5, eval_callback=probe.callback)
+    try:
+        r.decode(prefix, 0, 0)
+        for s in (1, 2, 3, 4):
+            r.seq_cp(0, s)
+        r.set_block_attn(4)
+        probe.clear()
+        got = r.decode(nxt, len(prefix), 0, extra=[(nxt, len(prefix), s) for s in (1, 2, 3)] +
+                       [(block, len(prefix), 4)])
+        probe.check()
+        assert len(probe.records) == 2, [rec.name for rec in probe.records]
+        for s in range(4):
+            assert parity(got[s:s + 1], want_next) <= TOL
+        assert parity(got[4:], want_block) <= TOL
+    finally:
+        r.close()
+
+
+def test_a_long_prompt_beside_a_block_is_accepted(clover_files, ref, seqs):
+    """A causal chunk longer than n_ubatch and a block in one llama_decode: the chunk is split over ubatches as
+    always, the block stays whole (before, every sequence of a batch holding a block had to fit one ubatch: -1)."""
+    prefix, block = seqs["prefix"], seqs["block"]
+    chunk = _ids(31, 100, ref.cfg.vocab_size)
+    with torch.no_grad():
+        want_block = ref.block_logits(prefix, block).numpy()
+        want_chunk = ref(torch.tensor(prefix + chunk)).numpy()[-1:]
+    r = _runner(clover_files[1], n_ubatch=64)
+    try:
+        r.decode(prefix, 0, 0)
+        r.seq_cp(0, 1)
+        r.set_block_attn(1)
+        got = r.decode(chunk, len(prefix), 0, logits=[False] * 99 + [True], extra=[(block, len(prefix), 1)])
+        assert parity(got[:1], want_chunk) <= TOL
+        assert parity(got[1:], want_block) <= TOL
+    finally:
+        r.close()
+
+
+def test_an_mtp_context_on_a_block_capable_file_is_safe(make_checkpoint, tmp_path):
+    """An MTP context's memory is a plain KV cache, not the hybrid memory the block graph reads: creating one on a
+    block-capable GGUF reserves no block graph, and block attention is refused on it. In a process of its own, so
+    that a fault fails the test instead of the session."""
+    gguf = _convert(make_checkpoint(seed=1, mtp=True), tmp_path / "mtp.gguf")
+    script = textwrap.dedent(f"""
+        from clover_gguf.llama_context import _clover_api, load_binding
+        L = load_binding()
+        api = _clover_api(L)
+        mp = L.llama_model_default_params()
+        mp.load_mtp = True
+        model = L.llama_model_load_from_file({str(gguf).encode()!r}, mp)
+        assert model and api.llama_model_has_block_attn(model)
+        cp = L.llama_context_default_params()
+        cp.n_ctx, cp.ctx_type, cp.kv_unified = 256, 1, True  # LLAMA_CONTEXT_TYPE_MTP
+        ctx = L.llama_init_from_model(model, cp)
+        assert ctx, "no MTP context"
+        assert api.llama_set_block_attn(ctx, 0, True) == -1
+        print("refused")
+    """)
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and "refused" in p.stdout, (p.returncode, p.stdout, p.stderr[-3000:])
+
+
+def test_the_block_graph_is_reserved_at_the_block_size_not_the_ubatch(bundled_gguf, tmp_path):
+    """At -ub 2048, flash attention on as users run it, a block-capable file's compute buffers are within a few MiB of
+    the same model's without the block tensors (before, the block graph was reserved at n_ubatch tokens: its
+    {T, T, heads} scores made them 88 MiB against 25 MiB here, 3.5x)."""
+    from clover_gguf.export import export_ar
+
+    plain = export_ar(bundled_gguf, tmp_path / "ar.gguf", quiet=True).out
+
+    def compute(path: Path) -> int:
+        r = LlamaContext(path, n_ctx=4096, n_ubatch=2048, n_batch=2048, n_threads=2, exact=False)
+        try:
+            return sum(v["compute"] for v in r.memory_breakdown().values())
+        finally:
+            r.close()
+
+    assert compute(bundled_gguf) - compute(plain) <= 4 * 2**20
+
+
 def test_block_larger_than_a_ubatch_is_an_error_code(clover_files, seqs):
     """llama_decode returns -1 (no abort, nothing written) for a block that cannot go whole into one ubatch."""
     prefix = seqs["prefix"]
@@ -257,10 +347,10 @@ def test_causal_flag_alone_is_not_block_mode(clover_files, seqs):
 
 
 def test_block_passes_allocate_nothing_after_context_creation(clover_files, seqs):
-    """The block graph (n_ubatch tokens, coreset on) is reserved when the context is created: the compute buffers do
-    not grow during block passes of any size up to n_ubatch. (On this model the block graph needs about 2.4x the
-    prompt graph's compute buffer, so a context that reserved only the causal graphs fails this test.)"""
-    prefix, block = seqs["prefix"], seqs["block"] * 16
+    """The block graph (the model's block size, 32 tokens, coreset on) is reserved when the context is created: the
+    compute buffers do not grow during block passes of any size up to it, and a longer block is refused (-1) before
+    anything is allocated."""
+    prefix, block = seqs["prefix"], seqs["block"] * 2
     r = _runner(clover_files[1], n_ctx=1024, n_ubatch=512, exact=False)  # flash attention as users run it
     try:
         def compute() -> int:
@@ -269,9 +359,12 @@ def test_block_passes_allocate_nothing_after_context_creation(clover_files, seqs
         at_creation = compute()
         assert at_creation > 0
         r.decode(prefix, 0, 0)
-        for n in (1, 5, 32, 512):  # up to n_ubatch
+        for n in (1, 5, 31, 32):  # up to the block size
             r.block(block[:n], len(prefix))
             assert compute() == at_creation, n
+        with pytest.raises(RuntimeError, match="returned -1"):
+            r.block(block[:33], len(prefix))
+        assert compute() == at_creation
     finally:
         r.close()
 

@@ -13,6 +13,7 @@ num_shared_experts) with the real checkpoint's four block tensors added.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -175,3 +176,30 @@ def test_relabelled_checkpoint_quantizes_and_decodes_in_every_mode(twins):
             if mode != "ar":
                 assert stats.acceptance_rate is not None or stats.generated_tokens < 32, mode
     assert text["draft-self"] == text["ar"]  # exact acceptance: the causal path decides every token
+
+
+# the keys only our Python side reads (the card's controls, the diffusion threshold, the reading's stamp): the
+# llama.cpp PR's converter class does not write them
+PYTHON_ONLY = re.compile(r"^clover_moe\.(generation\..*|diffusion\.threshold|block_reading(_verified)?)$")
+
+
+@pytest.mark.parametrize("outtype", ["f32", "q8_0"])
+def test_the_patched_trees_converter_writes_our_file(make_checkpoint, tmp_path, outtype):
+    """The converter class our llama.cpp patch adds (conversion/clover.py with gguf-py's clover_moe constants), run on
+    a make_tiny Clover, writes our file key for key and tensor for tensor, the block tensors and block-mode keys
+    included: two implementations of one conversion, each the other's check."""
+    ck = make_checkpoint(seed=1)
+    up_kv, up_t = _kv_and_tensors(upstream_convert(ck, tmp_path / "upstream.gguf", outtype, patched=True))
+    ours = convert(ck, tmp_path / "ours.gguf", outtype=outtype, quiet=True).out
+    kv, tensors = _kv_and_tensors(ours)
+    assert up_kv["general.architecture"][1] == "clover_moe" and up_kv["clover_moe.block_mode"][1] is True
+    mine = {k: v for k, v in kv.items() if not PYTHON_ONLY.match(k)}
+    assert mine.keys() - up_kv.keys() <= {"general.sampling.penalty_repeat"}, mine.keys() - up_kv.keys()
+    # the size label: ours leaves the block tensors out of the parameter count, so that a checkpoint gets the label
+    # upstream's AR converter gives it; the converter class counts every tensor it writes (8x196K against 8x195K)
+    assert {k: mine[k] for k in up_kv if k != "general.size_label"} == \
+        {k: v for k, v in up_kv.items() if k != "general.size_label"}
+    assert len([n for n in tensors if CLOVER_EXTRA_RE.match(n)]) == 4 * 3
+    assert tensors.keys() == up_t.keys()
+    for n in up_t:
+        assert tensors[n] == up_t[n], n  # type, shape and every byte

@@ -134,7 +134,7 @@ if [[ $BACKEND == cuda ]]; then
     SCALE=1                                        # expected times and caps as written in STEPS
     GPU_LAYERS=-1                                  # every layer on the GPU
     SLICE=(--num-experts 256 --vocab-size 248320)  # make_tiny --preset slice35b at full width: 8.6 GB BF16
-    DECODE_PROMPTS=8 SLICE_PROMPTS=3 MAX_NEW=64 MEM_CTX=32768 HOST_HISTORY=100
+    DECODE_PROMPTS=8 SLICE_PROMPTS=3 MAX_NEW=64 MEM_CTX=32768 HOST_HISTORY=100 BLOCK_PASSES=16
     SLICE_DECODE=()                                # the model's threshold: random weights, ~1 token per block pass
     THREADS=()                                     # the runtime's default (up to 8)
     PARITY_K=$NOT_PARITY
@@ -144,7 +144,7 @@ else
     SCALE=3                                        # 2 shared cores: three times the H200's times
     GPU_LAYERS=0
     SLICE=(--num-experts 8 --vocab-size 4096)      # the slice's layers with 8 experts, a 4k vocabulary: 0.5 GB
-    DECODE_PROMPTS=2 SLICE_PROMPTS=1 MAX_NEW=8 MEM_CTX=4096 HOST_HISTORY=32
+    DECODE_PROMPTS=2 SLICE_PROMPTS=1 MAX_NEW=8 MEM_CTX=4096 HOST_HISTORY=32 BLOCK_PASSES=4
     SLICE_DECODE=(--threshold 0)                   # a whole block per pass: few passes on a slow machine
     THREADS=(--threads 1)                          # on a shared machine two threads spin waiting for each other
     PARITY_K="test_causal_parity or block_parity_and_prefix_untouched"
@@ -153,11 +153,11 @@ else
 fi
 
 SETUP_STEPS=unpack,env,build  # always made (the build is reused when it is already there)
-ALL_STEPS=$SETUP_STEPS,slice_make,parity_exact,decode_bundled,slice_quantize,decode_slice,host_slice,memory
+ALL_STEPS=$SETUP_STEPS,slice_make,parity_exact,decode_bundled,slice_quantize,decode_slice,host_slice,block_checks,memory
 ALL_STEPS+=,parity_defaults
 ALL_STEPS+=,decode_slice_cpu_moe,parity_runtime,parity_real_shape,llama_archs
 PLANNED=${ONLY:+$SETUP_STEPS,$ONLY}
-if [[ ,$PLANNED, =~ ,(slice_quantize|decode_slice|host_slice|decode_slice_cpu_moe|memory), ]]; then
+if [[ ,$PLANNED, =~ ,(slice_quantize|decode_slice|host_slice|block_checks|decode_slice_cpu_moe|memory), ]]; then
     PLANNED+=,slice_make  # the slice steps need it (it reuses what a previous run made)
 fi
 PLANNED=${PLANNED:-$ALL_STEPS}
@@ -210,6 +210,10 @@ step decode_slice 40 100 "$PY" "$STEPS_PY" decode decode_slice --gguf-from slice
 # 4b. the host's share at the 35B's vocabulary: ms per AR step and per 32-token block pass spent outside llama_decode,
 #     selection in numpy (before patches/0004) and in the graph, interleaved (bench/host.py). 20 s.
 step host_slice 20 90 "$PY" "$STEPS_PY" host host_slice --gguf-from slice_quantize --history "$HOST_HISTORY" \
+    --gpu-layers "$GPU_LAYERS" "${THREADS[@]}"
+# 4c. the patch's GPU questions on the slice: graph reuse when block and causal passes alternate (llama.cpp's reuse
+#     count, ms per pass), and the coreset's experts on the device against the CPU's for the same blocks. 25 s.
+step block_checks 25 90 "$PY" "$STEPS_PY" block-checks block_checks --gguf-from slice_quantize --passes "$BLOCK_PASSES" \
     --gpu-layers "$GPU_LAYERS" "${THREADS[@]}"
 # 5. memory of the slice at one context size: llama-fit-params (its estimate and its fitted arguments) and
 #    clover-gguf fit's prediction, against llama.cpp's own breakdown after decoding, and nvidia-smi. 30 s.

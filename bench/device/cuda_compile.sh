@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Compile the patched llama.cpp's CUDA backend on a machine without a GPU, so that the device's scarce minutes never
+# meet a compile error (issue 24). nvcc is the machine's (CUDA 13 on ours); cuBLAS, which that toolkit lacks, comes
+# from the nvidia-cublas wheel, merged with the toolkit into one root for CMake's FindCUDAToolkit. The build is
+# clover-gguf's own (`build-llama --backend cuda`: a user's cmake options, every tool, into the usual cache), for
+# CMAKE_CUDA_ARCHITECTURES 90 (H100/H200) and 89 (RTX 40). It prints how long it took; outside CI (too slow for it).
+#
+#   bash bench/device/cuda_compile.sh [WORK]     env: PYTHON (python3), JOBS (all cores), CUDA_ARCH ("90;89")
+set -euo pipefail
+WORK=${1:-${TMPDIR:-/tmp}/clover-cuda-compile}
+PY=${PYTHON:-python3}
+JOBS=${JOBS:-$(nproc)}
+ARCH=${CUDA_ARCH:-90;89}
+NVCC=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
+[[ -x $NVCC ]] || { echo "cuda_compile.sh: no nvcc" >&2; exit 2; }
+TOOLKIT=$(cd "$(dirname "$NVCC")/.." && pwd -P)
+mkdir -p "$WORK"
+ROOT=$WORK/cuda-root
+if [[ ! -f $ROOT/include/cublas_v2.h ]]; then
+    rm -rf "$WORK/cublas" "$ROOT.tmp"
+    ls "$WORK"/wheel/nvidia_cublas-*.whl >/dev/null 2>&1 ||
+        "$PY" -m pip download -q --no-deps --only-binary=:all: nvidia-cublas -d "$WORK/wheel"
+    "$PY" -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])' "$WORK"/wheel/*.whl "$WORK/cublas"
+    CUBLAS=$(dirname "$(find "$WORK/cublas" -name cublas_v2.h | head -n 1)")/..
+    # the toolkit's files, linked, with cuBLAS's headers and libraries beside them
+    mkdir -p "$ROOT.tmp"
+    for d in "$TOOLKIT"/*; do ln -s "$d" "$ROOT.tmp/$(basename "$d")"; done
+    rm "$ROOT.tmp/include" "$ROOT.tmp/lib64"
+    mkdir "$ROOT.tmp/include" "$ROOT.tmp/lib64"
+    ln -s "$TOOLKIT"/include/* "$CUBLAS"/include/* "$ROOT.tmp/include/"
+    ln -s "$(readlink -f "$TOOLKIT/lib64")"/* "$ROOT.tmp/lib64/"
+    for so in "$CUBLAS"/lib/*.so.*; do
+        ln -sf "$so" "$ROOT.tmp/lib64/"
+        ln -sf "$so" "$ROOT.tmp/lib64/$(basename "${so%%.so.*}").so"
+    done
+    mv "$ROOT.tmp" "$ROOT"
+fi
+export CUDAToolkit_ROOT=$ROOT CUDACXX=$ROOT/bin/nvcc
+T0=$(date +%s)
+"$PY" -m clover_gguf build-llama --backend cuda --cuda-arch "$ARCH" --jobs "$JOBS"
+echo "CUDA build (archs $ARCH, $JOBS jobs, $(nproc) cores): $(($(date +%s) - T0)) s"
