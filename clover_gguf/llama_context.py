@@ -5,7 +5,7 @@ The binding loads libllama from $LLAMA_CPP_LIB_PATH; `load_binding()` points it 
 attention once (`llama_set_block_attn`, the patch's API); a block pass copies the committed sequence to it, decodes the
 block there with logits for every block token and drops the copy, so the committed sequence never changes.
 
-A decode returns the logits of its rows, or, given a `controls.Gather`, what patches/0004's sampler computed in the
+A decode returns the logits of its rows, or, given a `controls.Gather`, what patches/0005's sampler computed in the
 graph (`controls.GraphRows`): a sequence decoded that way carries the sampler (llama.cpp's backend sampling), and
 llama.cpp then copies no logits at all. Switching a sequence between the two rebuilds llama.cpp's graph.
 """
@@ -61,7 +61,7 @@ def load_binding() -> Any:
 
 
 class _MemoryBreakdownEntry(ctypes.Structure):
-    """struct llama_memory_breakdown_entry (patches/0003)."""
+    """struct llama_memory_breakdown_entry (patches/0002)."""
 
     _fields_ = [("buft_name", ctypes.c_char_p), ("model", ctypes.c_size_t), ("context", ctypes.c_size_t),
                 ("compute", ctypes.c_size_t)]
@@ -374,7 +374,7 @@ class LlamaContext:
         # llama.cpp stores the requested rows contiguously, in batch order
         return np.ctypeslib.as_array(self.L.llama_get_logits(self.ctx), shape=(n_out, self.n_vocab)).copy()
 
-    # ---- selection in the graph (patches/0004) ----------------------------------------------------------
+    # ---- selection in the graph (patches/0005) ----------------------------------------------------------
     def _select_on(self, seq: int, g: Gather, n_out: int, n: int, extra) -> None:
         """Give `seq` the selection sampler for this gather (a new one when its settings changed) and its rows."""
         if extra:

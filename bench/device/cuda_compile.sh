@@ -4,6 +4,7 @@
 # from the nvidia-cublas wheel, merged with the toolkit into one root for CMake's FindCUDAToolkit. The build is
 # clover-gguf's own (`build-llama --backend cuda`: a user's cmake options, every tool, into the usual cache), for
 # CMAKE_CUDA_ARCHITECTURES 90 (H100/H200) and 89 (RTX 40). It prints how long it took; outside CI (too slow for it).
+# Without a driver the libraries link against a stub libcuda: a compile check, not a build to run.
 #
 #   bash bench/device/cuda_compile.sh [WORK]     env: PYTHON (python3), JOBS (all cores), CUDA_ARCH ("90;89")
 set -euo pipefail
@@ -11,9 +12,10 @@ WORK=${1:-${TMPDIR:-/tmp}/clover-cuda-compile}
 PY=${PYTHON:-python3}
 JOBS=${JOBS:-$(nproc)}
 ARCH=${CUDA_ARCH:-90;89}
-NVCC=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
-[[ -x $NVCC ]] || { echo "cuda_compile.sh: no nvcc" >&2; exit 2; }
-TOOLKIT=$(cd "$(dirname "$NVCC")/.." && pwd -P)
+# the toolkit: $CUDA_HOME, else /usr/local/cuda (the nvcc on PATH may be a wrapper script elsewhere)
+TOOLKIT=${CUDA_HOME:-/usr/local/cuda}
+[[ -x $TOOLKIT/bin/nvcc ]] || { echo "cuda_compile.sh: no $TOOLKIT/bin/nvcc (set CUDA_HOME)" >&2; exit 2; }
+TOOLKIT=$(cd "$TOOLKIT" && pwd -P)
 mkdir -p "$WORK"
 ROOT=$WORK/cuda-root
 if [[ ! -f $ROOT/include/cublas_v2.h ]]; then
@@ -33,9 +35,14 @@ if [[ ! -f $ROOT/include/cublas_v2.h ]]; then
         ln -sf "$so" "$ROOT.tmp/lib64/"
         ln -sf "$so" "$ROOT.tmp/lib64/$(basename "${so%%.so.*}").so"
     done
+    # the driver library (libcuda) comes with a GPU driver, which a machine without a GPU lacks: an empty stub stands
+    # in for it at link time and the executables may leave its symbols undefined (LDFLAGS below). The result is for
+    # compiling, not for running.
+    mkdir "$ROOT.tmp/lib64/stubs"
+    echo "" | cc -shared -x c - -o "$ROOT.tmp/lib64/stubs/libcuda.so"
     mv "$ROOT.tmp" "$ROOT"
 fi
-export CUDAToolkit_ROOT=$ROOT CUDACXX=$ROOT/bin/nvcc
+export CUDAToolkit_ROOT=$ROOT CUDACXX=$ROOT/bin/nvcc LDFLAGS="${LDFLAGS:+$LDFLAGS }-Wl,--allow-shlib-undefined"
 T0=$(date +%s)
 "$PY" -m clover_gguf build-llama --backend cuda --cuda-arch "$ARCH" --jobs "$JOBS"
 echo "CUDA build (archs $ARCH, $JOBS jobs, $(nproc) cores): $(($(date +%s) - T0)) s"
