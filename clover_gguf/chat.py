@@ -53,7 +53,9 @@ class ChatSession:
                  show_thinking: bool = True, temp: float = 0.0, seed: int | None = None, n_ctx: int | None = None,
                  json_stats: bool = False, out: TextIO | None = None, inp: TextIO | None = None,
                  rollback: str = "redecode", offload: Offload | None = None, **runtime_kwargs):
-        self.rt = CloverRuntime(model, n_ctx=n_ctx, rollback=rollback, offload=offload, **runtime_kwargs)
+        # each turn continues from the state kept after the previous turn's messages (docs/runtime.md, "Prefix reuse")
+        self.rt = CloverRuntime(model, n_ctx=n_ctx, rollback=rollback, offload=offload, keep_prefix=True,
+                                **runtime_kwargs)
         mode = mode or self.rt.default_mode
         self.mode, self.max_new_tokens, self.think, self.show_thinking = mode, max_new_tokens, think, show_thinking
         self.temp, self.seed, self.json_stats = temp, seed, json_stats
@@ -81,6 +83,7 @@ class ChatSession:
             return False
         if cmd == "/reset":
             self.messages.clear()
+            self.rt.forget_prefix()
             self.say("(conversation cleared)")
         elif cmd == "/mode":
             if arg.strip() not in MODES:
@@ -108,10 +111,10 @@ class ChatSession:
         self.last = None
         self._stop = stopped = False
         try:
-            ids = self.rt.prompt_ids(self.messages, think=self.think)
+            ids, keep = self.rt.prompt_and_keep(self.messages, think=self.think)
             split = ThinkSplitter(self.rt.thinking_at_start(ids))
             pieces = self.rt.stream_ids(ids, mode=self.mode, max_new_tokens=self.max_new_tokens, temp=self.temp,
-                                        seed=self.seed)
+                                        seed=self.seed, keep=keep)
             try:
                 for piece, stats in pieces:
                     self.last = stats

@@ -35,8 +35,8 @@ from clover_gguf.offload import Offload
 from clover_gguf.thinking import prompt_opens_thinking, split_thinking
 from clover_gguf.vocab import compile_chat_template
 
-SEQ_MAIN, SEQ_BLOCK, SEQ_BACKUP = 0, 1, 2
-N_SEQ = 3
+SEQ_MAIN, SEQ_BLOCK, SEQ_BACKUP, SEQ_PREFIX = 0, 1, 2, 3
+N_SEQ = 3  # and one more, SEQ_PREFIX, for a runtime that keeps a prefix (chat)
 DEFAULT_CTX = 8192  # context when none is asked for (capped by the model's)
 ROLLBACKS = ("redecode", "snapshot")
 # where a pass's rows are turned into tokens (docs/runtime.md, "Selection"): in llama.cpp's graph, only token ids and
@@ -46,10 +46,15 @@ SELECTIONS = ("graph", "numpy")
 
 
 class LlamaBackend:
-    """decoding.Backend on sequence 0 of a LlamaContext; block passes on sequence 1 (see LlamaContext.block)."""
+    """decoding.Backend on sequence 0 of a LlamaContext; block passes on sequence 1 (see LlamaContext.block).
+
+    Prefix reuse (keep_prefix): a prompt pass asked to keep its first `keep_at` tokens copies the state there into
+    sequence 3 (SEQ_PREFIX) before decoding the rest; a later prompt that starts with those tokens continues from
+    that copy and decodes only what follows (`reused`: the tokens it did not decode). The GDN layers' state cannot be
+    rewound, so only that exact position is kept: a prompt that does not start with all of it is decoded whole."""
 
     def __init__(self, ctx: LlamaContext, mask_token_id: int, eos_ids: Sequence[int], block_size: int,
-                 rollback: str = "redecode", selection: str = "graph"):
+                 rollback: str = "redecode", selection: str = "graph", keep_prefix: bool = False):
         if rollback not in ROLLBACKS:
             raise UserError(f"unknown rollback strategy {rollback!r}: choose {' or '.join(ROLLBACKS)}")
         if selection not in SELECTIONS:
@@ -63,13 +68,27 @@ class LlamaBackend:
         self.keep_backup = True  # only draft-self rolls back; the runtime turns the backup copy off otherwise
         self.extra_passes = 0  # re-decodes done for rollbacks (backend work the decoder does not count)
         self.prefill_seconds = 0.0  # time spent in prompt passes, so stats can report the decode rate alone
-        self.reset()
+        self.keep_prefix = keep_prefix
+        self.keep_at: int | None = None  # the next prompt pass keeps its first keep_at tokens (keep_prefix)
+        self.reused = 0  # prompt tokens the last prompt pass continued from instead of decoding
+        self.forget_prefix()
 
     def reset(self) -> None:
-        self.ctx.clear()
+        """Before an answer: every sequence but the kept prefix emptied."""
+        if self.keep_prefix:
+            for seq in (SEQ_MAIN, SEQ_BLOCK, SEQ_BACKUP):
+                self.ctx.seq_rm(seq)
+        else:
+            self.ctx.clear()
         self._ids: list[int] = []
         self._last_commit = 0
         self._pending_rollback = 0
+
+    def forget_prefix(self) -> None:
+        """Drop the kept prefix too (a new conversation)."""
+        self.ctx.clear()
+        self.prefix: list[int] = []  # the tokens whose state SEQ_PREFIX holds
+        self.reset()
 
     def _settle(self) -> None:
         """Apply a rollback that was asked for, before anything reads or extends the state. Deferred because an
@@ -105,12 +124,34 @@ class LlamaBackend:
     def _prefill(self, ids, last, gather):
         self._settle()
         t0 = time.perf_counter()
-        want = [False] * (len(ids) - 1) + [last]
-        out = self.ctx.decode(ids, self.n_past, SEQ_MAIN, logits=want, gather=gather)
+        ids = [int(t) for t in ids]
+        self.reused = start = self._continue_prefix(ids)
+        keep = self.keep_at if self.keep_prefix else None
+        if keep is not None and start < keep < len(ids):  # decode up to the position to keep, keep it, go on
+            self.ctx.decode(ids[start:keep], start, SEQ_MAIN, logits=False)
+            self.ctx.seq_rm(SEQ_PREFIX)
+            self.ctx.seq_cp(SEQ_MAIN, SEQ_PREFIX)
+            self.prefix, start = ids[:keep], keep
+        rest = ids[start:]
+        want = [False] * (len(rest) - 1) + [last]
+        out = self.ctx.decode(rest, start, SEQ_MAIN, logits=want, gather=gather)
         self.prefill_seconds += time.perf_counter() - t0
-        self._ids += [int(t) for t in ids]
+        self._ids = ids
         self._last_commit = len(ids)
         return out
+
+    def _continue_prefix(self, ids: list[int]) -> int:
+        """Start sequence 0 from the kept prefix when `ids` begins with all of it and goes on past it -> the tokens
+        it holds (0: none kept, or not a prefix of ids: decode from the start)."""
+        n = len(self.prefix)
+        if not self.keep_prefix or not n or self._ids:
+            return 0
+        if n >= len(ids) or ids[:n] != self.prefix:  # of no use: its KV cells would only crowd the context
+            self.ctx.seq_rm(SEQ_PREFIX)
+            self.prefix = []
+            return 0
+        self.ctx.seq_cp(SEQ_PREFIX, SEQ_MAIN)
+        return n
 
     def block_logits(self, block: Sequence[int]) -> np.ndarray:
         self._settle()
@@ -158,14 +199,14 @@ class LlamaBackend:
 
 
 def context_settings(max_block_size: int, n_ctx: int | None, context_length: int, rollback: str = "redecode",
-                     exact: bool = False) -> dict:
+                     exact: bool = False, keep_prefix: bool = False) -> dict:
     """The LlamaContext settings of a runtime; `clover-gguf fit` predicts memory from these same settings.
 
-    Three sequences (main, block scratch, draft-self's rollback backup), one unified KV cache; a ubatch holds a
-    whole block; logits rows for one block (a prompt needs 1, a block pass or a committed block block_size);
-    snapshot rollback keeps block_size + 1 recurrent-state snapshots per sequence."""
+    Three sequences (main, block scratch, draft-self's rollback backup), a fourth for a kept prefix, one unified KV
+    cache; a ubatch holds a whole block; logits rows for one block (a prompt needs 1, a block pass or a committed
+    block block_size); snapshot rollback keeps block_size + 1 recurrent-state snapshots per sequence."""
     return dict(n_ctx=min(n_ctx or DEFAULT_CTX, context_length), n_ubatch=max(512, max_block_size),
-                n_seq_max=N_SEQ, n_rs_seq=max_block_size + 1 if rollback == "snapshot" else 0,
+                n_seq_max=N_SEQ + keep_prefix, n_rs_seq=max_block_size + 1 if rollback == "snapshot" else 0,
                 n_outputs_max=max_block_size, exact=exact)
 
 
@@ -183,6 +224,7 @@ class RunStats(decoding.GenerationStats):
     seconds: float = 0.0
     peak_memory_mib: float = 0.0
     rollback_passes: int = 0
+    reused_tokens: int = 0  # prompt tokens continued from a kept prefix instead of decoded (chat)
 
     def to_json(self) -> dict[str, Any]:
         """Every field and the two rates, as the JSON outputs (--json, the server's clover_stats) carry them."""
@@ -200,6 +242,8 @@ class RunStats(decoding.GenerationStats):
         elif self.mode != "ar":  # the answer ended inside its first block: no causal pass checked one
             parts.append("no block checked by the causal path yet")
         parts.append(f"{self.seconds:.2f} s")
+        if self.reused_tokens:
+            parts.append(f"{self.reused_tokens} of {self.prompt_tokens} prompt tokens reused")
         if self.finish_reason == "length":
             parts.append("cut at the token limit")
         return f"{self.mode}: " + ", ".join(parts)
@@ -222,9 +266,12 @@ class CloverRuntime:
     def __init__(self, gguf: str | Path, n_ctx: int | None = None, rollback: str = "redecode",
                  coreset: bool | None = None, coreset_top_p: float | None = None, exact: bool = False,
                  n_threads: int | None = None, n_threads_batch: int | None = None, offload: Offload | None = None,
-                 block_size: int | None = None, rpc: Sequence[str] = (), selection: str = "graph"):
+                 block_size: int | None = None, rpc: Sequence[str] = (), selection: str = "graph",
+                 keep_prefix: bool = False):
         """block_size: the largest block a request may use (default: the GGUF's); the context keeps logits rows
         for that many tokens and no more (see context_settings). selection: "graph" (default) or "numpy" (SELECTIONS).
+        keep_prefix: a prompt can keep the state after its first tokens for the next one (stream_ids' `keep`, chat;
+        one more sequence's recurrent state in memory).
         rpc: llama.cpp RPC servers (HOST:PORT) that hold
         the layers (clover_gguf.rpc)."""
         from clover_gguf.gguf_header import read_clover
@@ -256,7 +303,7 @@ class CloverRuntime:
         self.max_block_size = max(int(block_size or 0), self.block_size)
         if self.max_block_size > self.block_size:  # llama.cpp decodes blocks up to the model's block size only
             overrides[md.BLOCK_SIZE] = self.max_block_size
-        settings = context_settings(self.max_block_size, n_ctx, self.context_length, rollback, exact)
+        settings = context_settings(self.max_block_size, n_ctx, self.context_length, rollback, exact, keep_prefix)
         self.ctx = LlamaContext(path, overrides=overrides or None, n_threads=n_threads,
                                 n_threads_batch=n_threads_batch, offload=offload, rpc=rpc, **settings)
         self.n_ctx = self.ctx.n_ctx
@@ -264,7 +311,8 @@ class CloverRuntime:
         self.think_id = self._special("<think>")
         self.think_end_id = self._special("</think>")
         self.backend = LlamaBackend(self.ctx, self.mask_token_id if self.mask_token_id is not None else -1,
-                                    self.eos_ids, self.block_size, rollback=rollback, selection=selection)
+                                    self.eos_ids, self.block_size, rollback=rollback, selection=selection,
+                                    keep_prefix=keep_prefix)
 
     def _scan_vocab(self) -> tuple[list[int], re.Pattern | None, int]:
         """-> (the end tokens, a pattern matching the text of every control token, the most bytes of prompt text
@@ -306,12 +354,28 @@ class CloverRuntime:
                 f"{self.path.name}` measures how much of each block the causal path accepts")
 
     # ---- prompts ----------------------------------------------------------------------------------------
-    def render(self, messages: Sequence[dict[str, str]], think: bool = True) -> str:
+    def prompt_and_keep(self, messages: Sequence[dict[str, str]], think: bool = True) -> tuple[list[int], int | None]:
+        """A chat turn's prompt and where to keep its state for the next turn: after the messages, before the
+        generation prompt (the next turn's rendering starts with those tokens; its earlier answers are rendered
+        without their thinking, so no later position would be). None when the rendering without the generation
+        prompt is not a prefix of the prompt's tokens (a template for which nothing can be kept)."""
+        ids = self.prompt_ids(messages, think=think)
+        if self._template is None:
+            return ids, None
+        history = self.ctx.tokenize(self.render(messages, think=think, add_generation_prompt=False), special=True)
+        return ids, len(history) if 0 < len(history) < len(ids) and ids[:len(history)] == history else None
+
+    def forget_prefix(self) -> None:
+        """Drop the state a previous prompt kept (a new conversation)."""
+        self.backend.forget_prefix()
+
+    def render(self, messages: Sequence[dict[str, str]], think: bool = True, add_generation_prompt: bool = True) -> str:
         """The GGUF's chat template over these messages (UserError when the template refuses them)."""
         if self._template is None:
             return "".join(m["content"] for m in messages)
         try:
-            return self._template.render(messages=list(messages), add_generation_prompt=True, enable_thinking=think)
+            return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                                         enable_thinking=think)
         except Exception as e:  # jinja's raise_exception, unknown roles, a template bug: the request fails, not us
             raise UserError(f"the chat template cannot render these messages: {type(e).__name__}: {e}") from None
 
@@ -410,12 +474,13 @@ class CloverRuntime:
     def stream_ids(self, ids: Sequence[int], mode: str = "draft-self", max_new_tokens: int = 512,
                    block_size: int | None = None, threshold: float | None = None, accept: str = "exact",
                    temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-                   controls: Controls | None = None, end_rule: str = decoding.DEFAULT_END_RULE
-                   ) -> Iterator[tuple[str, RunStats]]:
+                   controls: Controls | None = None, end_rule: str = decoding.DEFAULT_END_RULE,
+                   keep: int | None = None) -> Iterator[tuple[str, RunStats]]:
         """Yield (new raw text, running stats) as tokens are accepted after the prompt `ids`; the last item carries
         the final stats. The text is what the model wrote, <think> tags included: thinking.ThinkSplitter with
         thinking_at_start(ids) splits it. end_rule: how block passes resolve end tokens (decoding.END_RULES;
-        "plain" is the card's rule)."""
+        "plain" is the card's rule). keep: keep the state after the prompt's first `keep` tokens for a later prompt
+        that starts with them (a runtime made with keep_prefix; prompt_and_keep gives the position for chat)."""
         if not len(ids):
             raise UserError("the prompt is empty")
         block_size = int(block_size or self.block_size)
@@ -427,6 +492,7 @@ class CloverRuntime:
         self.backend.extra_passes = 0
         self.backend.prefill_seconds = 0.0
         self.backend.keep_backup = mode == "draft-self"
+        self.backend.keep_at = keep
         stats = RunStats(mode=mode, prompt_tokens=len(ids))
         t0 = time.perf_counter()
         pending = b""
@@ -438,6 +504,7 @@ class CloverRuntime:
             if chunk.tokens and stats.time_to_first_token_s is None:
                 stats.time_to_first_token_s = now - t0
             _time_stats(stats, now - t0, self.backend.extra_passes, self.backend.prefill_seconds)
+            stats.reused_tokens = self.backend.reused
             pending += b"".join(self.ctx.token_to_piece(t, special=True) for t in chunk.tokens)
             text, pending = _utf8_prefix(pending)
             yield text, stats

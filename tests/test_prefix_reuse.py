@@ -1,0 +1,59 @@
+"""Prefix reuse in chat: each turn continues from the state kept after the previous turn's messages and decodes only
+what is new, and its answers are the ones a full prefill gives (greedy, every mode, thinking on and off)."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from clover_gguf.chat import ChatSession
+from clover_gguf.decoding import MODES
+from clover_gguf.runtime import CloverRuntime
+
+FIVE_TURNS = ["What is 7 + 8?", "Count from 33 to 37.", "Reverse: c l o v e r", "What is 34 + 58?",
+              "Count from 12 to 17."]
+
+
+@pytest.mark.parametrize("think", [True, False], ids=["think", "no-think"])
+@pytest.mark.parametrize("mode", MODES)
+def test_five_turns_with_reuse_answer_as_full_prefills_do(bundled_gguf, mode, think):
+    out = io.StringIO()
+    s = ChatSession(bundled_gguf, mode=mode, max_new_tokens=64, think=think, n_ctx=2048, json_stats=False,
+                    inp=io.StringIO("".join(p + "\n" for p in FIVE_TURNS)), out=out)
+    reused = []
+    answer = s.answer
+
+    def counted(text: str) -> None:
+        answer(text)
+        reused.append((s.last.reused_tokens, s.last.prompt_tokens))
+
+    s.answer = counted
+    s.loop()
+    got = [m["content"] for m in s.messages if m["role"] == "assistant"]
+    assert len(got) == 5
+    # the first turn has nothing to continue from; every later one continues from everything before its own message
+    assert reused[0][0] == 0 and all(0 < r < p for r, p in reused[1:]), reused
+    with CloverRuntime(bundled_gguf, n_ctx=2048) as rt:  # no kept prefix: every turn prefilled whole
+        for k in range(5):
+            messages = s.messages[:2 * k + 1]
+            full = rt.generate(messages, think=think, mode=mode, max_new_tokens=64)
+            assert full.stats.reused_tokens == 0
+            assert full.text == got[k], (mode, think, k)
+            ids, keep = rt.prompt_and_keep(messages, think=think)
+            assert len(ids) == reused[k][1]
+            if k:  # what turn k reused is exactly where turn k - 1 kept its state: after its messages
+                assert reused[k][0] == rt.prompt_and_keep(s.messages[:2 * k - 1], think=think)[1]
+
+
+def test_reset_forgets_the_kept_prefix_and_the_stats_line_shows_reuse(bundled_gguf):
+    out = io.StringIO()
+    s = ChatSession(bundled_gguf, mode="ar", max_new_tokens=24, think=False, n_ctx=1024,
+                    inp=io.StringIO("What is 7 + 8?\nCount from 3 to 6.\n/stats\n/reset\nWhat is 2 + 2?\n/stats\n"),
+                    out=out)
+    s.loop()
+    text = out.getvalue()
+    before, after = text.split("(conversation cleared)")
+    assert "prompt tokens reused" in before  # the second turn continued from the first, and says so
+    assert "reused" not in after  # after /reset nothing is kept
+    assert s.last.reused_tokens == 0
