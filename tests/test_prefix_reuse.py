@@ -57,3 +57,16 @@ def test_reset_forgets_the_kept_prefix_and_the_stats_line_shows_reuse(bundled_gg
     assert "prompt tokens reused" in before  # the second turn continued from the first, and says so
     assert "reused" not in after  # after /reset nothing is kept
     assert s.last.reused_tokens == 0
+
+
+def test_a_mode_switch_keeps_the_prefix(bundled_gguf):
+    """/mode changes how the answer is decoded, not the prompt's causal pass: the next turn still continues from the
+    kept state, and answers as a full prefill does in the new mode."""
+    out = io.StringIO()
+    s = ChatSession(bundled_gguf, mode="ar", max_new_tokens=48, think=False, n_ctx=1024,
+                    inp=io.StringIO("What is 7 + 8?\n/mode diffusion\nCount from 33 to 37.\n"), out=out)
+    s.loop()
+    assert s.mode == "diffusion" and s.last.mode == "diffusion" and s.last.reused_tokens > 0
+    with CloverRuntime(bundled_gguf, n_ctx=1024) as rt:
+        full = rt.generate(s.messages[:3], think=False, mode="diffusion", max_new_tokens=48)
+    assert full.text == s.messages[3]["content"]
