@@ -331,6 +331,7 @@ class LlamaContext:
         logits [n_out, V] for the tokens that asked for them (all by default); with `gather`, the graph's selection
         rows for them instead (GraphRows; None when no token asked). A sequence switched to block attention
         (set_block_attn) is decoded as one block."""
+        self._check_open()
         parts = [(ids, pos0, seq), *extra]
         n = sum(len(p[0]) for p in parts)
         # llama.cpp aborts the process on this (GGML_ASSERT): refuse it here, callers check requests earlier. (A block
@@ -481,7 +482,12 @@ class LlamaContext:
         self.L.llama_memory_clear(self.mem, True)
 
     # ---- tokenizer --------------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if not getattr(self, "ctx", None):  # llama.cpp would read freed memory
+            raise UserError("the model was closed")
+
     def tokenize(self, text: str, special: bool = True) -> list[int]:
+        self._check_open()
         data = text.encode("utf-8")
         cap = len(data) + 16
         buf = (self.L.llama_token * cap)()
@@ -493,6 +499,7 @@ class LlamaContext:
         return list(buf[:n])
 
     def token_to_piece(self, token: int, special: bool = False) -> bytes:
+        self._check_open()
         buf = ctypes.create_string_buffer(256)
         n = self.L.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
         return buf.raw[:n] if n >= 0 else b""

@@ -70,3 +70,15 @@ def test_a_mode_switch_keeps_the_prefix(bundled_gguf):
     with CloverRuntime(bundled_gguf, n_ctx=1024) as rt:
         full = rt.generate(s.messages[:3], think=False, mode="diffusion", max_new_tokens=48)
     assert full.text == s.messages[3]["content"]
+
+
+def test_a_closed_runtime_says_so(bundled_gguf):
+    """After close, the runtime refuses with one line instead of reading freed memory (it used to crash)."""
+    from clover_gguf.errors import UserError
+
+    rt = CloverRuntime(bundled_gguf, n_ctx=256)
+    rt.close()
+    with pytest.raises(UserError, match="closed"):
+        rt.prompt_ids("hi")
+    with pytest.raises(UserError, match="closed"):
+        rt.generate("hi", mode="ar", max_new_tokens=2)
