@@ -297,6 +297,19 @@ def test_an_mtp_context_on_a_block_capable_file_is_safe(make_checkpoint, tmp_pat
     assert p.returncode == 0 and "refused" in p.stdout, (p.returncode, p.stdout, p.stderr[-3000:])
 
 
+def test_the_memory_view_and_the_coreset_key_refuse_bad_values(clover_files):
+    """The C view of the memory breakdown answers NULL with a count of entries > 0 with -1 (it wrote through it), and a
+    coreset top_p outside (0, 1] (here through an override, past clover-gguf's own header check) is a load error."""
+    r = _runner(clover_files[1], n_ctx=256, n_ubatch=256)
+    try:
+        assert r._api.llama_get_memory_breakdown_entries(r.ctx, None, 4) == -1
+        assert r._api.llama_get_memory_breakdown_entries(r.ctx, None, 0) > 0
+    finally:
+        r.close()
+    with pytest.raises(UserError, match="could not load"):
+        _runner(clover_files[1], n_ctx=256, n_ubatch=256, overrides={"clover_moe.moe_block_coreset.top_p": 1.5})
+
+
 def test_the_block_graph_is_reserved_at_the_block_size_not_the_ubatch(bundled_gguf, tmp_path):
     """At -ub 2048, flash attention on as users run it, a block-capable file's compute buffers are within a few MiB of
     the same model's without the block tensors (before, the block graph was reserved at n_ubatch tokens: its
