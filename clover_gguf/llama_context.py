@@ -251,6 +251,24 @@ def _context_params(L: Any, n_ctx: int, n_ubatch: int, n_batch: int | None, n_se
     return cp
 
 
+class _Model:
+    """A loaded llama_model and the buffers llama.cpp reads through its pointers, shared by the contexts made on it
+    (LlamaContext's `shared`): freed when the last of them closes."""
+
+    def __init__(self, L: Any, handle: Any, keep: list[Any]):
+        self.L, self.handle, self.keep, self.users = L, handle, keep, 0
+
+    def acquire(self) -> "_Model":
+        self.users += 1
+        return self
+
+    def release(self) -> None:
+        self.users -= 1
+        if self.users <= 0 and self.handle:
+            self.L.llama_model_free(self.handle)
+            self.handle = None
+
+
 class LlamaContext:
     """One model and one context: causal decoding on sequence 0, block passes on scratch sequence 1.
 
@@ -263,17 +281,27 @@ class LlamaContext:
                  n_seq_max: int = 2,
                  overrides: dict[str, bool | int | float] | None = None, n_rs_seq: int = 0, exact: bool = False,
                  n_threads: int | None = None, n_threads_batch: int | None = None, n_outputs_max: int = 0,
-                 offload: Offload | None = None, rpc: Sequence[str] = (), eval_callback: Any = None):
-        """eval_callback: llama.cpp's graph eval callback (a GraphProbe's .callback, clover_gguf.graph_probe)."""
+                 offload: Offload | None = None, rpc: Sequence[str] = (), eval_callback: Any = None,
+                 shared: "LlamaContext | None" = None):
+        """eval_callback: llama.cpp's graph eval callback (a GraphProbe's .callback, clover_gguf.graph_probe).
+        shared: a context whose model this one uses too (the weights held once; its load options, overrides and
+        offload placement apply, these are not read again)."""
         L = self.L = load_binding()
         path = Path(gguf)
         if not path.is_file():
             raise UserError(f"no such model file: {path}")
         offload = offload or Offload()
-        self._keep: list[Any] = []  # buffers llama.cpp reads through pointers, alive as long as the model
-        self.model = _load_model(L, path, offload, overrides, self._keep, rpc=rpc)
-        if not self.model:
-            raise UserError(f"llama.cpp could not load {path} (not a Clover GGUF, or the library is not patched)")
+        if shared is not None:
+            if not getattr(shared, "_model", None) or not shared._model.handle:
+                raise UserError("the model was closed")
+            self._model = shared._model.acquire()
+        else:
+            keep: list[Any] = []  # buffers llama.cpp reads through pointers, alive as long as the model
+            handle = _load_model(L, path, offload, overrides, keep, rpc=rpc)
+            if not handle:
+                raise UserError(f"llama.cpp could not load {path} (not a Clover GGUF, or the library is not patched)")
+            self._model = _Model(L, handle, keep).acquire()
+        self.model = self._model.handle
         cp = _context_params(L, n_ctx, n_ubatch, n_batch, n_seq_max, n_rs_seq, exact, n_threads or offload.threads,
                              n_threads_batch, n_outputs_max)
         if eval_callback is not None:
@@ -283,7 +311,8 @@ class LlamaContext:
         self.max_outputs = 0  # the most logits rows one call asked for: llama.cpp's output buffer grew to that
         self.ctx = L.llama_init_from_model(self.model, cp)
         if not self.ctx:
-            L.llama_model_free(self.model)
+            self._model.release()
+            self._model = self.model = None
             raise UserError("llama.cpp could not create a context (too little memory for n_ctx?)")
         self._api = _clover_api(L)
         self.has_block_attn = bool(self._api.llama_model_has_block_attn(self.model))
@@ -512,9 +541,10 @@ class LlamaContext:
             self.L.llama_sampler_free(chain)
         self._selectors = {}
 
-        if getattr(self, "model", None):
-            self.L.llama_model_free(self.model)
-            self.model = None
+        if getattr(self, "_model", None):
+            self._model.release()  # freed with the last context using it
+            self._model = None
+        self.model = None
 
     def __enter__(self) -> "LlamaContext":
         return self

@@ -267,11 +267,12 @@ class CloverRuntime:
                  coreset: bool | None = None, coreset_top_p: float | None = None, exact: bool = False,
                  n_threads: int | None = None, n_threads_batch: int | None = None, offload: Offload | None = None,
                  block_size: int | None = None, rpc: Sequence[str] = (), selection: str = "graph",
-                 keep_prefix: bool = False):
+                 keep_prefix: bool = False, share_model: "CloverRuntime | None" = None):
         """block_size: the largest block a request may use (default: the GGUF's); the context keeps logits rows
         for that many tokens and no more (see context_settings). selection: "graph" (default) or "numpy" (SELECTIONS).
         keep_prefix: a prompt can keep the state after its first tokens for the next one (stream_ids' `keep`, chat;
-        one more sequence's recurrent state in memory).
+        one more sequence's recurrent state in memory). share_model: a runtime of the same file whose weights this one
+        uses (serve's slots: the weights held once; made with the same options).
         rpc: llama.cpp RPC servers (HOST:PORT) that hold
         the layers (clover_gguf.rpc)."""
         from clover_gguf.gguf_header import read_clover
@@ -305,7 +306,8 @@ class CloverRuntime:
             overrides[md.BLOCK_SIZE] = self.max_block_size
         settings = context_settings(self.max_block_size, n_ctx, self.context_length, rollback, exact, keep_prefix)
         self.ctx = LlamaContext(path, overrides=overrides or None, n_threads=n_threads,
-                                n_threads_batch=n_threads_batch, offload=offload, rpc=rpc, **settings)
+                                n_threads_batch=n_threads_batch, offload=offload, rpc=rpc,
+                                shared=share_model.ctx if share_model is not None else None, **settings)
         self.n_ctx = self.ctx.n_ctx
         self.eos_ids, self._control_text, self.max_token_bytes = self._scan_vocab()
         self.think_id = self._special("<think>")

@@ -641,14 +641,15 @@ def load_runtimes(model: str | Path | Callable[[], Any], parallel: int, ctx: int
         if parallel > 1 and kw.get("n_threads") is None:  # share the cores between the slots
             kw["n_threads"] = max(1, min(8, os.cpu_count() or 1) // parallel)
 
-        def factory() -> Any:
-            return CloverRuntime(path, n_ctx=ctx, **kw)
+        def factory(first: Any = None) -> Any:
+            # every slot after the first uses the first one's weights: one copy of the model, a context per slot
+            return CloverRuntime(path, n_ctx=ctx, share_model=first, **kw)
 
         name = model_id or path.stem
     runtimes: list[Any] = []
     try:
         for _ in range(parallel):
-            runtimes.append(factory())
+            runtimes.append(factory(runtimes[0]) if runtimes and factory is not model else factory())
             if len(runtimes) == 1 and parallel > 1 and hasattr(getattr(runtimes[0], "ctx", None),
                                                                "memory_breakdown"):
                 from clover_gguf.fit import check_slots

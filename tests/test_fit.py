@@ -110,6 +110,7 @@ def test_rollback_snapshot_and_parallel_scale_the_states(ggufs):
     two = fit.fit(ggufs["small"], mode="draft-self", parallel=2)
     assert snap.parts["recurrent"] == one.parts["recurrent"] * (1 + 33)  # block_size + 1 snapshots per sequence
     assert two.parts["kv"] == 2 * one.parts["kv"] and two.parts["weights_host"] == one.parts["weights_host"]
+    assert two.parts["weights_device"] == one.parts["weights_device"]  # the slots share one model
     assert "serve" in two.command and "--parallel 2" in two.command
 
 

@@ -210,6 +210,12 @@ def test_greedy_ar_and_draft_self_give_the_same_text(server, prompts):
         assert ar.model_extra["clover_stats"]["forward_passes"] == ar.usage.completion_tokens + stop
 
 
+def test_the_slots_share_one_model(server):
+    """--parallel 2: two contexts on one llama.cpp model (the weights held once), each slot its own context."""
+    a, b = server.app.state.pool.runtimes
+    assert a.ctx.model and a.ctx.model == b.ctx.model and a.ctx.ctx != b.ctx.ctx
+
+
 def test_eight_concurrent_clients_get_their_own_answers(server, prompts):
     modes = ["ar", "draft-self", "diffusion", "draft-self"]
     jobs = [(prompts[i % len(prompts)], modes[i % 4], i % 2 == 1) for i in range(8)]
