@@ -371,6 +371,10 @@ class CloverRuntime:
         """Drop the state a previous prompt kept (a new conversation)."""
         self.backend.forget_prefix()
 
+    @property
+    def keeps_prefix(self) -> bool:
+        return self.backend.keep_prefix
+
     def render(self, messages: Sequence[dict[str, str]], think: bool = True, add_generation_prompt: bool = True) -> str:
         """The GGUF's chat template over these messages (UserError when the template refuses them)."""
         if self._template is None:

@@ -109,7 +109,10 @@ def _run_job(rt: Any, job: Job, plan: Plan) -> None:
 
 
 def _decode(rt: Any, job: Job, plan: Plan) -> None:
-    if plan.messages is not None:
+    keep = None  # a chat request keeps the state after its messages for the conversation's next request (this slot)
+    if plan.messages is not None and getattr(rt, "keeps_prefix", False):
+        ids, keep = rt.prompt_and_keep(plan.messages, think=plan.think)
+    elif plan.messages is not None:
         ids = rt.prompt_ids(plan.messages, think=plan.think)
     else:
         ids = rt.raw_prompt_ids(plan.prompt or "")
@@ -127,7 +130,7 @@ def _decode(rt: Any, job: Job, plan: Plan) -> None:
     controls = dataclasses.replace(rt.controls, **plan.controls) if plan.controls else None
     gen = rt.stream_ids(ids, mode=plan.mode, max_new_tokens=max_new, block_size=block_size, threshold=plan.threshold,
                         accept=plan.accept, temp=plan.temp, top_p=plan.top_p, top_k=plan.top_k, seed=plan.seed,
-                        controls=controls)
+                        controls=controls, **({"keep": keep} if keep is not None else {}))
     stats = None
     finish = "cancelled"
     try:
@@ -152,7 +155,9 @@ def _decode(rt: Any, job: Job, plan: Plan) -> None:
     if parser.matched is not None:
         st["stop_string"] = parser.matched
     n_gen = int(st.get("generated_tokens", 0))
-    usage = {"prompt_tokens": len(ids), "completion_tokens": n_gen, "total_tokens": len(ids) + n_gen}
+    usage = {"prompt_tokens": len(ids), "completion_tokens": n_gen, "total_tokens": len(ids) + n_gen,
+             # OpenAI's field for prompt tokens served from a cache: here, continued from the slot's kept state
+             "prompt_tokens_details": {"cached_tokens": int(st.get("reused_tokens", 0) or 0)}}
     job.emit("done", finish, st, usage)
 
 
@@ -642,8 +647,9 @@ def load_runtimes(model: str | Path | Callable[[], Any], parallel: int, ctx: int
             kw["n_threads"] = max(1, min(8, os.cpu_count() or 1) // parallel)
 
         def factory(first: Any = None) -> Any:
-            # every slot after the first uses the first one's weights: one copy of the model, a context per slot
-            return CloverRuntime(path, n_ctx=ctx, share_model=first, **kw)
+            # every slot after the first uses the first one's weights: one copy of the model, a context per slot;
+            # each keeps its last conversation's state (docs/runtime.md, "Prefix reuse")
+            return CloverRuntime(path, n_ctx=ctx, share_model=first, keep_prefix=True, **kw)
 
         name = model_id or path.stem
     runtimes: list[Any] = []

@@ -82,3 +82,29 @@ def test_a_closed_runtime_says_so(bundled_gguf):
         rt.prompt_ids("hi")
     with pytest.raises(UserError, match="closed"):
         rt.generate("hi", mode="ar", max_new_tokens=2)
+
+
+def test_the_server_continues_a_conversation_from_the_slots_kept_state(bundled_gguf):
+    """A chat request that extends the slot's last conversation continues from its kept state: the usage says how
+    many prompt tokens (OpenAI's prompt_tokens_details.cached_tokens), and the answer is the full prefill's."""
+    from fastapi.testclient import TestClient
+
+    from clover_gguf.server import create_app
+
+    def ask(http, messages):
+        r = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 48, "mode": "draft-self",
+                                                    "chat_template_kwargs": {"enable_thinking": False}})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    first = [{"role": "user", "content": "What is 7 + 8?"}]
+    with TestClient(create_app(bundled_gguf, mode="ar", parallel=1, ctx=1024)) as http:
+        a = ask(http, first)
+        assert a["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        second = first + [{"role": "assistant", "content": a["choices"][0]["message"]["content"]},
+                          {"role": "user", "content": "Count from 33 to 37."}]
+        b = ask(http, second)
+    assert 0 < b["usage"]["prompt_tokens_details"]["cached_tokens"] < b["usage"]["prompt_tokens"]
+    with CloverRuntime(bundled_gguf, n_ctx=1024) as rt:
+        full = rt.generate(second, think=False, mode="draft-self", max_new_tokens=48)
+    assert b["choices"][0]["message"]["content"] == full.text
