@@ -13,6 +13,7 @@ stop string appears and the stats describe exactly the work done.
 
 # no `from __future__ import annotations`: FastAPI reads the route signatures, whose types are local to create_app
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -158,25 +159,63 @@ def _decode(rt: Any, job: Job, plan: Plan) -> None:
     usage = {"prompt_tokens": len(ids), "completion_tokens": n_gen, "total_tokens": len(ids) + n_gen,
              # OpenAI's field for prompt tokens served from a cache: here, continued from the slot's kept state
              "prompt_tokens_details": {"cached_tokens": int(st.get("reused_tokens", 0) or 0)}}
+    if keep is not None:  # this slot now holds the state after these messages (_FreeSlots steers their sequel here)
+        rt.served = list(plan.messages)
     job.emit("done", finish, st, usage)
 
 
+class _FreeSlots:
+    """The free runtimes, and the requests waiting for one in FIFO order. A request takes the free slot that holds
+    the state of its conversation (the longest `served` conversation its messages extend), else the first."""
+
+    def __init__(self, runtimes: list[Any]):
+        self.items: collections.deque = collections.deque(runtimes)
+        self.waiters: collections.deque = collections.deque()  # futures of waiting requests
+
+    def qsize(self) -> int:
+        return len(self.items)
+
+    def put_nowait(self, rt: Any) -> None:
+        while self.waiters:
+            fut = self.waiters.popleft()
+            if not fut.done():  # a waiter that gave up (client gone) was cancelled
+                fut.set_result(rt)
+                return
+        self.items.append(rt)
+
+    async def get(self, messages: list | None = None) -> Any:
+        self.waiters = collections.deque(f for f in self.waiters if not f.done())  # those that gave up
+        if self.items and not self.waiters:
+            best = max(self.items, key=lambda rt: _continues(getattr(rt, "served", None), messages))
+            self.items.remove(best)
+            return best
+        fut = asyncio.get_running_loop().create_future()
+        self.waiters.append(fut)
+        return await fut
+
+
+def _continues(served: list | None, messages: list | None) -> int:
+    """How many messages of `messages` a slot that last served `served` holds the state of (0: none)."""
+    if not served or not messages or len(served) >= len(messages) or messages[:len(served)] != served:
+        return 0
+    return len(served)
+
+
 class Pool:
-    """`parallel` runtimes, each used by one request at a time; requests queue FIFO for a free one."""
+    """`parallel` runtimes, each used by one request at a time; requests queue FIFO for a free one (the one holding
+    their conversation when it is free)."""
 
     def __init__(self, runtimes: list[Any]):
         self.runtimes = runtimes
         self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=len(runtimes),
                                                               thread_name_prefix="clover-slot")
-        self._free: asyncio.Queue | None = None
+        self._free: _FreeSlots | None = None
         self.waiting = 0
         self.jobs: set[Job] = set()
 
-    def _queue(self) -> asyncio.Queue:
+    def _queue(self) -> _FreeSlots:
         if self._free is None:
-            self._free = asyncio.Queue()
-            for rt in self.runtimes:
-                self._free.put_nowait(rt)
+            self._free = _FreeSlots(self.runtimes)
         return self._free
 
     @property
@@ -186,10 +225,10 @@ class Pool:
     def release(self, rt: Any) -> None:
         self._queue().put_nowait(rt)
 
-    async def acquire(self) -> Any:
+    async def acquire(self, messages: list | None = None) -> Any:
         self.waiting += 1
         try:
-            return await self._queue().get()
+            return await self._queue().get(messages)
         finally:
             self.waiting -= 1
 
@@ -498,7 +537,7 @@ def precheck(rt: Any, plan: Plan) -> None:
 async def _start(pool: Pool, watch: Watch, plan: Plan) -> tuple[Job, int]:
     """Wait for a slot, start the decode, wait until the request passed its checks -> (job, prompt tokens).
     Raises APIError for a refused request, ClientGone if the client left while waiting."""
-    rt = await watch(pool.acquire(), orphan=pool.release)
+    rt = await watch(pool.acquire(plan.messages), orphan=pool.release)
     job = pool.start(rt, plan)
     try:
         ev = await watch(job.events.get())

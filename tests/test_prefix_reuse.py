@@ -108,3 +108,25 @@ def test_the_server_continues_a_conversation_from_the_slots_kept_state(bundled_g
     with CloverRuntime(bundled_gguf, n_ctx=1024) as rt:
         full = rt.generate(second, think=False, mode="draft-self", max_new_tokens=48)
     assert b["choices"][0]["message"]["content"] == full.text
+
+
+def test_a_conversations_next_request_goes_to_the_slot_that_holds_it(bundled_gguf):
+    """Two slots: the first request runs on one, which then goes to the back of the free list; the conversation's
+    next request still gets that slot (FIFO alone would give it the other one) and continues from its state."""
+    from fastapi.testclient import TestClient
+
+    from clover_gguf.server import create_app
+
+    def ask(http, messages):
+        r = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 32, "mode": "ar"})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    first = [{"role": "user", "content": "What is 7 + 8?"}]
+    with TestClient(create_app(bundled_gguf, mode="ar", parallel=2, ctx=1024)) as http:
+        a = ask(http, first)
+        b = ask(http, first + [{"role": "assistant", "content": a["choices"][0]["message"]["content"]},
+                               {"role": "user", "content": "Count from 33 to 37."}])
+        other = ask(http, [{"role": "user", "content": "Reverse: c l o v e r"}])
+    assert b["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
