@@ -98,18 +98,66 @@ class Job:
             pass
 
 
-def _run_job(rt: Any, job: Job, plan: Plan) -> None:
+class Metrics:
+    """Counters over the finished requests (updated by the workers, read by /metrics): Prometheus counters."""
+
+    COUNTERS = {  # RunStats field -> (metric, help)
+        "prompt_tokens": ("clover_prompt_tokens_total", "Prompt tokens of finished requests."),
+        "reused_tokens": ("clover_prompt_tokens_reused_total", "Prompt tokens continued from a slot's kept state."),
+        "generated_tokens": ("clover_generated_tokens_total", "Tokens generated."),
+        "forward_passes": ("clover_forward_passes_total", "Model passes (prompt, AR, block, commit, verification)."),
+        "drafted_tokens": ("clover_block_tokens_drafted_total", "Block tokens a causal pass checked."),
+        "accepted_tokens": ("clover_block_tokens_accepted_total", "Block tokens the causal path accepted."),
+    }
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.requests: collections.Counter = collections.Counter()  # (mode, finish) -> requests
+        self.totals: collections.Counter = collections.Counter()  # (field, mode) -> sum
+
+    def record(self, mode: str, finish: str, stats: dict | None = None) -> None:
+        with self.lock:
+            self.requests[(mode, finish)] += 1
+            for field in self.COUNTERS:
+                self.totals[(field, mode)] += int((stats or {}).get(field) or 0)
+
+    def text(self, pool: "Pool") -> str:
+        """The Prometheus text exposition format (version 0.0.4)."""
+        with self.lock:
+            requests, totals = dict(self.requests), dict(self.totals)
+        out = ["# HELP clover_requests_total Finished requests, by mode and finish reason.",
+               "# TYPE clover_requests_total counter"]
+        out += [f'clover_requests_total{{mode="{m}",finish="{f}"}} {n}' for (m, f), n in sorted(requests.items())]
+        for field, (name, text) in self.COUNTERS.items():
+            out += [f"# HELP {name} {text}", f"# TYPE {name} counter"]
+            out += [f'{name}{{mode="{m}"}} {n}' for (f, m), n in sorted(totals.items()) if f == field]
+        busy = len(pool.runtimes) - pool.idle
+        out += ["# HELP clover_slots Slots, by state.", "# TYPE clover_slots gauge",
+                f'clover_slots{{state="idle"}} {pool.idle}', f'clover_slots{{state="busy"}} {busy}',
+                "# HELP clover_requests_waiting Requests waiting for a slot.", "# TYPE clover_requests_waiting gauge",
+                f"clover_requests_waiting {pool.waiting}"]
+        return "\n".join(out) + "\n"
+
+
+def _run_job(rt: Any, job: Job, plan: Plan, metrics: Metrics | None = None) -> None:
     """The worker: everything that touches the runtime happens here, on one thread, with the slot held."""
     try:
-        _decode(rt, job, plan)
+        finish, stats = _decode(rt, job, plan)
+        if metrics is not None:
+            metrics.record(plan.mode, finish, stats)
     except UserError as e:
+        if metrics is not None:
+            metrics.record(plan.mode, "refused")
         job.emit("error", 400, str(e))
     except Exception as e:  # a bug or a llama.cpp failure: the request fails, the server keeps serving
         log.exception("request failed")
+        if metrics is not None:
+            metrics.record(plan.mode, "error")
         job.emit("error", 500, f"internal error: {type(e).__name__}: {e}")
 
 
-def _decode(rt: Any, job: Job, plan: Plan) -> None:
+def _decode(rt: Any, job: Job, plan: Plan) -> tuple[str, dict]:
+    """-> (finish reason, the stats as JSON)."""
     keep = None  # a chat request keeps the state after its messages for the conversation's next request (this slot)
     if plan.messages is not None and getattr(rt, "keeps_prefix", False):
         ids, keep = rt.prompt_and_keep(plan.messages, think=plan.think)
@@ -162,6 +210,7 @@ def _decode(rt: Any, job: Job, plan: Plan) -> None:
     if keep is not None:  # this slot now holds the state after these messages (_FreeSlots steers their sequel here)
         rt.served = list(plan.messages)
     job.emit("done", finish, st, usage)
+    return finish, st
 
 
 class _FreeSlots:
@@ -212,6 +261,8 @@ class Pool:
         self._free: _FreeSlots | None = None
         self.waiting = 0
         self.jobs: set[Job] = set()
+        self.metrics = Metrics()
+        self.busy: dict[int, str] = {}  # slot index -> the mode of the request it serves
 
     def _queue(self) -> _FreeSlots:
         if self._free is None:
@@ -239,12 +290,16 @@ class Pool:
         free = self._queue()
         self.jobs.add(job)
 
+        slot = next(i for i, r in enumerate(self.runtimes) if r is rt)
+        self.busy[slot] = plan.mode
+
         def work() -> None:
             try:
-                _run_job(rt, job, plan)
+                _run_job(rt, job, plan, self.metrics)
             finally:
                 def give_back() -> None:
                     self.jobs.discard(job)
+                    self.busy.pop(slot, None)
                     free.put_nowait(rt)
 
                 try:
@@ -658,6 +713,24 @@ async def _health(request: Request) -> dict:
             "slots_idle": state.pool.idle, "requests_waiting": state.pool.waiting}
 
 
+async def _metrics(request: Request):
+    from starlette.responses import PlainTextResponse
+
+    pool = _state(request).pool
+    return PlainTextResponse(pool.metrics.text(pool), media_type="text/plain; version=0.0.4")
+
+
+async def _slots(request: Request) -> list[dict]:
+    """Each slot: idle or busy (with its request's mode), and the conversation it holds the state of."""
+    pool = _state(request).pool
+    out = []
+    for i, rt in enumerate(pool.runtimes):
+        prefix = getattr(getattr(rt, "backend", None), "prefix", None) or []
+        out.append({"id": i, "state": "busy" if i in pool.busy else "idle", "mode": pool.busy.get(i),
+                    "kept_prefix_tokens": len(prefix), "kept_messages": len(getattr(rt, "served", None) or [])})
+    return out
+
+
 async def _list_models(request: Request) -> dict:
     state = _state(request)
     first = state.first
@@ -755,6 +828,8 @@ def create_app(model: str | Path | Callable[[], Any], mode: str | None = None, a
         app.add_middleware(RequireKey, api_key=api_key)
     app.add_api_route("/health", _health, methods=["GET"])
     app.add_api_route("/v1/models", _list_models, methods=["GET"])
+    app.add_api_route("/metrics", _metrics, methods=["GET"])  # behind the API key, like everything but /health
+    app.add_api_route("/slots", _slots, methods=["GET"])
 
     # FastAPI reads the body's type from the signature, so these two stay here, where the request models are
     async def chat_completions(req: ChatRequest, request: Request):

@@ -419,3 +419,41 @@ def test_the_server_splits_thinking_by_the_prompts_rule():
         deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
         assert "".join(d.get("reasoning_content") or "" for d in deltas) == "plan"
         assert "".join(d.get("content") or "" for d in deltas) == "answer"
+
+
+def _metrics(server) -> dict[str, float]:
+    r = httpx.get(server.base + "/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    out: dict[str, float] = {}
+    for line in r.text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def test_metrics_and_slots(server, prompts):
+    """/metrics (Prometheus text) counts what the requests' own stats say; /slots shows each slot; both need the key."""
+    assert httpx.get(server.base + "/metrics", timeout=10).status_code == 401
+    assert httpx.get(server.base + "/slots", timeout=10).status_code == 401
+    server.wait_idle()
+    before = _metrics(server)
+    answers = [_ask(server.client(), p, mode=m, max_tokens=16) for p, m in zip(prompts[:2], ("ar", "draft-self"))]
+    server.wait_idle()
+    after = _metrics(server)
+
+    def delta(name: str) -> float:
+        return after.get(name, 0) - before.get(name, 0)
+
+    for a, m in zip(answers, ("ar", "draft-self")):
+        st = a.model_extra["clover_stats"]
+        assert st["mode"] == m
+    assert sum(delta(f'clover_requests_total{{mode="{m}",finish="{f}"}}') for m in ("ar", "draft-self")
+               for f in ("stop", "length")) == 2
+    assert delta('clover_generated_tokens_total{mode="ar"}') == answers[0].usage.completion_tokens
+    assert delta('clover_forward_passes_total{mode="draft-self"}') == \
+        answers[1].model_extra["clover_stats"]["forward_passes"]
+    assert after['clover_slots{state="idle"}'] == 2 and after["clover_requests_waiting"] == 0
+    slots = httpx.get(server.base + "/slots", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).json()
+    assert [s["id"] for s in slots] == [0, 1] and all(s["state"] == "idle" for s in slots)
+    assert any(s["kept_prefix_tokens"] > 0 and s["kept_messages"] == 1 for s in slots)  # a chat request's state
