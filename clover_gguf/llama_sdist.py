@@ -21,6 +21,7 @@ import tempfile
 import urllib.parse
 import urllib.request
 from pathlib import Path
+from typing import Callable
 
 from clover_gguf.errors import UserError
 
@@ -120,16 +121,22 @@ def extract_llama_source(sdist: Path, dest: Path) -> Path:
     dest = Path(dest)
     dest.mkdir(parents=True)
     with tarfile.open(sdist, "r:gz") as tar:
-        members = []
-        for m in tar.getmembers():
-            rel = m.name[len(SDIST_VENDOR_PREFIX) :] if m.name.startswith(SDIST_VENDOR_PREFIX) else ""
-            if rel and rel != ".git" and not rel.startswith(".git/"):
-                m.name = rel
-                members.append(m)
+        members = _vendor_members(tar, lambda rel: rel != ".git" and not rel.startswith(".git/"))
         if not members:
             raise UserError(f"{sdist} has no {SDIST_VENDOR_PREFIX} folder")
         _safe_extract(tar, members, dest)
     return dest
+
+
+def _vendor_members(tar: tarfile.TarFile, keep: Callable[[str], bool]) -> list[tarfile.TarInfo]:
+    """The members under vendor/llama.cpp/ whose path relative to it `keep` accepts, renamed to that path."""
+    members = []
+    for m in tar.getmembers():
+        rel = m.name[len(SDIST_VENDOR_PREFIX) :] if m.name.startswith(SDIST_VENDOR_PREFIX) else ""
+        if rel and keep(rel):
+            m.name = rel
+            members.append(m)
+    return members
 
 
 def extract_binding_source(sdist: Path, dest: Path) -> Path:
@@ -163,12 +170,7 @@ def extract_converter_source(sdist: Path, dest: Path) -> Path:
     dest = Path(dest)
     dest.mkdir(parents=True)
     with tarfile.open(sdist, "r:gz") as tar:
-        members = []
-        for m in tar.getmembers():
-            rel = m.name[len(SDIST_VENDOR_PREFIX) :] if m.name.startswith(SDIST_VENDOR_PREFIX) else ""
-            if rel == CONVERTER_PARTS[0] or rel.startswith(CONVERTER_PARTS[1:]):
-                m.name = rel
-                members.append(m)
+        members = _vendor_members(tar, lambda rel: rel == CONVERTER_PARTS[0] or rel.startswith(CONVERTER_PARTS[1:]))
         _safe_extract(tar, members, dest)
     if not (dest / CONVERTER_PARTS[0]).is_file():
         raise UserError(f"{sdist} has no {SDIST_VENDOR_PREFIX}{CONVERTER_PARTS[0]}")

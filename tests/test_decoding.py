@@ -214,9 +214,13 @@ class _HashModel:
             tok = blk[j] if blk[j] != MASK else int(np.argmax(self.causal(ctx)))
             if blk[j] == MASK and rng.random() < 0.33:
                 tok = int(rng.integers(0, V - 1))
-            rows.append(dist(tok, float(rng.choice([0.5, 0.97, 0.99]))))
+            rows.append(self.guess(tok, rng))
             ctx.append(tok)
         return np.stack(rows)
+
+    def guess(self, tok: int, rng: np.random.Generator) -> np.ndarray:
+        """A block position's log-probabilities, its guess `tok` at one of three confidences."""
+        return dist(tok, float(rng.choice([0.5, 0.97, 0.99])))
 
 
 @pytest.mark.parametrize("seed", range(12))
