@@ -1,14 +1,18 @@
 """`clover-gguf serve` throughput against the patched llama-server on the same GGUF, in one run.
 
     python bench/serve.py [--model clover_gguf/assets/tiny-clover] [--requests 16] [--max-tokens 64]
-                          [--clients 1,4] [--parallel 1] [--threads 1] [offload options] [--workdir out/bench-serve]
+                          [--clients 1,2,4,8] [--modes ar,diffusion,draft-self] [--parallel N] [--threads T]
+                          [--second-turn-words 400] [offload options] [--workdir out/bench-serve]
 
 Both servers run as subprocesses on loopback and get the same greedy chat requests (eval prompts of the bundled
 model, round robin) from C client threads at a time. clover-gguf serve is asked for each mode through the request's
 `mode` field; llama-server decodes AR (it has no block mode) with `-np` = the largest client count, so it can batch
-concurrent requests. Reported: requests/s and completion tokens/s (from each response's usage) per server, mode and
-client count, and the ratio of tokens/s to llama-server's at the same client count. Note that llama-server does not
-apply Clover's generation controls (presence / repetition penalties), so its answers may differ in length.
+concurrent requests; both get `--parallel` slots (default: the most clients) and --threads. Reported: requests/s,
+completion tokens/s (from each response's usage) and p50/p95 request latency per server, mode and client count, and
+the ratio of tokens/s to llama-server's at the same client count; the weights llama.cpp holds at --parallel 1 and N
+(its memory breakdown, from /metrics); the scheduler's steps and llama_decode calls; the time to first token of a
+second turn of a long conversation with the slot's kept state and without. Note that llama-server does not apply
+Clover's generation controls (presence / repetition penalties), so its answers may differ in length.
 """
 
 from __future__ import annotations
@@ -69,22 +73,82 @@ def stop(proc: subprocess.Popen) -> None:
 
 def run_load(base: str, prompts: list[str], n_requests: int, clients: int, max_tokens: int,
              extra: dict) -> dict:
-    """n_requests chat completions, `clients` at a time -> requests/s, tokens/s."""
+    """n_requests chat completions, `clients` at a time -> requests/s, tokens/s, p50/p95 request latency."""
 
-    def one(i: int) -> int:
+    def one(i: int) -> tuple[int, float]:
         body = {"model": "m", "messages": [{"role": "user", "content": prompts[i % len(prompts)]}],
                 "max_tokens": max_tokens, "temperature": 0.0, "seed": 0, **extra}
-        r = httpx.post(base + "/v1/chat/completions", json=body, timeout=600)
+        t = time.perf_counter()
+        r = httpx.post(base + "/v1/chat/completions", json=body, timeout=1800)
         r.raise_for_status()
-        return int(r.json()["usage"]["completion_tokens"])
+        return int(r.json()["usage"]["completion_tokens"]), time.perf_counter() - t
 
     one(0)  # warm-up
     t0 = time.perf_counter()
     with ThreadPoolExecutor(clients) as ex:
-        tokens = sum(ex.map(one, range(n_requests)))
+        done = list(ex.map(one, range(n_requests)))
     dt = time.perf_counter() - t0
+    tokens = sum(n for n, _ in done)
+    lat = sorted(s for _, s in done)
     return {"requests": n_requests, "tokens": tokens, "seconds": round(dt, 3), "rps": n_requests / dt,
-            "tps": tokens / dt}
+            "tps": tokens / dt, "p50_s": lat[len(lat) // 2], "p95_s": lat[min(len(lat) - 1, int(0.95 * len(lat)))]}
+
+
+def model_bytes(base: str) -> int:
+    """The weights llama.cpp holds (its memory breakdown, through /metrics)."""
+    text = httpx.get(base + "/metrics", timeout=30).text
+    return sum(int(float(line.rsplit(" ", 1)[1])) for line in text.splitlines()
+               if line.startswith("clover_llama_memory_bytes") and 'part="model"' in line)
+
+
+def first_token_seconds(base: str, messages: list[dict], extra: dict) -> tuple[float, int, int]:
+    """Time to the first streamed token of a chat request -> (seconds, prompt tokens reused, prompt tokens)."""
+    body = {"model": "m", "messages": messages, "max_tokens": 4, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}, **extra}
+    t0 = time.perf_counter()
+    first, usage = None, {}
+    with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=1800) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            if first is None and ev.get("choices") and any(ev["choices"][0]["delta"].get(k)
+                                                            for k in ("content", "reasoning_content")):
+                first = time.perf_counter() - t0
+            if ev.get("usage"):
+                usage = ev["usage"]
+    cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    return (first if first is not None else time.perf_counter() - t0), cached, int(usage.get("prompt_tokens", 0))
+
+
+def second_turn(base: str, n_words: int) -> dict:
+    """A conversation of about 2,000 tokens: its second turn's time to first token when the slot continues from the
+    first turn's kept state (its first turn asked before), and when nothing holds it (a twin conversation, its first
+    turn never asked: the whole prompt prefilled)."""
+    out = {}
+    for name, tag in (("no_reuse", "Set B"), ("reuse", "Set A")):
+        first = [{"role": "user", "content": f"{tag}: " + " ".join(f"item {i}" for i in range(n_words))}]
+        if name == "reuse":
+            r = httpx.post(base + "/v1/chat/completions", json={"model": "m", "messages": first, "max_tokens": 4,
+                                                              "temperature": 0.0, "mode": "ar"}, timeout=1800)
+            r.raise_for_status()
+        follow = first + [{"role": "assistant", "content": "Noted."}, {"role": "user", "content": "The last one?"}]
+        s, cached, n = first_token_seconds(base, follow, {"mode": "ar"})
+        out[name] = {"ttft_s": s, "cached_tokens": cached, "prompt_tokens": n}
+    return out
+
+
+def start_clover(gguf: Path, parallel: int, args, offload) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    code = ("import sys; from clover_gguf.server import serve; "
+            f"from clover_gguf.offload import Offload; "
+            f"serve({str(gguf)!r}, port={port}, parallel={parallel}, ctx={args.ctx}, "
+            f"n_threads={args.threads}, offload=Offload(**{asdict(offload)!r}), log_level='warning')")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    wait_ready(base, proc, seconds=900)
+    return proc, base
 
 
 def main() -> None:
@@ -93,15 +157,20 @@ def main() -> None:
                     help="a Clover GGUF, or an HF checkpoint folder (converted to F32 first)")
     ap.add_argument("--requests", type=int, default=16, help="requests per configuration")
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--clients", default="1,4", help="concurrent client counts, comma separated")
-    ap.add_argument("--parallel", type=int, default=1, help="clover-gguf serve --parallel")
-    ap.add_argument("--ctx", type=int, default=1024, help="context per sequence")
+    ap.add_argument("--clients", default="1,2,4,8", help="concurrent client counts, comma separated")
+    ap.add_argument("--modes", default=",".join(MODES), help="clover-gguf serve's modes to run, comma separated")
+    ap.add_argument("--parallel", type=int, default=None, help="slots of both servers (default: the most clients)")
+    ap.add_argument("--ctx", type=int, default=1024, help="context per slot")
+    ap.add_argument("--second-turn-words", type=int, default=400,
+                    help="words of the first message of the second-turn test (0: skip it; 400 is about 2,000 tokens "
+                         "for the Qwen tokenizer)")
     add_argparse(ap)  # --gpu-layers, --cpu-moe, --n-cpu-moe, --threads, --mmap: as on every clover-gguf command
-    ap.set_defaults(threads=1)  # llama.cpp threads per server and per clover slot: 1 keeps a small machine stable
     ap.add_argument("--workdir", type=Path, default=ROOT / "out" / "bench-serve")
     args = ap.parse_args()
     offload = from_namespace(args)
     clients = [int(c) for c in args.clients.split(",")]
+    modes = [m for m in args.modes.split(",") if m]
+    n_par = args.parallel or max(clients)
     args.workdir.mkdir(parents=True, exist_ok=True)
 
     gguf = args.model
@@ -119,48 +188,69 @@ def main() -> None:
     except UserError as e:
         raise SystemExit(str(e)) from None
     rows: list[dict] = []
+    report: dict = {"parallel": n_par, "threads": args.threads}
 
-    # clover-gguf serve: one process, every mode through the request's `mode` field
-    port = free_port()
-    code = ("import sys; from clover_gguf.server import serve; "
-            f"from clover_gguf.offload import Offload; "
-            f"serve({str(gguf)!r}, port={port}, parallel={args.parallel}, ctx={args.ctx}, "
-            f"n_threads={args.threads}, offload=Offload(**{asdict(offload)!r}), log_level='warning')")
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    # clover-gguf serve --parallel 1: the weights llama.cpp holds, to compare with --parallel N's
+    proc, base = start_clover(gguf, 1, args, offload)
     try:
-        wait_ready(f"http://127.0.0.1:{port}", proc)
-        for mode in MODES:
-            for c in clients:
-                r = run_load(f"http://127.0.0.1:{port}", prompts, args.requests, c, args.max_tokens, {"mode": mode})
-                rows.append({"server": "clover-gguf", "mode": mode, "clients": c, **r})
-                print(f"clover-gguf {mode:<10} clients {c}: {r['rps']:.2f} req/s {r['tps']:.1f} tok/s", flush=True)
+        report["model_bytes_parallel_1"] = model_bytes(base)
     finally:
         stop(proc)
 
-    # the patched llama-server, AR
+    # clover-gguf serve --parallel N: one process, every mode through the request's `mode` field
+    proc, base = start_clover(gguf, n_par, args, offload)
+    try:
+        report[f"model_bytes_parallel_{n_par}"] = model_bytes(base)
+        for mode in modes:
+            for c in clients:
+                r = run_load(base, prompts, args.requests, c, args.max_tokens, {"mode": mode})
+                rows.append({"server": "clover-gguf", "mode": mode, "clients": c, **r})
+                print(f"clover-gguf {mode:<10} clients {c}: {r['rps']:.2f} req/s {r['tps']:.1f} tok/s "
+                      f"p50 {r['p50_s']:.2f} s p95 {r['p95_s']:.2f} s", flush=True)
+        if args.second_turn_words:
+            report["second_turn"] = second_turn(base, args.second_turn_words)
+            print(f"second turn: {report['second_turn']}", flush=True)
+        metrics = httpx.get(base + "/metrics", timeout=30).text
+        report["scheduler"] = {line.split(" ")[0]: float(line.split(" ")[1]) for line in metrics.splitlines()
+                               if line.startswith(("clover_batch_steps_total", "clover_llama_decodes_total",
+                                                   "clover_batched_steps_total"))}
+    finally:
+        stop(proc)
+
+    # the patched llama-server, AR, the same slots
     port = free_port()
-    n_par = max(clients)
     cmd = [str(llama_server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-c",
            str(args.ctx * n_par), "-np", str(n_par), "--jinja", "--no-webui",
            *offload.llama_args(bool(load_binding().llama_supports_gpu_offload()))]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        wait_ready(f"http://127.0.0.1:{port}", proc)
+        wait_ready(f"http://127.0.0.1:{port}", proc, seconds=900)
         for c in clients:
             r = run_load(f"http://127.0.0.1:{port}", prompts, args.requests, c, args.max_tokens, {})
             rows.append({"server": "llama-server", "mode": "ar", "clients": c, **r})
-            print(f"llama-server ar         clients {c}: {r['rps']:.2f} req/s {r['tps']:.1f} tok/s", flush=True)
+            print(f"llama-server ar         clients {c}: {r['rps']:.2f} req/s {r['tps']:.1f} tok/s "
+                  f"p50 {r['p50_s']:.2f} s p95 {r['p95_s']:.2f} s", flush=True)
     finally:
         stop(proc)
 
-    base = {r["clients"]: r["tps"] for r in rows if r["server"] == "llama-server"}
-    print(f"\n{'server':<13} {'mode':<11} {'clients':>7} {'requests':>8} {'tokens':>7} {'req/s':>7} {'tok/s':>8} "
+    base_tps = {r["clients"]: r["tps"] for r in rows if r["server"] == "llama-server"}
+    print(f"\n{'server':<13} {'mode':<11} {'clients':>7} {'tokens':>7} {'tok/s':>8} {'p50 s':>7} {'p95 s':>7} "
           f"{'x llama-server':>15}")
     for r in rows:
-        print(f"{r['server']:<13} {r['mode']:<11} {r['clients']:>7} {r['requests']:>8} {r['tokens']:>7} "
-              f"{r['rps']:7.2f} {r['tps']:8.1f} {r['tps'] / base[r['clients']]:15.2f}")
-    print(json.dumps({f"{r['server']}/{r['mode']}/c{r['clients']}": round(r["tps"] / base[r["clients"]], 3)
-                      for r in rows}))
+        print(f"{r['server']:<13} {r['mode']:<11} {r['clients']:>7} {r['tokens']:>7} {r['tps']:8.1f} "
+              f"{r['p50_s']:7.2f} {r['p95_s']:7.2f} {r['tps'] / base_tps[r['clients']]:15.2f}")
+    m1, mn = report["model_bytes_parallel_1"], report[f"model_bytes_parallel_{n_par}"]
+    print(f"\nweights held by llama.cpp: --parallel 1 {m1 / 2**20:.1f} MiB, --parallel {n_par} {mn / 2**20:.1f} MiB "
+          f"({mn / m1:.3f}x)" if m1 else "\nweights: no memory breakdown")
+    st = report.get("second_turn")
+    if st:
+        print(f"second turn of a {st['reuse']['prompt_tokens']}-token conversation, time to first token: "
+              f"{st['no_reuse']['ttft_s'] * 1e3:.0f} ms whole, {st['reuse']['ttft_s'] * 1e3:.0f} ms continuing "
+              f"({st['reuse']['cached_tokens']} tokens reused): {st['no_reuse']['ttft_s'] / st['reuse']['ttft_s']:.1f}x")
+    report["ratios"] = {f"{r['server']}/{r['mode']}/c{r['clients']}": round(r["tps"] / base_tps[r["clients"]], 3)
+                        for r in rows}
+    report["rows"] = rows
+    print(json.dumps(report))
 
 
 if __name__ == "__main__":

@@ -13,8 +13,8 @@ The parts (bytes), for the settings the runtime really uses (runtime.context_set
   the buffer is 76 MiB (the allocator's free blocks do not fit the next tensor). The buffer grows with the context through the
   attention mask (n_ctx x n_ubatch halves), so two dry runs give it at any context.
 
-`--parallel N` multiplies the KV cache, recurrent states and compute buffers: the server's slots share one model (its
-weights once), each with its own context.
+`--parallel N` is serve's one context for N slots (clover_gguf.batching): the weights once, N times the cells (KV
+cache) and the sequences (recurrent states, each slot keeping a prefix too), one compute buffer for that context.
 The plan keeps a 1 GiB margin on the device and in host memory; see docs/hardware.md.
 """
 
@@ -182,8 +182,9 @@ class Predictor:
     def settings(self, ctx: int) -> dict:
         from clover_gguf.runtime import context_settings
 
-        s = self.model.shape
-        return context_settings(s.block_size, ctx, s.context_length, self.setup.rollback)
+        s, n = self.model.shape, self.setup.parallel
+        # serve --parallel N: one context for the N slots (their cells, their sequences), each keeping a prefix
+        return context_settings(s.block_size, ctx, s.context_length, self.setup.rollback, keep_prefix=n > 1, slots=n)
 
     def __call__(self, ctx: int, n_gpu_layers: int | None = None, n_cpu_moe: int | None = None) -> Prediction:
         s, st = self.model.shape, self.setup
@@ -206,14 +207,15 @@ class Predictor:
                 kv[layer_dev[i]] += kv_layer
         rows = 1 if st.mode == "ar" else cs["n_outputs_max"]
         output = output_bytes(max(cs["n_seq_max"], rows), s.n_vocab)  # host (pinned on a GPU build)
-        c_dev, c_host = self.compute_at(cs["n_ctx"], ngl, s)
-        n = st.parallel  # serve's slots share the weights (one model), each has its own context
+        n_slot = cs["n_ctx"] // st.parallel  # the context of one slot (the curve is keyed by it)
+        c_dev, c_host = self.compute_at(n_slot, ngl, s)
+        n = 1  # serve's slots share one context: the sizes above are all of theirs
         device = w_dev + n * (kv[True] + rs[True] + c_dev)
         host = w_host + n * (kv[False] + rs[False] + c_host + output)
         parts = {"weights_device": w_dev, "weights_host": w_host,
                  "kv": n * (kv[True] + kv[False]), "recurrent": n * (rs[True] + rs[False]),
                  "compute": n * (c_dev + c_host + output)}
-        return Prediction(cs["n_ctx"], parts, device, host)
+        return Prediction(n_slot, parts, device, host)
 
 
 class ComputeCurve:
@@ -484,31 +486,6 @@ def output_bytes(rows: int, n_vocab: int) -> int:
 
 
 # ---- serve's slots ------------------------------------------------------------------------------------------------
-def check_slots(parallel: int, breakdown: dict[str, dict[str, int]], host_bytes: int | None = None,
-                devices: list | None = None) -> None:
-    """`serve --parallel N` before slots 2..N load: N slots, counted as the plan counts them (the weights once, a
-    context per slot: its KV cache, recurrent states and compute buffers N times), from what the first slot holds
-    (LlamaContext.memory_breakdown), against this machine's memory and its GPUs' (all of it: a plan that cannot fit
-    an empty machine is refused; one that merely finds it busy is llama.cpp's to report). UserError, one line."""
-    from clover_gguf.llama_memory import is_host_buffer
-
-    host_bytes = host_memory() if host_bytes is None else host_bytes
-    limits = {d.name: d.total for d in devices or [] if not d.integrated}
-    on_host = {k: is_host_buffer(k) or k not in limits for k in breakdown}  # a device without a limit: unified memory
-    per_slot = {k: sum(v.values()) - v["model"] for k, v in breakdown.items()}
-    host_once = sum(v["model"] for k, v in breakdown.items() if on_host[k])
-    host_slot = sum(b for k, b in per_slot.items() if on_host[k])
-    checks = [("host memory", host_slot, host_once, host_bytes)]
-    checks += [(name, per_slot[name], breakdown[name]["model"], total) for name, total in limits.items()
-               if per_slot.get(name)]
-    for where, each, once, total in checks:
-        if each and once + parallel * each > total:
-            most = max(0, (total - once) // each)
-            raise UserError(f"--parallel {parallel} cannot fit: the weights once and a context per slot, "
-                            f"{_size(each)} of {where} per slot, {_size(once + parallel * each)} in all, and this "
-                            f"machine has {_size(total)}: at most {most} slots")
-
-
 # ---- measuring ------------------------------------------------------------------------------------------------
 def measure(model: Model, result: FitResult, setup: Setup) -> dict[str, int]:
     """Load the model with the plan's settings, answer one short prompt in the plan's mode (a block pass in the

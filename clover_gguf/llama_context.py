@@ -388,15 +388,14 @@ class LlamaContext:
         if n_out > self.n_outputs_max:  # llama.cpp would abort the process
             raise ValueError(f"{n_out} logits rows asked for, the context was made for at most {self.n_outputs_max}")
         if gather is not None and n_out:
-            self._select_on(seq, gather, n_out, n, extra)
+            if extra:
+                raise ValueError("a decode with a gather holds one sequence (decode_steps: one token on several)")
+            self._rows_in = ()
+            self._select_on(seq, gather, n_out, n)
         elif n_out:  # logits wanted: no sequence may carry a sampler (llama.cpp would copy no logits)
             for s in list(self._selectors):
                 self._select_off(s)
-        batch.struct.n_tokens = n
-        rc = self.L.llama_decode(self.ctx, batch.struct)
-        if rc != 0:
-            raise RuntimeError(f"llama_decode returned {rc}")
-        self.max_outputs = max(self.max_outputs, n_out)
+        self._run(batch, n, n_out)
         if gather is not None:  # llama.cpp finds a decode's rows by the batch index of the first
             return self._graph_rows(int(np.argmax(want)), n_out, gather) if n_out else None
         if not n_out:
@@ -404,11 +403,42 @@ class LlamaContext:
         # llama.cpp stores the requested rows contiguously, in batch order
         return np.ctypeslib.as_array(self.L.llama_get_logits(self.ctx), shape=(n_out, self.n_vocab)).copy()
 
+    def _run(self, batch: "_Batch", n: int, n_out: int) -> None:
+        batch.struct.n_tokens = n
+        rc = self.L.llama_decode(self.ctx, batch.struct)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc}")
+        self.max_outputs = max(self.max_outputs, n_out)
+
+    def decode_steps(self, steps: Sequence[tuple[int, int, int, Gather]]) -> list[GraphRows]:
+        """One token on each of several sequences in one llama_decode (a server's AR steps): (token, position,
+        sequence, gather) each -> each token's row as GraphRows, selected in the graph by its own sequence's sampler
+        (patches/0005; llama.cpp gives a sampler only its own sequence's rows' inputs). The sequences must differ and
+        be causal."""
+        self._check_open()
+        n = len(steps)
+        seqs = [int(s) for _, _, s, _ in steps]
+        if len(set(seqs)) != n:
+            raise ValueError("decode_steps takes one token per sequence")
+        if n > min(self.n_outputs_max, self.n_ubatch):  # one row each, in one ubatch
+            raise ValueError(f"{n} steps in one decode, the context takes at most "
+                             f"{min(self.n_outputs_max, self.n_ubatch)}")
+        batch = self._batch_for(n)
+        batch.token[:n] = [t for t, _, _, _ in steps]
+        batch.pos[:n] = [p for _, p, _, _ in steps]
+        batch.seq[:n] = seqs
+        batch.logits[:n] = 1
+        self._rows_in = ()
+        for _, _, seq, g in steps:
+            self._select_on(seq, g, 1, 1)
+        self._run(batch, n, n)
+        # llama.cpp's sampled rows are in batch order: row i is step i's
+        return [self._graph_rows(i, 1, g) for i, (_, _, _, g) in enumerate(steps)]
+
     # ---- selection in the graph (patches/0005) ----------------------------------------------------------
-    def _select_on(self, seq: int, g: Gather, n_out: int, n: int, extra) -> None:
-        """Give `seq` the selection sampler for this gather (a new one when its settings changed) and its rows."""
-        if extra:
-            raise ValueError("a decode with a gather holds one sequence")
+    def _select_on(self, seq: int, g: Gather, n_out: int, n: int) -> None:
+        """Give `seq` the selection sampler for this gather (a new one when its settings changed) and its rows
+        (appended to self._rows_in, which keeps them alive through the decode)."""
         if g.n_rows != n_out:
             raise ValueError(f"a gather for {g.n_rows} rows, the decode has {n_out}")
         if n_out > 1 and n > self.n_ubatch:  # the sampler reads one ubatch's rows
@@ -429,7 +459,7 @@ class LlamaContext:
         ids = g.padded_ids()
         coef = g.padded_coef() if g.coef is not None else None
         u = np.ascontiguousarray(g.uniform, dtype=np.float32) if g.uniform is not None else None
-        self._rows_in = (ids, coef, u)  # alive until the next decode
+        self._rows_in = (*self._rows_in, (ids, coef, u))  # the caller keeps what this decode reads
         self._api.llama_sampler_clover_set_rows(held[1], _address(ids), _address(coef), _address(u), n_out)
 
     def _select_off(self, seq: int) -> None:
@@ -446,7 +476,7 @@ class LlamaContext:
         f = self._rows_view(api.llama_get_sampled_logits_ith(ctx, first), n_out, np.float32)[:, :n_f].copy()
         w = g.width
         if g.temp > 0:
-            rows = np.flatnonzero(self._batch.logits[:self._batch.struct.n_tokens])
+            rows = np.flatnonzero(self._batch.logits[first:self._batch.struct.n_tokens])[:n_out] + first
             tokens = np.fromiter((api.llama_get_sampled_token_ith(ctx, int(i)) for i in rows), dtype=np.int64,
                                  count=n_out)
             return GraphRows(at_ids=f[:, :w], tokens=tokens, token_probs=f[:, w])

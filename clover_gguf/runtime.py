@@ -199,15 +199,19 @@ class LlamaBackend:
 
 
 def context_settings(max_block_size: int, n_ctx: int | None, context_length: int, rollback: str = "redecode",
-                     exact: bool = False, keep_prefix: bool = False) -> dict:
+                     exact: bool = False, keep_prefix: bool = False, slots: int = 1) -> dict:
     """The LlamaContext settings of a runtime; `clover-gguf fit` predicts memory from these same settings.
 
     Three sequences (main, block scratch, draft-self's rollback backup), a fourth for a kept prefix, one unified KV
     cache; a ubatch holds a whole block; logits rows for one block (a prompt needs 1, a block pass or a committed
-    block block_size); snapshot rollback keeps block_size + 1 recurrent-state snapshots per sequence."""
-    return dict(n_ctx=min(n_ctx or DEFAULT_CTX, context_length), n_ubatch=max(512, max_block_size),
-                n_seq_max=N_SEQ + keep_prefix, n_rs_seq=max_block_size + 1 if rollback == "snapshot" else 0,
-                n_outputs_max=max_block_size, exact=exact)
+    block block_size); snapshot rollback keeps block_size + 1 recurrent-state snapshots per sequence. `slots`
+    (serve --parallel): one context for all, with n_ctx cells and the sequences of each slot, and a row per slot for
+    their batched AR steps (clover_gguf.batching)."""
+    per_slot = min(n_ctx or DEFAULT_CTX, context_length)
+    return dict(n_ctx=per_slot * slots, n_ubatch=max(512, max_block_size),
+                n_seq_max=(N_SEQ + keep_prefix) * slots,
+                n_rs_seq=max_block_size + 1 if rollback == "snapshot" else 0,
+                n_outputs_max=max(max_block_size, slots), exact=exact)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -267,12 +271,13 @@ class CloverRuntime:
                  coreset: bool | None = None, coreset_top_p: float | None = None, exact: bool = False,
                  n_threads: int | None = None, n_threads_batch: int | None = None, offload: Offload | None = None,
                  block_size: int | None = None, rpc: Sequence[str] = (), selection: str = "graph",
-                 keep_prefix: bool = False, share_model: "CloverRuntime | None" = None):
+                 keep_prefix: bool = False, slots: int = 1, slot_of: "CloverRuntime | None" = None):
         """block_size: the largest block a request may use (default: the GGUF's); the context keeps logits rows
         for that many tokens and no more (see context_settings). selection: "graph" (default) or "numpy" (SELECTIONS).
         keep_prefix: a prompt can keep the state after its first tokens for the next one (stream_ids' `keep`, chat;
-        one more sequence's recurrent state in memory). share_model: a runtime of the same file whose weights this one
-        uses (serve's slots: the weights held once; made with the same options).
+        one more sequence's recurrent state in memory). slots: serve's --parallel: this runtime makes one context for
+        that many runtimes, which run their passes through a batching.Scheduler, and is the first of them; slot_of: such
+        a runtime, whose context this one takes the next slot of (the same file, made with the same options).
         rpc: llama.cpp RPC servers (HOST:PORT) that hold
         the layers (clover_gguf.rpc)."""
         from clover_gguf.gguf_header import read_clover
@@ -304,10 +309,22 @@ class CloverRuntime:
         self.max_block_size = max(int(block_size or 0), self.block_size)
         if self.max_block_size > self.block_size:  # llama.cpp decodes blocks up to the model's block size only
             overrides[md.BLOCK_SIZE] = self.max_block_size
-        settings = context_settings(self.max_block_size, n_ctx, self.context_length, rollback, exact, keep_prefix)
-        self.ctx = LlamaContext(path, overrides=overrides or None, n_threads=n_threads,
-                                n_threads_batch=n_threads_batch, offload=offload, rpc=rpc,
-                                shared=share_model.ctx if share_model is not None else None, **settings)
+        if slot_of is not None:
+            if not hasattr(slot_of.ctx, "scheduler"):
+                raise ValueError("slot_of: a runtime made with slots > 1")
+            self.ctx = slot_of.ctx.scheduler.slot(N_SEQ + keep_prefix, slot_of.n_ctx)
+        else:
+            settings = context_settings(self.max_block_size, n_ctx, self.context_length, rollback, exact, keep_prefix,
+                                        slots)
+            ctx = LlamaContext(path, overrides=overrides or None, n_threads=n_threads,
+                               n_threads_batch=n_threads_batch, offload=offload, rpc=rpc, **settings)
+            if slots > 1:
+                from clover_gguf.batching import Scheduler
+
+                sched = Scheduler(ctx, settings["n_seq_max"])
+                self.ctx = sched.slot(N_SEQ + keep_prefix, ctx.n_ctx // slots)
+            else:
+                self.ctx = ctx
         self.n_ctx = self.ctx.n_ctx
         self.eos_ids, self._control_text, self.max_token_bytes = self._scan_vocab()
         self.think_id = self._special("<think>")

@@ -23,7 +23,6 @@ import hmac
 import ipaddress
 import json
 import logging
-import os
 import socket
 import threading
 import time
@@ -136,6 +135,19 @@ class Metrics:
                 f'clover_slots{{state="idle"}} {pool.idle}', f'clover_slots{{state="busy"}} {busy}',
                 "# HELP clover_requests_waiting Requests waiting for a slot.", "# TYPE clover_requests_waiting gauge",
                 f"clover_requests_waiting {pool.waiting}"]
+        ctx = getattr(pool.runtimes[0], "ctx", None) if pool.runtimes else None
+        sched = getattr(ctx, "scheduler", None)
+        if sched is not None:  # clover_gguf.batching: the slots' passes on one context
+            for name, value, text in (("clover_batch_steps_total", sched.steps, "Scheduler steps."),
+                                      ("clover_llama_decodes_total", sched.decodes, "llama_decode calls."),
+                                      ("clover_batched_steps_total", sched.merged_tokens,
+                                       "One-token passes (AR steps) decoded together with other slots'.")):
+                out += [f"# HELP {name} {text}", f"# TYPE {name} counter", f"{name} {value}"]
+        if hasattr(ctx, "memory_breakdown"):
+            out += ["# HELP clover_llama_memory_bytes What llama.cpp holds, by buffer and part (model: the weights).",
+                    "# TYPE clover_llama_memory_bytes gauge"]
+            for buf, parts in sorted(ctx.memory_breakdown().items()):
+                out += [f'clover_llama_memory_bytes{{buffer="{buf}",part="{k}"}} {v}' for k, v in parts.items()]
         return "\n".join(out) + "\n"
 
 
@@ -293,9 +305,13 @@ class Pool:
         slot = next(i for i, r in enumerate(self.runtimes) if r is rt)
         self.busy[slot] = plan.mode
 
+        # a slot of the shared context: the scheduler's steps wait for this slot's passes while it serves
+        serving = getattr(getattr(rt, "ctx", None), "serving", contextlib.nullcontext)
+
         def work() -> None:
             try:
-                _run_job(rt, job, plan, self.metrics)
+                with serving():
+                    _run_job(rt, job, plan, self.metrics)
             finally:
                 def give_back() -> None:
                     self.jobs.discard(job)
@@ -755,26 +771,19 @@ def load_runtimes(model: str | Path | Callable[[], Any], parallel: int, ctx: int
 
         path = Path(model)
         kw = dict(runtime_kwargs or {})
-        if parallel > 1 and kw.get("n_threads") is None:  # share the cores between the slots
-            kw["n_threads"] = max(1, min(8, os.cpu_count() or 1) // parallel)
 
         def factory(first: Any = None) -> Any:
-            # every slot after the first uses the first one's weights: one copy of the model, a context per slot;
-            # each keeps its last conversation's state (docs/runtime.md, "Prefix reuse")
-            return CloverRuntime(path, n_ctx=ctx, share_model=first, keep_prefix=True, **kw)
+            # one llama.cpp context for all slots, each on its own sequences, their passes batched step by step
+            # (clover_gguf.batching); each keeps its last conversation's state (docs/runtime.md, "Prefix reuse")
+            if first is None:
+                return CloverRuntime(path, n_ctx=ctx, keep_prefix=True, slots=parallel, **kw)
+            return CloverRuntime(path, n_ctx=ctx, keep_prefix=True, slot_of=first, **kw)
 
         name = model_id or path.stem
     runtimes: list[Any] = []
     try:
         for _ in range(parallel):
             runtimes.append(factory(runtimes[0]) if runtimes and factory is not model else factory())
-            if len(runtimes) == 1 and parallel > 1 and hasattr(getattr(runtimes[0], "ctx", None),
-                                                               "memory_breakdown"):
-                from clover_gguf.fit import check_slots
-                from clover_gguf.llama_context import gpu_devices
-
-                # what one slot holds, times --parallel, before the others load (llama.cpp aborts when it runs out)
-                check_slots(parallel, runtimes[0].ctx.memory_breakdown(), devices=gpu_devices())
     except BaseException:
         for rt in runtimes:
             rt.close()

@@ -210,10 +210,11 @@ def test_greedy_ar_and_draft_self_give_the_same_text(server, prompts):
         assert ar.model_extra["clover_stats"]["forward_passes"] == ar.usage.completion_tokens + stop
 
 
-def test_the_slots_share_one_model(server):
-    """--parallel 2: two contexts on one llama.cpp model (the weights held once), each slot its own context."""
+def test_the_slots_share_one_context(server):
+    """--parallel 2: one llama.cpp context (the weights held once), each slot on its own sequences."""
     a, b = server.app.state.pool.runtimes
-    assert a.ctx.model and a.ctx.model == b.ctx.model and a.ctx.ctx != b.ctx.ctx
+    assert a.ctx.ctx and a.ctx.ctx == b.ctx.ctx and a.ctx.scheduler is b.ctx.scheduler
+    assert (a.ctx._seq(0), b.ctx._seq(0)) == (0, 4)
 
 
 def test_eight_concurrent_clients_get_their_own_answers(server, prompts):

@@ -1,0 +1,257 @@
+"""One llama.cpp context for every slot of a server, and a scheduler that batches the slots' passes.
+
+Each slot keeps its own runtime (CloverRuntime over a SlotContext) and runs `decoding.generate` unchanged on its own
+thread; its passes go to the Scheduler instead of llama.cpp. A step of the scheduler waits until every slot that is
+serving a request has handed in its next pass (or `window` seconds went by), then runs them:
+- every one-token causal pass with its selection (an AR step; a one-token prompt tail) goes into ONE llama_decode,
+  each slot on its own sequences, each row selected by its own sequence's sampler (LlamaContext.decode_steps);
+- every other pass (a block pass, a commit or verification, a prompt chunk) is its own llama_decode. llama.cpp would
+  run them as separate graphs in one call anyway: the hybrid model's batches are split into ubatches of equal tokens
+  per sequence, and a block pass is a ubatch of its own (patches/0004).
+A prompt is decoded in chunks of at most `prefill_chunk` tokens, one per step, so it does not stall the others.
+Memory operations (sequence copies and removals) run at once, under the same lock as the decodes.
+
+Sequences: slot i owns `seqs_per_slot` consecutive sequence ids from i * seqs_per_slot (runtime.SEQ_*); a SlotContext
+translates them, so the runtime's code is the same as with a context of its own (docs/serve.md)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from typing import Any, Callable, Iterator, Sequence
+
+from clover_gguf.controls import Gather
+from clover_gguf.errors import UserError
+from clover_gguf.llama_context import LlamaContext
+
+
+class _Pass:
+    """One pass a slot handed in: a one-token step (token, position, sequence, gather) that can share a decode, or
+    a call to run alone."""
+
+    __slots__ = ("step", "fn", "result", "error", "done")
+
+    def __init__(self, step: tuple[int, int, int, Gather] | None = None, fn: Callable[[], Any] | None = None):
+        self.step, self.fn = step, fn
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.done = False
+
+
+class Scheduler:
+    """Runs the passes of every slot on one LlamaContext, a step at a time (module doc)."""
+
+    def __init__(self, ctx: LlamaContext, n_seq_max: int, prefill_chunk: int | None = None, window: float = 0.005):
+        self.ctx, self.n_seq_max = ctx, n_seq_max
+        self._slots = self._open = 0  # slots given out (slot()), and not closed yet
+        self.prefill_chunk = max(1, int(prefill_chunk or ctx.n_ubatch))
+        self.window = window  # the longest a step waits for serving slots that have not handed in a pass yet
+        self.lock = threading.Lock()  # held while llama.cpp runs (decodes, memory operations)
+        self._cond = threading.Condition()
+        self._pending: list[_Pass] = []
+        self._serving = 0  # slots inside a request (serving())
+        self._closed = False
+        # counters (tests, /metrics): steps, llama_decode calls, one-token steps and the most of them in one decode
+        self.steps = self.decodes = self.merged_tokens = self.widest = 0
+        self._thread = threading.Thread(target=self._loop, name="clover-batch", daemon=True)
+        self._thread.start()
+
+    # ---- what slots call ------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[None]:
+        """A slot is serving a request: steps wait for its passes."""
+        with self._cond:
+            self._serving += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._serving -= 1
+                self._cond.notify_all()
+
+    def run(self, p: _Pass) -> Any:
+        """Hand in a pass and wait for its step -> its result (or its exception, raised here)."""
+        with self._cond:
+            if self._closed:
+                raise UserError("the model was closed")
+            self._pending.append(p)
+            self._cond.notify_all()
+            while not p.done:
+                self._cond.wait()
+        if p.error is not None:
+            raise p.error
+        return p.result
+
+    def now(self, fn: Callable[[], Any]) -> Any:
+        """Run a memory operation at once, between decodes."""
+        with self.lock:
+            return fn()
+
+    def slot(self, seqs_per_slot: int, n_ctx: int) -> "SlotContext":
+        """The next slot's view of the context (sequence ids from slot * seqs_per_slot); the context closes with the
+        last slot (SlotContext.close)."""
+        with self._cond:
+            i = self._slots
+            if (i + 1) * seqs_per_slot > self.n_seq_max:
+                raise ValueError(f"slot {i} needs sequences up to {(i + 1) * seqs_per_slot}, the context has "
+                                 f"{self.n_seq_max}")
+            self._slots += 1
+            self._open += 1
+        return SlotContext(self, i, seqs_per_slot, n_ctx)
+
+    def release(self) -> None:
+        with self._cond:
+            self._open -= 1
+            last = self._open == 0
+        if last:
+            self.close()
+
+    def close(self) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join()
+        with self.lock:
+            self.ctx.close()
+
+    # ---- the steps ------------------------------------------------------------------------------------------
+    def _take(self) -> list[_Pass] | None:
+        """Wait for a step's passes: every serving slot's, or what came within `window` of the first."""
+        with self._cond:
+            while not self._pending and not self._closed:
+                self._cond.wait()
+            deadline = time.monotonic() + self.window
+            while not self._closed and len(self._pending) < self._serving:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            if self._closed:
+                for p in self._pending:
+                    p.error, p.done = UserError("the model was closed"), True
+                self._pending = []
+                self._cond.notify_all()
+                return None
+            batch, self._pending = self._pending, []
+            return batch
+
+    def _loop(self) -> None:
+        while True:
+            batch = self._take()
+            if batch is None:
+                return
+            steps = [p for p in batch if p.step is not None]
+            with self.lock:
+                self.steps += 1
+                if steps:
+                    self._decode_steps(steps)
+                for p in batch:
+                    if p.fn is not None:
+                        self._finish([p], lambda p=p: [p.fn()])
+            with self._cond:
+                self._cond.notify_all()
+
+    def _decode_steps(self, steps: list[_Pass]) -> None:
+        # samplers of different settings are different graphs' work, not different decodes': one decode for all
+        self.merged_tokens += len(steps)
+        self.widest = max(self.widest, len(steps))
+        self._finish(steps, lambda: self.ctx.decode_steps([p.step for p in steps]))
+
+    def _finish(self, passes: list[_Pass], fn: Callable[[], list[Any]]) -> None:
+        self.decodes += 1
+        try:
+            results = fn()
+        except BaseException as e:  # every pass of the decode fails with it; the server answers 500 for each
+            for p in passes:
+                p.error = e
+        else:
+            for p, r in zip(passes, results):
+                p.result = r
+        with self._cond:
+            for p in passes:
+                p.done = True
+
+
+class SlotContext:
+    """What a runtime needs of a LlamaContext, for one slot of a shared one: sequence ids translated into the slot's
+    range, decodes through the Scheduler, everything else (tokenizer, metadata, sizes) from the shared context."""
+
+    def __init__(self, sched: Scheduler, slot: int, seqs_per_slot: int, n_ctx: int):
+        self.scheduler, self._sched, self._shared = sched, sched, sched.ctx
+        self._base, self._n_seqs = slot * seqs_per_slot, seqs_per_slot
+        self.n_ctx = n_ctx  # this slot's share of the context's cells
+        self._closed = False
+
+    def __getattr__(self, name: str) -> Any:  # the tokenizer, metadata and sizes of the shared context
+        return getattr(self._shared, name)
+
+    def _seq(self, seq: int) -> int:
+        if not 0 <= seq < self._n_seqs:
+            raise ValueError(f"sequence {seq} is not one of this slot's {self._n_seqs}")
+        return self._base + seq
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise UserError("the model was closed")
+
+    def serving(self):
+        return self._sched.serving()
+
+    def memory_breakdown(self) -> dict[str, dict[str, int]]:
+        """The shared context's (all slots')."""
+        return self._sched.now(self._shared.memory_breakdown)
+
+    def decode(self, ids: Sequence[int], pos0: int, seq: int = 0, logits: bool | Sequence[bool] = True,
+               extra: Sequence[tuple[Sequence[int], int, int]] = (), gather: Gather | None = None) -> Any:
+        self._check_open()
+        if extra:
+            raise ValueError("a slot decodes its own sequences one at a time")
+        s, ctx, sched = self._seq(seq), self._shared, self._sched
+        ids = [int(t) for t in ids]
+        flags = [bool(logits)] * len(ids) if isinstance(logits, bool) else [bool(f) for f in logits]
+        if len(ids) == 1 and gather is not None and flags == [True]:  # can share the step's decode
+            return sched.run(_Pass(step=(ids[0], int(pos0), s, gather)))
+        c = sched.prefill_chunk
+        # a long causal pass whose rows are all in its last chunk (a prompt): a chunk per step, then the rest
+        n_lead = (len(ids) - 1) // c * c if ids else 0
+        if any(flags[:n_lead]):
+            n_lead = 0
+        for k in range(0, n_lead, c):
+            sched.run(_Pass(fn=lambda k=k: ctx.decode(ids[k:k + c], pos0 + k, s, logits=False)))
+        return sched.run(_Pass(fn=lambda: ctx.decode(ids[n_lead:], pos0 + n_lead, s, logits=flags[n_lead:],
+                                                     gather=gather)))
+
+    def block(self, block_ids: Sequence[int], n_past: int, seq: int = 0, scratch: int = 1,
+              positions: Sequence[int] | None = None, gather: Gather | None = None) -> Any:
+        self._check_open()
+        s, sc, ctx = self._seq(seq), self._seq(scratch), self._shared
+        return self._sched.run(_Pass(fn=lambda: ctx.block(block_ids, n_past, seq=s, scratch=sc, positions=positions,
+                                                          gather=gather)))
+
+    def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> bool:
+        self._check_open()
+        s = self._seq(seq)
+        return self._sched.now(lambda: self._shared.seq_rm(s, p0, p1))
+
+    def seq_cp(self, src: int, dst: int) -> None:
+        self._check_open()
+        a, b = self._seq(src), self._seq(dst)
+        self._sched.now(lambda: self._shared.seq_cp(a, b))
+
+    def clear(self) -> None:
+        """This slot's sequences emptied (the others' are not this slot's to clear)."""
+        for seq in range(self._n_seqs):
+            self.seq_rm(seq)
+
+    def set_block_attn(self, seq: int, enabled: bool = True) -> None:
+        s = self._seq(seq)
+        self._sched.now(lambda: self._shared.set_block_attn(s, enabled))
+
+    def close(self) -> None:
+        """The slot is done; the shared context closes with the last slot."""
+        if not self._closed:
+            self._closed = True
+            self._sched.release()
