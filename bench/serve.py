@@ -2,6 +2,7 @@
 
     python bench/serve.py [--model clover_gguf/assets/tiny-clover] [--requests 16] [--max-tokens 64]
                           [--clients 1,2,4,8] [--modes ar,diffusion,draft-self] [--parallel N] [--threads T]
+                          [--block-clients 1,8] [--block-requests 8]
                           [--second-turn-words 400] [offload options] [--workdir out/bench-serve]
 
 Both servers run as subprocesses on loopback and get the same greedy chat requests (eval prompts of the bundled
@@ -159,6 +160,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--clients", default="1,2,4,8", help="concurrent client counts, comma separated")
     ap.add_argument("--modes", default=",".join(MODES), help="clover-gguf serve's modes to run, comma separated")
+    ap.add_argument("--block-clients", default=None, help="client counts for diffusion and draft-self (default: "
+                    "--clients; on random weights every block resolves about one token, so they are slow)")
+    ap.add_argument("--block-requests", type=int, default=None, help="requests per block-mode configuration")
     ap.add_argument("--parallel", type=int, default=None, help="slots of both servers (default: the most clients)")
     ap.add_argument("--ctx", type=int, default=1024, help="context per slot")
     ap.add_argument("--second-turn-words", type=int, default=400,
@@ -202,8 +206,10 @@ def main() -> None:
     try:
         report[f"model_bytes_parallel_{n_par}"] = model_bytes(base)
         for mode in modes:
-            for c in clients:
-                r = run_load(base, prompts, args.requests, c, args.max_tokens, {"mode": mode})
+            block = mode != "ar"
+            for c in ([int(x) for x in args.block_clients.split(",")] if block and args.block_clients else clients):
+                n_req = args.block_requests if block and args.block_requests else args.requests
+                r = run_load(base, prompts, n_req, c, args.max_tokens, {"mode": mode})
                 rows.append({"server": "clover-gguf", "mode": mode, "clients": c, **r})
                 print(f"clover-gguf {mode:<10} clients {c}: {r['rps']:.2f} req/s {r['tps']:.1f} tok/s "
                       f"p50 {r['p50_s']:.2f} s p95 {r['p95_s']:.2f} s", flush=True)
@@ -238,7 +244,7 @@ def main() -> None:
           f"{'x llama-server':>15}")
     for r in rows:
         print(f"{r['server']:<13} {r['mode']:<11} {r['clients']:>7} {r['tokens']:>7} {r['tps']:8.1f} "
-              f"{r['p50_s']:7.2f} {r['p95_s']:7.2f} {r['tps'] / base_tps[r['clients']]:15.2f}")
+              f"{r['p50_s']:7.2f} {r['p95_s']:7.2f} {r['tps'] / base_tps.get(r['clients'], float('nan')):15.2f}")
     m1, mn = report["model_bytes_parallel_1"], report[f"model_bytes_parallel_{n_par}"]
     print(f"\nweights held by llama.cpp: --parallel 1 {m1 / 2**20:.1f} MiB, --parallel {n_par} {mn / 2**20:.1f} MiB "
           f"({mn / m1:.3f}x)" if m1 else "\nweights: no memory breakdown")
@@ -248,7 +254,7 @@ def main() -> None:
               f"{st['no_reuse']['ttft_s'] * 1e3:.0f} ms whole, {st['reuse']['ttft_s'] * 1e3:.0f} ms continuing "
               f"({st['reuse']['cached_tokens']} tokens reused): {st['no_reuse']['ttft_s'] / st['reuse']['ttft_s']:.1f}x")
     report["ratios"] = {f"{r['server']}/{r['mode']}/c{r['clients']}": round(r["tps"] / base_tps[r["clients"]], 3)
-                        for r in rows}
+                        for r in rows if r["clients"] in base_tps}
     report["rows"] = rows
     print(json.dumps(report))
 

@@ -3,12 +3,13 @@
 Each slot keeps its own runtime (CloverRuntime over a SlotContext) and runs `decoding.generate` unchanged on its own
 thread; its passes go to the Scheduler instead of llama.cpp. A step of the scheduler waits until every slot that is
 serving a request has handed in its next pass (or `window` seconds went by), then runs them:
-- every one-token causal pass with its selection (an AR step; a one-token prompt tail) goes into ONE llama_decode,
-  each slot on its own sequences, each row selected by its own sequence's sampler (LlamaContext.decode_steps);
-- every other pass (a block pass, a commit or verification, a prompt chunk) is its own llama_decode. llama.cpp would
-  run them as separate graphs in one call anyway: the hybrid model's batches are split into ubatches of equal tokens
-  per sequence, and a block pass is a ubatch of its own (patches/0004).
-A prompt is decoded in chunks of at most `prefill_chunk` tokens, one per step, so it does not stall the others.
+- every causal pass whose only row is its last token's (an AR step, a prompt or a chunk of one) goes into ONE
+  llama_decode, each slot on its own sequences, each row selected by its own sequence's sampler
+  (LlamaContext.decode_parts); llama.cpp splits it into ubatches of equal tokens per sequence, so the slots' AR
+  steps share one graph, and so do the first tokens of prompts that arrive together;
+- every other pass (a block pass, a commit or verification with a row per token) is its own llama_decode: a block is
+  a ubatch of its own anyway (patches/0004).
+A prompt goes in chunks of at most `prefill_chunk` tokens, one per step, so it does not stall the others.
 Memory operations (sequence copies and removals) run at once, under the same lock as the decodes.
 
 Sequences: slot i owns `seqs_per_slot` consecutive sequence ids from i * seqs_per_slot (runtime.SEQ_*); a SlotContext
@@ -27,13 +28,14 @@ from clover_gguf.llama_context import LlamaContext
 
 
 class _Pass:
-    """One pass a slot handed in: a one-token step (token, position, sequence, gather) that can share a decode, or
-    a call to run alone."""
+    """One pass a slot handed in: a causal part (ids, first position, sequence, gather or None) whose only row, if
+    any, is its last token's, which can share a decode with other slots' parts; or a call to run alone."""
 
-    __slots__ = ("step", "fn", "result", "error", "done")
+    __slots__ = ("part", "fn", "result", "error", "done")
 
-    def __init__(self, step: tuple[int, int, int, Gather] | None = None, fn: Callable[[], Any] | None = None):
-        self.step, self.fn = step, fn
+    def __init__(self, part: tuple[list[int], int, int, Gather | None] | None = None,
+                 fn: Callable[[], Any] | None = None):
+        self.part, self.fn = part, fn
         self.result: Any = None
         self.error: BaseException | None = None
         self.done = False
@@ -52,7 +54,7 @@ class Scheduler:
         self._pending: list[_Pass] = []
         self._serving = 0  # slots inside a request (serving())
         self._closed = False
-        # counters (tests, /metrics): steps, llama_decode calls, one-token steps and the most of them in one decode
+        # counters (tests, /metrics): steps, llama_decode calls, one-token parts merged, the most parts in one decode
         self.steps = self.decodes = self.merged_tokens = self.widest = 0
         self._thread = threading.Thread(target=self._loop, name="clover-batch", daemon=True)
         self._thread.start()
@@ -143,22 +145,30 @@ class Scheduler:
             batch = self._take()
             if batch is None:
                 return
-            steps = [p for p in batch if p.step is not None]
+            parts = [p for p in batch if p.part is not None]
             with self.lock:
                 self.steps += 1
-                if steps:
-                    self._decode_steps(steps)
+                if parts:
+                    self._decode_parts(parts)
                 for p in batch:
                     if p.fn is not None:
                         self._finish([p], lambda p=p: [p.fn()])
             with self._cond:
                 self._cond.notify_all()
 
-    def _decode_steps(self, steps: list[_Pass]) -> None:
-        # samplers of different settings are different graphs' work, not different decodes': one decode for all
-        self.merged_tokens += len(steps)
-        self.widest = max(self.widest, len(steps))
-        self._finish(steps, lambda: self.ctx.decode_steps([p.step for p in steps]))
+    def _decode_parts(self, parts: list[_Pass]) -> None:
+        """One llama_decode for all (more only when they pass its batch or row limits)."""
+        ctx, call, n = self.ctx, [], 0
+        for p in parts + [None]:
+            k = len(p.part[0]) if p is not None else 0
+            if call and (p is None or n + k > ctx.n_batch or len(call) >= ctx.n_outputs_max):
+                self.widest = max(self.widest, len(call))
+                self.merged_tokens += sum(len(q.part[0]) == 1 for q in call)
+                self._finish(call, lambda call=call: ctx.decode_parts([q.part for q in call]))
+                call, n = [], 0
+            if p is not None:
+                call.append(p)
+                n += k
 
     def _finish(self, passes: list[_Pass], fn: Callable[[], list[Any]]) -> None:
         self.decodes += 1
@@ -212,17 +222,15 @@ class SlotContext:
         s, ctx, sched = self._seq(seq), self._shared, self._sched
         ids = [int(t) for t in ids]
         flags = [bool(logits)] * len(ids) if isinstance(logits, bool) else [bool(f) for f in logits]
-        if len(ids) == 1 and gather is not None and flags == [True]:  # can share the step's decode
-            return sched.run(_Pass(step=(ids[0], int(pos0), s, gather)))
+        if not ids or any(flags[:-1]) or (flags[-1] and gather is None):  # rows before the last: a pass alone
+            return sched.run(_Pass(fn=lambda: ctx.decode(ids, pos0, s, logits=flags, gather=gather)))
+        # an AR step or a prompt (its only row the last token's): parts that share the steps' decodes, a chunk of
+        # a long prompt per step
         c = sched.prefill_chunk
-        # a long causal pass whose rows are all in its last chunk (a prompt): a chunk per step, then the rest
-        n_lead = (len(ids) - 1) // c * c if ids else 0
-        if any(flags[:n_lead]):
-            n_lead = 0
-        for k in range(0, n_lead, c):
-            sched.run(_Pass(fn=lambda k=k: ctx.decode(ids[k:k + c], pos0 + k, s, logits=False)))
-        return sched.run(_Pass(fn=lambda: ctx.decode(ids[n_lead:], pos0 + n_lead, s, logits=flags[n_lead:],
-                                                     gather=gather)))
+        for k in range(0, len(ids), c):
+            last = k + c >= len(ids)
+            out = sched.run(_Pass(part=(ids[k:k + c], int(pos0) + k, s, gather if last and flags[-1] else None)))
+        return out
 
     def block(self, block_ids: Sequence[int], n_past: int, seq: int = 0, scratch: int = 1,
               positions: Sequence[int] | None = None, gather: Gather | None = None) -> Any:

@@ -252,8 +252,8 @@ def _context_params(L: Any, n_ctx: int, n_ubatch: int, n_batch: int | None, n_se
 
 
 class _Model:
-    """A loaded llama_model and the buffers llama.cpp reads through its pointers, shared by the contexts made on it
-    (LlamaContext's `shared`): freed when the last of them closes."""
+    """A loaded llama_model and the buffers llama.cpp reads through its pointers: freed when the last context using
+    it closes (one: serve's slots share the context itself, clover_gguf.batching)."""
 
     def __init__(self, L: Any, handle: Any, keep: list[Any]):
         self.L, self.handle, self.keep, self.users = L, handle, keep, 0
@@ -281,26 +281,19 @@ class LlamaContext:
                  n_seq_max: int = 2,
                  overrides: dict[str, bool | int | float] | None = None, n_rs_seq: int = 0, exact: bool = False,
                  n_threads: int | None = None, n_threads_batch: int | None = None, n_outputs_max: int = 0,
-                 offload: Offload | None = None, rpc: Sequence[str] = (), eval_callback: Any = None,
-                 shared: "LlamaContext | None" = None):
+                 offload: Offload | None = None, rpc: Sequence[str] = (), eval_callback: Any = None):
         """eval_callback: llama.cpp's graph eval callback (a GraphProbe's .callback, clover_gguf.graph_probe).
-        shared: a context whose model this one uses too (the weights held once; its load options, overrides and
-        offload placement apply, these are not read again)."""
+        Several runtimes share one context through clover_gguf.batching (serve's slots)."""
         L = self.L = load_binding()
         path = Path(gguf)
         if not path.is_file():
             raise UserError(f"no such model file: {path}")
         offload = offload or Offload()
-        if shared is not None:
-            if not getattr(shared, "_model", None) or not shared._model.handle:
-                raise UserError("the model was closed")
-            self._model = shared._model.acquire()
-        else:
-            keep: list[Any] = []  # buffers llama.cpp reads through pointers, alive as long as the model
-            handle = _load_model(L, path, offload, overrides, keep, rpc=rpc)
-            if not handle:
-                raise UserError(f"llama.cpp could not load {path} (not a Clover GGUF, or the library is not patched)")
-            self._model = _Model(L, handle, keep).acquire()
+        keep: list[Any] = []  # buffers llama.cpp reads through pointers, alive as long as the model
+        handle = _load_model(L, path, offload, overrides, keep, rpc=rpc)
+        if not handle:
+            raise UserError(f"llama.cpp could not load {path} (not a Clover GGUF, or the library is not patched)")
+        self._model = _Model(L, handle, keep).acquire()
         self.model = self._model.handle
         cp = _context_params(L, n_ctx, n_ubatch, n_batch, n_seq_max, n_rs_seq, exact, n_threads or offload.threads,
                              n_threads_batch, n_outputs_max)
@@ -389,9 +382,10 @@ class LlamaContext:
             raise ValueError(f"{n_out} logits rows asked for, the context was made for at most {self.n_outputs_max}")
         if gather is not None and n_out:
             if extra:
-                raise ValueError("a decode with a gather holds one sequence (decode_steps: one token on several)")
+                raise ValueError("a decode with a gather holds one sequence (decode_parts: several)")
             self._rows_in = ()
             self._select_on(seq, gather, n_out, n)
+            self._disarm((seq,))
         elif n_out:  # logits wanted: no sequence may carry a sampler (llama.cpp would copy no logits)
             for s in list(self._selectors):
                 self._select_off(s)
@@ -410,32 +404,49 @@ class LlamaContext:
             raise RuntimeError(f"llama_decode returned {rc}")
         self.max_outputs = max(self.max_outputs, n_out)
 
-    def decode_steps(self, steps: Sequence[tuple[int, int, int, Gather]]) -> list[GraphRows]:
-        """One token on each of several sequences in one llama_decode (a server's AR steps): (token, position,
-        sequence, gather) each -> each token's row as GraphRows, selected in the graph by its own sequence's sampler
-        (patches/0005; llama.cpp gives a sampler only its own sequence's rows' inputs). The sequences must differ and
-        be causal."""
+    def decode_parts(self, parts: Sequence[tuple[Sequence[int], int, int, Gather | None]]) -> list[GraphRows | None]:
+        """Causal passes of several sequences in one llama_decode (a server's slots: their AR steps and prompt chunks):
+        (ids, first position, sequence, gather) each -> per part, with a gather the row of its LAST token as
+        GraphRows, selected in the graph by its own sequence's sampler (patches/0005: each sampler computes and reads
+        its own rows), else None (no row). The sequences must differ. llama.cpp splits the batch into ubatches of
+        equal tokens per sequence, so one-token steps share one graph and a prompt's other tokens follow."""
         self._check_open()
-        n = len(steps)
-        seqs = [int(s) for _, _, s, _ in steps]
-        if len(set(seqs)) != n:
-            raise ValueError("decode_steps takes one token per sequence")
-        if n > min(self.n_outputs_max, self.n_ubatch):  # one row each, in one ubatch
-            raise ValueError(f"{n} steps in one decode, the context takes at most "
-                             f"{min(self.n_outputs_max, self.n_ubatch)}")
+        seqs = [int(p[2]) for p in parts]
+        if len(set(seqs)) != len(seqs):
+            raise ValueError("decode_parts takes one part per sequence")
+        n = sum(len(p[0]) for p in parts)
+        n_out = sum(p[3] is not None for p in parts)
+        if n > self.n_batch or n_out > self.n_outputs_max:  # llama.cpp would abort
+            raise ValueError(f"{n} tokens and {n_out} rows in one decode, the context takes {self.n_batch} and "
+                             f"{self.n_outputs_max}")
         batch = self._batch_for(n)
-        batch.token[:n] = [t for t, _, _, _ in steps]
-        batch.pos[:n] = [p for _, p, _, _ in steps]
-        batch.seq[:n] = seqs
-        batch.logits[:n] = 1
         self._rows_in = ()
-        for _, _, seq, g in steps:
-            self._select_on(seq, g, 1, 1)
-        self._run(batch, n, n)
-        # llama.cpp's sampled rows are in batch order: row i is step i's
-        return [self._graph_rows(i, 1, g) for i, (_, _, _, g) in enumerate(steps)]
+        lasts, i = [], 0
+        for ids, pos0, seq, g in parts:
+            k = len(ids)
+            batch.token[i:i + k] = ids
+            batch.pos[i:i + k] = np.arange(pos0, pos0 + k)
+            batch.seq[i:i + k] = seq
+            batch.logits[i:i + k] = 0
+            if g is not None:
+                batch.logits[i + k - 1] = 1
+                self._select_on(seq, g, 1, 1)
+            i += k
+            lasts.append(i - 1)
+        self._disarm(seqs)
+        self._run(batch, n, n_out)
+        # llama.cpp finds a row by its token's batch index
+        return [self._graph_rows(last, 1, p[3]) if p[3] is not None else None for last, p in zip(lasts, parts)]
 
     # ---- selection in the graph (patches/0005) ----------------------------------------------------------
+    def _disarm(self, seqs: Sequence[int]) -> None:
+        """The samplers of sequences outside this decode have no rows in it: each then spends one row of the graph
+        (llama.cpp builds every attached sampler), not as many as it had last time."""
+        if len(self._selectors) > len(seqs):
+            for seq, (_, chain) in self._selectors.items():
+                if seq not in seqs:
+                    self._api.llama_sampler_clover_set_rows(chain, None, None, None, 0)
+
     def _select_on(self, seq: int, g: Gather, n_out: int, n: int) -> None:
         """Give `seq` the selection sampler for this gather (a new one when its settings changed) and its rows
         (appended to self._rows_in, which keeps them alive through the decode)."""

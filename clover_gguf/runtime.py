@@ -27,6 +27,7 @@ import numpy as np
 
 from clover_gguf import decoding
 from clover_gguf import metadata as md
+from clover_gguf.batching import Scheduler
 from clover_gguf.config import MAX_BLOCK
 from clover_gguf.controls import Controls, Gather, GraphRows, make_processors, make_sampler
 from clover_gguf.errors import UserError
@@ -319,8 +320,6 @@ class CloverRuntime:
             ctx = LlamaContext(path, overrides=overrides or None, n_threads=n_threads,
                                n_threads_batch=n_threads_batch, offload=offload, rpc=rpc, **settings)
             if slots > 1:
-                from clover_gguf.batching import Scheduler
-
                 sched = Scheduler(ctx, settings["n_seq_max"])
                 self.ctx = sched.slot(N_SEQ + keep_prefix, ctx.n_ctx // slots)
             else:

@@ -92,7 +92,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_others_steps(bundled_g
 
 
 def test_merged_rows_go_to_their_own_sequences(bundled_gguf):
-    """decode_steps: each token's row is its own sequence's, selected by its own sampler (patches/0005): three
+    """decode_parts: each token's row is its own sequence's, selected by its own sampler (patches/0005): three
     sequences given different prompts, then one step each in one decode, equal the same steps decoded one at a time
     (and a planted swap of two steps' rows fails this)."""
     rts = _slots(bundled_gguf, 3)
@@ -106,7 +106,7 @@ def test_merged_rows_go_to_their_own_sequences(bundled_gguf):
             ctx.decode(ids[:-1], 0, s, logits=False)
             ctx.seq_cp(s, s + 2)
             one_by_one.append(ctx.decode(ids[-1:], len(ids) - 1, s + 2, gather=g))
-        merged = ctx.decode_steps([(ids[-1], len(ids) - 1, s, g) for s, ids in zip(seqs, prompts)])
+        merged = ctx.decode_parts([(ids[-1:], len(ids) - 1, s, g) for s, ids in zip(seqs, prompts)])
         best = []
         for a, b in zip(one_by_one, merged):
             for f in ("at_ids", "rest_logits", "rest_probs"):
