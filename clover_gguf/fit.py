@@ -486,6 +486,27 @@ def output_bytes(rows: int, n_vocab: int) -> int:
 
 
 # ---- serve's slots ------------------------------------------------------------------------------------------------
+def check_slots(parallel: int, breakdown: dict[str, dict[str, int]], host_bytes: int | None = None,
+                devices: list | None = None) -> None:
+    """`serve --parallel N` once its one context is made: what llama.cpp holds (LlamaContext.memory_breakdown: the
+    weights, the N slots' cells and states, the compute buffers) against this machine's memory and its GPUs' (all of
+    it: a plan that cannot fit an empty machine is refused before it is touched, since a host allocation may succeed
+    on paper and fail on first use; one that merely finds it busy is llama.cpp's to report). UserError, one line."""
+    from clover_gguf.llama_memory import is_host_buffer
+
+    host_bytes = host_memory() if host_bytes is None else host_bytes
+    limits = {d.name: d.total for d in devices or [] if not d.integrated}
+    on_host = {k: is_host_buffer(k) or k not in limits for k in breakdown}  # a device without a limit: unified memory
+    held = {k: sum(v.values()) for k, v in breakdown.items()}
+    checks = [("host memory", sum(b for k, b in held.items() if on_host[k]), host_bytes)]
+    checks += [(name, held[name], total) for name, total in limits.items() if held.get(name)]
+    for where, need, total in checks:
+        if need > total:
+            raise UserError(f"--parallel {parallel} cannot fit: llama.cpp holds {_size(need)} of {where} for the "
+                            f"weights and {parallel} slots, and this machine has {_size(total)}: fewer slots or a "
+                            "smaller --ctx")
+
+
 # ---- measuring ------------------------------------------------------------------------------------------------
 def measure(model: Model, result: FitResult, setup: Setup) -> dict[str, int]:
     """Load the model with the plan's settings, answer one short prompt in the plan's mode (a block pass in the

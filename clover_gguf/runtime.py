@@ -31,7 +31,7 @@ from clover_gguf.batching import Scheduler
 from clover_gguf.config import MAX_BLOCK
 from clover_gguf.controls import Controls, Gather, GraphRows, make_processors, make_sampler
 from clover_gguf.errors import UserError
-from clover_gguf.llama_context import LlamaContext
+from clover_gguf.llama_context import LlamaContext, load_binding
 from clover_gguf.offload import Offload
 from clover_gguf.thinking import prompt_opens_thinking, split_thinking
 from clover_gguf.vocab import compile_chat_template
@@ -317,8 +317,19 @@ class CloverRuntime:
         else:
             settings = context_settings(self.max_block_size, n_ctx, self.context_length, rollback, exact, keep_prefix,
                                         slots)
-            ctx = LlamaContext(path, overrides=overrides or None, n_threads=n_threads,
-                               n_threads_batch=n_threads_batch, offload=offload, rpc=rpc, **settings)
+            if slots > 1:  # llama.cpp refuses more sequences than this in one context
+                most = int(load_binding().llama_max_parallel_sequences())
+                if settings["n_seq_max"] > most:
+                    raise UserError(f"--parallel {slots} cannot fit: a slot uses {N_SEQ + keep_prefix} sequences and "
+                                    f"llama.cpp holds at most {most} in a context: at most "
+                                    f"{most // (N_SEQ + keep_prefix)} slots")
+            try:
+                ctx = LlamaContext(path, overrides=overrides or None, n_threads=n_threads,
+                                   n_threads_batch=n_threads_batch, offload=offload, rpc=rpc, **settings)
+            except UserError as e:
+                if slots > 1 and "could not create a context" in str(e):
+                    raise UserError(f"--parallel {slots} cannot fit: {e}") from None
+                raise
             if slots > 1:
                 sched = Scheduler(ctx, settings["n_seq_max"])
                 self.ctx = sched.slot(N_SEQ + keep_prefix, ctx.n_ctx // slots)

@@ -784,6 +784,13 @@ def load_runtimes(model: str | Path | Callable[[], Any], parallel: int, ctx: int
     try:
         for _ in range(parallel):
             runtimes.append(factory(runtimes[0]) if runtimes and factory is not model else factory())
+            if len(runtimes) == 1 and parallel > 1 and hasattr(getattr(runtimes[0], "ctx", None),
+                                                               "memory_breakdown"):
+                from clover_gguf.fit import check_slots
+                from clover_gguf.llama_context import gpu_devices
+
+                # the one context holds every slot: refused before anything is written into it
+                check_slots(parallel, runtimes[0].ctx.memory_breakdown(), devices=gpu_devices())
     except BaseException:
         for rt in runtimes:
             rt.close()

@@ -152,3 +152,14 @@ def test_sizes():
     for huge in ("1e400", "9" * 400, "1e300TiB", "2e9GiB"):
         with pytest.raises(UserError, match="too large"):
             fit.parse_size(huge)
+
+
+def test_serve_refuses_a_context_bigger_than_the_machine():
+    """check_slots: serve's one context, as llama.cpp's memory breakdown reports it, against the machine's memory."""
+    from clover_gguf.errors import UserError
+    from clover_gguf.fit import check_slots
+
+    held = {"CPU": {"model": 100, "context": 900, "compute": 100}}
+    check_slots(8, held, host_bytes=1100)
+    with pytest.raises(UserError, match="--parallel 8 cannot fit"):
+        check_slots(8, held, host_bytes=1099)
