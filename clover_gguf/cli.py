@@ -453,7 +453,7 @@ def serve(
     mode: Optional[Mode] = typer.Option(None, "--mode", help="default mode (draft-self; ar for an AR-only file); a "
                                         "request may set its own `mode`"),
     ctx: Optional[int] = typer.Option(None, "--ctx", min=16, help="context per slot (default: min(8192, model's))"),
-    parallel: int = typer.Option(1, "--parallel", min=1, help="slots: independent contexts serving requests at once"),
+    parallel: int = typer.Option(1, "--parallel", min=1, help="slots serving requests at once, on one context, their passes batched step by step"),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="CLOVER_GGUF_API_KEY",
                                           help="require Authorization: Bearer KEY (also from $CLOVER_GGUF_API_KEY)"),
     rollback: Rollback = typer.Option(Rollback.redecode, "--rollback", help="draft-self rollback strategy"),
@@ -479,7 +479,7 @@ def fit(
                                            "(Apple silicon; default: as llama.cpp reports the GPU, else discrete)"),
     ctx: Optional[int] = typer.Option(None, "--ctx", help="the context you want (default: the largest that fits)"),
     mode: Optional[Mode] = typer.Option(None, "--mode", help="default: draft-self (ar for an AR-only file)"),
-    parallel: int = typer.Option(1, "--parallel", min=1, help="server slots (each holds its own model and context)"),
+    parallel: int = typer.Option(1, "--parallel", min=1, help="server slots (one context for all: their cells and sequences)"),
     rollback: Rollback = typer.Option(Rollback.redecode, "--rollback", help="draft-self rollback strategy"),
     mmap: bool = typer.Option(True, "--mmap/--no-mmap", help="as the run would load the file"),
     measure: bool = typer.Option(False, "--measure", help="also load MODEL.gguf here and show what llama.cpp "

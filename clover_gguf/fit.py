@@ -521,7 +521,8 @@ def measure(model: Model, result: FitResult, setup: Setup) -> dict[str, int]:
     off = Offload(gpu_layers="all" if setup.n_gpu_layers == ALL else setup.n_gpu_layers,
                   n_cpu_moe=setup.n_cpu_moe, mmap=setup.mmap)
     with capture_llama_log() as load_log:
-        rt = CloverRuntime(model.gguf, n_ctx=result.ctx, rollback=setup.rollback, offload=off)
+        rt = CloverRuntime(model.gguf, n_ctx=result.ctx, rollback=setup.rollback, offload=off,
+                           keep_prefix=setup.parallel > 1, slots=setup.parallel)  # serve's one context
     try:
         # threshold 0: a block pass resolves every position; then one block pass and one committed block (all its
         # logits) reach the largest graphs of the mode: draft-self commits its draft before it emits a token,

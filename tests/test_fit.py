@@ -90,10 +90,11 @@ def ggufs(make_checkpoint, bundled_gguf, tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-@pytest.mark.parametrize("mode", ["ar", "diffusion"])
+@pytest.mark.parametrize("mode,parallel", [("ar", 1), ("diffusion", 1), ("ar", 4)])
 @pytest.mark.parametrize("name", ["tiny-clover", "small"])
-def test_prediction_is_within_5_percent_of_what_llama_cpp_allocates(ggufs, name, mode):
-    r = fit.fit(ggufs[name], mode=mode, do_measure=True)
+def test_prediction_is_within_5_percent_of_what_llama_cpp_allocates(ggufs, name, mode, parallel):
+    """parallel 4: serve's one context for four slots (clover_gguf.batching)."""
+    r = fit.fit(ggufs[name], mode=mode, do_measure=True, parallel=parallel)
     assert r.fits and r.measured is not None
     for part in fit.PARTS:
         pred, meas = r.parts[part], r.measured[part]
