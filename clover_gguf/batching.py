@@ -27,6 +27,10 @@ from clover_gguf.errors import UserError
 from clover_gguf.llama_context import LlamaContext
 
 
+class Cancelled(Exception):
+    """The request a slot serves was cancelled (its client went away) between two chunks of its prompt."""
+
+
 class _Pass:
     """One pass a slot handed in: a causal part (ids, first position, sequence, gather or None) whose only row, if
     any, is its last token's, which can share a decode with other slots' parts; or a call to run alone."""
@@ -194,6 +198,7 @@ class SlotContext:
         self._base, self._n_seqs = slot * seqs_per_slot, seqs_per_slot
         self.n_ctx = n_ctx  # this slot's share of the context's cells
         self._closed = False
+        self._cancelled: Callable[[], bool] | None = None
 
     def __getattr__(self, name: str) -> Any:  # the tokenizer, metadata and sizes of the shared context
         return getattr(self._shared, name)
@@ -207,8 +212,16 @@ class SlotContext:
         if self._closed:
             raise UserError("the model was closed")
 
-    def serving(self):
-        return self._sched.serving()
+    @contextlib.contextmanager
+    def serving(self, cancelled: Callable[[], bool] | None = None) -> Iterator[None]:
+        """The slot serves a request (the scheduler's steps wait for its passes); `cancelled` is asked between the
+        chunks of a long prompt, so a request whose client went away frees the slot within one chunk (Cancelled)."""
+        self._cancelled = cancelled
+        try:
+            with self._sched.serving():
+                yield
+        finally:
+            self._cancelled = None
 
     def memory_breakdown(self) -> dict[str, dict[str, int]]:
         """The shared context's (all slots')."""
@@ -228,6 +241,8 @@ class SlotContext:
         # a long prompt per step
         c = sched.prefill_chunk
         for k in range(0, len(ids), c):
+            if k and self._cancelled is not None and self._cancelled():
+                raise Cancelled("the request was cancelled")
             last = k + c >= len(ids)
             out = sched.run(_Pass(part=(ids[k:k + c], int(pos0) + k, s, gather if last and flags[-1] else None)))
         return out

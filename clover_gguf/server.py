@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Literal, Union
 
+from clover_gguf.batching import Cancelled
 from clover_gguf.decoding import ACCEPT_MODES, MODES
 from clover_gguf.errors import UserError
 from clover_gguf.thinking import ThinkSplitter
@@ -160,6 +161,10 @@ def _run_job(rt: Any, job: Job, plan: Plan, metrics: Metrics | None = None) -> N
     except UserError as e:
         if metrics is not None:
             metrics.record(plan.mode, "refused")
+        job.emit("error", 400, str(e))
+    except Cancelled as e:  # the client went away during a long prompt (nobody reads this answer)
+        if metrics is not None:
+            metrics.record(plan.mode, "cancelled")
         job.emit("error", 400, str(e))
     except Exception as e:  # a bug or a llama.cpp failure: the request fails, the server keeps serving
         log.exception("request failed")
@@ -305,12 +310,13 @@ class Pool:
         slot = next(i for i, r in enumerate(self.runtimes) if r is rt)
         self.busy[slot] = plan.mode
 
-        # a slot of the shared context: the scheduler's steps wait for this slot's passes while it serves
-        serving = getattr(getattr(rt, "ctx", None), "serving", contextlib.nullcontext)
+        # a slot of the shared context: the scheduler's steps wait for this slot's passes while it serves, and a long
+        # prompt stops between chunks when the client goes away
+        serving = getattr(getattr(rt, "ctx", None), "serving", None)
 
         def work() -> None:
             try:
-                with serving():
+                with serving(lambda: job.cancelled) if serving else contextlib.nullcontext():
                     _run_job(rt, job, plan, self.metrics)
             finally:
                 def give_back() -> None:

@@ -118,3 +118,23 @@ def test_merged_rows_go_to_their_own_sequences(bundled_gguf):
     finally:
         for rt in rts:
             rt.close()
+
+
+def test_a_cancelled_request_stops_between_prompt_chunks_and_the_slot_serves_on(bundled_gguf, alone):
+    from clover_gguf.batching import Cancelled
+
+    rts = _slots(bundled_gguf, 2)
+    sched = rts[0].ctx.scheduler
+    sched.prefill_chunk = 8
+    asked = []
+    long_messages = [{"role": "user", "content": "Count from 1 to 40: " + " ".join(map(str, range(1, 41)))}]
+    try:
+        with rts[1].ctx.serving(lambda: asked.append(1) or len(asked) > 1):  # cancelled from the second check on
+            with pytest.raises(Cancelled):
+                rts[1].generate(long_messages, think=False, mode="ar", max_new_tokens=8)
+        assert len(asked) == 2  # two chunks decoded, not the whole prompt
+        with rts[1].ctx.serving():
+            assert _answer(rts[1], 0) == alone[0]
+    finally:
+        for rt in rts:
+            rt.close()
