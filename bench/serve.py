@@ -2,7 +2,7 @@
 
     python bench/serve.py [--model clover_gguf/assets/tiny-clover] [--requests 16] [--max-tokens 64]
                           [--clients 1,2,4,8] [--modes ar,diffusion,draft-self] [--parallel N] [--threads T]
-                          [--block-clients 1,8] [--block-requests 8]
+                          [--block-clients 1,8] [--block-requests 8] [--plain-greedy]
                           [--second-turn-words 400] [offload options] [--workdir out/bench-serve]
 
 Both servers run as subprocesses on loopback and get the same greedy chat requests (eval prompts of the bundled
@@ -168,6 +168,10 @@ def main() -> None:
     ap.add_argument("--second-turn-words", type=int, default=400,
                     help="words of the first message of the second-turn test (0: skip it; 400 is about 2,000 tokens "
                          "for the Qwen tokenizer)")
+    ap.add_argument("--plain-greedy", action="store_true",
+                    help="both servers without presence or repetition penalties (llama-server applies the GGUF's "
+                         "repetition penalty by default, clover-gguf the card's controls): the same greedy tokens, so "
+                         "the same work per step (on a MoE the tokens choose the experts a step reads)")
     add_argparse(ap)  # --gpu-layers, --cpu-moe, --n-cpu-moe, --threads, --mmap: as on every clover-gguf command
     ap.add_argument("--workdir", type=Path, default=ROOT / "out" / "bench-serve")
     args = ap.parse_args()
@@ -192,7 +196,9 @@ def main() -> None:
     except UserError as e:
         raise SystemExit(str(e)) from None
     rows: list[dict] = []
-    report: dict = {"parallel": n_par, "threads": args.threads}
+    report: dict = {"parallel": n_par, "threads": args.threads, "plain_greedy": args.plain_greedy}
+    plain = {"presence_penalty": 0.0, "repetition_penalty": 1.0} if args.plain_greedy else {}
+    plain_llama = {"presence_penalty": 0.0, "repeat_penalty": 1.0} if args.plain_greedy else {}
 
     # clover-gguf serve --parallel 1: the weights llama.cpp holds, to compare with --parallel N's
     proc, base = start_clover(gguf, 1, args, offload)
@@ -209,7 +215,7 @@ def main() -> None:
             block = mode != "ar"
             for c in ([int(x) for x in args.block_clients.split(",")] if block and args.block_clients else clients):
                 n_req = args.block_requests if block and args.block_requests else args.requests
-                r = run_load(base, prompts, n_req, c, args.max_tokens, {"mode": mode})
+                r = run_load(base, prompts, n_req, c, args.max_tokens, {"mode": mode, **plain})
                 rows.append({"server": "clover-gguf", "mode": mode, "clients": c, **r})
                 print(f"clover-gguf {mode:<10} clients {c}: {r['rps']:.2f} req/s {r['tps']:.1f} tok/s "
                       f"p50 {r['p50_s']:.2f} s p95 {r['p95_s']:.2f} s", flush=True)
@@ -232,7 +238,7 @@ def main() -> None:
     try:
         wait_ready(f"http://127.0.0.1:{port}", proc, seconds=900)
         for c in clients:
-            r = run_load(f"http://127.0.0.1:{port}", prompts, args.requests, c, args.max_tokens, {})
+            r = run_load(f"http://127.0.0.1:{port}", prompts, args.requests, c, args.max_tokens, plain_llama)
             rows.append({"server": "llama-server", "mode": "ar", "clients": c, **r})
             print(f"llama-server ar         clients {c}: {r['rps']:.2f} req/s {r['tps']:.1f} tok/s "
                   f"p50 {r['p50_s']:.2f} s p95 {r['p95_s']:.2f} s", flush=True)

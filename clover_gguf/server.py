@@ -261,8 +261,10 @@ class _FreeSlots:
 
 
 def _continues(served: list | None, messages: list | None) -> int:
-    """How many messages of `messages` a slot that last served `served` holds the state of (0: none)."""
-    if not served or not messages or len(served) >= len(messages) or messages[:len(served)] != served:
+    """How many messages of `messages` a slot that last served `served` holds the state of (0: none). The same
+    messages again count too (a regenerated answer, a repeated question): the state kept is the one before the
+    generation prompt, which every request renders after its messages."""
+    if not served or not messages or len(served) > len(messages) or messages[:len(served)] != served:
         return 0
     return len(served)
 

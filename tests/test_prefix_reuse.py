@@ -130,3 +130,24 @@ def test_a_conversations_next_request_goes_to_the_slot_that_holds_it(bundled_ggu
         other = ask(http, [{"role": "user", "content": "Reverse: c l o v e r"}])
     assert b["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_the_same_question_again_goes_to_the_slot_that_holds_it(bundled_gguf):
+    """A repeated request (the same messages) continues from the state kept after them, on the slot that holds it,
+    and answers as the first time."""
+    from fastapi.testclient import TestClient
+
+    from clover_gguf.server import create_app
+
+    def ask(http, messages):
+        r = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 32, "mode": "ar"})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    q = [{"role": "user", "content": "What is 7 + 8?"}]
+    with TestClient(create_app(bundled_gguf, mode="ar", parallel=2, ctx=1024)) as http:
+        a = ask(http, q)
+        b = ask(http, q)
+    assert a["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert 0 < b["usage"]["prompt_tokens_details"]["cached_tokens"] < b["usage"]["prompt_tokens"]
+    assert b["choices"][0]["message"] == a["choices"][0]["message"]
