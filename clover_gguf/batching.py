@@ -48,7 +48,7 @@ class _Pass:
 class Scheduler:
     """Runs the passes of every slot on one LlamaContext, a step at a time (module doc)."""
 
-    def __init__(self, ctx: LlamaContext, n_seq_max: int, prefill_chunk: int | None = None, window: float = 0.005):
+    def __init__(self, ctx: LlamaContext, n_seq_max: int, prefill_chunk: int | None = None, window: float = 0.03):
         self.ctx, self.n_seq_max = ctx, n_seq_max
         self._slots = self._open = 0  # slots given out (slot()), and not closed yet
         self.prefill_chunk = max(1, int(prefill_chunk or ctx.n_ubatch))

@@ -68,6 +68,7 @@ class Plan:
     think: bool = True
     stop: list[str] = field(default_factory=list)
     controls: dict[str, float] = field(default_factory=dict)  # overrides of the GGUF's generation controls
+    stream: bool = True  # False: the answer is read whole at its end (the worker then posts its text once)
 
 
 class ClientGone(Exception):
@@ -79,10 +80,12 @@ class Job:
     ("started", prompt_tokens), ("delta", reasoning, content), ("done", finish_reason, stats, usage),
     ("error", http_status, message). `cancel()` (any thread) makes the worker stop at the next chunk."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
+    def __init__(self, loop: asyncio.AbstractEventLoop, stream: bool = True):
         self.loop = loop
         self.events: asyncio.Queue = asyncio.Queue()
         self._cancel = threading.Event()
+        self.stream = stream
+        self._held: tuple[str, str] | None = None  # not streamed: the text so far, posted with the next other event
 
     def cancel(self) -> None:
         self._cancel.set()
@@ -92,6 +95,16 @@ class Job:
         return self._cancel.is_set()
 
     def emit(self, *event: Any) -> None:
+        if event[0] == "delta" and not self.stream:  # one event loop wake-up per answer, not one per token
+            r, c = self._held or ("", "")
+            self._held = (r + event[1], c + event[2])
+            return
+        if self._held is not None:
+            held, self._held = self._held, None
+            self._post(("delta", *held))
+        self._post(event)
+
+    def _post(self, event: tuple) -> None:
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:  # the loop is closed (server shutting down): nobody is listening
@@ -305,7 +318,7 @@ class Pool:
     def start(self, rt: Any, plan: Plan) -> Job:
         """Run `plan` on `rt` (acquired) on a worker; the slot comes back when the worker is done with it."""
         loop = asyncio.get_running_loop()
-        job = Job(loop)
+        job = Job(loop, stream=plan.stream)
         free = self._queue()
         self.jobs.add(job)
 
@@ -566,7 +579,7 @@ def plan_from(req: Any, chat: bool, default_mode: str) -> Plan:
     p = Plan(mode=req.mode or default_mode, block_size=req.block_size, threshold=req.threshold,
              accept=req.accept or "exact", temp=req.temperature or 0.0,
              top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, seed=req.seed, stop=stop,
-             controls=controls, max_tokens=req.max_tokens)
+             controls=controls, max_tokens=req.max_tokens, stream=bool(req.stream))
     if chat:
         msgs = []
         for i, m in enumerate(req.messages):

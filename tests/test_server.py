@@ -458,3 +458,24 @@ def test_metrics_and_slots(server, prompts):
     slots = httpx.get(server.base + "/slots", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).json()
     assert [s["id"] for s in slots] == [0, 1] and all(s["state"] == "idle" for s in slots)
     assert any(s["kept_prefix_tokens"] > 0 and s["kept_messages"] == 1 for s in slots)  # a chat request's state
+
+
+def test_a_whole_answer_is_posted_to_the_event_loop_once():
+    """Not streamed: the worker posts the answer's text with its end (one event-loop wake-up per request, not one
+    per token); streamed: every delta as it comes."""
+    import asyncio
+
+    from clover_gguf.server import Job
+
+    loop = asyncio.new_event_loop()
+    try:
+        for stream, want in ((False, [("delta", "a", "bc"), ("done", "stop", {}, {})]),
+                             (True, [("delta", "a", "b"), ("delta", "", "c"), ("done", "stop", {}, {})])):
+            job = Job(loop, stream=stream)
+            job.emit("delta", "a", "b")
+            job.emit("delta", "", "c")
+            job.emit("done", "stop", {}, {})
+            loop.run_until_complete(asyncio.sleep(0))  # runs the posted callbacks
+            assert [job.events.get_nowait() for _ in range(job.events.qsize())] == want
+    finally:
+        loop.close()
