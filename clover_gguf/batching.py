@@ -2,7 +2,8 @@
 
 Each slot keeps its own runtime (CloverRuntime over a SlotContext) and runs `decoding.generate` unchanged on its own
 thread; its passes go to the Scheduler instead of llama.cpp. A step of the scheduler waits until every slot that is
-serving a request has handed in its next pass (or `window` seconds went by), then runs them:
+decoding a request (from its first pass on) has handed in its next pass (or `window` seconds went by), then runs
+them:
 - every causal pass whose only row is its last token's (an AR step, a prompt or a chunk of one) goes into ONE
   llama_decode, each slot on its own sequences, each row selected by its own sequence's sampler
   (LlamaContext.decode_parts); llama.cpp splits it into ubatches of equal tokens per sequence, so the slots' AR
@@ -64,17 +65,15 @@ class Scheduler:
         self._thread.start()
 
     # ---- what slots call ------------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def serving(self) -> Iterator[None]:
-        """A slot is serving a request: steps wait for its passes."""
+    def join(self) -> None:
+        """A slot decodes a request: steps wait for its passes (SlotContext.serving, from its first pass on)."""
         with self._cond:
             self._serving += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._serving -= 1
-                self._cond.notify_all()
+
+    def leave(self) -> None:
+        with self._cond:
+            self._serving -= 1
+            self._cond.notify_all()
 
     def run(self, p: _Pass) -> Any:
         """Hand in a pass and wait for its step -> its result (or its exception, raised here)."""
@@ -199,6 +198,7 @@ class SlotContext:
         self.n_ctx = n_ctx  # this slot's share of the context's cells
         self._closed = False
         self._cancelled: Callable[[], bool] | None = None
+        self._serving = self._joined = False  # inside serving(); counted by the scheduler's steps
 
     def __getattr__(self, name: str) -> Any:  # the tokenizer, metadata and sizes of the shared context
         return getattr(self._shared, name)
@@ -216,12 +216,22 @@ class SlotContext:
     def serving(self, cancelled: Callable[[], bool] | None = None) -> Iterator[None]:
         """The slot serves a request (the scheduler's steps wait for its passes); `cancelled` is asked between the
         chunks of a long prompt, so a request whose client went away frees the slot within one chunk (Cancelled)."""
-        self._cancelled = cancelled
+        self._cancelled, self._serving = cancelled, True
         try:
-            with self._sched.serving():
-                yield
+            yield
         finally:
-            self._cancelled = None
+            self._cancelled, self._serving = None, False
+            if self._joined:
+                self._joined = False
+                self._sched.leave()
+
+    def _run(self, p: _Pass) -> Any:
+        # the steps wait for this slot from its first pass on, not while it renders and tokenizes its prompt (other
+        # slots would wait for that)
+        if self._serving and not self._joined:
+            self._joined = True
+            self._sched.join()
+        return self._sched.run(p)
 
     def memory_breakdown(self) -> dict[str, dict[str, int]]:
         """The shared context's (all slots')."""
@@ -236,7 +246,7 @@ class SlotContext:
         ids = [int(t) for t in ids]
         flags = [bool(logits)] * len(ids) if isinstance(logits, bool) else [bool(f) for f in logits]
         if not ids or any(flags[:-1]) or (flags[-1] and gather is None):  # rows before the last: a pass alone
-            return sched.run(_Pass(fn=lambda: ctx.decode(ids, pos0, s, logits=flags, gather=gather)))
+            return self._run(_Pass(fn=lambda: ctx.decode(ids, pos0, s, logits=flags, gather=gather)))
         # an AR step or a prompt (its only row the last token's): parts that share the steps' decodes, a chunk of
         # a long prompt per step
         c = sched.prefill_chunk
@@ -244,14 +254,14 @@ class SlotContext:
             if k and self._cancelled is not None and self._cancelled():
                 raise Cancelled("the request was cancelled")
             last = k + c >= len(ids)
-            out = sched.run(_Pass(part=(ids[k:k + c], int(pos0) + k, s, gather if last and flags[-1] else None)))
+            out = self._run(_Pass(part=(ids[k:k + c], int(pos0) + k, s, gather if last and flags[-1] else None)))
         return out
 
     def block(self, block_ids: Sequence[int], n_past: int, seq: int = 0, scratch: int = 1,
               positions: Sequence[int] | None = None, gather: Gather | None = None) -> Any:
         self._check_open()
         s, sc, ctx = self._seq(seq), self._seq(scratch), self._shared
-        return self._sched.run(_Pass(fn=lambda: ctx.block(block_ids, n_past, seq=s, scratch=sc, positions=positions,
+        return self._run(_Pass(fn=lambda: ctx.block(block_ids, n_past, seq=s, scratch=sc, positions=positions,
                                                           gather=gather)))
 
     def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> bool:
