@@ -149,13 +149,18 @@ class Scheduler:
             if batch is None:
                 return
             parts = [p for p in batch if p.part is not None]
-            with self.lock:
-                self.steps += 1
-                if parts:
-                    self._decode_parts(parts)
+            try:
+                with self.lock:
+                    self.steps += 1
+                    if parts:
+                        self._decode_parts(parts)
+                    for p in batch:
+                        if p.fn is not None:
+                            self._finish([p], lambda p=p: [p.fn()])
+            except BaseException as e:  # a bug here must not leave the slots waiting forever
                 for p in batch:
-                    if p.fn is not None:
-                        self._finish([p], lambda p=p: [p.fn()])
+                    if not p.done:
+                        p.error, p.done = e, True
             with self._cond:
                 self._cond.notify_all()
 
