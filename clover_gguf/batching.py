@@ -198,7 +198,7 @@ class SlotContext:
     range, decodes through the Scheduler, everything else (tokenizer, metadata, sizes) from the shared context."""
 
     def __init__(self, sched: Scheduler, slot: int, seqs_per_slot: int, n_ctx: int):
-        self.scheduler, self._sched, self._shared = sched, sched, sched.ctx
+        self.scheduler, self._shared = sched, sched.ctx
         self._base, self._n_seqs = slot * seqs_per_slot, seqs_per_slot
         self.n_ctx = n_ctx  # this slot's share of the context's cells
         self._closed = False
@@ -228,26 +228,26 @@ class SlotContext:
             self._cancelled, self._serving = None, False
             if self._joined:
                 self._joined = False
-                self._sched.leave()
+                self.scheduler.leave()
 
     def _run(self, p: _Pass) -> Any:
         # the steps wait for this slot from its first pass on, not while it renders and tokenizes its prompt (other
         # slots would wait for that)
         if self._serving and not self._joined:
             self._joined = True
-            self._sched.join()
-        return self._sched.run(p)
+            self.scheduler.join()
+        return self.scheduler.run(p)
 
     def memory_breakdown(self) -> dict[str, dict[str, int]]:
         """The shared context's (all slots')."""
-        return self._sched.now(self._shared.memory_breakdown)
+        return self.scheduler.now(self._shared.memory_breakdown)
 
     def decode(self, ids: Sequence[int], pos0: int, seq: int = 0, logits: bool | Sequence[bool] = True,
                extra: Sequence[tuple[Sequence[int], int, int]] = (), gather: Gather | None = None) -> Any:
         self._check_open()
         if extra:
             raise ValueError("a slot decodes its own sequences one at a time")
-        s, ctx, sched = self._seq(seq), self._shared, self._sched
+        s, ctx, sched = self._seq(seq), self._shared, self.scheduler
         ids = [int(t) for t in ids]
         flags = [bool(logits)] * len(ids) if isinstance(logits, bool) else [bool(f) for f in logits]
         if not ids or any(flags[:-1]) or (flags[-1] and gather is None):  # rows before the last: a pass alone
@@ -267,17 +267,17 @@ class SlotContext:
         self._check_open()
         s, sc, ctx = self._seq(seq), self._seq(scratch), self._shared
         return self._run(_Pass(fn=lambda: ctx.block(block_ids, n_past, seq=s, scratch=sc, positions=positions,
-                                                          gather=gather)))
+                                                    gather=gather)))
 
     def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> bool:
         self._check_open()
         s = self._seq(seq)
-        return self._sched.now(lambda: self._shared.seq_rm(s, p0, p1))
+        return self.scheduler.now(lambda: self._shared.seq_rm(s, p0, p1))
 
     def seq_cp(self, src: int, dst: int) -> None:
         self._check_open()
         a, b = self._seq(src), self._seq(dst)
-        self._sched.now(lambda: self._shared.seq_cp(a, b))
+        self.scheduler.now(lambda: self._shared.seq_cp(a, b))
 
     def clear(self) -> None:
         """This slot's sequences emptied (the others' are not this slot's to clear)."""
@@ -286,10 +286,10 @@ class SlotContext:
 
     def set_block_attn(self, seq: int, enabled: bool = True) -> None:
         s = self._seq(seq)
-        self._sched.now(lambda: self._shared.set_block_attn(s, enabled))
+        self.scheduler.now(lambda: self._shared.set_block_attn(s, enabled))
 
     def close(self) -> None:
         """The slot is done; the shared context closes with the last slot."""
         if not self._closed:
             self._closed = True
-            self._sched.release()
+            self.scheduler.release()

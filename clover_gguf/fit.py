@@ -207,14 +207,13 @@ class Predictor:
                 kv[layer_dev[i]] += kv_layer
         rows = 1 if st.mode == "ar" else cs["n_outputs_max"]
         output = output_bytes(max(cs["n_seq_max"], rows), s.n_vocab)  # host (pinned on a GPU build)
-        n_slot = cs["n_ctx"] // st.parallel  # the context of one slot (the curve is keyed by it)
+        # serve's slots share one context: the sizes above are all of theirs; the curve is keyed by one slot's context
+        n_slot = cs["n_ctx"] // st.parallel
         c_dev, c_host = self.compute_at(n_slot, ngl, s)
-        n = 1  # serve's slots share one context: the sizes above are all of theirs
-        device = w_dev + n * (kv[True] + rs[True] + c_dev)
-        host = w_host + n * (kv[False] + rs[False] + c_host + output)
-        parts = {"weights_device": w_dev, "weights_host": w_host,
-                 "kv": n * (kv[True] + kv[False]), "recurrent": n * (rs[True] + rs[False]),
-                 "compute": n * (c_dev + c_host + output)}
+        device = w_dev + kv[True] + rs[True] + c_dev
+        host = w_host + kv[False] + rs[False] + c_host + output
+        parts = {"weights_device": w_dev, "weights_host": w_host, "kv": kv[True] + kv[False],
+                 "recurrent": rs[True] + rs[False], "compute": c_dev + c_host + output}
         return Prediction(n_slot, parts, device, host)
 
 

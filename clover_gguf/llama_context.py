@@ -251,22 +251,8 @@ def _context_params(L: Any, n_ctx: int, n_ubatch: int, n_batch: int | None, n_se
     return cp
 
 
-class _Model:
-    """A loaded llama_model and the buffers llama.cpp reads through its pointers: freed when the last context using
-    it closes (one: serve's slots share the context itself, clover_gguf.batching)."""
-
-    def __init__(self, L: Any, handle: Any, keep: list[Any]):
-        self.L, self.handle, self.keep, self.users = L, handle, keep, 0
-
-    def acquire(self) -> "_Model":
-        self.users += 1
-        return self
-
-    def release(self) -> None:
-        self.users -= 1
-        if self.users <= 0 and self.handle:
-            self.L.llama_model_free(self.handle)
-            self.handle = None
+class ContextError(UserError):
+    """llama.cpp could not create a context for the model (too little memory for what was asked)."""
 
 
 class LlamaContext:
@@ -293,8 +279,7 @@ class LlamaContext:
         handle = _load_model(L, path, offload, overrides, keep, rpc=rpc)
         if not handle:
             raise UserError(f"llama.cpp could not load {path} (not a Clover GGUF, or the library is not patched)")
-        self._model = _Model(L, handle, keep).acquire()
-        self.model = self._model.handle
+        self.model, self._model_keep = handle, keep
         cp = _context_params(L, n_ctx, n_ubatch, n_batch, n_seq_max, n_rs_seq, exact, n_threads or offload.threads,
                              n_threads_batch, n_outputs_max)
         if eval_callback is not None:
@@ -304,9 +289,9 @@ class LlamaContext:
         self.max_outputs = 0  # the most logits rows one call asked for: llama.cpp's output buffer grew to that
         self.ctx = L.llama_init_from_model(self.model, cp)
         if not self.ctx:
-            self._model.release()
-            self._model = self.model = None
-            raise UserError("llama.cpp could not create a context (too little memory for n_ctx?)")
+            L.llama_model_free(self.model)
+            self.model = None
+            raise ContextError("llama.cpp could not create a context (too little memory for n_ctx?)")
         self._api = _clover_api(L)
         self.has_block_attn = bool(self._api.llama_model_has_block_attn(self.model))
         self._block_seqs: set[int] = set()  # sequences switched to block attention
@@ -361,13 +346,7 @@ class LlamaContext:
         if n > self.n_batch:
             raise ValueError(f"{n} tokens in one decode call, more than n_batch {self.n_batch}")
         batch = self._batch_for(n)
-        i = 0
-        for p_ids, p_pos0, p_seq in parts:  # vector writes into the arrays the llama_batch points at
-            k = len(p_ids)
-            batch.token[i:i + k] = p_ids
-            batch.pos[i:i + k] = np.arange(p_pos0, p_pos0 + k)
-            batch.seq[i:i + k] = p_seq
-            i += k
+        batch.put(parts)
         want = batch.logits[:n]
         if isinstance(logits, bool):
             want[:len(ids)] = logits
@@ -420,23 +399,17 @@ class LlamaContext:
             raise ValueError(f"{n} tokens and {n_out} rows in one decode, the context takes {self.n_batch} and "
                              f"{self.n_outputs_max}")
         batch = self._batch_for(n)
+        lasts = batch.put([p[:3] for p in parts]) - 1
+        batch.logits[:n] = 0
         self._rows_in = ()
-        lasts, i = [], 0
-        for ids, pos0, seq, g in parts:
-            k = len(ids)
-            batch.token[i:i + k] = ids
-            batch.pos[i:i + k] = np.arange(pos0, pos0 + k)
-            batch.seq[i:i + k] = seq
-            batch.logits[i:i + k] = 0
+        for last, (_, _, seq, g) in zip(lasts, parts):
             if g is not None:
-                batch.logits[i + k - 1] = 1
+                batch.logits[last] = 1
                 self._select_on(seq, g, 1, 1)
-            i += k
-            lasts.append(i - 1)
         self._disarm(seqs)
         self._run(batch, n, n_out)
         # llama.cpp finds a row by its token's batch index
-        return [self._graph_rows(last, 1, p[3]) if p[3] is not None else None for last, p in zip(lasts, parts)]
+        return [self._graph_rows(int(last), 1, p[3]) if p[3] is not None else None for last, p in zip(lasts, parts)]
 
     # ---- selection in the graph (patches/0005) ----------------------------------------------------------
     def _disarm(self, seqs: Sequence[int]) -> None:
@@ -582,9 +555,8 @@ class LlamaContext:
             self.L.llama_sampler_free(chain)
         self._selectors = {}
 
-        if getattr(self, "_model", None):
-            self._model.release()  # freed with the last context using it
-            self._model = None
+        if getattr(self, "model", None):
+            self.L.llama_model_free(self.model)
         self.model = None
 
     def __enter__(self) -> "LlamaContext":
@@ -622,6 +594,20 @@ class _Batch:
         b.n_seq_id = self.n_seq_id.ctypes.data_as(c_int_p)
         b.seq_id = ctypes.cast(self._seq_ptrs, ctypes.POINTER(c_int_p))
         b.logits = self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_byte))
+
+    def put(self, parts: Sequence[tuple[Sequence[int], int, int]]) -> np.ndarray:
+        """(ids, first position, sequence) parts one after the other (vector writes into the arrays the llama_batch
+        points at; the logits flags are the caller's) -> each part's end index."""
+        i = 0
+        ends = np.empty(len(parts), dtype=np.int64)
+        for j, (ids, pos0, seq) in enumerate(parts):
+            k = len(ids)
+            self.token[i:i + k] = ids
+            self.pos[i:i + k] = np.arange(pos0, pos0 + k)
+            self.seq[i:i + k] = seq
+            i += k
+            ends[j] = i
+        return ends
 
 
 # ---- llama.cpp's log -------------------------------------------------------------------------------------

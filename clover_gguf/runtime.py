@@ -31,7 +31,7 @@ from clover_gguf.batching import Scheduler
 from clover_gguf.config import MAX_BLOCK
 from clover_gguf.controls import Controls, Gather, GraphRows, make_processors, make_sampler
 from clover_gguf.errors import UserError
-from clover_gguf.llama_context import LlamaContext, load_binding
+from clover_gguf.llama_context import ContextError, LlamaContext, load_binding
 from clover_gguf.offload import Offload
 from clover_gguf.thinking import prompt_opens_thinking, split_thinking
 from clover_gguf.vocab import compile_chat_template
@@ -326,8 +326,8 @@ class CloverRuntime:
             try:
                 ctx = LlamaContext(path, overrides=overrides or None, n_threads=n_threads,
                                    n_threads_batch=n_threads_batch, offload=offload, rpc=rpc, **settings)
-            except UserError as e:
-                if slots > 1 and "could not create a context" in str(e):
+            except ContextError as e:
+                if slots > 1:
                     raise UserError(f"--parallel {slots} cannot fit: {e}") from None
                 raise
             if slots > 1:

@@ -15,6 +15,17 @@ FIVE_TURNS = ["What is 7 + 8?", "Count from 33 to 37.", "Reverse: c l o v e r", 
               "Count from 12 to 17."]
 
 
+def _ask(http, messages, **fields) -> dict:
+    """A chat request to a test server (fastapi's TestClient) -> its JSON answer; AR and 32 tokens unless `fields`
+    say otherwise."""
+    r = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 32, "mode": "ar", **fields})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+DRAFT_NO_THINK = {"max_tokens": 48, "mode": "draft-self", "chat_template_kwargs": {"enable_thinking": False}}
+
+
 @pytest.mark.parametrize("think", [True, False], ids=["think", "no-think"])
 @pytest.mark.parametrize("mode", MODES)
 def test_five_turns_with_reuse_answer_as_full_prefills_do(bundled_gguf, mode, think):
@@ -91,19 +102,13 @@ def test_the_server_continues_a_conversation_from_the_slots_kept_state(bundled_g
 
     from clover_gguf.server import create_app
 
-    def ask(http, messages):
-        r = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 48, "mode": "draft-self",
-                                                    "chat_template_kwargs": {"enable_thinking": False}})
-        assert r.status_code == 200, r.text
-        return r.json()
-
     first = [{"role": "user", "content": "What is 7 + 8?"}]
     with TestClient(create_app(bundled_gguf, mode="ar", parallel=1, ctx=1024)) as http:
-        a = ask(http, first)
+        a = _ask(http, first, **DRAFT_NO_THINK)
         assert a["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         second = first + [{"role": "assistant", "content": a["choices"][0]["message"]["content"]},
                           {"role": "user", "content": "Count from 33 to 37."}]
-        b = ask(http, second)
+        b = _ask(http, second, **DRAFT_NO_THINK)
     assert 0 < b["usage"]["prompt_tokens_details"]["cached_tokens"] < b["usage"]["prompt_tokens"]
     with CloverRuntime(bundled_gguf, n_ctx=1024) as rt:
         full = rt.generate(second, think=False, mode="draft-self", max_new_tokens=48)
@@ -117,17 +122,12 @@ def test_a_conversations_next_request_goes_to_the_slot_that_holds_it(bundled_ggu
 
     from clover_gguf.server import create_app
 
-    def ask(http, messages):
-        r = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 32, "mode": "ar"})
-        assert r.status_code == 200, r.text
-        return r.json()
-
     first = [{"role": "user", "content": "What is 7 + 8?"}]
     with TestClient(create_app(bundled_gguf, mode="ar", parallel=2, ctx=1024)) as http:
-        a = ask(http, first)
-        b = ask(http, first + [{"role": "assistant", "content": a["choices"][0]["message"]["content"]},
+        a = _ask(http, first)
+        b = _ask(http, first + [{"role": "assistant", "content": a["choices"][0]["message"]["content"]},
                                {"role": "user", "content": "Count from 33 to 37."}])
-        other = ask(http, [{"role": "user", "content": "Reverse: c l o v e r"}])
+        other = _ask(http, [{"role": "user", "content": "Reverse: c l o v e r"}])
     assert b["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
@@ -139,15 +139,10 @@ def test_the_same_question_again_goes_to_the_slot_that_holds_it(bundled_gguf):
 
     from clover_gguf.server import create_app
 
-    def ask(http, messages):
-        r = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 32, "mode": "ar"})
-        assert r.status_code == 200, r.text
-        return r.json()
-
     q = [{"role": "user", "content": "What is 7 + 8?"}]
     with TestClient(create_app(bundled_gguf, mode="ar", parallel=2, ctx=1024)) as http:
-        a = ask(http, q)
-        b = ask(http, q)
+        a = _ask(http, q)
+        b = _ask(http, q)
     assert a["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert 0 < b["usage"]["prompt_tokens_details"]["cached_tokens"] < b["usage"]["prompt_tokens"]
     assert b["choices"][0]["message"] == a["choices"][0]["message"]
