@@ -16,7 +16,8 @@ through `clover-gguf generate` against llama.cpp's own `llama-bench` on the same
    wall time - time inside llama_decode (bench/measure.PassLog, llama_synchronize included); medians over the steps
    and blocks after --history tokens.
 3. AR tokens/s: `clover-gguf generate --mode ar` (its decode tok/s, --json) and `llama-bench -p 0 -n N` (tg),
-   alternately, --threads each; medians and their ratio.
+   alternately, --threads each; medians and their ratio. Beside them the same runtime's bare loop (FLOOR_RUN:
+   llama_decode and the greedy choice from the graph's rows, nothing else), the most a Python driver can reach.
 Goals (issue 23): after, at most 0.5 ms of host time per AR step and 2 ms per 32-token block pass; generate at
 least 0.95x llama-bench's tg. Figures are printed, nothing is asserted.
 """
@@ -149,6 +150,46 @@ print(json.dumps(a.stats.to_json()))
 """
 
 
+# the ceiling of any Python driver with the selection in the graph: llama_decode on a one-token batch and the greedy
+# choice from the graph's per-chunk maxima, nothing else (no controls, no stats, no text): what is left of the gap
+# to llama-bench here is llama.cpp's (the selection's ops in the graph against llama-bench's logits copy)
+FLOOR_RUN = """
+import ctypes, json, sys, time
+import numpy as np
+from clover_gguf.controls import Gather
+from clover_gguf.runtime import CloverRuntime
+gguf, n, threads, prompt = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+with CloverRuntime(gguf, n_ctx=n + 256, n_threads=threads) as rt:
+    ctx = rt.ctx
+    ids = rt.prompt_ids(prompt, think=False)
+    g = Gather(ids=np.array([rt.eos_ids[0]], dtype=np.int32), n_rows=1, width=32, probs=False)
+    # the prompt (its last row selected); attaches the selection sampler to sequence 0
+    rows = ctx.decode(ids, 0, 0, logits=[False] * (len(ids) - 1) + [True], gather=g)
+    L, api, c = ctx.L, ctx._api, ctx.ctx
+    tok = (ctypes.c_int32 * 1)()
+    starts = ctx._chunk_starts(rows.rest_ids.shape[1])
+    view = None
+    t0 = time.perf_counter()
+    t = int(rows.rest_ids[0, int(np.argmax(rows.rest_logits[0]))])
+    for i in range(n):
+        tok[0] = t
+        if L.llama_decode(c, L.llama_batch_get_one(tok, 1)) != 0:
+            raise SystemExit("llama_decode failed")
+        f = ctx._rows_view(api.llama_get_sampled_logits_ith(c, 0), 1, np.float32)[0, g.width:g.width + len(starts)]
+        k = int(np.argmax(f))
+        t = int(ctx._rows_view(api.llama_get_sampled_candidates_ith(c, 0), 1, np.int32)[0, k] + starts[k])
+    print(json.dumps({"tok_s": n / (time.perf_counter() - t0)}))
+"""
+
+
+def floor_tps(gguf: Path, threads: int, n: int) -> float:
+    p = subprocess.run([sys.executable, "-c", FLOOR_RUN, str(gguf), str(n), str(threads), PROMPT],
+                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if p.returncode != 0:
+        raise SystemExit(f"the bare decode loop failed: {p.stderr.strip()[-1000:]}")
+    return float(json.loads(p.stdout)["tok_s"])
+
+
 def selection_tps(gguf: Path, threads: int, n: int, selection: str) -> float:
     p = subprocess.run([sys.executable, "-c", SELECTION_RUN, str(gguf), selection, str(n), str(threads), PROMPT],
                        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -160,16 +201,20 @@ def selection_tps(gguf: Path, threads: int, n: int, selection: str) -> float:
 def bench_tps(gguf: Path, threads: int, rounds: int, n: int) -> dict:
     """Per round, alternately: `clover-gguf generate` (graph selection), `llama-bench` tg, and the same generate with
     the numpy selection (before)."""
-    ours, theirs, before = [], [], []
+    ours, theirs, before, floor = [], [], [], []
     for r in range(rounds):
         ours.append(generate_tps(gguf, threads, n))
         theirs.append(llama_bench(gguf, threads, n))
         before.append(selection_tps(gguf, threads, n, "numpy"))
+        floor.append(floor_tps(gguf, threads, n))
         print(f"  round {r + 1}/{rounds}: generate {ours[-1]:.1f} tok/s, llama-bench {theirs[-1]:.1f} tok/s, "
-              f"generate with numpy selection {before[-1]:.1f} tok/s", file=sys.stderr, flush=True)
+              f"generate with numpy selection {before[-1]:.1f} tok/s, bare decode loop {floor[-1]:.1f} tok/s",
+              file=sys.stderr, flush=True)
     g, b, o = statistics.median(ours), statistics.median(theirs), statistics.median(before)
+    f = statistics.median(floor)
     return {"generate_tok_s": g, "llama_bench_tok_s": b, "ratio": g / b, "numpy_selection_tok_s": o,
-            "numpy_ratio": o / b, "generate_all": ours, "llama_bench_all": theirs, "numpy_selection_all": before}
+            "numpy_ratio": o / b, "floor_tok_s": f, "floor_ratio": f / b, "generate_all": ours,
+            "llama_bench_all": theirs, "numpy_selection_all": before, "floor_all": floor}
 
 
 def main() -> None:
@@ -213,6 +258,8 @@ def main() -> None:
               f"{tps['llama_bench_tok_s']:.1f}; ratio {tps['ratio']:.3f} (goal >= 0.95: "
               f"{'met' if tps['ratio'] >= 0.95 else 'NOT met'}); before (numpy selection): "
               f"{tps['numpy_selection_tok_s']:.1f} tok/s, ratio {tps['numpy_ratio']:.3f}")
+        print(f"the ceiling of a Python driver (bare llama_decode loop, the graph's selection, no controls or text): "
+              f"{tps['floor_tok_s']:.1f} tok/s, ratio {tps['floor_ratio']:.3f}")
         out["tok_s"] = tps
     (a.workdir / "host.json").write_text(json.dumps(out, indent=1) + "\n")
     print(f"\nfigures in {a.workdir / 'host.json'}")

@@ -2,7 +2,8 @@
 
     python bench/serve.py [--model clover_gguf/assets/tiny-clover] [--requests 16] [--max-tokens 64]
                           [--clients 1,2,4,8] [--modes ar,diffusion,draft-self] [--parallel N] [--threads T]
-                          [--block-clients 1,8] [--block-requests 8] [--plain-greedy]
+                          [--block-clients 1,8] [--block-requests 8] [--rounds 3] [--plain-greedy]
+                          [--distinct-prompts]
                           [--second-turn-words 400] [offload options] [--workdir out/bench-serve]
 
 Both servers run as subprocesses on loopback and get the same greedy chat requests (eval prompts of the bundled
@@ -10,8 +11,9 @@ model, round robin) from C client threads at a time. clover-gguf serve is asked 
 `mode` field; llama-server decodes AR (it has no block mode) with `-np` = the largest client count, so it can batch
 concurrent requests; both get `--parallel` slots (default: the most clients) and --threads. Reported: requests/s,
 completion tokens/s (from each response's usage) and p50/p95 request latency per server, mode and client count, and
-the ratio of tokens/s to llama-server's at the same client count; the weights llama.cpp holds at --parallel 1 and N
-(its memory breakdown, from /metrics); the scheduler's steps and llama_decode calls; the time to first token of a
+the ratio of tokens/s to llama-server's at the same client count (AR: --rounds rounds, alternating the two servers,
+both up all along; a row is its median round, the ratio printed last the median of the rounds' ratios); the weights
+llama.cpp holds at --parallel 1 and N (its memory breakdown, from /metrics); the scheduler's steps and llama_decode calls; the time to first token of a
 second turn of a long conversation with the slot's kept state and without. Note that llama-server does not apply
 Clover's generation controls (presence / repetition penalties), so its answers may differ in length.
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -49,11 +52,21 @@ def free_port() -> int:
     return port
 
 
+def start_logged(cmd: list[str], log: Path, **kw) -> subprocess.Popen:
+    """A server process whose output goes to `log` (a pipe nobody reads fills up and stops the server)."""
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True, **kw)
+    proc.log = log
+    return proc
+
+
 def wait_ready(base: str, proc: subprocess.Popen, seconds: float = 120) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode}: {proc.stderr.read()[-2000:] if proc.stderr else ''}")
+            log = getattr(proc, "log", None)
+            tail = log.read_text(errors="replace")[-2000:] if log is not None and log.is_file() else ""
+            raise SystemExit(f"server exited with {proc.returncode}: {tail}")
         try:
             if httpx.get(base + "/health", timeout=2).status_code == 200:
                 return
@@ -73,18 +86,20 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def run_load(base: str, prompts: list[str], n_requests: int, clients: int, max_tokens: int,
-             extra: dict) -> dict:
-    """n_requests chat completions, `clients` at a time -> requests/s, tokens/s, p50/p95 request latency."""
+             extra: dict, distinct: bool = False) -> dict:
+    """n_requests chat completions, `clients` at a time -> requests/s, tokens/s, p50/p95 request latency.
+    distinct: every request's question differs from the earlier ones (no server has its prompt cached)."""
 
     def one(i: int) -> tuple[int, float]:
-        body = {"model": "m", "messages": [{"role": "user", "content": prompts[i % len(prompts)]}],
+        text = prompts[i % len(prompts)] + (f" (request {i})" if distinct else "")
+        body = {"model": "m", "messages": [{"role": "user", "content": text}],
                 "max_tokens": max_tokens, "temperature": 0.0, "seed": 0, **extra}
         t = time.perf_counter()
         r = httpx.post(base + "/v1/chat/completions", json=body, timeout=1800)
         r.raise_for_status()
         return int(r.json()["usage"]["completion_tokens"]), time.perf_counter() - t
 
-    one(0)  # warm-up
+    one(n_requests)  # warm-up (with distinct prompts, a question the timed requests do not ask)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(clients) as ex:
         done = list(ex.map(one, range(n_requests)))
@@ -146,7 +161,7 @@ def start_clover(gguf: Path, parallel: int, args, offload) -> tuple[subprocess.P
             f"from clover_gguf.offload import Offload; "
             f"serve({str(gguf)!r}, port={port}, parallel={parallel}, ctx={args.ctx}, "
             f"n_threads={args.threads}, offload=Offload(**{asdict(offload)!r}), log_level='warning')")
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    proc = start_logged([sys.executable, "-c", code], args.workdir / f"clover-serve-{parallel}.log", cwd=ROOT)
     base = f"http://127.0.0.1:{port}"
     wait_ready(base, proc, seconds=900)
     return proc, base
@@ -163,6 +178,8 @@ def main() -> None:
     ap.add_argument("--block-clients", default=None, help="client counts for diffusion and draft-self (default: "
                     "--clients; on random weights every block resolves about one token, so they are slow)")
     ap.add_argument("--block-requests", type=int, default=None, help="requests per block-mode configuration")
+    ap.add_argument("--rounds", type=int, default=3, help="AR rounds, alternating the two servers; a row is the "
+                    "round with the median tokens/s, the AR ratio the median of the rounds' ratios")
     ap.add_argument("--parallel", type=int, default=None, help="slots of both servers (default: the most clients)")
     ap.add_argument("--ctx", type=int, default=1024, help="context per slot")
     ap.add_argument("--second-turn-words", type=int, default=400,
@@ -172,6 +189,9 @@ def main() -> None:
                     help="both servers without presence or repetition penalties (llama-server applies the GGUF's "
                          "repetition penalty by default, clover-gguf the card's controls): the same greedy tokens, so "
                          "the same work per step (on a MoE the tokens choose the experts a step reads)")
+    ap.add_argument("--distinct-prompts", action="store_true",
+                    help="no question asked twice (each gets its request number): what a server sees from different "
+                         "users; by default the few prompts come round again, and both servers reuse kept prompts")
     add_argparse(ap)  # --gpu-layers, --cpu-moe, --n-cpu-moe, --threads, --mmap: as on every clover-gguf command
     ap.add_argument("--workdir", type=Path, default=ROOT / "out" / "bench-serve")
     args = ap.parse_args()
@@ -196,7 +216,8 @@ def main() -> None:
     except UserError as e:
         raise SystemExit(str(e)) from None
     rows: list[dict] = []
-    report: dict = {"parallel": n_par, "threads": args.threads, "plain_greedy": args.plain_greedy}
+    report: dict = {"parallel": n_par, "threads": args.threads, "plain_greedy": args.plain_greedy,
+                    "distinct_prompts": args.distinct_prompts, "max_tokens": args.max_tokens}
     plain = {"presence_penalty": 0.0, "repetition_penalty": 1.0} if args.plain_greedy else {}
     plain_llama = {"presence_penalty": 0.0, "repeat_penalty": 1.0} if args.plain_greedy else {}
 
@@ -207,16 +228,32 @@ def main() -> None:
     finally:
         stop(proc)
 
-    # clover-gguf serve --parallel N: one process, every mode through the request's `mode` field
+    # clover-gguf serve --parallel N (one process, every mode through the request's `mode` field) and the patched
+    # llama-server (AR, the same slots), both up; AR rounds alternate between them (a noisy machine moves both)
     proc, base = start_clover(gguf, n_par, args, offload)
+    port = free_port()
+    llama_base = f"http://127.0.0.1:{port}"
+    cmd = [str(llama_server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-c",
+           str(args.ctx * n_par), "-np", str(n_par), "--jinja", "--no-webui",
+           *offload.llama_args(bool(load_binding().llama_supports_gpu_offload()))]
+    lproc = start_logged(cmd, args.workdir / "llama-server.log")
     try:
         report[f"model_bytes_parallel_{n_par}"] = model_bytes(base)
-        for mode in modes:
-            block = mode != "ar"
-            for c in ([int(x) for x in args.block_clients.split(",")] if block and args.block_clients else clients):
-                n_req = args.block_requests if block and args.block_requests else args.requests
-                r = run_load(base, prompts, n_req, c, args.max_tokens, {"mode": mode, **plain})
-                rows.append({"server": "clover-gguf", "mode": mode, "clients": c, **r})
+        wait_ready(llama_base, lproc, seconds=900)
+        runs: dict[tuple[str, str, int], list[dict]] = {}
+        servers = [("clover-gguf", base, {"mode": "ar", **plain}), ("llama-server", llama_base, plain_llama)]
+        for rnd in range(args.rounds if "ar" in modes else 0):
+            for c in clients:
+                for name, url, extra in (servers if rnd % 2 == 0 else servers[::-1]):
+                    r = run_load(url, prompts, args.requests, c, args.max_tokens, extra, args.distinct_prompts)
+                    runs.setdefault((name, "ar", c), []).append(r)
+                    print(f"round {rnd + 1}: {name:<12} ar         clients {c}: {r['rps']:.2f} req/s "
+                          f"{r['tps']:.1f} tok/s p50 {r['p50_s']:.2f} s p95 {r['p95_s']:.2f} s", flush=True)
+        for mode in (m for m in modes if m != "ar"):
+            for c in ([int(x) for x in args.block_clients.split(",")] if args.block_clients else clients):
+                r = run_load(base, prompts, args.block_requests or args.requests, c, args.max_tokens,
+                             {"mode": mode, **plain}, args.distinct_prompts)
+                runs[("clover-gguf", mode, c)] = [r]
                 print(f"clover-gguf {mode:<10} clients {c}: {r['rps']:.2f} req/s {r['tps']:.1f} tok/s "
                       f"p50 {r['p50_s']:.2f} s p95 {r['p95_s']:.2f} s", flush=True)
         if args.second_turn_words:
@@ -224,33 +261,30 @@ def main() -> None:
             print(f"second turn: {report['second_turn']}", flush=True)
         metrics = httpx.get(base + "/metrics", timeout=30).text
         report["scheduler"] = {line.split(" ")[0]: float(line.split(" ")[1]) for line in metrics.splitlines()
-                               if line.startswith(("clover_batch_steps_total", "clover_llama_decodes_total",
+                               if line.startswith(("clover_batch_", "clover_llama_decodes_total",
                                                    "clover_batched_steps_total"))}
     finally:
         stop(proc)
-
-    # the patched llama-server, AR, the same slots
-    port = free_port()
-    cmd = [str(llama_server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-c",
-           str(args.ctx * n_par), "-np", str(n_par), "--jinja", "--no-webui",
-           *offload.llama_args(bool(load_binding().llama_supports_gpu_offload()))]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        wait_ready(f"http://127.0.0.1:{port}", proc, seconds=900)
-        for c in clients:
-            r = run_load(f"http://127.0.0.1:{port}", prompts, args.requests, c, args.max_tokens, plain_llama)
-            rows.append({"server": "llama-server", "mode": "ar", "clients": c, **r})
-            print(f"llama-server ar         clients {c}: {r['rps']:.2f} req/s {r['tps']:.1f} tok/s "
-                  f"p50 {r['p50_s']:.2f} s p95 {r['p95_s']:.2f} s", flush=True)
-    finally:
-        stop(proc)
+        stop(lproc)
+    for (name, mode, c), rs in runs.items():  # a row: the round with the median tokens/s
+        row = sorted(rs, key=lambda r: r["tps"])[len(rs) // 2]
+        rows.append({"server": name, "mode": mode, "clients": c, **row, "tps_rounds": [r["tps"] for r in rs]})
+    # per client count, the median over rounds of the ratio within a round (both servers measured back to back)
+    paired = {c: statistics.median(a["tps"] / b["tps"] for a, b in zip(runs[("clover-gguf", "ar", c)],
+                                                                        runs[("llama-server", "ar", c)]))
+              for c in clients if ("llama-server", "ar", c) in runs}
+    report["ar_ratio_median_of_rounds"] = paired
 
     base_tps = {r["clients"]: r["tps"] for r in rows if r["server"] == "llama-server"}
+    rows.sort(key=lambda r: (r["server"], MODES.index(r["mode"]), r["clients"]))
     print(f"\n{'server':<13} {'mode':<11} {'clients':>7} {'tokens':>7} {'tok/s':>8} {'p50 s':>7} {'p95 s':>7} "
           f"{'x llama-server':>15}")
     for r in rows:
         print(f"{r['server']:<13} {r['mode']:<11} {r['clients']:>7} {r['tokens']:>7} {r['tps']:8.1f} "
               f"{r['p50_s']:7.2f} {r['p95_s']:7.2f} {r['tps'] / base_tps.get(r['clients'], float('nan')):15.2f}")
+    if paired:
+        print(f"\nAR tokens/s, clover-gguf / llama-server, median of {args.rounds} rounds' ratios (each round both "
+              "servers back to back): " + ", ".join(f"{c} clients {v:.2f}" for c, v in paired.items()))
     m1, mn = report["model_bytes_parallel_1"], report[f"model_bytes_parallel_{n_par}"]
     print(f"\nweights held by llama.cpp: --parallel 1 {m1 / 2**20:.1f} MiB, --parallel {n_par} {mn / 2**20:.1f} MiB "
           f"({mn / m1:.3f}x)" if m1 else "\nweights: no memory breakdown")

@@ -43,7 +43,13 @@ class _Pass:
         self.part, self.fn = part, fn
         self.result: Any = None
         self.error: BaseException | None = None
-        self.done = False
+        # set when the pass ran: each slot waits on its own pass, so a step wakes the slots it served and a pass
+        # handed in wakes the scheduler alone (one shared condition woke every waiting slot at each)
+        self.done = threading.Event()
+
+    def finish(self, result: Any = None, error: BaseException | None = None) -> None:
+        self.result, self.error = result, error
+        self.done.set()
 
 
 class Scheduler:
@@ -55,12 +61,14 @@ class Scheduler:
         self.prefill_chunk = max(1, int(prefill_chunk or ctx.n_ubatch))
         self.window = window  # the longest a step waits for serving slots that have not handed in a pass yet
         self.lock = threading.Lock()  # held while llama.cpp runs (decodes, memory operations)
-        self._cond = threading.Condition()
+        self._cond = threading.Condition()  # the scheduler's: passes handed in, slots joining and leaving, close
         self._pending: list[_Pass] = []
         self._serving = 0  # slots inside a request (serving())
         self._closed = False
-        # counters (tests, /metrics): steps, llama_decode calls, one-token parts merged, the most parts in one decode
+        # counters (tests, /metrics): steps, llama_decode calls, one-token parts merged, the most parts in one decode;
+        # seconds the steps waited for slots' passes after the first came in, and seconds they ran in llama.cpp
         self.steps = self.decodes = self.merged_tokens = self.widest = 0
+        self.wait_seconds = self.run_seconds = 0.0
         self._thread = threading.Thread(target=self._loop, name="clover-batch", daemon=True)
         self._thread.start()
 
@@ -81,9 +89,8 @@ class Scheduler:
             if self._closed:
                 raise UserError("the model was closed")
             self._pending.append(p)
-            self._cond.notify_all()
-            while not p.done:
-                self._cond.wait()
+            self._cond.notify()
+        p.done.wait()
         if p.error is not None:
             raise p.error
         return p.result
@@ -128,7 +135,8 @@ class Scheduler:
         with self._cond:
             while not self._pending and not self._closed:
                 self._cond.wait()
-            deadline = time.monotonic() + self.window
+            t0 = time.monotonic()
+            deadline = t0 + self.window
             while not self._closed and len(self._pending) < self._serving:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -136,11 +144,11 @@ class Scheduler:
                 self._cond.wait(left)
             if self._closed:
                 for p in self._pending:
-                    p.error, p.done = UserError("the model was closed"), True
+                    p.finish(error=UserError("the model was closed"))
                 self._pending = []
-                self._cond.notify_all()
                 return None
             batch, self._pending = self._pending, []
+            self.wait_seconds += time.monotonic() - t0
             return batch
 
     def _loop(self) -> None:
@@ -151,18 +159,18 @@ class Scheduler:
             parts = [p for p in batch if p.part is not None]
             try:
                 with self.lock:
+                    t0 = time.monotonic()
                     self.steps += 1
                     if parts:
                         self._decode_parts(parts)
                     for p in batch:
                         if p.fn is not None:
                             self._finish([p], lambda p=p: [p.fn()])
+                    self.run_seconds += time.monotonic() - t0
             except BaseException as e:  # a bug here must not leave the slots waiting forever
                 for p in batch:
-                    if not p.done:
-                        p.error, p.done = e, True
-            with self._cond:
-                self._cond.notify_all()
+                    if not p.done.is_set():
+                        p.finish(error=e)
 
     def _decode_parts(self, parts: list[_Pass]) -> None:
         """One llama_decode for all (more only when they pass its batch or row limits)."""
@@ -184,13 +192,10 @@ class Scheduler:
             results = fn()
         except BaseException as e:  # every pass of the decode fails with it; the server answers 500 for each
             for p in passes:
-                p.error = e
+                p.finish(error=e)
         else:
             for p, r in zip(passes, results):
-                p.result = r
-        with self._cond:
-            for p in passes:
-                p.done = True
+                p.finish(result=r)
 
 
 class SlotContext:

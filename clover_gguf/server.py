@@ -86,6 +86,7 @@ class Job:
         self._cancel = threading.Event()
         self.stream = stream
         self._held: tuple[str, str] | None = None  # not streamed: the text so far, posted with the next other event
+        self._last: list[tuple] = []  # the answer's last events, posted once its slot is free again (finish())
 
     def cancel(self) -> None:
         self._cancel.set()
@@ -99,10 +100,21 @@ class Job:
             r, c = self._held or ("", "")
             self._held = (r + event[1], c + event[2])
             return
-        if self._held is not None:
-            held, self._held = self._held, None
-            self._post(("delta", *held))
-        self._post(event)
+        held = [("delta", *self._held)] if self._held is not None else []
+        self._held = None
+        if event[0] in ("done", "error"):
+            # the end reaches the client after the slot is free (Pool.start): a client's next request, sent the moment
+            # it reads this answer, then finds the slot that holds its conversation free
+            self._last += [*held, event]
+            return
+        for e in (*held, event):
+            self._post(e)
+
+    def finish(self) -> None:
+        """On the event loop, once the slot is free: post the answer's last events."""
+        last, self._last = self._last, []
+        for e in last:
+            self.events.put_nowait(e)
 
     def _post(self, event: tuple) -> None:
         try:
@@ -155,7 +167,11 @@ class Metrics:
             for name, value, text in (("clover_batch_steps_total", sched.steps, "Scheduler steps."),
                                       ("clover_llama_decodes_total", sched.decodes, "llama_decode calls."),
                                       ("clover_batched_steps_total", sched.merged_tokens,
-                                       "One-token passes (AR steps) decoded together with other slots'.")):
+                                       "One-token passes (AR steps) decoded together with other slots'."),
+                                      ("clover_batch_wait_seconds_total", round(sched.wait_seconds, 6),
+                                       "Seconds steps waited for the busy slots' passes after the first came in."),
+                                      ("clover_batch_run_seconds_total", round(sched.run_seconds, 6),
+                                       "Seconds steps spent running their passes (llama_decode).")):
                 out += [f"# HELP {name} {text}", f"# TYPE {name} counter", f"{name} {value}"]
         if hasattr(ctx, "memory_breakdown"):
             out += ["# HELP clover_llama_memory_bytes What llama.cpp holds, by buffer and part (model: the weights).",
@@ -245,9 +261,12 @@ def _decode(rt: Any, job: Job, plan: Plan) -> tuple[str, dict]:
 
 class _FreeSlots:
     """The free runtimes, and the requests waiting for one in FIFO order. A request takes the free slot that holds
-    the state of its conversation (the longest `served` conversation its messages extend), else the first."""
+    the state of its conversation (the longest `served` conversation its messages extend); else a free slot whose
+    state is spare (none, or a conversation another slot holds too), so that no conversation loses its only kept
+    state while a spare one can go; else the one free the longest."""
 
     def __init__(self, runtimes: list[Any]):
+        self.all = list(runtimes)
         self.items: collections.deque = collections.deque(runtimes)
         self.waiters: collections.deque = collections.deque()  # futures of waiting requests
 
@@ -265,12 +284,17 @@ class _FreeSlots:
     async def get(self, messages: list | None = None) -> Any:
         self.waiters = collections.deque(f for f in self.waiters if not f.done())  # those that gave up
         if self.items and not self.waiters:
-            best = max(self.items, key=lambda rt: _continues(getattr(rt, "served", None), messages))
+            best = max(self.items, key=lambda rt: (_continues(getattr(rt, "served", None), messages), self._spare(rt)))
             self.items.remove(best)
             return best
         fut = asyncio.get_running_loop().create_future()
         self.waiters.append(fut)
         return await fut
+
+    def _spare(self, rt: Any) -> bool:
+        """Taking `rt` for another conversation loses no kept state."""
+        served = getattr(rt, "served", None)
+        return not served or any(o is not rt and getattr(o, "served", None) == served for o in self.all)
 
 
 def _continues(served: list | None, messages: list | None) -> int:
@@ -338,6 +362,7 @@ class Pool:
                     self.jobs.discard(job)
                     self.busy.pop(slot, None)
                     free.put_nowait(rt)
+                    job.finish()
 
                 try:
                     loop.call_soon_threadsafe(give_back)

@@ -146,3 +146,28 @@ def test_the_same_question_again_goes_to_the_slot_that_holds_it(bundled_gguf):
     assert a["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert 0 < b["usage"]["prompt_tokens_details"]["cached_tokens"] < b["usage"]["prompt_tokens"]
     assert b["choices"][0]["message"] == a["choices"][0]["message"]
+
+
+def test_a_new_conversation_takes_a_slot_whose_state_is_spare():
+    """Free slots holding A, A and B (B free the longest): a request of a third conversation takes one of A's two
+    slots, not B's, whose state no other slot keeps; A's next request still finds a slot holding it, and a slot that
+    holds nothing goes before any."""
+    import asyncio
+
+    from clover_gguf.server import _FreeSlots
+
+    class Slot:
+        def __init__(self, name, served):
+            self.name, self.served = name, served
+
+    a, b, c = ([{"role": "user", "content": x}] for x in "ABC")
+
+    async def take(slots, messages):
+        free = _FreeSlots(slots)
+        return (await free.get(messages)).name
+
+    slots = [Slot("b", b), Slot("a1", a), Slot("a2", a)]
+    assert asyncio.run(take(slots, c)) == "a1"
+    assert asyncio.run(take(slots, a)) == "a1"  # its own state first
+    assert asyncio.run(take([Slot("b", b), Slot("empty", None)], c)) == "empty"
+    assert asyncio.run(take([Slot("b", b), Slot("c", c)], a)) == "b"  # nothing spare: the one free the longest

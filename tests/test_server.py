@@ -455,6 +455,9 @@ def test_metrics_and_slots(server, prompts):
     assert delta('clover_forward_passes_total{mode="draft-self"}') == \
         answers[1].model_extra["clover_stats"]["forward_passes"]
     assert after['clover_slots{state="idle"}'] == 2 and after["clover_requests_waiting"] == 0
+    # the scheduler's steps: each ran at least one llama_decode, and their time in llama.cpp is counted
+    assert delta("clover_llama_decodes_total") >= delta("clover_batch_steps_total") > 0
+    assert delta("clover_batch_run_seconds_total") > 0 and delta("clover_batch_wait_seconds_total") >= 0
     slots = httpx.get(server.base + "/slots", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).json()
     assert [s["id"] for s in slots] == [0, 1] and all(s["state"] == "idle" for s in slots)
     assert any(s["kept_prefix_tokens"] > 0 and s["kept_messages"] == 1 for s in slots)  # a chat request's state
@@ -462,20 +465,65 @@ def test_metrics_and_slots(server, prompts):
 
 def test_a_whole_answer_is_posted_to_the_event_loop_once():
     """Not streamed: the worker posts the answer's text with its end (one event-loop wake-up per request, not one
-    per token); streamed: every delta as it comes."""
+    per token); streamed: every delta as it comes. The end (and a held text) reaches the client only when the slot
+    is free (Job.finish, after Pool's give_back), so that the client's next request finds its slot free."""
     import asyncio
 
     from clover_gguf.server import Job
 
     loop = asyncio.new_event_loop()
     try:
-        for stream, want in ((False, [("delta", "a", "bc"), ("done", "stop", {}, {})]),
-                             (True, [("delta", "a", "b"), ("delta", "", "c"), ("done", "stop", {}, {})])):
+        for stream, before, after in (
+                (False, [], [("delta", "a", "bc"), ("done", "stop", {}, {})]),
+                (True, [("delta", "a", "b"), ("delta", "", "c")], [("done", "stop", {}, {})])):
             job = Job(loop, stream=stream)
             job.emit("delta", "a", "b")
             job.emit("delta", "", "c")
             job.emit("done", "stop", {}, {})
             loop.run_until_complete(asyncio.sleep(0))  # runs the posted callbacks
-            assert [job.events.get_nowait() for _ in range(job.events.qsize())] == want
+            assert [job.events.get_nowait() for _ in range(job.events.qsize())] == before
+            loop.call_soon(job.finish)  # what Pool.start's give_back does after putting the slot back
+            loop.run_until_complete(asyncio.sleep(0))
+            assert [job.events.get_nowait() for _ in range(job.events.qsize())] == after
     finally:
         loop.close()
+
+
+def test_the_answer_ends_after_its_slot_is_free():
+    """A client that sends its next request the moment it reads an answer finds the slot that answered free: the
+    pool gives the slot back before the answer's end is posted."""
+    import asyncio
+    import threading
+
+    from clover_gguf.errors import UserError
+    from clover_gguf.server import Plan, Pool
+
+    go = threading.Event()
+
+    class Slot:  # a runtime that answers at once (with a refusal: the end of an answer all the same)
+        served = None
+
+        def prompt_ids(self, messages, think=True):
+            go.wait(10)
+            raise UserError("refused")
+
+    seen = []
+
+    async def main():
+        pool = Pool([Slot()])
+        rt = await pool.acquire()
+        job = pool.start(rt, Plan(mode="ar", messages=[{"role": "user", "content": "hi"}]))
+
+        class Events(asyncio.Queue):  # what the client would read, and whether the slot was free when it came
+            def put_nowait(self, ev):
+                seen.append((ev[0], pool.idle))
+                super().put_nowait(ev)
+
+        job.events = Events()
+        go.set()
+        while (await job.events.get())[0] not in ("done", "error"):
+            pass
+        pool.close()
+
+    asyncio.run(main())
+    assert seen == [("error", 1)]
