@@ -21,6 +21,7 @@ Clover's generation controls (presence / repetition penalties), so its answers m
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import socket
 import statistics
@@ -85,13 +86,18 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+# request numbers for --distinct-prompts, never repeated within a run: llama-server keeps earlier prompts' states in
+# host memory (its prompt cache, --cache-ram) for any slot, so a question asked again in a later round is a cache hit
+_SERIAL = itertools.count()
+
+
 def run_load(base: str, prompts: list[str], n_requests: int, clients: int, max_tokens: int,
              extra: dict, distinct: bool = False) -> dict:
     """n_requests chat completions, `clients` at a time -> requests/s, tokens/s, p50/p95 request latency.
-    distinct: every request's question differs from the earlier ones (no server has its prompt cached)."""
+    distinct: every request's question differs from every earlier one of the run (no server has it cached)."""
 
     def one(i: int) -> tuple[int, float]:
-        text = prompts[i % len(prompts)] + (f" (request {i})" if distinct else "")
+        text = prompts[i % len(prompts)] + (f" (request {next(_SERIAL)})" if distinct else "")
         body = {"model": "m", "messages": [{"role": "user", "content": text}],
                 "max_tokens": max_tokens, "temperature": 0.0, "seed": 0, **extra}
         t = time.perf_counter()
