@@ -284,6 +284,14 @@ class SlotContext:
         a, b = self._seq(src), self._seq(dst)
         self.scheduler.now(lambda: self._shared.seq_cp(a, b))
 
+    def state_seq_get(self, seq: int) -> bytes:
+        s = self._seq(seq)
+        return self.scheduler.now(lambda: self._shared.state_seq_get(s))
+
+    def state_seq_set(self, seq: int, state: bytes) -> None:
+        s = self._seq(seq)
+        self.scheduler.now(lambda: self._shared.state_seq_set(s, state))
+
     def clear(self) -> None:
         """This slot's sequences emptied (the others' are not this slot's to clear)."""
         for seq in range(self._n_seqs):

@@ -15,6 +15,7 @@ import typer
 from clover_gguf.decoding import ACCEPT_MODES, DEFAULT_END_RULE, END_RULES, MODES
 from clover_gguf.errors import UserError
 from clover_gguf.runtime import ROLLBACKS
+from clover_gguf.state_cache import DEFAULT_CACHE_RAM_MIB
 
 # rich_markup_mode=None: plain help (no boxes, no `<bool>` after every flag); errors are ours (main)
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
@@ -457,6 +458,9 @@ def serve(
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="CLOVER_GGUF_API_KEY",
                                           help="require Authorization: Bearer KEY (also from $CLOVER_GGUF_API_KEY)"),
     rollback: Rollback = typer.Option(Rollback.redecode, "--rollback", help="draft-self rollback strategy"),
+    cache_ram: int = typer.Option(DEFAULT_CACHE_RAM_MIB, "--cache-ram", min=0,
+                                  help="MiB of host memory for the kept states of conversations a slot moved on from "
+                                       "(a later request of theirs continues on any slot; 0: off)"),
     rpc: Optional[str] = typer.Option(None, "--rpc", help=RPC_HELP),
     offload=None,
 ) -> None:
@@ -464,7 +468,8 @@ def serve(
     from clover_gguf.server import serve as run
 
     run(model, host=host, port=port, mode=mode.value if mode else None, ctx=ctx, parallel=parallel, api_key=api_key,
-        rollback=rollback.value, n_threads=offload.threads, offload=offload, **_rpc(rpc))  # threads per slot
+        rollback=rollback.value, n_threads=offload.threads, offload=offload, cache_ram=cache_ram * 2**20,
+        **_rpc(rpc))  # threads per slot
 
 
 @app.command()

@@ -521,6 +521,26 @@ class LlamaContext:
     def seq_cp(self, src: int, dst: int) -> None:
         self.L.llama_memory_seq_cp(self.mem, src, dst, -1, -1)
 
+    def state_seq_get(self, seq: int) -> bytes:
+        """The state of one sequence (its KV cells and its recurrent state), as llama.cpp serializes it."""
+        self._check_open()
+        L = self.L
+        n = int(L.llama_state_seq_get_size(self.ctx, seq))
+        buf = (ctypes.c_uint8 * n)()
+        got = int(L.llama_state_seq_get_data(self.ctx, buf, n, seq))
+        if got == 0 or got > n:
+            raise RuntimeError(f"llama.cpp could not save the state of sequence {seq}")
+        return bytes(memoryview(buf)[:got])
+
+    def state_seq_set(self, seq: int, state: bytes) -> None:
+        """Load a state_seq_get result into `seq` (emptied first)."""
+        self._check_open()
+        self.seq_rm(seq)
+        src = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+        if int(self.L.llama_state_seq_set_data(self.ctx, src, len(state), seq)) == 0:
+            self.seq_rm(seq)
+            raise RuntimeError(f"llama.cpp could not load a saved state into sequence {seq}")
+
     def clear(self) -> None:
         self.L.llama_memory_clear(self.mem, True)
 

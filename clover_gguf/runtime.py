@@ -15,6 +15,7 @@ bench/decode.py measures both.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 import resource
@@ -33,8 +34,11 @@ from clover_gguf.controls import Controls, Gather, GraphRows, make_processors, m
 from clover_gguf.errors import UserError
 from clover_gguf.llama_context import ContextError, LlamaContext, load_binding
 from clover_gguf.offload import Offload
+from clover_gguf.state_cache import StateCache
 from clover_gguf.thinking import prompt_opens_thinking, split_thinking
 from clover_gguf.vocab import compile_chat_template
+
+log = logging.getLogger(__name__)
 
 SEQ_MAIN, SEQ_BLOCK, SEQ_BACKUP, SEQ_PREFIX = 0, 1, 2, 3
 N_SEQ = 3  # and one more, SEQ_PREFIX, for a runtime that keeps a prefix (chat)
@@ -71,6 +75,7 @@ class LlamaBackend:
         self.prefill_seconds = 0.0  # time spent in prompt passes, so stats can report the decode rate alone
         self.keep_prefix = keep_prefix
         self.keep_at: int | None = None  # the next prompt pass keeps its first keep_at tokens (keep_prefix)
+        self.state_cache: StateCache | None = None  # kept prefixes of other conversations (a server's, shared)
         self.reused = 0  # prompt tokens the last prompt pass continued from instead of decoding
         self.forget_prefix()
 
@@ -143,16 +148,33 @@ class LlamaBackend:
 
     def _continue_prefix(self, ids: list[int]) -> int:
         """Start sequence 0 from the kept prefix when `ids` begins with all of it and goes on past it -> the tokens
-        it holds (0: none kept, or not a prefix of ids: decode from the start)."""
-        n = len(self.prefix)
-        if not self.keep_prefix or not n or self._ids:
+        it holds (0: none kept, or not a prefix of ids: decode from the start). A kept prefix of no use here goes to
+        the state cache (when the runtime has one), and the cache's longest prefix of ids, if any, comes back."""
+        if not self.keep_prefix or self._ids:
             return 0
-        if n >= len(ids) or ids[:n] != self.prefix:  # of no use: its KV cells would only crowd the context
-            self.ctx.seq_rm(SEQ_PREFIX)
-            self.prefix = []
+        n = len(self.prefix)
+        if n and (n >= len(ids) or ids[:n] != self.prefix):  # its KV cells would only crowd the context
+            self._stash_prefix()
+        if not self.prefix and self.state_cache is not None:
+            hit = self.state_cache.get(ids)
+            if hit is not None:
+                try:
+                    self.ctx.state_seq_set(SEQ_PREFIX, hit[1])
+                except RuntimeError:  # no room for its cells: decode the prompt instead
+                    log.warning("a cached prompt state did not fit the context; prefilling instead")
+                else:
+                    self.prefix = hit[0]
+        if not self.prefix:
             return 0
         self.ctx.seq_cp(SEQ_PREFIX, SEQ_MAIN)
-        return n
+        return len(self.prefix)
+
+    def _stash_prefix(self) -> None:
+        """Drop the kept prefix from the context, its state saved in the state cache first (when there is one)."""
+        if self.state_cache is not None and self.prefix:
+            self.state_cache.put(self.prefix, self.ctx.state_seq_get(SEQ_PREFIX))
+        self.ctx.seq_rm(SEQ_PREFIX)
+        self.prefix = []
 
     def block_logits(self, block: Sequence[int]) -> np.ndarray:
         self._settle()
@@ -272,7 +294,8 @@ class CloverRuntime:
                  coreset: bool | None = None, coreset_top_p: float | None = None, exact: bool = False,
                  n_threads: int | None = None, n_threads_batch: int | None = None, offload: Offload | None = None,
                  block_size: int | None = None, rpc: Sequence[str] = (), selection: str = "graph",
-                 keep_prefix: bool = False, slots: int = 1, slot_of: "CloverRuntime | None" = None):
+                 keep_prefix: bool = False, slots: int = 1, slot_of: "CloverRuntime | None" = None,
+                 cache_ram: int = 0):
         """block_size: the largest block a request may use (default: the GGUF's); the context keeps logits rows
         for that many tokens and no more (see context_settings). selection: "graph" (default) or "numpy" (SELECTIONS).
         keep_prefix: a prompt can keep the state after its first tokens for the next one (stream_ids' `keep`, chat;
@@ -280,7 +303,9 @@ class CloverRuntime:
         that many runtimes, which run their passes through a batching.Scheduler, and is the first of them; slot_of: such
         a runtime, whose context this one takes the next slot of (the same file, made with the same options).
         rpc: llama.cpp RPC servers (HOST:PORT) that hold
-        the layers (clover_gguf.rpc)."""
+        the layers (clover_gguf.rpc). cache_ram: bytes of host memory for the kept states of conversations a slot
+        moved on from (clover_gguf.state_cache, serve's --cache-ram; with keep_prefix; slot_of runtimes share the
+        first one's)."""
         from clover_gguf.gguf_header import read_clover
 
         path = Path(gguf)
@@ -342,6 +367,9 @@ class CloverRuntime:
         self.backend = LlamaBackend(self.ctx, self.mask_token_id if self.mask_token_id is not None else -1,
                                     self.eos_ids, self.block_size, rollback=rollback, selection=selection,
                                     keep_prefix=keep_prefix)
+        if keep_prefix:  # one state cache for every slot of the context (slot_of: the first runtime's)
+            self.backend.state_cache = (slot_of.backend.state_cache if slot_of is not None
+                                        else StateCache(cache_ram) if cache_ram > 0 else None)
 
     def _scan_vocab(self) -> tuple[list[int], re.Pattern | None, int]:
         """-> (the end tokens, a pattern matching the text of every control token, the most bytes of prompt text

@@ -173,6 +173,12 @@ class Metrics:
                                       ("clover_batch_run_seconds_total", round(sched.run_seconds, 6),
                                        "Seconds steps spent running their passes (llama_decode).")):
                 out += [f"# HELP {name} {text}", f"# TYPE {name} counter", f"{name} {value}"]
+        cache = getattr(getattr(pool.runtimes[0], "backend", None), "state_cache", None) if pool.runtimes else None
+        if cache is not None:  # clover_gguf.state_cache: kept states of conversations a slot moved on from
+            out += ["# HELP clover_state_cache_bytes Host memory held by kept conversation states (--cache-ram).",
+                    "# TYPE clover_state_cache_bytes gauge", f"clover_state_cache_bytes {cache.bytes}",
+                    "# HELP clover_state_cache_hits_total Prompts continued from a state in the cache.",
+                    "# TYPE clover_state_cache_hits_total counter", f"clover_state_cache_hits_total {cache.hits}"]
         if hasattr(ctx, "memory_breakdown"):
             out += ["# HELP clover_llama_memory_bytes What llama.cpp holds, by buffer and part (model: the weights).",
                     "# TYPE clover_llama_memory_bytes gauge"]
@@ -815,8 +821,10 @@ def load_runtimes(model: str | Path | Callable[[], Any], parallel: int, ctx: int
     else:
         from clover_gguf.runtime import CloverRuntime
 
+        from clover_gguf.state_cache import DEFAULT_CACHE_RAM_MIB
+
         path = Path(model)
-        kw = dict(runtime_kwargs or {})
+        kw = {"cache_ram": DEFAULT_CACHE_RAM_MIB * 2**20, **(runtime_kwargs or {})}
 
         def factory(first: Any = None) -> Any:
             # one llama.cpp context for all slots, each on its own sequences, their passes batched step by step

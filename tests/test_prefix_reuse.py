@@ -171,3 +171,54 @@ def test_a_new_conversation_takes_a_slot_whose_state_is_spare():
     assert asyncio.run(take(slots, a)) == "a1"  # its own state first
     assert asyncio.run(take([Slot("b", b), Slot("empty", None)], c)) == "empty"
     assert asyncio.run(take([Slot("b", b), Slot("c", c)], a)) == "b"  # nothing spare: the one free the longest
+
+
+@pytest.mark.parametrize("parallel", [1, 2])
+def test_a_conversation_continues_from_the_state_cache_on_any_slot(bundled_gguf, parallel):
+    """One slot per conversation is not enough: A, then as many other conversations as there are slots (each takes
+    a slot and drops the state kept there), then A's next turn. With the state cache (serve's --cache-ram) the dropped
+    state was saved in host memory and A's next turn continues from it, on whichever slot, and answers exactly as
+    when prefilled whole; without it (0) it is prefilled whole."""
+    from fastapi.testclient import TestClient
+
+    from clover_gguf.server import create_app
+
+    first = [{"role": "user", "content": "What is 7 + 8?"}]
+    others = [[{"role": "user", "content": f"Reverse: {w}"}] for w in ("c l o v e r", "g g u f")[:parallel]]
+    answers = {}
+    for cache in (0, 2**26):
+        with TestClient(create_app(bundled_gguf, mode="ar", parallel=parallel, ctx=1024,
+                                   runtime_kwargs={"cache_ram": cache})) as http:
+            a = _ask(http, first)
+            for o in others:
+                _ask(http, o)
+            follow = first + [{"role": "assistant", "content": a["choices"][0]["message"]["content"]},
+                              {"role": "user", "content": "Count from 33 to 37."}]
+            answers[cache] = _ask(http, follow)
+    assert answers[0]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    reused = answers[2**26]["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert 0 < reused < answers[2**26]["usage"]["prompt_tokens"]
+    assert answers[2**26]["choices"][0]["message"] == answers[0]["choices"][0]["message"]
+
+
+def test_the_state_cache_keeps_the_longest_prefix_within_its_budget():
+    """StateCache: the longest kept prefix that a prompt goes on past; least recently used entries go first when the
+    budget is full; an entry larger than the budget is not kept."""
+    from clover_gguf.state_cache import StateCache
+
+    c = StateCache(10)
+    c.put([1, 2], b"ab")
+    c.put([1, 2, 3], b"abc")
+    c.put([7], b"x" * 11)  # over the budget: not kept
+    assert len(c) == 2 and c.bytes == 5
+    assert c.get([1, 2, 3]) == ([1, 2], b"ab")  # [1, 2, 3] itself is not a prefix the prompt goes on past
+    assert c.get([1, 2, 3, 4]) == ([1, 2, 3], b"abc")
+    assert c.get([5, 6]) is None and c.hits == 2
+    c.put([1, 2, 3], b"ABC")  # replaced
+    assert c.bytes == 5 and c.get([1, 2, 3, 4]) == ([1, 2, 3], b"ABC")
+    c = StateCache(10)
+    c.put([1], b"aaaa")
+    c.put([2], b"bbbb")
+    assert c.get([1, 0]) == ([1], b"aaaa")  # used: [2] is now the least recently used
+    c.put([3], b"cccc")  # 12 bytes > 10: [2] goes
+    assert c.get([2, 0]) is None and c.get([1, 0]) and c.get([3, 0]) == ([3], b"cccc")

@@ -458,6 +458,7 @@ def test_metrics_and_slots(server, prompts):
     # the scheduler's steps: each ran at least one llama_decode, and their time in llama.cpp is counted
     assert delta("clover_llama_decodes_total") >= delta("clover_batch_steps_total") > 0
     assert delta("clover_batch_run_seconds_total") > 0 and delta("clover_batch_wait_seconds_total") >= 0
+    assert "clover_state_cache_bytes" in after and "clover_state_cache_hits_total" in after  # serve's default cache
     slots = httpx.get(server.base + "/slots", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).json()
     assert [s["id"] for s in slots] == [0, 1] and all(s["state"] == "idle" for s in slots)
     assert any(s["kept_prefix_tokens"] > 0 and s["kept_messages"] == 1 for s in slots)  # a chat request's state

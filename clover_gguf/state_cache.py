@@ -1,0 +1,59 @@
+"""Kept prompt states in host memory, for any slot of a server (llama-server's --cache-ram).
+
+A slot keeps the state after its last conversation's messages (runtime.LlamaBackend, "Prefix reuse" in
+docs/runtime.md). When the slot goes to another conversation, that state would be lost; instead it is saved here
+(llama.cpp's state of one sequence: its KV cells and its recurrent state, llama_state_seq_get_data) and a later
+request whose prompt starts with those tokens, on whichever slot, restores it instead of prefilling them again.
+Least recently used entries go first once the byte budget is full."""
+
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Sequence
+
+
+# serve's default budget (--cache-ram, MiB): on the 35B a conversation's state is about 63 MiB of recurrent state (30
+# GDN layers) plus 20 KiB per token of KV cells, so this holds about a dozen conversations of a few thousand tokens
+DEFAULT_CACHE_RAM_MIB = 1024
+
+
+class StateCache:
+    def __init__(self, max_bytes: int):
+        self.max_bytes = int(max_bytes)
+        self.bytes = 0
+        self._lock = threading.Lock()
+        self._items: collections.OrderedDict[tuple[int, ...], bytes] = collections.OrderedDict()
+        self.hits = self.stores = 0  # counters (tests, /metrics)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put(self, tokens: Sequence[int], state: bytes) -> None:
+        """Keep `state`, the state after `tokens` (replacing an older one); an entry larger than the whole budget is
+        not kept."""
+        key = tuple(int(t) for t in tokens)
+        if not key or len(state) > self.max_bytes:
+            return
+        with self._lock:
+            old = self._items.pop(key, None)
+            if old is not None:
+                self.bytes -= len(old)
+            while self._items and self.bytes + len(state) > self.max_bytes:
+                _, dropped = self._items.popitem(last=False)
+                self.bytes -= len(dropped)
+            self._items[key] = state
+            self.bytes += len(state)
+            self.stores += 1
+
+    def get(self, ids: Sequence[int]) -> tuple[list[int], bytes] | None:
+        """The longest kept prefix of `ids` that `ids` goes on past -> (its tokens, its state), now the most recently
+        used entry (it stays: two requests of one conversation may come at once); None: none."""
+        ids = tuple(int(t) for t in ids)
+        with self._lock:
+            best = max((k for k in self._items if len(k) < len(ids) and ids[:len(k)] == k), key=len, default=None)
+            if best is None:
+                return None
+            self._items.move_to_end(best)
+            self.hits += 1
+            return list(best), self._items[best]
