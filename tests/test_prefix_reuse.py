@@ -173,8 +173,9 @@ def test_a_new_conversation_takes_a_slot_whose_state_is_spare():
     assert asyncio.run(take([Slot("b", b), Slot("c", c)], a)) == "b"  # nothing spare: the one free the longest
 
 
-@pytest.mark.parametrize("parallel", [1, 2])
-def test_a_conversation_continues_from_the_state_cache_on_any_slot(bundled_gguf, parallel):
+@pytest.mark.parametrize("parallel,rollback,mode", [(1, "redecode", "ar"), (2, "redecode", "ar"),
+                                                    (2, "snapshot", "draft-self")])
+def test_a_conversation_continues_from_the_state_cache_on_any_slot(bundled_gguf, parallel, rollback, mode):
     """One slot per conversation is not enough: A, then as many other conversations as there are slots (each takes
     a slot and drops the state kept there), then A's next turn. With the state cache (serve's --cache-ram) the dropped
     state was saved in host memory and A's next turn continues from it, on whichever slot, and answers exactly as
@@ -188,13 +189,13 @@ def test_a_conversation_continues_from_the_state_cache_on_any_slot(bundled_gguf,
     answers = {}
     for cache in (0, 2**26):
         with TestClient(create_app(bundled_gguf, mode="ar", parallel=parallel, ctx=1024,
-                                   runtime_kwargs={"cache_ram": cache})) as http:
-            a = _ask(http, first)
+                                   runtime_kwargs={"cache_ram": cache, "rollback": rollback})) as http:
+            a = _ask(http, first, mode=mode)
             for o in others:
-                _ask(http, o)
+                _ask(http, o, mode=mode)
             follow = first + [{"role": "assistant", "content": a["choices"][0]["message"]["content"]},
                               {"role": "user", "content": "Count from 33 to 37."}]
-            answers[cache] = _ask(http, follow)
+            answers[cache] = _ask(http, follow, mode=mode)
     assert answers[0]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     reused = answers[2**26]["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert 0 < reused < answers[2**26]["usage"]["prompt_tokens"]
