@@ -144,17 +144,24 @@ def first_token_seconds(base: str, messages: list[dict], extra: dict) -> tuple[f
     return (first if first is not None else time.perf_counter() - t0), cached, int(usage.get("prompt_tokens", 0))
 
 
-def second_turn(base: str, n_words: int) -> dict:
+def second_turn(base: str, n_words: int, n_slots: int) -> dict:
     """A conversation of about 2,000 tokens: its second turn's time to first token when the slot continues from the
-    first turn's kept state (its first turn asked before), and when nothing holds it (a twin conversation, its first
-    turn never asked: the whole prompt prefilled)."""
+    first turn's kept state (its first turn asked before), when nothing holds it (a twin conversation, its first
+    turn never asked: the whole prompt prefilled), and when `n_slots` other conversations came in between (every slot
+    moved on; clover-gguf continues from its host-memory state cache, --cache-ram)."""
+    def ask(messages: list[dict]) -> None:
+        r = httpx.post(base + "/v1/chat/completions", json={"model": "m", "messages": messages, "max_tokens": 4,
+                                                          "temperature": 0.0, "mode": "ar"}, timeout=1800)
+        r.raise_for_status()
+
     out = {}
-    for name, tag in (("no_reuse", "Set B"), ("reuse", "Set A")):
+    for name, tag in (("no_reuse", "Set B"), ("reuse", "Set A"), ("reuse_after_others", "Set C")):
         first = [{"role": "user", "content": f"{tag}: " + " ".join(f"item {i}" for i in range(n_words))}]
-        if name == "reuse":
-            r = httpx.post(base + "/v1/chat/completions", json={"model": "m", "messages": first, "max_tokens": 4,
-                                                              "temperature": 0.0, "mode": "ar"}, timeout=1800)
-            r.raise_for_status()
+        if name != "no_reuse":
+            ask(first)
+        if name == "reuse_after_others":
+            for k in range(n_slots):
+                ask([{"role": "user", "content": f"Another conversation, number {k}."}])
         follow = first + [{"role": "assistant", "content": "Noted."}, {"role": "user", "content": "The last one?"}]
         s, cached, n = first_token_seconds(base, follow, {"mode": "ar"})
         out[name] = {"ttft_s": s, "cached_tokens": cached, "prompt_tokens": n}
@@ -263,7 +270,7 @@ def main() -> None:
                 print(f"clover-gguf {mode:<10} clients {c}: {r['rps']:.2f} req/s {r['tps']:.1f} tok/s "
                       f"p50 {r['p50_s']:.2f} s p95 {r['p95_s']:.2f} s", flush=True)
         if args.second_turn_words:
-            report["second_turn"] = second_turn(base, args.second_turn_words)
+            report["second_turn"] = second_turn(base, args.second_turn_words, n_par)
             print(f"second turn: {report['second_turn']}", flush=True)
         metrics = httpx.get(base + "/metrics", timeout=30).text
         report["scheduler"] = {line.split(" ")[0]: float(line.split(" ")[1]) for line in metrics.splitlines()
@@ -299,6 +306,10 @@ def main() -> None:
         print(f"second turn of a {st['reuse']['prompt_tokens']}-token conversation, time to first token: "
               f"{st['no_reuse']['ttft_s'] * 1e3:.0f} ms whole, {st['reuse']['ttft_s'] * 1e3:.0f} ms continuing "
               f"({st['reuse']['cached_tokens']} tokens reused): {st['no_reuse']['ttft_s'] / st['reuse']['ttft_s']:.1f}x")
+        o = st["reuse_after_others"]
+        print(f"  after {n_par} other conversations took every slot: {o['ttft_s'] * 1e3:.0f} ms "
+              f"({o['cached_tokens']} tokens reused, from the state cache): "
+              f"{st['no_reuse']['ttft_s'] / o['ttft_s']:.1f}x")
     report["ratios"] = {f"{r['server']}/{r['mode']}/c{r['clients']}": round(r["tps"] / base_tps[r["clients"]], 3)
                         for r in rows if r["clients"] in base_tps}
     report["rows"] = rows
