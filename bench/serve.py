@@ -13,9 +13,10 @@ concurrent requests; both get `--parallel` slots (default: the most clients) and
 completion tokens/s (from each response's usage) and p50/p95 request latency per server, mode and client count, and
 the ratio of tokens/s to llama-server's at the same client count (AR: --rounds rounds, alternating the two servers,
 both up all along; a row is its median round, the ratio printed last the median of the rounds' ratios); the weights
-llama.cpp holds at --parallel 1 and N (its memory breakdown, from /metrics); the scheduler's steps and llama_decode calls; the time to first token of a
-second turn of a long conversation with the slot's kept state and without. Note that llama-server does not apply
-Clover's generation controls (presence / repetition penalties), so its answers may differ in length.
+llama.cpp holds at --parallel 1 and N (its memory breakdown, from /metrics); the scheduler's steps and llama_decode
+calls; the time to first token of a second turn of a long conversation with the slot's kept state, without it, and
+after as many other conversations as there are slots (from the host-memory state cache). Note that llama-server does
+not apply Clover's generation controls (presence / repetition penalties), so its answers may differ in length.
 """
 
 from __future__ import annotations

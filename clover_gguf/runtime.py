@@ -171,8 +171,9 @@ class LlamaBackend:
 
     def _stash_prefix(self) -> None:
         """Drop the kept prefix from the context, its state saved in the state cache first (when there is one)."""
-        if self.state_cache is not None and self.prefix:
-            self.state_cache.put(self.prefix, self.ctx.state_seq_get(SEQ_PREFIX))
+        cache = self.state_cache
+        if cache is not None and self.prefix and not cache.refresh(self.prefix):
+            cache.put(self.prefix, self.ctx.state_seq_get(SEQ_PREFIX))
         self.ctx.seq_rm(SEQ_PREFIX)
         self.prefix = []
 

@@ -161,7 +161,8 @@ class Metrics:
                 f'clover_slots{{state="idle"}} {pool.idle}', f'clover_slots{{state="busy"}} {busy}',
                 "# HELP clover_requests_waiting Requests waiting for a slot.", "# TYPE clover_requests_waiting gauge",
                 f"clover_requests_waiting {pool.waiting}"]
-        ctx = getattr(pool.runtimes[0], "ctx", None) if pool.runtimes else None
+        first = pool.runtimes[0] if pool.runtimes else None
+        ctx = getattr(first, "ctx", None)
         sched = getattr(ctx, "scheduler", None)
         if sched is not None:  # clover_gguf.batching: the slots' passes on one context
             for name, value, text in (("clover_batch_steps_total", sched.steps, "Scheduler steps."),
@@ -173,7 +174,7 @@ class Metrics:
                                       ("clover_batch_run_seconds_total", round(sched.run_seconds, 6),
                                        "Seconds steps spent running their passes (llama_decode).")):
                 out += [f"# HELP {name} {text}", f"# TYPE {name} counter", f"{name} {value}"]
-        cache = getattr(getattr(pool.runtimes[0], "backend", None), "state_cache", None) if pool.runtimes else None
+        cache = getattr(getattr(first, "backend", None), "state_cache", None)
         if cache is not None:  # clover_gguf.state_cache: kept states of conversations a slot moved on from
             out += ["# HELP clover_state_cache_bytes Host memory held by kept conversation states (--cache-ram).",
                     "# TYPE clover_state_cache_bytes gauge", f"clover_state_cache_bytes {cache.bytes}",

@@ -24,7 +24,7 @@ class StateCache:
         self.bytes = 0
         self._lock = threading.Lock()
         self._items: collections.OrderedDict[tuple[int, ...], bytes] = collections.OrderedDict()
-        self.hits = self.stores = 0  # counters (tests, /metrics)
+        self.hits = 0  # prompts continued from an entry (/metrics)
 
     def __len__(self) -> int:
         return len(self._items)
@@ -44,7 +44,16 @@ class StateCache:
                 self.bytes -= len(dropped)
             self._items[key] = state
             self.bytes += len(state)
-            self.stores += 1
+
+    def refresh(self, tokens: Sequence[int]) -> bool:
+        """Whether the state after `tokens` is kept (it then becomes the most recently used): a slot dropping a state
+        the cache already has need not read it out of llama.cpp again (a copy of all of it, while every slot waits)."""
+        key = tuple(int(t) for t in tokens)
+        with self._lock:
+            if key not in self._items:
+                return False
+            self._items.move_to_end(key)
+            return True
 
     def get(self, ids: Sequence[int]) -> tuple[list[int], bytes] | None:
         """The longest kept prefix of `ids` that `ids` goes on past -> (its tokens, its state), now the most recently

@@ -217,6 +217,7 @@ def test_the_state_cache_keeps_the_longest_prefix_within_its_budget():
     assert c.get([5, 6]) is None and c.hits == 2
     c.put([1, 2, 3], b"ABC")  # replaced
     assert c.bytes == 5 and c.get([1, 2, 3, 4]) == ([1, 2, 3], b"ABC")
+    assert c.refresh([1, 2]) and not c.refresh([9])
     c = StateCache(10)
     c.put([1], b"aaaa")
     c.put([2], b"bbbb")
