@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterator, Sequence
 from clover_gguf.controls import Gather
 from clover_gguf.errors import UserError
 from clover_gguf.llama_context import LlamaContext
+from clover_gguf.state_cache import State
 
 
 class Cancelled(Exception):
@@ -284,11 +285,11 @@ class SlotContext:
         a, b = self._seq(src), self._seq(dst)
         self.scheduler.now(lambda: self._shared.seq_cp(a, b))
 
-    def state_seq_get(self, seq: int) -> bytes:
+    def state_seq_get(self, seq: int) -> State:
         s = self._seq(seq)
         return self.scheduler.now(lambda: self._shared.state_seq_get(s))
 
-    def state_seq_set(self, seq: int, state: bytes) -> None:
+    def state_seq_set(self, seq: int, state: State) -> None:
         s = self._seq(seq)
         self.scheduler.now(lambda: self._shared.state_seq_set(s, state))
 

@@ -183,8 +183,10 @@ class Predictor:
         from clover_gguf.runtime import context_settings
 
         s, n = self.model.shape, self.setup.parallel
-        # serve --parallel N: one context for the N slots (their cells, their sequences), each keeping a prefix
-        return context_settings(s.block_size, ctx, s.context_length, self.setup.rollback, keep_prefix=n > 1, slots=n)
+        # serve --parallel N: one context for the N slots (their cells, their sequences), each keeping a prefix and
+        # a prompt
+        return context_settings(s.block_size, ctx, s.context_length, self.setup.rollback, keep_prefix=n > 1, slots=n,
+                                keep_prompt=n > 1)
 
     def __call__(self, ctx: int, n_gpu_layers: int | None = None, n_cpu_moe: int | None = None) -> Prediction:
         s, st = self.model.shape, self.setup
@@ -521,7 +523,8 @@ def measure(model: Model, result: FitResult, setup: Setup) -> dict[str, int]:
                   n_cpu_moe=setup.n_cpu_moe, mmap=setup.mmap)
     with capture_llama_log() as load_log:
         rt = CloverRuntime(model.gguf, n_ctx=result.ctx, rollback=setup.rollback, offload=off,
-                           keep_prefix=setup.parallel > 1, slots=setup.parallel)  # serve's one context
+                           keep_prefix=setup.parallel > 1, keep_prompt=setup.parallel > 1,
+                           slots=setup.parallel)  # serve's one context
     try:
         # threshold 0: a block pass resolves every position; then one block pass and one committed block (all its
         # logits) reach the largest graphs of the mode: draft-self commits its draft before it emits a token,

@@ -239,7 +239,8 @@ def _context_params(L: Any, n_ctx: int, n_ubatch: int, n_batch: int | None, n_se
     cp.n_rs_seq = n_rs_seq
     # rows of logits one decode call may ask for; llama.cpp sizes the output buffer and the logits part of the
     # compute buffer by it (0 = n_batch: on a 248k vocabulary, 512 rows are about 0.5 GB of compute buffer)
-    cp.n_outputs_max = n_outputs_max
+    # llama.cpp's output buffer always holds a row per sequence, and it aborts when that is more than n_outputs_max
+    cp.n_outputs_max = max(n_outputs_max, n_seq_max) if n_outputs_max else 0
     cp.n_outputs_max_per_seq = 0  # = n_outputs_max: a block pass's rows all belong to one sequence (backend sampling)
     cp.kv_unified = True  # seq_cp of the KV cache is then metadata only
     # llama.cpp's split: n_threads for one-token calls, n_threads_batch for calls of several tokens
@@ -285,7 +286,7 @@ class LlamaContext:
         if eval_callback is not None:
             self._eval_callback = eval_callback  # kept alive for as long as the context may call it
             cp.cb_eval = eval_callback
-        self.n_outputs_max = n_outputs_max or cp.n_batch
+        self.n_outputs_max = cp.n_outputs_max or cp.n_batch
         self.max_outputs = 0  # the most logits rows one call asked for: llama.cpp's output buffer grew to that
         self.ctx = L.llama_init_from_model(self.model, cp)
         if not self.ctx:
@@ -521,23 +522,25 @@ class LlamaContext:
     def seq_cp(self, src: int, dst: int) -> None:
         self.L.llama_memory_seq_cp(self.mem, src, dst, -1, -1)
 
-    def state_seq_get(self, seq: int) -> bytes:
-        """The state of one sequence (its KV cells and its recurrent state), as llama.cpp serializes it."""
+    def state_seq_get(self, seq: int) -> np.ndarray:
+        """The state of one sequence (its KV cells and its recurrent state), as llama.cpp serializes it: bytes in a
+        uint8 array. One copy, into memory not zeroed first: the other slots wait for it (about 63 MiB on the 35B)."""
         self._check_open()
         L = self.L
         n = int(L.llama_state_seq_get_size(self.ctx, seq))
-        buf = (ctypes.c_uint8 * n)()
-        got = int(L.llama_state_seq_get_data(self.ctx, buf, n, seq))
+        buf = np.empty(n, dtype=np.uint8)
+        got = int(L.llama_state_seq_get_data(self.ctx, buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), n, seq))
         if got == 0 or got > n:
             raise RuntimeError(f"llama.cpp could not save the state of sequence {seq}")
-        return bytes(memoryview(buf)[:got])
+        return buf[:got]
 
-    def state_seq_set(self, seq: int, state: bytes) -> None:
-        """Load a state_seq_get result into `seq` (emptied first)."""
+    def state_seq_set(self, seq: int, state: bytes | np.ndarray) -> None:
+        """Load a state_seq_get result into `seq` (emptied first); read in place, not copied."""
         self._check_open()
         self.seq_rm(seq)
-        src = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
-        if int(self.L.llama_state_seq_set_data(self.ctx, src, len(state), seq)) == 0:
+        src = np.frombuffer(state, dtype=np.uint8)
+        if int(self.L.llama_state_seq_set_data(self.ctx, src.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)),
+                                               src.size, seq)) == 0:
             self.seq_rm(seq)
             raise RuntimeError(f"llama.cpp could not load a saved state into sequence {seq}")
 

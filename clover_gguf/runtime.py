@@ -40,8 +40,8 @@ from clover_gguf.vocab import compile_chat_template
 
 log = logging.getLogger(__name__)
 
-SEQ_MAIN, SEQ_BLOCK, SEQ_BACKUP, SEQ_PREFIX = 0, 1, 2, 3
-N_SEQ = 3  # and one more, SEQ_PREFIX, for a runtime that keeps a prefix (chat)
+SEQ_MAIN, SEQ_BLOCK, SEQ_BACKUP, SEQ_PREFIX, SEQ_PROMPT = 0, 1, 2, 3, 4
+N_SEQ = 3  # and SEQ_PREFIX for a runtime that keeps a prefix (chat), SEQ_PROMPT for one that keeps prompts (serve)
 DEFAULT_CTX = 8192  # context when none is asked for (capped by the model's)
 ROLLBACKS = ("redecode", "snapshot")
 # where a pass's rows are turned into tokens (docs/runtime.md, "Selection"): in llama.cpp's graph, only token ids and
@@ -56,10 +56,14 @@ class LlamaBackend:
     Prefix reuse (keep_prefix): a prompt pass asked to keep its first `keep_at` tokens copies the state there into
     sequence 3 (SEQ_PREFIX) before decoding the rest; a later prompt that starts with those tokens continues from
     that copy and decodes only what follows (`reused`: the tokens it did not decode). The GDN layers' state cannot be
-    rewound, so only that exact position is kept: a prompt that does not start with all of it is decoded whole."""
+    rewound, so only that exact position is kept: a prompt that does not start with all of it is decoded whole.
+    keep_prompt (with keep_prefix; serve): every prompt pass also keeps the state before its last token in sequence
+    4 (SEQ_PROMPT), so the same prompt again (a regenerated answer, a retried or repeated request) decodes one token;
+    a prompt pass that keeps both decodes in three parts, the last of one token."""
 
     def __init__(self, ctx: LlamaContext, mask_token_id: int, eos_ids: Sequence[int], block_size: int,
-                 rollback: str = "redecode", selection: str = "graph", keep_prefix: bool = False):
+                 rollback: str = "redecode", selection: str = "graph", keep_prefix: bool = False,
+                 keep_prompt: bool = False):
         if rollback not in ROLLBACKS:
             raise UserError(f"unknown rollback strategy {rollback!r}: choose {' or '.join(ROLLBACKS)}")
         if selection not in SELECTIONS:
@@ -73,7 +77,10 @@ class LlamaBackend:
         self.keep_backup = True  # only draft-self rolls back; the runtime turns the backup copy off otherwise
         self.extra_passes = 0  # re-decodes done for rollbacks (backend work the decoder does not count)
         self.prefill_seconds = 0.0  # time spent in prompt passes, so stats can report the decode rate alone
+        if keep_prompt and not keep_prefix:
+            raise ValueError("keep_prompt needs keep_prefix (SEQ_PROMPT comes after SEQ_PREFIX)")
         self.keep_prefix = keep_prefix
+        self.keep_prompt = keep_prompt
         self.keep_at: int | None = None  # the next prompt pass keeps its first keep_at tokens (keep_prefix)
         self.state_cache: StateCache | None = None  # kept prefixes of other conversations (a server's, shared)
         self.reused = 0  # prompt tokens the last prompt pass continued from instead of decoding
@@ -81,7 +88,7 @@ class LlamaBackend:
 
     def reset(self) -> None:
         """Before an answer: every sequence but the kept prefix emptied."""
-        if self.keep_prefix:
+        if self.keep_prefix:  # the kept states stay (SEQ_PREFIX, SEQ_PROMPT)
             for seq in (SEQ_MAIN, SEQ_BLOCK, SEQ_BACKUP):
                 self.ctx.seq_rm(seq)
         else:
@@ -91,9 +98,10 @@ class LlamaBackend:
         self._pending_rollback = 0
 
     def forget_prefix(self) -> None:
-        """Drop the kept prefix too (a new conversation)."""
+        """Drop the kept states too (a new conversation)."""
         self.ctx.clear()
         self.prefix: list[int] = []  # the tokens whose state SEQ_PREFIX holds
+        self.prompt_kept: list[int] = []  # the tokens whose state SEQ_PROMPT holds (keep_prompt)
         self.reset()
 
     def _settle(self) -> None:
@@ -132,12 +140,22 @@ class LlamaBackend:
         t0 = time.perf_counter()
         ids = [int(t) for t in ids]
         self.reused = start = self._continue_prefix(ids)
+        cuts = []  # (position, sequence): decode up to each position to keep, keep the state there, go on
         keep = self.keep_at if self.keep_prefix else None
-        if keep is not None and start < keep < len(ids):  # decode up to the position to keep, keep it, go on
-            self.ctx.decode(ids[start:keep], start, SEQ_MAIN, logits=False)
-            self.ctx.seq_rm(SEQ_PREFIX)
-            self.ctx.seq_cp(SEQ_MAIN, SEQ_PREFIX)
-            self.prefix, start = ids[:keep], keep
+        if keep is not None and start < keep < len(ids):
+            cuts.append((keep, SEQ_PREFIX))
+        if self.keep_prompt and start < len(ids) - 1:
+            cuts.append((len(ids) - 1, SEQ_PROMPT))
+        for at, seq in cuts:
+            if at > start:
+                self.ctx.decode(ids[start:at], start, SEQ_MAIN, logits=False)
+            self.ctx.seq_rm(seq)
+            self.ctx.seq_cp(SEQ_MAIN, seq)
+            if seq == SEQ_PREFIX:
+                self.prefix = ids[:at]
+            else:
+                self.prompt_kept = ids[:at]
+            start = at
         rest = ids[start:]
         want = [False] * (len(rest) - 1) + [last]
         out = self.ctx.decode(rest, start, SEQ_MAIN, logits=want, gather=gather)
@@ -147,35 +165,51 @@ class LlamaBackend:
         return out
 
     def _continue_prefix(self, ids: list[int]) -> int:
-        """Start sequence 0 from the kept prefix when `ids` begins with all of it and goes on past it -> the tokens
-        it holds (0: none kept, or not a prefix of ids: decode from the start). A kept prefix of no use here goes to
-        the state cache (when the runtime has one), and the cache's longest prefix of ids, if any, comes back."""
+        """Start sequence 0 from the longest kept state that `ids` begins with and goes on past -> the tokens it
+        holds (0: none, decode from the start). A kept state of no use here is dropped (its KV cells would only crowd
+        the context). When the slot moves on to another conversation (its kept prefix is of no use either), what it
+        kept goes to the state cache first (when the runtime has one), and the cache's longest prefix of ids, if any,
+        comes back; the kept prompt of a conversation that goes on is dropped alone (only that prompt again, an
+        earlier turn's, would use it)."""
         if not self.keep_prefix or self._ids:
             return 0
-        n = len(self.prefix)
-        if n and (n >= len(ids) or ids[:n] != self.prefix):  # its KV cells would only crowd the context
-            self._stash_prefix()
-        if not self.prefix and self.state_cache is not None:
+
+        def goes_past(kept: list[int]) -> bool:
+            return len(kept) < len(ids) and ids[:len(kept)] == kept
+
+        goes_on = bool(self.prefix) and goes_past(self.prefix)
+        if self.prompt_kept and not goes_past(self.prompt_kept):
+            self._drop(SEQ_PROMPT, self.prompt_kept, stash=not goes_on)
+            self.prompt_kept = []
+        if self.prefix and not goes_on:
+            self._drop(SEQ_PREFIX, self.prefix, stash=True)
+            self.prefix = []
+        if not self.prefix and not self.prompt_kept and self.state_cache is not None:
             hit = self.state_cache.get(ids)
             if hit is not None:
+                # all of the prompt but its last token: a kept prompt (this prompt again); else a kept prefix
+                seq = SEQ_PROMPT if self.keep_prompt and len(hit[0]) == len(ids) - 1 else SEQ_PREFIX
                 try:
-                    self.ctx.state_seq_set(SEQ_PREFIX, hit[1])
+                    self.ctx.state_seq_set(seq, hit[1])
                 except RuntimeError:  # no room for its cells: decode the prompt instead
                     log.warning("a cached prompt state did not fit the context; prefilling instead")
                 else:
-                    self.prefix = hit[0]
-        if not self.prefix:
-            return 0
-        self.ctx.seq_cp(SEQ_PREFIX, SEQ_MAIN)
-        return len(self.prefix)
+                    if seq == SEQ_PROMPT:
+                        self.prompt_kept = hit[0]
+                    else:
+                        self.prefix = hit[0]
+        for seq, kept in ((SEQ_PROMPT, self.prompt_kept), (SEQ_PREFIX, self.prefix)):
+            if kept and len(kept) >= len(self.prefix):
+                self.ctx.seq_cp(seq, SEQ_MAIN)
+                return len(kept)
+        return 0
 
-    def _stash_prefix(self) -> None:
-        """Drop the kept prefix from the context, its state saved in the state cache first (when there is one)."""
+    def _drop(self, seq: int, tokens: list[int], stash: bool) -> None:
+        """Remove a kept state from the context; stash: save it in the state cache first (when there is one)."""
         cache = self.state_cache
-        if cache is not None and self.prefix and not cache.refresh(self.prefix):
-            cache.put(self.prefix, self.ctx.state_seq_get(SEQ_PREFIX))
-        self.ctx.seq_rm(SEQ_PREFIX)
-        self.prefix = []
+        if stash and cache is not None and not cache.refresh(tokens):
+            cache.put(tokens, self.ctx.state_seq_get(seq))
+        self.ctx.seq_rm(seq)
 
     def block_logits(self, block: Sequence[int]) -> np.ndarray:
         self._settle()
@@ -222,20 +256,26 @@ class LlamaBackend:
         self._last_commit = 0
 
 
+def slot_sequences(keep_prefix: bool = False, keep_prompt: bool = False) -> int:
+    """Sequences one runtime (a slot) uses: main, block scratch, draft-self's backup, and its kept states."""
+    return N_SEQ + bool(keep_prefix) + bool(keep_prefix and keep_prompt)
+
+
 def context_settings(max_block_size: int, n_ctx: int | None, context_length: int, rollback: str = "redecode",
-                     exact: bool = False, keep_prefix: bool = False, slots: int = 1) -> dict:
+                     exact: bool = False, keep_prefix: bool = False, slots: int = 1, keep_prompt: bool = False) -> dict:
     """The LlamaContext settings of a runtime; `clover-gguf fit` predicts memory from these same settings.
 
-    Three sequences (main, block scratch, draft-self's rollback backup), a fourth for a kept prefix, one unified KV
-    cache; a ubatch holds a whole block; logits rows for one block (a prompt needs 1, a block pass or a committed
-    block block_size); snapshot rollback keeps block_size + 1 recurrent-state snapshots per sequence. `slots`
-    (serve --parallel): one context for all, with n_ctx cells and the sequences of each slot, and a row per slot for
-    their batched AR steps (clover_gguf.batching)."""
+    Three sequences (main, block scratch, draft-self's rollback backup), a fourth for a kept prefix and a fifth for a
+    kept prompt (slot_sequences), one unified KV cache; a ubatch holds a whole block; logits rows for one block (a
+    prompt needs 1, a block pass or a committed block block_size) and at least one per sequence (llama.cpp's output
+    buffer holds that many, and the slots' batched AR steps take a row each); snapshot rollback keeps block_size + 1
+    recurrent-state snapshots per sequence. `slots` (serve --parallel): one context for all, with n_ctx cells and the
+    sequences of each slot (clover_gguf.batching)."""
     per_slot = min(n_ctx or DEFAULT_CTX, context_length)
-    return dict(n_ctx=per_slot * slots, n_ubatch=max(512, max_block_size),
-                n_seq_max=(N_SEQ + keep_prefix) * slots,
+    n_seq_max = slot_sequences(keep_prefix, keep_prompt) * slots
+    return dict(n_ctx=per_slot * slots, n_ubatch=max(512, max_block_size), n_seq_max=n_seq_max,
                 n_rs_seq=max_block_size + 1 if rollback == "snapshot" else 0,
-                n_outputs_max=max(max_block_size, slots), exact=exact)
+                n_outputs_max=max(max_block_size, n_seq_max), exact=exact)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -296,11 +336,12 @@ class CloverRuntime:
                  n_threads: int | None = None, n_threads_batch: int | None = None, offload: Offload | None = None,
                  block_size: int | None = None, rpc: Sequence[str] = (), selection: str = "graph",
                  keep_prefix: bool = False, slots: int = 1, slot_of: "CloverRuntime | None" = None,
-                 cache_ram: int = 0):
+                 cache_ram: int = 0, keep_prompt: bool = False):
         """block_size: the largest block a request may use (default: the GGUF's); the context keeps logits rows
         for that many tokens and no more (see context_settings). selection: "graph" (default) or "numpy" (SELECTIONS).
         keep_prefix: a prompt can keep the state after its first tokens for the next one (stream_ids' `keep`, chat;
-        one more sequence's recurrent state in memory). slots: serve's --parallel: this runtime makes one context for
+        one more sequence's recurrent state in memory). keep_prompt (with keep_prefix; serve): every prompt also keeps
+        the state before its last token, so the same prompt again decodes one token (one more sequence). slots: serve's --parallel: this runtime makes one context for
         that many runtimes, which run their passes through a batching.Scheduler, and is the first of them; slot_of: such
         a runtime, whose context this one takes the next slot of (the same file, made with the same options).
         rpc: llama.cpp RPC servers (HOST:PORT) that hold
@@ -336,19 +377,20 @@ class CloverRuntime:
         self.max_block_size = max(int(block_size or 0), self.block_size)
         if self.max_block_size > self.block_size:  # llama.cpp decodes blocks up to the model's block size only
             overrides[md.BLOCK_SIZE] = self.max_block_size
+        per_slot = slot_sequences(keep_prefix, keep_prompt)
         if slot_of is not None:
             if not hasattr(slot_of.ctx, "scheduler"):
                 raise ValueError("slot_of: a runtime made with slots > 1")
-            self.ctx = slot_of.ctx.scheduler.slot(N_SEQ + keep_prefix, slot_of.n_ctx)
+            self.ctx = slot_of.ctx.scheduler.slot(per_slot, slot_of.n_ctx)
         else:
             settings = context_settings(self.max_block_size, n_ctx, self.context_length, rollback, exact, keep_prefix,
-                                        slots)
+                                        slots, keep_prompt)
             if slots > 1:  # llama.cpp refuses more sequences than this in one context
                 most = int(load_binding().llama_max_parallel_sequences())
                 if settings["n_seq_max"] > most:
-                    raise UserError(f"--parallel {slots} cannot fit: a slot uses {N_SEQ + keep_prefix} sequences and "
+                    raise UserError(f"--parallel {slots} cannot fit: a slot uses {per_slot} sequences and "
                                     f"llama.cpp holds at most {most} in a context: at most "
-                                    f"{most // (N_SEQ + keep_prefix)} slots")
+                                    f"{most // per_slot} slots")
             try:
                 ctx = LlamaContext(path, overrides=overrides or None, n_threads=n_threads,
                                    n_threads_batch=n_threads_batch, offload=offload, rpc=rpc, **settings)
@@ -358,7 +400,7 @@ class CloverRuntime:
                 raise
             if slots > 1:
                 sched = Scheduler(ctx, settings["n_seq_max"])
-                self.ctx = sched.slot(N_SEQ + keep_prefix, ctx.n_ctx // slots)
+                self.ctx = sched.slot(per_slot, ctx.n_ctx // slots)
             else:
                 self.ctx = ctx
         self.n_ctx = self.ctx.n_ctx
@@ -367,7 +409,7 @@ class CloverRuntime:
         self.think_end_id = self._special("</think>")
         self.backend = LlamaBackend(self.ctx, self.mask_token_id if self.mask_token_id is not None else -1,
                                     self.eos_ids, self.block_size, rollback=rollback, selection=selection,
-                                    keep_prefix=keep_prefix)
+                                    keep_prefix=keep_prefix, keep_prompt=keep_prompt)
         if keep_prefix:  # one state cache for every slot of the context (slot_of: the first runtime's)
             self.backend.state_cache = (slot_of.backend.state_cache if slot_of is not None
                                         else StateCache(cache_ram) if cache_ram > 0 else None)

@@ -794,9 +794,11 @@ async def _slots(request: Request) -> list[dict]:
     pool = _state(request).pool
     out = []
     for i, rt in enumerate(pool.runtimes):
-        prefix = getattr(getattr(rt, "backend", None), "prefix", None) or []
+        backend = getattr(rt, "backend", None)
+        prefix, prompt = getattr(backend, "prefix", None) or [], getattr(backend, "prompt_kept", None) or []
         out.append({"id": i, "state": "busy" if i in pool.busy else "idle", "mode": pool.busy.get(i),
-                    "kept_prefix_tokens": len(prefix), "kept_messages": len(getattr(rt, "served", None) or [])})
+                    "kept_prefix_tokens": len(prefix), "kept_prompt_tokens": len(prompt),
+                    "kept_messages": len(getattr(rt, "served", None) or [])})
     return out
 
 
@@ -831,8 +833,8 @@ def load_runtimes(model: str | Path | Callable[[], Any], parallel: int, ctx: int
             # one llama.cpp context for all slots, each on its own sequences, their passes batched step by step
             # (clover_gguf.batching); each keeps its last conversation's state (docs/runtime.md, "Prefix reuse")
             if first is None:
-                return CloverRuntime(path, n_ctx=ctx, keep_prefix=True, slots=parallel, **kw)
-            return CloverRuntime(path, n_ctx=ctx, keep_prefix=True, slot_of=first, **kw)
+                return CloverRuntime(path, n_ctx=ctx, keep_prefix=True, keep_prompt=True, slots=parallel, **kw)
+            return CloverRuntime(path, n_ctx=ctx, keep_prefix=True, keep_prompt=True, slot_of=first, **kw)
 
         name = model_id or path.stem
     runtimes: list[Any] = []

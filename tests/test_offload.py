@@ -134,3 +134,13 @@ def test_a_call_asking_for_more_logits_rows_than_the_context_holds_raises(bundle
         assert rt.ctx.n_outputs_max == rt.block_size
         with pytest.raises(UserError, match="block size 64 is above the 32"):
             rt.generate("hi", mode="diffusion", block_size=64, max_new_tokens=4)
+
+
+def test_more_sequences_than_logits_rows_does_not_abort(bundled_gguf):
+    """llama.cpp's output buffer holds a row per sequence and aborts when n_seq_max is more than n_outputs_max
+    (serve --parallel 8 with five sequences a slot asked for 40 sequences and 32 rows): the context raises the rows to
+    the sequences instead, and one decode on each sequence gives its row."""
+    with LlamaContext(bundled_gguf, n_ctx=256, n_threads=2, n_seq_max=6, n_outputs_max=2) as ctx:
+        assert ctx.n_outputs_max == 6
+        for s in range(6):
+            assert ctx.decode([1 + s, 2], 0, s).shape[0] == 2

@@ -132,19 +132,21 @@ def test_a_conversations_next_request_goes_to_the_slot_that_holds_it(bundled_ggu
     assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
-def test_the_same_question_again_goes_to_the_slot_that_holds_it(bundled_gguf):
-    """A repeated request (the same messages) continues from the state kept after them, on the slot that holds it,
-    and answers as the first time."""
+@pytest.mark.parametrize("mode,rollback", [("ar", "redecode"), ("diffusion", "redecode"), ("draft-self", "snapshot")])
+def test_the_same_question_again_goes_to_the_slot_that_holds_it(bundled_gguf, mode, rollback):
+    """A repeated request (the same messages) continues from the state kept before its prompt's last token, on the
+    slot that holds it: one token decoded, and the answer is the first time's, in every mode."""
     from fastapi.testclient import TestClient
 
     from clover_gguf.server import create_app
 
     q = [{"role": "user", "content": "What is 7 + 8?"}]
-    with TestClient(create_app(bundled_gguf, mode="ar", parallel=2, ctx=1024)) as http:
-        a = _ask(http, q)
-        b = _ask(http, q)
+    with TestClient(create_app(bundled_gguf, mode="ar", parallel=2, ctx=1024,
+                               runtime_kwargs={"rollback": rollback})) as http:
+        a = _ask(http, q, mode=mode)
+        b = _ask(http, q, mode=mode)
     assert a["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    assert 0 < b["usage"]["prompt_tokens_details"]["cached_tokens"] < b["usage"]["prompt_tokens"]
+    assert b["usage"]["prompt_tokens_details"]["cached_tokens"] == b["usage"]["prompt_tokens"] - 1
     assert b["choices"][0]["message"] == a["choices"][0]["message"]
 
 
@@ -224,3 +226,35 @@ def test_the_state_cache_keeps_the_longest_prefix_within_its_budget():
     assert c.get([1, 0]) == ([1], b"aaaa")  # used: [2] is now the least recently used
     c.put([3], b"cccc")  # 12 bytes > 10: [2] goes
     assert c.get([2, 0]) is None and c.get([1, 0]) and c.get([3, 0]) == ([3], b"cccc")
+
+
+def test_a_kept_prompt_serves_the_same_prompt_again_and_moves_to_the_cache_with_its_conversation(bundled_gguf):
+    """keep_prompt (serve's runtimes): the state before a prompt's last token is kept too, so the same prompt again
+    decodes one token and answers as the first time. When the conversation goes on, its earlier prompt is dropped
+    (nothing would use it but a regenerated earlier turn); when the slot moves on to another conversation, both kept
+    states go to the state cache, and the same prompt again, on a slot that holds nothing of it, comes back from there
+    with its one token to decode."""
+    def ask(rt, messages):
+        ids, keep = rt.prompt_and_keep(messages, think=False)
+        text = "".join(t for t, _ in rt.stream_ids(ids, mode="ar", max_new_tokens=12, keep=keep))
+        return text, rt.backend.reused, len(ids), keep
+
+    first = [{"role": "user", "content": "What is 7 + 8?"}]
+    with CloverRuntime(bundled_gguf, n_ctx=1024, keep_prefix=True, keep_prompt=True, cache_ram=2**26) as rt:
+        cache = rt.backend.state_cache
+        a, reused, n, _ = ask(rt, first)
+        assert reused == 0
+        assert ask(rt, first)[:3] == (a, n - 1, n)  # the same prompt: one token decoded
+        second = first + [{"role": "assistant", "content": a}, {"role": "user", "content": "Count from 33 to 37."}]
+        b, reused, n2, keep2 = ask(rt, second)
+        assert 0 < reused < n2 - 1  # the conversation goes on from its turn boundary
+        assert len(cache) == 0  # the first prompt was dropped, not stashed
+        other = ask(rt, [{"role": "user", "content": "Reverse: c l o v e r"}])
+        assert other[1] == 0 and len(cache) == 2  # moved on: the second turn's prefix and prompt went to the cache
+        assert ask(rt, second)[:3] == (b, n2 - 1, n2)  # back from the cache, one token decoded
+        third = second + [{"role": "assistant", "content": b}, {"role": "user", "content": "What is 34 + 58?"}]
+        c, reused, _, _ = ask(rt, third)
+        assert reused == keep2  # the next turn: the second turn's boundary, from the cache
+    with CloverRuntime(bundled_gguf, n_ctx=1024) as rt:  # nothing kept: every prompt decoded whole
+        for messages, want in ((first, a), (second, b), (third, c)):
+            assert ask(rt, messages)[:2] == (want, 0)
