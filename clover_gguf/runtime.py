@@ -87,7 +87,7 @@ class LlamaBackend:
         self.forget_prefix()
 
     def reset(self) -> None:
-        """Before an answer: every sequence but the kept prefix emptied."""
+        """Before an answer: every sequence but the kept states emptied."""
         if self.keep_prefix:  # the kept states stay (SEQ_PREFIX, SEQ_PROMPT)
             for seq in (SEQ_MAIN, SEQ_BLOCK, SEQ_BACKUP):
                 self.ctx.seq_rm(seq)
