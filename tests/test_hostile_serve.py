@@ -283,3 +283,13 @@ def test_after_all_of_them_the_server_still_answers_right(server):
 def test_a_port_in_use_is_one_line(server, model):
     _, _, port = server
     _one_line_exit_2(_run("serve", str(model), "--port", str(port)), f"127.0.0.1:{port} is already in use")
+
+
+def test_more_slots_than_llama_cpp_holds_sequences_for_is_one_line(bundled_gguf):
+    """--parallel N needs five sequences a slot (main, block scratch, backup, kept prefix, kept prompt) and llama.cpp
+    holds at most 256 in a context: 52 slots are refused with one line, before a context is made."""
+    from clover_gguf.errors import UserError
+    from clover_gguf.server import load_runtimes
+
+    with pytest.raises(UserError, match=r"a slot uses 5 sequences .* at most 51 slots"):
+        load_runtimes(bundled_gguf, 52, 256, None, None)
