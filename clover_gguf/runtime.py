@@ -57,9 +57,10 @@ class LlamaBackend:
     sequence 3 (SEQ_PREFIX) before decoding the rest; a later prompt that starts with those tokens continues from
     that copy and decodes only what follows (`reused`: the tokens it did not decode). The GDN layers' state cannot be
     rewound, so only that exact position is kept: a prompt that does not start with all of it is decoded whole.
-    keep_prompt (with keep_prefix; serve): every prompt pass also keeps the state before its last token in sequence
-    4 (SEQ_PROMPT), so the same prompt again (a regenerated answer, a retried or repeated request) decodes one token;
-    a prompt pass that keeps both decodes in three parts, the last of one token."""
+    keep_prompt (with keep_prefix; serve): a prompt pass also keeps the state before its last token in sequence 4
+    (SEQ_PROMPT) when its messages were seen before (it starts from their kept state: a regenerated answer, a retried
+    or repeated request, from its second time on) or it keeps no turn (a raw prompt), so the same prompt again
+    decodes one token; such a pass decodes the rest of the prompt in two parts, the last of one token."""
 
     def __init__(self, ctx: LlamaContext, mask_token_id: int, eos_ids: Sequence[int], block_size: int,
                  rollback: str = "redecode", selection: str = "graph", keep_prefix: bool = False,
@@ -144,7 +145,10 @@ class LlamaBackend:
         keep = self.keep_at if self.keep_prefix else None
         if keep is not None and start < keep < len(ids):
             cuts.append((keep, SEQ_PREFIX))
-        if self.keep_prompt and start < len(ids) - 1:
+        # the prompt is kept when its messages were seen before (it continues from their kept state, or further: a
+        # repeated request, the second time), or when there is no turn to keep (a raw prompt): a chat request seen
+        # the first time would wait one pass more for a state that only the same request again would use
+        if self.keep_prompt and start < len(ids) - 1 and (keep is None or start >= keep):
             cuts.append((len(ids) - 1, SEQ_PROMPT))
         for at, seq in cuts:
             if at > start:
@@ -340,14 +344,14 @@ class CloverRuntime:
         """block_size: the largest block a request may use (default: the GGUF's); the context keeps logits rows
         for that many tokens and no more (see context_settings). selection: "graph" (default) or "numpy" (SELECTIONS).
         keep_prefix: a prompt can keep the state after its first tokens for the next one (stream_ids' `keep`, chat;
-        one more sequence's recurrent state in memory). keep_prompt (with keep_prefix; serve): every prompt also keeps
-        the state before its last token, so the same prompt again decodes one token (one more sequence). slots: serve's --parallel: this runtime makes one context for
-        that many runtimes, which run their passes through a batching.Scheduler, and is the first of them; slot_of: such
-        a runtime, whose context this one takes the next slot of (the same file, made with the same options).
-        rpc: llama.cpp RPC servers (HOST:PORT) that hold
-        the layers (clover_gguf.rpc). cache_ram: bytes of host memory for the kept states of conversations a slot
-        moved on from (clover_gguf.state_cache, serve's --cache-ram; with keep_prefix; slot_of runtimes share the
-        first one's)."""
+        one more sequence's recurrent state in memory). keep_prompt (with keep_prefix; serve): a prompt whose messages
+        were seen before also keeps the state before its last token, so the same prompt again decodes one token (one
+        more sequence; LlamaBackend). slots: serve's --parallel: this runtime makes one context for that many
+        runtimes, which run their passes through a batching.Scheduler, and is the first of them; slot_of: such a
+        runtime, whose context this one takes the next slot of (the same file, made with the same options). rpc:
+        llama.cpp RPC servers (HOST:PORT) that hold the layers (clover_gguf.rpc). cache_ram: bytes of host memory
+        for the kept states of conversations a slot moved on from (clover_gguf.state_cache, serve's --cache-ram; with
+        keep_prefix; slot_of runtimes share the first one's)."""
         from clover_gguf.gguf_header import read_clover
 
         path = Path(gguf)

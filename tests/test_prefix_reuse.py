@@ -134,8 +134,9 @@ def test_a_conversations_next_request_goes_to_the_slot_that_holds_it(bundled_ggu
 
 @pytest.mark.parametrize("mode,rollback", [("ar", "redecode"), ("diffusion", "redecode"), ("draft-self", "snapshot")])
 def test_the_same_question_again_goes_to_the_slot_that_holds_it(bundled_gguf, mode, rollback):
-    """A repeated request (the same messages) continues from the state kept before its prompt's last token, on the
-    slot that holds it: one token decoded, and the answer is the first time's, in every mode."""
+    """A repeated request (the same messages) continues, on the slot that holds it, from the state kept after its
+    messages the second time, and from the state kept before its prompt's last token from the third time on (one token
+    decoded); the answer is the first time's, in every mode."""
     from fastapi.testclient import TestClient
 
     from clover_gguf.server import create_app
@@ -143,11 +144,11 @@ def test_the_same_question_again_goes_to_the_slot_that_holds_it(bundled_gguf, mo
     q = [{"role": "user", "content": "What is 7 + 8?"}]
     with TestClient(create_app(bundled_gguf, mode="ar", parallel=2, ctx=1024,
                                runtime_kwargs={"rollback": rollback})) as http:
-        a = _ask(http, q, mode=mode)
-        b = _ask(http, q, mode=mode)
-    assert a["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    assert b["usage"]["prompt_tokens_details"]["cached_tokens"] == b["usage"]["prompt_tokens"] - 1
-    assert b["choices"][0]["message"] == a["choices"][0]["message"]
+        a, b, c = (_ask(http, q, mode=mode) for _ in range(3))
+    n = a["usage"]["prompt_tokens"]
+    assert [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in (a, c)] == [0, n - 1]
+    assert 0 < b["usage"]["prompt_tokens_details"]["cached_tokens"] < n - 1
+    assert a["choices"][0]["message"] == b["choices"][0]["message"] == c["choices"][0]["message"]
 
 
 def test_a_new_conversation_takes_a_slot_whose_state_is_spare():
@@ -229,11 +230,12 @@ def test_the_state_cache_keeps_the_longest_prefix_within_its_budget():
 
 
 def test_a_kept_prompt_serves_the_same_prompt_again_and_moves_to_the_cache_with_its_conversation(bundled_gguf):
-    """keep_prompt (serve's runtimes): the state before a prompt's last token is kept too, so the same prompt again
-    decodes one token and answers as the first time. When the conversation goes on, its earlier prompt is dropped
-    (nothing would use it but a regenerated earlier turn); when the slot moves on to another conversation, both kept
-    states go to the state cache, and the same prompt again, on a slot that holds nothing of it, comes back from there
-    with its one token to decode."""
+    """keep_prompt (serve's runtimes): a prompt whose messages were seen before (it continues from their kept state)
+    also keeps the state before its last token, so from its third time on the same prompt decodes one token, and
+    answers as the first time; a prompt seen the first time keeps its turn only (no pass more for it). When the
+    conversation goes on, its earlier prompt is dropped (nothing would use it but a regenerated earlier turn); when the
+    slot moves on to another conversation, both kept states go to the state cache, and the same prompt again, on a
+    slot that holds nothing of it, comes back from there with its one token to decode."""
     def ask(rt, messages):
         ids, keep = rt.prompt_and_keep(messages, think=False)
         text = "".join(t for t, _ in rt.stream_ids(ids, mode="ar", max_new_tokens=12, keep=keep))
@@ -242,13 +244,15 @@ def test_a_kept_prompt_serves_the_same_prompt_again_and_moves_to_the_cache_with_
     first = [{"role": "user", "content": "What is 7 + 8?"}]
     with CloverRuntime(bundled_gguf, n_ctx=1024, keep_prefix=True, keep_prompt=True, cache_ram=2**26) as rt:
         cache = rt.backend.state_cache
-        a, reused, n, _ = ask(rt, first)
-        assert reused == 0
-        assert ask(rt, first)[:3] == (a, n - 1, n)  # the same prompt: one token decoded
+        a, reused, n, keep = ask(rt, first)
+        assert reused == 0 and not rt.backend.prompt_kept  # the first time: its turn is kept, not its prompt
+        assert ask(rt, first)[:3] == (a, keep, n)  # the second time: from its turn; its prompt is kept now
+        assert ask(rt, first)[:3] == (a, n - 1, n)  # the third time: one token decoded
         second = first + [{"role": "assistant", "content": a}, {"role": "user", "content": "Count from 33 to 37."}]
         b, reused, n2, keep2 = ask(rt, second)
-        assert 0 < reused < n2 - 1  # the conversation goes on from its turn boundary
+        assert 0 < reused < keep2  # the conversation goes on from its turn boundary
         assert len(cache) == 0  # the first prompt was dropped, not stashed
+        assert ask(rt, second)[:2] == (b, keep2)  # the second time: its prompt kept
         other = ask(rt, [{"role": "user", "content": "Reverse: c l o v e r"}])
         assert other[1] == 0 and len(cache) == 2  # moved on: the second turn's prefix and prompt went to the cache
         assert ask(rt, second)[:3] == (b, n2 - 1, n2)  # back from the cache, one token decoded
