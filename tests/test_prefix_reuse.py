@@ -262,3 +262,23 @@ def test_a_kept_prompt_serves_the_same_prompt_again_and_moves_to_the_cache_with_
     with CloverRuntime(bundled_gguf, n_ctx=1024) as rt:  # nothing kept: every prompt decoded whole
         for messages, want in ((first, a), (second, b), (third, c)):
             assert ask(rt, messages)[:2] == (want, 0)
+
+
+def test_a_raw_prompt_keeps_its_prompt_for_the_same_or_a_longer_one(bundled_gguf):
+    """A raw prompt (no chat turn to keep) keeps the state before its last token every time: the same prompt again
+    decodes one token, and a longer prompt that goes on from it continues from there; both answer as when prefilled
+    whole."""
+    def ask(rt, text):
+        ids = rt.raw_prompt_ids(text)
+        out = "".join(t for t, _ in rt.stream_ids(ids, mode="ar", max_new_tokens=8))
+        return out, rt.backend.reused, len(ids)
+
+    short, longer = "<|im_start|>user\nWhat is 7 + 8?", "<|im_start|>user\nWhat is 7 + 8?<|im_end|>\n<|im_start|>assistant\n"
+    with CloverRuntime(bundled_gguf, n_ctx=1024, keep_prefix=True, keep_prompt=True) as rt:
+        a, reused, n = ask(rt, short)
+        assert reused == 0
+        assert ask(rt, short) == (a, n - 1, n)
+        b, reused, _ = ask(rt, longer)
+        assert reused == n - 1
+    with CloverRuntime(bundled_gguf, n_ctx=1024) as rt:
+        assert ask(rt, short)[:2] == (a, 0) and ask(rt, longer)[:2] == (b, 0)
