@@ -139,8 +139,12 @@ def test_a_call_asking_for_more_logits_rows_than_the_context_holds_raises(bundle
 def test_more_sequences_than_logits_rows_does_not_abort(bundled_gguf):
     """llama.cpp's output buffer holds a row per sequence and aborts when n_seq_max is more than n_outputs_max
     (serve --parallel 8 with five sequences a slot asked for 40 sequences and 32 rows): the context raises the rows to
-    the sequences instead, and one decode on each sequence gives its row."""
-    with LlamaContext(bundled_gguf, n_ctx=256, n_threads=2, n_seq_max=6, n_outputs_max=2) as ctx:
-        assert ctx.n_outputs_max == 6
-        for s in range(6):
-            assert ctx.decode([1 + s, 2], 0, s).shape[0] == 2
+    the sequences instead, and one decode on each sequence gives its row. In a child process, so that a regression
+    (an abort) fails this test alone."""
+    code = (f"from clover_gguf.llama_context import LlamaContext\n"
+            f"with LlamaContext({str(bundled_gguf)!r}, n_ctx=256, n_threads=2, n_seq_max=6, n_outputs_max=2) as ctx:\n"
+            f"    assert ctx.n_outputs_max == 6\n"
+            f"    for s in range(6):\n"
+            f"        assert ctx.decode([1 + s, 2], 0, s).shape[0] == 2\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
