@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 SEQ_MAIN, SEQ_BLOCK, SEQ_BACKUP, SEQ_PREFIX, SEQ_PROMPT = 0, 1, 2, 3, 4
 N_SEQ = 3  # and SEQ_PREFIX for a runtime that keeps a prefix (chat), SEQ_PROMPT for one that keeps prompts (serve)
+_KEPT = {SEQ_PREFIX: "prefix", SEQ_PROMPT: "prompt_kept"}  # LlamaBackend's record of the tokens each kept state holds
 DEFAULT_CTX = 8192  # context when none is asked for (capped by the model's)
 ROLLBACKS = ("redecode", "snapshot")
 # where a pass's rows are turned into tokens (docs/runtime.md, "Selection"): in llama.cpp's graph, only token ids and
@@ -155,10 +156,7 @@ class LlamaBackend:
                 self.ctx.decode(ids[start:at], start, SEQ_MAIN, logits=False)
             self.ctx.seq_rm(seq)
             self.ctx.seq_cp(SEQ_MAIN, seq)
-            if seq == SEQ_PREFIX:
-                self.prefix = ids[:at]
-            else:
-                self.prompt_kept = ids[:at]
+            setattr(self, _KEPT[seq], ids[:at])
             start = at
         rest = ids[start:]
         want = [False] * (len(rest) - 1) + [last]
@@ -183,11 +181,9 @@ class LlamaBackend:
 
         goes_on = bool(self.prefix) and goes_past(self.prefix)
         if self.prompt_kept and not goes_past(self.prompt_kept):
-            self._drop(SEQ_PROMPT, self.prompt_kept, stash=not goes_on)
-            self.prompt_kept = []
+            self._drop(SEQ_PROMPT, stash=not goes_on)
         if self.prefix and not goes_on:
-            self._drop(SEQ_PREFIX, self.prefix, stash=True)
-            self.prefix = []
+            self._drop(SEQ_PREFIX, stash=True)
         if not self.prefix and not self.prompt_kept and self.state_cache is not None:
             hit = self.state_cache.get(ids)
             if hit is not None:
@@ -198,22 +194,22 @@ class LlamaBackend:
                 except RuntimeError:  # no room for its cells: decode the prompt instead
                     log.warning("a cached prompt state did not fit the context; prefilling instead")
                 else:
-                    if seq == SEQ_PROMPT:
-                        self.prompt_kept = hit[0]
-                    else:
-                        self.prefix = hit[0]
-        for seq, kept in ((SEQ_PROMPT, self.prompt_kept), (SEQ_PREFIX, self.prefix)):
-            if kept and len(kept) >= len(self.prefix):
-                self.ctx.seq_cp(seq, SEQ_MAIN)
-                return len(kept)
-        return 0
+                    setattr(self, _KEPT[seq], hit[0])
+        seq = SEQ_PROMPT if len(self.prompt_kept) > len(self.prefix) else SEQ_PREFIX  # the longer (both go past)
+        kept = getattr(self, _KEPT[seq])
+        if not kept:
+            return 0
+        self.ctx.seq_cp(seq, SEQ_MAIN)
+        return len(kept)
 
-    def _drop(self, seq: int, tokens: list[int], stash: bool) -> None:
-        """Remove a kept state from the context; stash: save it in the state cache first (when there is one)."""
-        cache = self.state_cache
+    def _drop(self, seq: int, stash: bool) -> None:
+        """Remove a kept state from the context (and forget its tokens); stash: save it in the state cache first
+        (when there is one)."""
+        tokens, cache = getattr(self, _KEPT[seq]), self.state_cache
         if stash and cache is not None and not cache.refresh(tokens):
             cache.put(tokens, self.ctx.state_seq_get(seq))
         self.ctx.seq_rm(seq)
+        setattr(self, _KEPT[seq], [])
 
     def block_logits(self, block: Sequence[int]) -> np.ndarray:
         self._settle()
