@@ -1,7 +1,7 @@
 """`clover-gguf chat`: a terminal chat on a Clover GGUF with the GGUF's chat template.
 
 Text streams as tokens are accepted (in the block modes a block appears as it resolves); thinking is shown dimmed
-or hidden. Commands: /reset, /mode ar|diffusion|draft-self, /stats, /quit. Ctrl-C stops the current answer and
+or hidden. Commands: /reset, /mode auto|ar|diffusion|draft-self, /stats, /quit. Ctrl-C stops the current answer and
 keeps the program; Ctrl-D or /quit leaves.
 
 Ctrl-C is the chat's own (`loop` installs a SIGINT handler): at the prompt it drops the line being typed (a
@@ -96,7 +96,7 @@ class ChatSession:
         elif cmd == "/stats":
             self.say(self.stats_line() if self.last else "(no answer yet)")
         else:
-            self.say("(commands: /reset, /mode ar|diffusion|draft-self, /stats, /quit)")
+            self.say("(commands: /reset, /mode auto|ar|diffusion|draft-self, /stats, /quit)")
         return True
 
     def stats_line(self) -> str:

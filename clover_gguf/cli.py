@@ -361,8 +361,9 @@ EndRule = _choices("EndRule", END_RULES)
 def generate(
     model: Path = typer.Argument(..., help="a Clover GGUF"),
     prompt: str = typer.Option(..., "-p", "--prompt", help="the user message"),
-    mode: Optional[Mode] = typer.Option(None, "--mode", help="ar, diffusion (block decoding) or draft-self (the "
-                                        "default; ar for a file without the block-mode tensors)"),
+    mode: Optional[Mode] = typer.Option(None, "--mode", help="auto (the default: AR steps or draft-self "
+                                        "blocks, whichever is faster here; ar for a file without the block-mode "
+                                        "tensors), ar, diffusion (block decoding) or draft-self"),
     max_new_tokens: int = typer.Option(512, "--max-new-tokens", "-n", min=1),
     block_size: Optional[int] = typer.Option(None, "--block-size", min=1, help="default: the GGUF's (32)"),
     threshold: Optional[float] = typer.Option(None, "--threshold", min=0.0, max=1.0, help="default: the GGUF's"),
@@ -422,7 +423,7 @@ def generate(
 @offload_options
 def chat(
     model: Path = typer.Argument(..., help="a Clover GGUF"),
-    mode: Optional[Mode] = typer.Option(None, "--mode", help="default: draft-self (ar for an AR-only file)"),
+    mode: Optional[Mode] = typer.Option(None, "--mode", help="default: auto (ar for an AR-only file)"),
     max_new_tokens: int = typer.Option(1024, "--max-new-tokens", "-n", min=1),
     think: bool = typer.Option(True, "--think/--no-think"),
     show_thinking: bool = typer.Option(True, "--show-thinking/--hide-thinking", help="thinking dimmed, or hidden"),
@@ -434,7 +435,7 @@ def chat(
     rpc: Optional[str] = typer.Option(None, "--rpc", help=RPC_HELP),
     offload=None,
 ) -> None:
-    """Chat in the terminal: /reset, /mode ar|diffusion|draft-self, /stats, /quit; Ctrl-C stops an answer."""
+    """Chat in the terminal: /reset, /mode auto|ar|diffusion|draft-self, /stats, /quit; Ctrl-C stops an answer."""
     from clover_gguf.chat import ChatSession
     from clover_gguf.runtime import check_sampling
 
@@ -451,7 +452,7 @@ def serve(
     model: Path = typer.Argument(..., help="a Clover GGUF"),
     host: str = typer.Option("127.0.0.1", "--host", help="bind address (loopback by default)"),
     port: int = typer.Option(8080, "--port", min=0, max=65535),
-    mode: Optional[Mode] = typer.Option(None, "--mode", help="default mode (draft-self; ar for an AR-only file); a "
+    mode: Optional[Mode] = typer.Option(None, "--mode", help="default mode (auto; ar for an AR-only file); a "
                                         "request may set its own `mode`"),
     ctx: Optional[int] = typer.Option(None, "--ctx", min=16, help="context per slot (default: min(8192, model's))"),
     parallel: int = typer.Option(1, "--parallel", min=1, help="slots serving requests at once, on one context, their passes batched step by step"),
@@ -483,7 +484,7 @@ def fit(
     unified: Optional[bool] = typer.Option(None, "--unified/--discrete", help="the GPU shares host memory "
                                            "(Apple silicon; default: as llama.cpp reports the GPU, else discrete)"),
     ctx: Optional[int] = typer.Option(None, "--ctx", help="the context you want (default: the largest that fits)"),
-    mode: Optional[Mode] = typer.Option(None, "--mode", help="default: draft-self (ar for an AR-only file)"),
+    mode: Optional[Mode] = typer.Option(None, "--mode", help="default: auto (ar for an AR-only file)"),
     parallel: int = typer.Option(1, "--parallel", min=1, help="server slots (one context for all: their cells and sequences)"),
     rollback: Rollback = typer.Option(Rollback.redecode, "--rollback", help="draft-self rollback strategy"),
     mmap: bool = typer.Option(True, "--mmap/--no-mmap", help="as the run would load the file"),

@@ -1,5 +1,6 @@
-"""Clover's decoding loops, written once for every backend: causal ("ar"), block diffusion ("diffusion") and
-self-speculative decoding ("draft-self").
+"""Clover's decoding loops, written once for every backend: causal ("ar"), block diffusion ("diffusion"),
+self-speculative decoding ("draft-self") and "auto", which chooses block by block between AR steps and draft-self
+blocks from the pass costs measured on this device and the acceptance measured in this answer (clover_gguf.auto).
 
 A backend (reference.ReferenceBackend on the PyTorch reference, runtime.LlamaBackend on the patched llama.cpp)
 only evaluates the model; everything that decides tokens lives here and in clover_gguf.controls (`Selector`), on
@@ -22,18 +23,23 @@ Conventions
 * Forward passes count every model evaluation the decoder asks for, the prompt's prefill included: one per
   `prefill`, `commit` and `block_logits` call. AR decoding therefore takes one pass per token, the end token
   included (n answer tokens + 1 passes).
+* Pass costs: every pass but the prompt's is timed (`clock`, time.perf_counter unless a test injects one) into the
+  answer's `auto.PassCosts` when one is given (the runtime keeps one per loaded model): causal passes by their
+  tokens, block passes by the block's, rollbacks (draft-self's rejected tokens) by the tokens they keep.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
-from typing import Iterator, Protocol, Sequence, runtime_checkable
+from typing import Callable, Iterator, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
+from clover_gguf.auto import AutoPolicy, PassCosts, Plan
 from clover_gguf.controls import Choice, Gather, GraphRows, Histories, Processor, Sampler, Selector
 
-MODES = ("ar", "diffusion", "draft-self")
+MODES = ("auto", "ar", "diffusion", "draft-self")
 ACCEPT_MODES = ("exact", "threshold")
 
 
@@ -64,6 +70,10 @@ class Backend(Protocol):
       rollback(n)                  forget the last n committed tokens (n <= n_past; only ever the tokens of the
                                    latest commit, which is all draft-self needs). The state must equal the one
                                    a causal pass over the kept tokens would give. Not counted as a pass.
+
+    Optional: `settle()` applies a rollback now that the backend would otherwise defer to its next pass (so that auto
+    times it with the draft it belongs to); `keep_backup` (a bool attribute): whether the next commit must be
+    possible to roll back (set by the decoders before each commit: only draft verifications are rolled back).
 
     Optional (GraphBackend): the same passes with the selection's full-vocabulary work done by the model's own
     graph; a `controls.Gather` says which ids to take out of each row, and they return `controls.GraphRows`
@@ -108,12 +118,22 @@ class GraphBackend(Backend, Protocol):
 class _Passes:
     """The model passes of one answer with the selection of their rows: in the backend's graph when it can and the
     selector allows it (every processor sparse, the sampler ours), else on dense logits. Either way the same
-    Choice."""
+    Choice. Each pass but the prompt's is timed into `costs` (when given)."""
 
-    def __init__(self, backend: Backend, selector: Selector):
+    def __init__(self, backend: Backend, selector: Selector, costs: PassCosts | None = None,
+                 clock: Callable[[], float] = time.perf_counter):
         self.b, self.sel = backend, selector
         self.graph = (selector.in_graph and isinstance(backend, GraphBackend) and
                       getattr(backend, "select_in_graph", True))
+        self.costs, self.clock = costs, clock
+        self.can_keep_backup = hasattr(backend, "keep_backup")
+
+    def _timed(self, kind: str, rows: int, call, *args):
+        t0 = self.clock()
+        out = call(*args)
+        if self.costs is not None:
+            self.costs.observe(kind, rows, self.clock() - t0)
+        return out
 
     def prefill(self, ids: Sequence[int], h: Histories) -> Choice:
         """The prompt's pass and the choice of the first token (its confidence is not computed in the graph)."""
@@ -129,26 +149,39 @@ class _Passes:
         else:
             self.b.prefill(ids)
 
-    def commit(self, ids: Sequence[int], h: Histories, want: Sequence[int] = (), probs: bool = False) -> Choice:
+    def commit(self, ids: Sequence[int], h: Histories, want: Sequence[int] = (), probs: bool = False,
+               draft: bool = False) -> Choice:
         """A causal pass committing `ids` and the choices of its rows; probs: the probabilities of `want` (and the
-        confidences) are needed, not just the tokens."""
+        confidences) are needed, not just the tokens; draft: a verification, which may be rolled back."""
+        if self.can_keep_backup:
+            self.b.keep_backup = draft
         if self.graph:
             g = self.sel.gather(h, want, probs=probs)
-            return self.sel.choose(h, self.b.commit_rows(ids, g), g)
-        return self.sel.choose(h, self.b.commit(ids))
+            return self.sel.choose(h, self._timed("causal", len(ids), self.b.commit_rows, ids, g), g)
+        return self.sel.choose(h, self._timed("causal", len(ids), self.b.commit, ids))
 
     def commit_only(self, ids: Sequence[int]) -> None:
         """A causal pass whose rows nobody reads (a finished block)."""
+        if self.can_keep_backup:
+            self.b.keep_backup = False
         if self.graph:
-            self.b.commit_rows(ids, None)
+            self._timed("causal", len(ids), self.b.commit_rows, ids, None)
         else:
-            self.b.commit(ids)
+            self._timed("causal", len(ids), self.b.commit, ids)
 
     def block(self, block: Sequence[int], positions: Sequence[int], h: Histories) -> Choice:
         if self.graph:
             g = self.sel.gather(h)
-            return self.sel.choose(h, self.b.block_rows(block, positions, g), g)
-        return self.sel.choose(h, self.b.block_logits(block)[list(positions)])
+            return self.sel.choose(h, self._timed("block", len(block), self.b.block_rows, block, positions, g), g)
+        return self.sel.choose(h, self._timed("block", len(block), self.b.block_logits, block)[list(positions)])
+
+    def rollback(self, n: int, kept: int, now: bool) -> None:
+        """Forget the last n committed tokens (`kept`: the tokens of that commit that stay); now: apply it at once
+        (timed) where the backend would defer it to its next pass."""
+        self.b.rollback(n)
+        settle = getattr(self.b, "settle", None)
+        if now and n and settle is not None:
+            self._timed("rollback", max(1, kept), settle)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -165,6 +198,12 @@ class GenerationStats:
     # itself (draft-self: its verification; diffusion: the commit pass's own choices): the check of the block reading
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    drafts: int = 0  # draft-self blocks verified (draft-self, auto)
+    ar_steps: int = 0  # one-token causal steps (ar, auto)
+    # auto: tokens per second its choices were predicted to give, and gave, both over the moves it made (AR runs and
+    # drafts, timed by the decoder's clock); None in the other modes
+    predicted_tokens_per_s: float | None = None
+    measured_tokens_per_s: float | None = None
     finish_reason: str | None = None  # "stop" (end token) or "length"
 
     @property
@@ -174,6 +213,10 @@ class GenerationStats:
     @property
     def acceptance_rate(self) -> float | None:
         return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else None
+
+    @property
+    def accepted_per_draft(self) -> float | None:
+        return self.accepted_tokens / self.drafts if self.drafts else None
 
 
 @dataclass
@@ -237,14 +280,17 @@ def _end_rule_fill(end_rule: str, is_end: np.ndarray, conf: np.ndarray, threshol
 
 def resolve_block(backend: Backend, block: list[int], resolved: list[bool], generated: Sequence[int],
                   threshold: float, sampler: Sampler | Selector | _Passes, processors: Sequence[Processor] = (),
-                  stats: GenerationStats | None = None, end_rule: str = DEFAULT_END_RULE) -> int:
+                  stats: GenerationStats | None = None, end_rule: str = DEFAULT_END_RULE,
+                  max_passes: int | None = None) -> int:
     """Fill the masked positions of `block` in place by block-mode passes (the card's LowConfidence rule).
 
     Each pass fills every masked position whose confidence exceeds `threshold`, or, if none does, the single most
     confident masked position (the lowest index on ties); end tokens as `end_rule` says (END_RULES). Stops when
     every position is resolved, or when an end token is resolved with every position before it resolved (what
-    follows it is never used). `sampler`: a sampler (with `processors`), or the answer's Selector / passes.
-    -> the number of positions that matter: index of the first end token + 1, or len(block).
+    follows it is never used), or after `max_passes` passes (a bounded draft). `sampler`: a sampler (with
+    `processors`), or the answer's Selector / passes.
+    -> the number of positions that matter: index of the first end token + 1, or len(block); after max_passes with
+    positions still masked, the resolved positions before the first masked one (what a draft can use).
     """
     if end_rule not in END_RULES:
         raise ValueError(f"end_rule must be one of {END_RULES}, not {end_rule!r}")
@@ -252,12 +298,15 @@ def resolve_block(backend: Backend, block: list[int], resolved: list[bool], gene
         backend, sampler if isinstance(sampler, Selector) else Selector(processors, sampler, backend.eos_ids))
     stats = stats if stats is not None else GenerationStats(mode="diffusion")
     eos = backend.eos_ids
+    done = 0
     while True:
         end = _first_end(block, resolved, eos)
         if end is not None:
             return end + 1
         if all(resolved):
             return len(block)
+        if max_passes is not None and done >= max_passes:
+            return resolved.index(False)
         masked, lens, tail = [], [], []  # tail: the resolved tokens in block order; lens: how many precede each
         for i, r in enumerate(resolved):
             if r:
@@ -267,6 +316,7 @@ def resolve_block(backend: Backend, block: list[int], resolved: list[bool], gene
                 lens.append(len(tail))
         h = Histories(generated, tail, lens)  # tokens_so_far at each masked position
         choice = passes.block(block, masked, h)  # commits nothing
+        done += 1
         stats.forward_passes += 1
         stats.block_passes += 1
         tok, conf = choice.tokens, choice.conf  # [M], [M]
@@ -287,17 +337,24 @@ def resolve_block(backend: Backend, block: list[int], resolved: list[bool], gene
 def generate(backend: Backend, prompt_ids: Sequence[int], mode: str = "diffusion", max_new_tokens: int = 256,
              block_size: int | None = None, threshold: float = 0.95, accept: str = "exact",
              sampler: Sampler | None = None, logits_processors: Sequence[Processor] = (),
-             stats: GenerationStats | None = None, end_rule: str = DEFAULT_END_RULE) -> Iterator[Chunk]:
+             stats: GenerationStats | None = None, end_rule: str = DEFAULT_END_RULE,
+             costs: PassCosts | None = None, policy: AutoPolicy | None = None,
+             clock: Callable[[], float] = time.perf_counter) -> Iterator[Chunk]:
     """Decode an answer after `prompt_ids`, yielding Chunks as tokens resolve; the last one has finished=True.
 
     mode "ar": one causal pass per token. "diffusion": blocks of `block_size` positions start all-mask and are
     resolved by block passes (resolve_block); a finished block is committed by one causal pass; an end token ends
     the answer. "draft-self": block passes draft, one causal pass verifies (see _draft_self).
     threshold: the confidence a block position must exceed to be filled in a pass (and, with accept="threshold",
-    the causal probability a draft token needs to be kept). The backend is reset first.
+    the causal probability a draft token needs to be kept). "auto": per block, AR steps or a draft-self block,
+    whichever the measured pass costs and this answer's acceptance say is faster (clover_gguf.auto; `accept` as in
+    draft-self, so greedy auto is AR's text). The backend is reset first.
     stats: the object to count into (a caller's subclass with more fields, e.g. runtime.RunStats); by default a
     new GenerationStats. The chunks carry it.
     end_rule: how block passes resolve end tokens (END_RULES; "plain" is the card's rule).
+    costs: the pass costs to time passes into (auto.PassCosts, kept by the caller across answers; auto makes one when
+    none is given). policy: auto's AutoPolicy for this answer (default: a new one over `costs`). clock: the time
+    source of both (a test's fake clock).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
@@ -311,8 +368,14 @@ def generate(backend: Backend, prompt_ids: Sequence[int], mode: str = "diffusion
     if stats is None:
         stats = GenerationStats(mode=mode, prompt_tokens=len(prompt_ids))
     backend.reset()
-    passes = _Passes(backend, Selector(logits_processors, sampler, backend.eos_ids))  # one per answer
-    if mode == "ar":
+    if mode == "auto":
+        if policy is None:
+            policy = AutoPolicy(costs if costs is not None else PassCosts(), block_size)
+        costs = policy.costs
+    passes = _Passes(backend, Selector(logits_processors, sampler, backend.eos_ids), costs, clock)  # one per answer
+    if mode == "auto":
+        gen = _auto(passes, prompt_ids, max_new_tokens, block_size, threshold, accept, stats, end_rule, policy)
+    elif mode == "ar":
         gen = _ar(passes, prompt_ids, max_new_tokens, stats)
     elif mode == "diffusion":
         gen = _diffusion(passes, prompt_ids, max_new_tokens, block_size, threshold, stats, end_rule)
@@ -345,21 +408,27 @@ def _finish(stats: GenerationStats, tokens: list[int], reason: str) -> Chunk:
 
 
 def _ar(passes: _Passes, prompt_ids, max_new, stats) -> Iterator[Chunk]:
-    backend, out = passes.b, []
-    choice = passes.prefill(prompt_ids, Histories(out))  # predicts the first answer token
+    out = []
+    pending = int(passes.prefill(prompt_ids, Histories(out)).tokens[0])  # predicts the first answer token
     stats.forward_passes += 1
     while True:
-        t = int(choice.tokens[0])
-        if t in backend.eos_ids:
+        if pending in passes.b.eos_ids:
             yield _finish(stats, [], "stop")
             return
-        took, full = _emit([t], out, max_new, stats)
+        took, full = _emit([pending], out, max_new, stats)
         if full:
             yield _finish(stats, took, "length")
             return
         yield Chunk(took, stats)
-        choice = passes.commit([t], Histories(out))  # out holds t now: the history of the next token
-        stats.forward_passes += 1
+        pending = _ar_step(passes, out, stats)
+
+
+def _ar_step(passes: _Passes, out: list[int], stats: GenerationStats) -> int:
+    """Commit the answer's last token (out[-1], already emitted) -> the causal choice after it."""
+    choice = passes.commit([out[-1]], Histories(out))  # out holds the token: the history of the next one
+    stats.forward_passes += 1
+    stats.ar_steps += 1
+    return int(choice.tokens[0])
 
 
 def _diffusion(passes: _Passes, prompt_ids, max_new, block_size, threshold, stats, end_rule) -> Iterator[Chunk]:
@@ -389,44 +458,124 @@ def _diffusion(passes: _Passes, prompt_ids, max_new, block_size, threshold, stat
                                       len(block) - 1)
 
 
+@dataclass
+class _Draft:
+    """One verified draft-self block: the tokens it keeps (the pending causal token first, an accepted end token
+    last), the causal choice after them, and its counts."""
+
+    kept: list[int]
+    next_pending: int
+    proposed: int  # draft tokens the causal pass checked
+    accepted: int
+    block_passes: int
+
+
+def _draft_block(passes: _Passes, out: list[int], pending: int, block_size: int, threshold: float, accept: str,
+                 stats: GenerationStats, end_rule: str, max_passes: int | None = None,
+                 settle: bool = False) -> _Draft:
+    """Draft a block after the answer `out` whose first position is the pending causal token (block passes, at
+    most max_passes), verify it with one causal pass, roll back what is not kept (settle: at once)."""
+    backend = passes.b
+    eos = backend.eos_ids
+    block = [pending] + [backend.mask_token_id] * (block_size - 1)  # [B]
+    resolved = [True] + [False] * (block_size - 1)
+    before = stats.block_passes
+    d = resolve_block(backend, block, resolved, out, threshold, passes, stats=stats, end_rule=end_rule,
+                      max_passes=max_passes)
+    draft = block[:d]  # [D]: draft[0] = pending, draft[1:] proposed; ends at the first end token if any
+    # verify: one causal pass commits all D tokens; row i predicts the token after draft[i], its history is the
+    # answer plus draft[:i + 1]
+    causal = passes.commit(draft, Histories(out, draft, range(1, d + 1)),
+                           want=draft[1:] if accept == "threshold" else (), probs=accept == "threshold", draft=True)
+    stats.forward_passes += 1
+    target = causal.tokens  # [D]: target[i] = causal choice for position i + 1
+    if accept == "exact":
+        ok = [draft[i + 1] == int(target[i]) for i in range(d - 1)]  # [D-1]
+    else:
+        ok = [causal.prob(i, draft[i + 1]) >= threshold for i in range(d - 1)]
+    n_ok = next((i for i, good in enumerate(ok) if not good), d - 1)  # accepted draft tokens
+    keep = 1 + n_ok  # [pending] + accepted proposals
+    ended = draft[keep - 1] in eos  # an accepted end token (verified as the causal choice) ends the answer
+    # forget the rejected suffix (and an accepted end token); an answer that ends needs no settling
+    passes.rollback(d - keep + ended, keep - ended, now=settle and not ended)
+    stats.drafted_tokens += d - 1
+    stats.accepted_tokens += n_ok
+    stats.drafts += 1
+    return _Draft(draft[:keep], int(target[keep - 1]), d - 1, n_ok, stats.block_passes - before)
+
+
+def _emit_draft(draft: _Draft, eos: frozenset[int], out: list[int], max_new: int, stats: GenerationStats
+                ) -> tuple[Chunk, bool]:
+    """Append a draft's kept tokens -> (the chunk to yield, whether the answer is finished)."""
+    if draft.kept[-1] in eos:
+        took, _ = _emit(draft.kept[:-1], out, max_new, stats)
+        return _finish(stats, took, "stop" if len(took) == len(draft.kept) - 1 else "length"), True
+    took, full = _emit(draft.kept, out, max_new, stats)
+    return (_finish(stats, took, "length"), True) if full else (Chunk(took, stats), False)
+
+
 def _draft_self(passes: _Passes, prompt_ids, max_new, block_size, threshold, accept, stats, end_rule
                 ) -> Iterator[Chunk]:
-    backend, out = passes.b, []
-    eos = backend.eos_ids
+    out, eos = [], passes.b.eos_ids
     # the causal choice after the prompt, not committed
     pending = int(passes.prefill(prompt_ids, Histories(out)).tokens[0])
     stats.forward_passes += 1
     while pending not in eos:
-        # draft: the block's first position is the pending causal token, the rest start masked
-        block = [pending] + [backend.mask_token_id] * (block_size - 1)  # [B]
-        resolved = [True] + [False] * (block_size - 1)
-        d = resolve_block(backend, block, resolved, out, threshold, passes, stats=stats, end_rule=end_rule)
-        draft = block[:d]  # [D]: draft[0] = pending, draft[1:] proposed; ends at the first end token if any
-        # verify: one causal pass commits all D tokens; row i predicts the token after draft[i], its history is
-        # the answer plus draft[:i + 1]
-        causal = passes.commit(draft, Histories(out, draft, range(1, d + 1)),
-                               want=draft[1:] if accept == "threshold" else (), probs=accept == "threshold")
-        stats.forward_passes += 1
-        target = causal.tokens  # [D]: target[i] = causal choice for position i + 1
-        if accept == "exact":
-            ok = [draft[i + 1] == int(target[i]) for i in range(d - 1)]  # [D-1]
-        else:
-            ok = [causal.prob(i, draft[i + 1]) >= threshold for i in range(d - 1)]
-        n_ok = next((i for i, good in enumerate(ok) if not good), d - 1)  # accepted draft tokens
-        keep = 1 + n_ok  # [pending] + accepted proposals
-        kept = draft[:keep]
-        ended = kept[-1] in eos  # an accepted end token (verified as the causal choice) ends the answer
-        backend.rollback(d - keep + ended)  # forget the rejected suffix (and an accepted end token)
-        stats.drafted_tokens += d - 1
-        stats.accepted_tokens += n_ok
-        if ended:
-            took, _ = _emit(kept[:-1], out, max_new, stats)
-            yield _finish(stats, took, "stop" if len(took) == keep - 1 else "length")
+        draft = _draft_block(passes, out, pending, block_size, threshold, accept, stats, end_rule)
+        chunk, finished = _emit_draft(draft, eos, out, max_new, stats)
+        yield chunk
+        if finished:
             return
-        took, full = _emit(kept, out, max_new, stats)
-        if full:
-            yield _finish(stats, took, "length")
-            return
-        yield Chunk(took, stats)
-        pending = int(target[keep - 1])  # causal choice after the kept tokens: the correction or the bonus
+        pending = draft.next_pending  # causal choice after the kept tokens: the correction or the bonus
+    yield _finish(stats, [], "stop")
+
+
+def _auto(passes: _Passes, prompt_ids, max_new, block_size, threshold, accept, stats, end_rule,
+          policy: AutoPolicy) -> Iterator[Chunk]:
+    """AR runs and draft-self blocks as `policy` plans them (clover_gguf.auto), each exact: the text is the one
+    either mode alone gives (AR's, greedy). The policy is told what each move yielded and how long it took."""
+    out, eos, clock = [], passes.b.eos_ids, passes.clock
+    pending = int(passes.prefill(prompt_ids, Histories(out)).tokens[0])
+    stats.forward_passes += 1
+    tokens, predicted_s, measured_s = 0, 0.0, 0.0
+
+    def account(n: int, plan: Plan, seconds: float) -> None:
+        nonlocal tokens, predicted_s, measured_s
+        tokens, measured_s = tokens + n, measured_s + seconds
+        if plan.predicted_tok_s:
+            predicted_s += n / plan.predicted_tok_s
+        stats.measured_tokens_per_s = tokens / measured_s if measured_s > 0 else None
+        stats.predicted_tokens_per_s = tokens / predicted_s if predicted_s > 0 else None
+
+    while pending not in eos:
+        plan = policy.plan()
+        t0 = clock()
+        if plan.kind == "draft":
+            draft = _draft_block(passes, out, pending, block_size, threshold, accept, stats, end_rule,
+                                 max_passes=plan.max_passes, settle=True)
+            seconds = clock() - t0
+            policy.observe_draft(len(draft.kept), draft.proposed, draft.accepted, draft.block_passes, seconds,
+                                 plan.probe)
+            account(len(draft.kept), plan, seconds)
+            chunk, finished = _emit_draft(draft, eos, out, max_new, stats)
+            yield chunk
+            if finished:
+                return
+            pending = draft.next_pending
+            continue
+        steps, seconds = 0, 0.0  # the steps' own time, not the reader's between two chunks
+        for _ in range(plan.steps):
+            took, full = _emit([pending], out, max_new, stats)
+            if full:
+                yield _finish(stats, took, "length")
+                return
+            yield Chunk(took, stats)
+            t0 = clock()
+            pending = _ar_step(passes, out, stats)
+            seconds += clock() - t0
+            steps += 1
+            if pending in eos:
+                break
+        policy.observe_ar(steps, seconds)
+        account(steps, plan, seconds)
     yield _finish(stats, [], "stop")

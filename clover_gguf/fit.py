@@ -157,7 +157,7 @@ def model_from_config(config: Path, qtype: str, workdir: Path) -> Model:
 class Setup:
     """What the runtime is asked to do (fit's options) and how the weights are placed (the plan's choice)."""
 
-    mode: str = "draft-self"
+    mode: str = "auto"
     rollback: str = "redecode"
     parallel: int = 1
     mmap: bool = True
@@ -317,7 +317,7 @@ class FitResult:
                  f"{_gib(b.ram)} GiB of host memory" if b.vram is not None else
                  f"no GPU ({b.device}): {_gib(b.ram)} GiB of host memory")
         lines = [f"model    {self.model}", f"target   {where}, 1 GiB kept free on each",
-                 f"mode     {self.mode}" + (f", rollback {self.rollback}" if self.mode == "draft-self" else "")
+                 f"mode     {self.mode}" + (f", rollback {self.rollback}" if self.mode in ("draft-self", "auto") else "")
                  + (f", {self.parallel} slots" if self.parallel > 1 else "")]
         verdict = "fits" if self.fits else "does NOT fit"
         lines.append(f"plan     {verdict}: context {self.ctx}, {self._placement()}")
@@ -474,7 +474,7 @@ def _command(model: Model, setup: Setup, ctx: int, ngl: int, k: int, gpu: bool) 
            "--ctx", str(ctx), *off.cli_args()]
     if setup.parallel > 1:
         cmd += ["--parallel", str(setup.parallel)]
-    if setup.rollback != "redecode" and setup.mode == "draft-self":
+    if setup.rollback != "redecode" and setup.mode in ("draft-self", "auto"):
         cmd += ["--rollback", setup.rollback]
     return " ".join(cmd)
 
@@ -529,8 +529,10 @@ def measure(model: Model, result: FitResult, setup: Setup) -> dict[str, int]:
         # threshold 0: a block pass resolves every position; then one block pass and one committed block (all its
         # logits) reach the largest graphs of the mode: draft-self commits its draft before it emits a token,
         # diffusion commits a block when the answer goes on past it
-        new = {"ar": 4, "draft-self": 1}.get(setup.mode, rt.block_size + 1)
-        rt.generate("Hello", mode=setup.mode, max_new_tokens=new, threshold=0.0, think=False)
+        # (auto: draft-self's graphs, the largest it may take)
+        mode = "draft-self" if setup.mode == "auto" else setup.mode
+        new = {"ar": 4, "draft-self": 1}.get(mode, rt.block_size + 1)
+        rt.generate("Hello", mode=mode, max_new_tokens=new, threshold=0.0, think=False)
         rows = rt.ctx.max_outputs
     finally:
         with capture_llama_log() as free_log:
@@ -603,7 +605,7 @@ def fit(model_path: Path | None = None, config: Path | None = None, qtype: str |
     file_model = model_from_file(Path(model_path)) if model_path is not None else None
     with temp_dir("clover-fit-") as tmp:
         model = file_model or model_from_config(Path(config), qtype, tmp)  # type: ignore[arg-type]
-        mode = mode or ("draft-self" if model.shape.block_mode else "ar")  # as the runtime's default_mode
+        mode = mode or ("auto" if model.shape.block_mode else "ar")  # as the runtime's default_mode
         if mode != "ar" and not model.shape.block_mode:
             from clover_gguf.runtime import no_block_tensors
 

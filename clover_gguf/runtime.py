@@ -27,6 +27,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from clover_gguf import decoding
+from clover_gguf.auto import AutoPolicy, PassCosts
 from clover_gguf import metadata as md
 from clover_gguf.batching import Scheduler
 from clover_gguf.config import MAX_BLOCK
@@ -76,7 +77,7 @@ class LlamaBackend:
         self.eos_ids = frozenset(int(t) for t in eos_ids)
         self.block_size = int(block_size)
         self.rollback_strategy = rollback
-        self.keep_backup = True  # only draft-self rolls back; the runtime turns the backup copy off otherwise
+        self.keep_backup = True  # set by the decoders before each commit: only draft verifications roll back
         self.extra_passes = 0  # re-decodes done for rollbacks (backend work the decoder does not count)
         self.prefill_seconds = 0.0  # time spent in prompt passes, so stats can report the decode rate alone
         if keep_prompt and not keep_prefix:
@@ -106,9 +107,10 @@ class LlamaBackend:
         self.prompt_kept: list[int] = []  # the tokens whose state SEQ_PROMPT holds (keep_prompt)
         self.reset()
 
-    def _settle(self) -> None:
+    def settle(self) -> None:
         """Apply a rollback that was asked for, before anything reads or extends the state. Deferred because an
-        answer ends with one (its end token is rolled back), and a reset that follows makes it unnecessary."""
+        answer ends with one (its end token is rolled back), and a reset that follows makes it unnecessary; auto
+        settles at once, to time the rollback with its draft (decoding.Backend)."""
         n, self._pending_rollback = self._pending_rollback, 0
         if n:
             self._apply_rollback(n)
@@ -121,7 +123,7 @@ class LlamaBackend:
         return self._commit(ids, gather is not None, gather)
 
     def _commit(self, ids, want, gather):
-        self._settle()
+        self.settle()
         if self.keep_backup:  # both strategies keep the backup for rollbacks no snapshot covers
             self.ctx.seq_rm(SEQ_BACKUP)
             self.ctx.seq_cp(SEQ_MAIN, SEQ_BACKUP)
@@ -138,7 +140,7 @@ class LlamaBackend:
         return self._prefill(ids, gather is not None, gather)
 
     def _prefill(self, ids, last, gather):
-        self._settle()
+        self.settle()
         t0 = time.perf_counter()
         ids = [int(t) for t in ids]
         self.reused = start = self._continue_prefix(ids)
@@ -212,12 +214,12 @@ class LlamaBackend:
         setattr(self, _KEPT[seq], [])
 
     def block_logits(self, block: Sequence[int]) -> np.ndarray:
-        self._settle()
+        self.settle()
         return self.ctx.block(block, self.n_past, seq=SEQ_MAIN, scratch=SEQ_BLOCK)
 
     def block_rows(self, block: Sequence[int], positions: Sequence[int], gather: Gather) -> GraphRows:
         """block_logits for these positions, with the selection in the graph (decoding.GraphBackend)."""
-        self._settle()
+        self.settle()
         return self.ctx.block(block, self.n_past, seq=SEQ_MAIN, scratch=SEQ_BLOCK, positions=positions,
                               gather=gather)
 
@@ -299,13 +301,23 @@ class RunStats(decoding.GenerationStats):
         d = asdict(self)
         d["tokens_per_pass"] = round(self.tokens_per_pass, 4)
         d["acceptance_rate"] = None if self.acceptance_rate is None else round(self.acceptance_rate, 4)
+        d["accepted_per_draft"] = None if self.accepted_per_draft is None else round(self.accepted_per_draft, 4)
+        for k in ("predicted_tokens_per_s", "measured_tokens_per_s"):
+            d[k] = None if d[k] is None else round(d[k], 2)
         return d
 
     def summary(self) -> str:
         """One line for a person (generate --stats, chat): tokens, passes, tokens/pass, tok/s, acceptance."""
         parts = [f"{self.generated_tokens} tokens", f"{self.forward_passes} passes",
                  f"{self.tokens_per_pass:.2f} tokens/pass", f"{self.tokens_per_s:.1f} tok/s"]
-        if self.acceptance_rate is not None:  # every block-mode run: the check of the block reading
+        if self.mode == "auto":  # what it chose, and how its prediction held
+            parts.append(f"{self.ar_steps} AR steps, {self.drafts} drafts in {self.block_passes} block passes")
+            if self.accepted_per_draft is not None:
+                parts.append(f"{self.accepted_per_draft:.1f} tokens accepted per draft")
+            if self.predicted_tokens_per_s and self.measured_tokens_per_s:
+                parts.append(f"predicted {self.predicted_tokens_per_s:.1f} against measured "
+                             f"{self.measured_tokens_per_s:.1f} tok/s")
+        elif self.acceptance_rate is not None:  # every block-mode run: the check of the block reading
             parts.append(f"{self.acceptance_rate:.0%} of block tokens accepted by the causal path")
         elif self.mode != "ar":  # the answer ended inside its first block: no causal pass checked one
             parts.append("no block checked by the causal path yet")
@@ -410,6 +422,10 @@ class CloverRuntime:
         self.backend = LlamaBackend(self.ctx, self.mask_token_id if self.mask_token_id is not None else -1,
                                     self.eos_ids, self.block_size, rollback=rollback, selection=selection,
                                     keep_prefix=keep_prefix, keep_prompt=keep_prompt)
+        # pass costs measured on this device, by every answer of this runtime, for auto's choices (clover_gguf.auto);
+        # and the last auto answer's view of the drafts, where the next one starts
+        self.pass_costs = PassCosts()
+        self._auto_last: AutoPolicy | None = None
         if keep_prefix:  # one state cache for every slot of the context (slot_of: the first runtime's)
             self.backend.state_cache = (slot_of.backend.state_cache if slot_of is not None
                                         else StateCache(cache_ram) if cache_ram > 0 else None)
@@ -441,8 +457,9 @@ class CloverRuntime:
 
     @property
     def default_mode(self) -> str:
-        """The mode when none is asked for: draft-self (AR's text, fewer passes), or ar for an AR-only file."""
-        return "draft-self" if self.block_mode else "ar"
+        """The mode when none is asked for: auto (AR's text, drafts only where they pay on this machine), or ar for
+        an AR-only file."""
+        return "auto" if self.block_mode and self.mask_token_id is not None else "ar"
 
     def reading_note(self, mode: str) -> str | None:
         """One line for a block-mode run on a file whose block tensors are read under our reading of their math,
@@ -575,7 +592,7 @@ class CloverRuntime:
         """stream_ids on the prompt of these chat messages (or of one user message)."""
         return self.stream_ids(self.prompt_ids(messages, think=think), **kw)
 
-    def stream_ids(self, ids: Sequence[int], mode: str = "draft-self", max_new_tokens: int = 512,
+    def stream_ids(self, ids: Sequence[int], mode: str = "auto", max_new_tokens: int = 512,
                    block_size: int | None = None, threshold: float | None = None, accept: str = "exact",
                    temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                    controls: Controls | None = None, end_rule: str = decoding.DEFAULT_END_RULE,
@@ -588,6 +605,8 @@ class CloverRuntime:
         if not len(ids):
             raise UserError("the prompt is empty")
         block_size = int(block_size or self.block_size)
+        if mode == "auto" and self.default_mode == "ar":  # no block tensors: auto's only choice is AR
+            mode = "ar"
         self.check_request(len(ids), max_new_tokens, mode, block_size)
         c = controls or self.controls
         check_sampling(temp, top_p, top_k, threshold, c)
@@ -595,15 +614,18 @@ class CloverRuntime:
         sampler = make_sampler(temp, top_p, top_k, seed)
         self.backend.extra_passes = 0
         self.backend.prefill_seconds = 0.0
-        self.backend.keep_backup = mode == "draft-self"
         self.backend.keep_at = keep
         stats = RunStats(mode=mode, prompt_tokens=len(ids))
+        policy = None
+        if mode == "auto":  # its choices start from what the model's earlier answers measured
+            policy = AutoPolicy(self.pass_costs, block_size, prior=self._auto_last)
+            self._auto_last = policy
         t0 = time.perf_counter()
         pending = b""
         for chunk in decoding.generate(self.backend, ids, mode=mode, max_new_tokens=max_new_tokens,
                                        block_size=block_size, threshold=self.threshold if threshold is None else threshold,
                                        accept=accept, sampler=sampler, logits_processors=procs, stats=stats,
-                                       end_rule=end_rule):
+                                       end_rule=end_rule, costs=self.pass_costs, policy=policy):
             now = time.perf_counter()
             if chunk.tokens and stats.time_to_first_token_s is None:
                 stats.time_to_first_token_s = now - t0

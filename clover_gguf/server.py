@@ -1,4 +1,4 @@
-"""`clover-gguf serve`: an OpenAI-compatible HTTP server on a Clover GGUF, decoding with draft-self, diffusion or AR.
+"""`clover-gguf serve`: an OpenAI-compatible HTTP server on a Clover GGUF, decoding with auto (the default), draft-self, diffusion or AR.
 
 Endpoints (docs/serve.md has the fields): POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
 GET /health. Built on FastAPI (Starlette) and served by uvicorn.
@@ -56,7 +56,7 @@ class Plan:
 
     prompt: str | None = None  # raw prompt (completions) ...
     messages: list[dict[str, str]] | None = None  # ... or chat messages, rendered with the GGUF's template
-    mode: str = "draft-self"
+    mode: str = "auto"
     max_tokens: int | None = None  # None: as many as the context allows
     block_size: int | None = None
     threshold: float | None = None
@@ -133,7 +133,15 @@ class Metrics:
         "forward_passes": ("clover_forward_passes_total", "Model passes (prompt, AR, block, commit, verification)."),
         "drafted_tokens": ("clover_block_tokens_drafted_total", "Block tokens a causal pass checked."),
         "accepted_tokens": ("clover_block_tokens_accepted_total", "Block tokens the causal path accepted."),
+        "block_passes": ("clover_block_passes_total", "Block-mode passes (drafts and diffusion blocks)."),
+        "drafts": ("clover_drafts_total", "Draft-self blocks verified (draft-self and auto)."),
+        "ar_steps": ("clover_ar_steps_total", "One-token causal steps (ar and auto)."),
     }
+    # auto's choices: the seconds its moves were predicted to take and took (tokens over its rates): their ratio is how
+    # far the cost model held on this machine
+    SECONDS = {"predicted_tokens_per_s": ("clover_auto_predicted_seconds_total",
+                                          "Seconds auto's moves were predicted to take."),
+               "measured_tokens_per_s": ("clover_auto_measured_seconds_total", "Seconds auto's moves took.")}
 
     def __init__(self):
         self.lock = threading.Lock()
@@ -145,6 +153,10 @@ class Metrics:
             self.requests[(mode, finish)] += 1
             for field in self.COUNTERS:
                 self.totals[(field, mode)] += int((stats or {}).get(field) or 0)
+            for field in self.SECONDS:
+                rate = (stats or {}).get(field)
+                if rate:
+                    self.totals[(field, mode)] += (stats or {}).get("generated_tokens", 0) / rate
 
     def text(self, pool: "Pool") -> str:
         """The Prometheus text exposition format (version 0.0.4)."""
@@ -153,9 +165,9 @@ class Metrics:
         out = ["# HELP clover_requests_total Finished requests, by mode and finish reason.",
                "# TYPE clover_requests_total counter"]
         out += [f'clover_requests_total{{mode="{m}",finish="{f}"}} {n}' for (m, f), n in sorted(requests.items())]
-        for field, (name, text) in self.COUNTERS.items():
+        for field, (name, text) in {**self.COUNTERS, **self.SECONDS}.items():
             out += [f"# HELP {name} {text}", f"# TYPE {name} counter"]
-            out += [f'{name}{{mode="{m}"}} {n}' for (f, m), n in sorted(totals.items()) if f == field]
+            out += [f'{name}{{mode="{m}"}} {round(n, 6)}' for (f, m), n in sorted(totals.items()) if f == field]
         busy = len(pool.runtimes) - pool.idle
         out += ["# HELP clover_slots Slots, by state.", "# TYPE clover_slots gauge",
                 f'clover_slots{{state="idle"}} {pool.idle}', f'clover_slots{{state="busy"}} {busy}',
@@ -874,7 +886,7 @@ def create_app(model: str | Path | Callable[[], Any], mode: str | None = None, a
         raise UserError("--ctx must be at least 16")
     runtimes, name = load_runtimes(model, parallel, ctx, model_id, runtime_kwargs)
     first = runtimes[0]
-    mode = mode or getattr(first, "default_mode", "draft-self")  # ar for an AR-only file
+    mode = mode or getattr(first, "default_mode", "auto")  # ar for an AR-only file
     if mode != "ar" and not getattr(first, "block_mode", True):
         for rt in runtimes:
             rt.close()

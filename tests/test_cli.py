@@ -24,7 +24,7 @@ def _main(capsys, *args: str) -> tuple[int, str, str]:
 
 
 @pytest.mark.parametrize("args,words", [
-    (["generate", "x.gguf", "--mode", "fast"], "'fast' is not one of 'ar', 'diffusion', 'draft-self'"),
+    (["generate", "x.gguf", "--mode", "fast"], "'fast' is not one of 'auto', 'ar', 'diffusion', 'draft-self'"),
     (["generate", "x.gguf"], "Missing option '-p'"),
     (["--bogus"], "No such option: --bogus"),
     (["generate", "x.gguf", "-p", "hi", "-n", "0"], "--max-new-tokens"),

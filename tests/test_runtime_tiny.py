@@ -123,9 +123,10 @@ def test_eval_diffusion_tokens_per_pass(full_eval):
     assert d["generated"] / d["passes"] >= 3.0
 
 
-def test_eval_draft_self_exact_gives_the_ar_text_on_every_row(full_eval):
+@pytest.mark.parametrize("mode", ["draft-self", "auto"])
+def test_eval_exact_modes_give_the_ar_text_on_every_row(full_eval, mode):
     rows, out = full_eval
-    differ = [r["prompt"] for r, a, b in zip(rows, out["ar"]["tokens"], out["draft-self"]["tokens"]) if a != b]
+    differ = [r["prompt"] for r, a, b in zip(rows, out["ar"]["tokens"], out[mode]["tokens"]) if a != b]
     assert not differ
 
 

@@ -1,0 +1,237 @@
+"""How `auto` decoding chooses, block by block, between plain AR steps and a draft-self block (docs/runtime.md,
+"auto").
+
+Block decoding pays only where a block pass costs less than the tokens it yields, which depends on the device (a
+32-row pass costs about 1.5 AR steps on a big GPU, about 9 on a 2-core CPU at the 35B's widths) and on whether the
+block tensors are read as the weights were trained (a wrong reading makes every draft a rejected one). Neither is
+known in advance, so both are measured while answering:
+
+* `PassCosts`: seconds per pass of each kind (causal, block, rollback) as a function of its rows, measured on this
+  device from the passes themselves and kept current (an exponential average per row count, a least-squares line
+  a + b * rows across row counts). It lives as long as the model is loaded: the next answer starts knowing them.
+* `AutoPolicy`: per answer, the running acceptance of drafts (tokens kept per draft, block passes per draft, seconds
+  per draft, each an exponential average over the recent drafts) against the AR step's cost. A draft is chosen when
+  its measured (or, before any, predicted) tokens per second are at least AR's; otherwise a run of AR steps, and
+  a probe draft after 1, 2, 4, ... PROBE_MAX runs, so that drafts that start to pay (code after prose) are noticed;
+  where even a perfect draft could not pay on this device (one block pass costs more than a block of AR steps), a
+  one-pass probe only every COST_PROBE_GAP runs, to see whether the costs changed.
+  The block passes a draft may take are bounded by the same costs: no more than the AR steps that the draft's
+  expected tokens would have cost.
+
+Nothing here touches the model: `decoding._auto` asks `plan()` what to do next and reports what it did and what it
+cost (`observe_*`). The policy is lossless by construction: both of its moves are exact (a greedy answer is AR's
+text whatever it chooses).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+KINDS = ("causal", "block", "rollback")
+DECAY = 0.7  # weight of the past in a pass cost's running average
+DRAFT_DECAY = 0.5  # the same for drafts: a change of topic (drafts that start or stop paying) shows within a few
+PROBE_MAX = 8  # at most this many AR runs between two probe drafts when drafts do not pay
+# AR runs between two probes where the pass costs say that even a draft accepted whole after one block pass would not
+# pay (a CPU): acceptance cannot change that, only the costs can, and they are re-measured this rarely
+COST_PROBE_GAP = 32
+FIRST_AR_STEPS = 2  # an answer whose AR step cost is unknown measures it with this many AR steps first
+PROBE_PASSES = 2  # block passes a draft may take while block passes have never been timed
+
+
+class _Average:
+    """An exponential running mean (the first value is taken as it is)."""
+
+    __slots__ = ("value", "n")
+
+    def __init__(self) -> None:
+        self.value: float | None = None
+        self.n = 0
+
+    def add(self, x: float, decay: float = DECAY) -> None:
+        self.value = x if self.value is None else decay * self.value + (1.0 - decay) * x
+        self.n += 1
+
+
+@dataclass
+class PassCosts:
+    """Seconds per pass by kind ("causal", "block", "rollback") and rows, measured on the running device.
+
+    predict(kind, rows): the least-squares line through the kind's per-row-count averages (each weighted by how often
+    it was seen, at most 8), or the one average when a single row count was seen; None before any pass of the kind.
+    A line's slope is never taken below 0 (a pass with more rows never costs less)."""
+
+    buckets: dict[tuple[str, int], _Average] = field(default_factory=dict)
+
+    def observe(self, kind: str, rows: int, seconds: float) -> None:
+        if kind not in KINDS:
+            raise ValueError(f"unknown pass kind {kind!r}")
+        if rows < 1 or not math.isfinite(seconds) or seconds < 0:
+            return
+        self.buckets.setdefault((kind, int(rows)), _Average()).add(float(seconds))
+
+    def seen(self, kind: str) -> bool:
+        return any(k == kind for k, _ in self.buckets)
+
+    def predict(self, kind: str, rows: int) -> float | None:
+        pts = [(r, a.value, min(a.n, 8)) for (k, r), a in self.buckets.items() if k == kind]
+        if not pts:
+            return None
+        exact = next((v for r, v, _ in pts if r == rows), None)
+        if exact is not None:
+            return exact
+        if len(pts) == 1:
+            return pts[0][1]
+        w = sum(n for _, _, n in pts)
+        mr = sum(r * n for r, _, n in pts) / w
+        mv = sum(v * n for _, v, n in pts) / w
+        var = sum(n * (r - mr) ** 2 for r, _, n in pts)
+        slope = max(0.0, sum(n * (r - mr) * (v - mv) for r, v, n in pts) / var) if var > 0 else 0.0
+        return max(0.0, mv + slope * (rows - mr))
+
+    def to_json(self) -> dict[str, dict[str, float]]:
+        """{kind: {rows: milliseconds}}, as fit --measure and --json print them."""
+        out: dict[str, dict[str, float]] = {}
+        for (k, r), a in sorted(self.buckets.items()):
+            out.setdefault(k, {})[str(r)] = round(a.value * 1e3, 4)
+        return out
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What auto does next: `steps` AR steps ("ar"), or one draft-self block of at most `max_passes` block passes
+    ("draft"; probe: chosen to measure, not because drafts were predicted to pay)."""
+
+    kind: str
+    steps: int = 0
+    max_passes: int = 0
+    probe: bool = False
+    predicted_tok_s: float | None = None
+
+
+class AutoPolicy:
+    """One answer's choices (see the module's docstring). `costs` outlives the answer; so may `prior`, the draft
+    averages of the previous answer on this model (a new answer starts from them, then its own drafts take over).
+
+    block_size: the draft's length (tokens of a block, the pending causal token first). ar_run: AR steps per run
+    between two decisions (default block_size: a decision costs nothing, but a run must be long enough for a probe
+    at the lowest rate to cost little)."""
+
+    def __init__(self, costs: PassCosts, block_size: int, ar_run: int | None = None,
+                 prior: "AutoPolicy | None" = None):
+        self.costs = costs
+        self.block_size = int(block_size)
+        self.ar_run = int(ar_run or block_size)
+        self.ar_step = _Average()  # seconds per AR step, the host's work for it included
+        # per draft: tokens it yielded (the pending causal token plus accepted proposals), block passes, seconds
+        self.kept, self.passes, self.seconds = _Average(), _Average(), _Average()
+        # acceptance per proposal, geometric: accepted proposals against drafts cut by a rejection (recent first)
+        self.ok, self.cut = _Average(), _Average()
+        self.gap = 1  # AR runs before the next probe draft, doubled after each probe that did not pay
+        self.runs_since_draft = 0
+        self.ar_steps_done = 0
+        if prior is not None:  # the last answer's view of the drafts, as one observation's weight
+            for name in ("ar_step", "kept", "passes", "seconds", "ok", "cut"):
+                src = getattr(prior, name)
+                if src.value is not None:
+                    getattr(self, name).add(src.value)
+            self.gap = prior.gap
+            self.runs_since_draft = prior.runs_since_draft
+
+    # ---- what the decoder reports ------------------------------------------------------------------------------
+    def observe_ar(self, steps: int, seconds: float) -> None:
+        """A run of `steps` AR steps that took `seconds` (the steps alone)."""
+        if steps:
+            self.ar_step.add(seconds / steps)
+        self.ar_steps_done += steps
+        self.runs_since_draft += 1
+
+    def observe_draft(self, kept: int, proposed: int, accepted: int, passes: int, seconds: float,
+                      probe: bool) -> None:
+        """A draft-self block: `kept` tokens yielded (pending + accepted), `proposed` draft tokens checked, of them
+        `accepted`, after `passes` block passes, in `seconds` (its block passes, verification and rollback)."""
+        self.kept.add(kept, DRAFT_DECAY)
+        self.passes.add(passes, DRAFT_DECAY)
+        self.seconds.add(seconds, DRAFT_DECAY)
+        self.ok.add(accepted, DRAFT_DECAY)
+        self.cut.add(1.0 if accepted < proposed else 0.0, DRAFT_DECAY)
+        self.runs_since_draft = 0
+        if probe:  # did it pay? a probe that did not waits twice as long for the next one
+            paid = self.draft_rate() is not None and self.ar_rate() is not None and \
+                self.draft_rate() >= self.ar_rate()
+            self.gap = 1 if paid else min(PROBE_MAX, self.gap * 2)
+
+    # ---- estimates ---------------------------------------------------------------------------------------------
+    def ar_step_seconds(self) -> float | None:
+        """Measured AR steps (their host work included), else the causal pass line at one row."""
+        return self.ar_step.value if self.ar_step.value is not None else self.costs.predict("causal", 1)
+
+    def ar_rate(self) -> float | None:
+        t = self.ar_step_seconds()
+        return 1.0 / t if t else None
+
+    def acceptance(self) -> float:
+        """Per-proposal acceptance under a geometric model: accepted / (accepted + rejections); 0.5 unknown."""
+        if self.ok.value is None:
+            return 0.5
+        denom = self.ok.value + self.cut.value
+        return self.ok.value / denom if denom > 0 else 1.0
+
+    def expected_tokens(self, length: int) -> float:
+        """Tokens a fully drafted block of `length` is expected to yield: the pending token plus the accepted
+        proposals, sum over i < length of acceptance^i."""
+        a = self.acceptance()
+        return float(length) if a >= 1.0 else (1.0 - a ** length) / (1.0 - a)
+
+    def draft_rate(self) -> float | None:
+        """Tokens per second of drafts: measured (the averages of this answer's drafts), else predicted from pass
+        costs and the acceptance; None while the block pass was never timed."""
+        if self.kept.value is not None and self.seconds.value:
+            return self.kept.value / self.seconds.value
+        t = self.predict_draft_seconds()
+        return self.expected_tokens(self.block_size) / t if t else None
+
+    def predict_draft_seconds(self) -> float | None:
+        t_block = self.costs.predict("block", self.block_size)
+        t_verify = self.costs.predict("causal", self.block_size)
+        if t_block is None or t_verify is None:
+            return None
+        passes = self.passes.value if self.passes.value is not None else PROBE_PASSES
+        t_rb = self.costs.predict("rollback", max(1, round(self.expected_tokens(self.block_size)))) or 0.0
+        return passes * t_block + t_verify + (1.0 - self.acceptance() ** (self.block_size - 1)) * t_rb
+
+    def best_draft_rate(self) -> float | None:
+        """Tokens per second of the best draft there can be: one block pass, every proposal accepted."""
+        t_block = self.costs.predict("block", self.block_size)
+        t_verify = self.costs.predict("causal", self.block_size)
+        if t_block is None or t_verify is None:
+            return None
+        return self.block_size / (t_block + t_verify) if t_block + t_verify > 0 else None
+
+    def max_passes(self) -> int:
+        """Block passes a draft may take: while block passes were never timed, PROBE_PASSES; else as many as the AR
+        steps for the draft's expected tokens pay for, its verification taken off (at least 1, at most block_size
+        - 1: one pass fills at least one position)."""
+        t_block = self.costs.predict("block", self.block_size)
+        t_ar = self.ar_step_seconds()
+        if t_block is None or t_ar is None or t_block <= 0:
+            return PROBE_PASSES
+        t_verify = self.costs.predict("causal", self.block_size) or t_ar
+        budget = self.expected_tokens(self.block_size) * t_ar - t_verify
+        return int(max(1, min(self.block_size - 1, budget // t_block)))
+
+    # ---- the choice --------------------------------------------------------------------------------------------
+    def plan(self) -> Plan:
+        ar, draft = self.ar_rate(), self.draft_rate()
+        if ar is None:  # the AR step was never timed on this device: time it (AR steps are never a loss)
+            return Plan("ar", steps=FIRST_AR_STEPS, predicted_tok_s=None)
+        if draft is None:  # block passes never timed: a short probe draft
+            return Plan("draft", max_passes=PROBE_PASSES, probe=True, predicted_tok_s=None)
+        if draft >= ar:
+            return Plan("draft", max_passes=self.max_passes(), predicted_tok_s=draft)
+        best = self.best_draft_rate()
+        gap = COST_PROBE_GAP if best is not None and best < ar else self.gap
+        if self.runs_since_draft >= gap:
+            return Plan("draft", max_passes=1 if gap == COST_PROBE_GAP else self.max_passes(), probe=True,
+                        predicted_tok_s=draft)
+        return Plan("ar", steps=self.ar_run, predicted_tok_s=ar)
