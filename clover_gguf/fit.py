@@ -297,6 +297,7 @@ class FitResult:
     notes: list[str] = field(default_factory=list)
     llama_fit: str | None = None
     measured: dict[str, int] | None = None
+    pass_costs: dict[str, dict[str, float]] | None = None  # --measure: ms per pass by kind and rows (auto.PassCosts)
 
     def to_json(self) -> dict:
         out = {"fits": self.fits, "gpu_layers": self.gpu_layers, "n_cpu_moe": self.n_cpu_moe, "ctx": self.ctx,
@@ -309,6 +310,8 @@ class FitResult:
             out["llama_fit_params"] = self.llama_fit
         if self.measured is not None:
             out["measured"] = dict(self.measured)
+        if self.pass_costs is not None:
+            out["pass_ms"] = self.pass_costs
         return out
 
     def format(self) -> str:
@@ -340,6 +343,8 @@ class FitResult:
         lines += [f"note     {n}" for n in self.notes]
         if self.llama_fit is not None:
             lines.append(f"llama.cpp's own fit (llama-fit-params): {self.llama_fit}")
+        if self.pass_costs is not None:
+            lines.append(f"passes   {passes_line(self.pass_costs)}")
         lines.append(f"run      {self.command}")
         return "\n".join(lines)
 
@@ -509,12 +514,33 @@ def check_slots(parallel: int, breakdown: dict[str, dict[str, int]], host_bytes:
 
 
 # ---- measuring ------------------------------------------------------------------------------------------------
-def measure(model: Model, result: FitResult, setup: Setup) -> dict[str, int]:
+def passes_line(ms: dict[str, dict[str, float]]) -> str:
+    """--measure's pass costs for a person: the AR step, the largest causal and block passes timed, and what a draft
+    must yield to pay on this machine (auto's rule: clover_gguf.auto)."""
+    def largest(kind: str) -> tuple[int, float] | None:
+        rows = ms.get(kind, {})
+        return max(((int(r), v) for r, v in rows.items()), default=None)
+
+    ar = ms.get("causal", {}).get("1")
+    causal, block = largest("causal"), largest("block")
+    parts = [f"AR step {ar:.2f} ms" if ar is not None else "AR step not timed"]
+    if causal is not None and causal[0] > 1:
+        parts.append(f"{causal[0]}-token causal pass {causal[1]:.2f} ms")
+    if block is not None:
+        parts.append(f"{block[0]}-token block pass {block[1]:.2f} ms"
+                     + (f" ({block[1] / ar:.1f} AR steps)" if ar else ""))
+        if ar and causal is not None:
+            parts.append(f"a draft pays here from {(block[1] + causal[1]) / ar:.1f} tokens per block pass")
+    return ", ".join(parts)
+
+
+def measure(model: Model, result: FitResult, setup: Setup) -> tuple[dict[str, int], dict[str, dict[str, float]]]:
     """Load the model with the plan's settings, answer one short prompt in the plan's mode (a block pass in the
     block modes), and read what llama.cpp allocated: its buffer-size lines at load, and the compute size llama_free
     reports after the passes. The logits output buffer grows at the first call that asks for more rows than the
     sequences; a Release build of llama.cpp does not log that, so it is taken as rows x n_vocab floats with the
-    rows the run asked for (LlamaContext.max_outputs)."""
+    rows the run asked for (LlamaContext.max_outputs). Then a few AR steps (and, on a block-capable file, a draft)
+    time the passes auto chooses from. -> (bytes by part, ms per pass by kind and rows)."""
     from clover_gguf.llama_context import capture_llama_log
     from clover_gguf.llama_memory import buffer_sizes, is_host_buffer
     from clover_gguf.runtime import CloverRuntime
@@ -534,6 +560,10 @@ def measure(model: Model, result: FitResult, setup: Setup) -> dict[str, int]:
         new = {"ar": 4, "draft-self": 1}.get(mode, rt.block_size + 1)
         rt.generate("Hello", mode=mode, max_new_tokens=new, threshold=0.0, think=False)
         rows = rt.ctx.max_outputs
+        for m in ("ar", "draft-self") if rt.default_mode != "ar" else ("ar",):  # warm, then timed again
+            for _ in range(2):
+                rt.generate("Hello", mode=m, max_new_tokens=8, think=False)
+        costs = rt.pass_costs.to_json()
     finally:
         with capture_llama_log() as free_log:
             rt.close()
@@ -543,7 +573,7 @@ def measure(model: Model, result: FitResult, setup: Setup) -> dict[str, int]:
     return {"weights_device": sum(v for k, v in model_b.items() if not is_host_buffer(k)),
             "weights_host": sum(v for k, v in model_b.items() if is_host_buffer(k)),
             "kv": sum(at_load.get("KV", {}).values()), "recurrent": sum(at_load.get("RS", {}).values()),
-            "compute": sum((at_free.get("compute") or at_load.get("compute", {})).values()) + output}
+            "compute": sum((at_free.get("compute") or at_load.get("compute", {})).values()) + output}, costs
 
 
 # ---- llama.cpp's own fitting -------------------------------------------------------------------------------------
@@ -621,5 +651,5 @@ def fit(model_path: Path | None = None, config: Path | None = None, qtype: str |
             result.llama_fit = llama_fit_params(model, setup, ctx, min(ctx or _default_ctx(),
                                                                       model.shape.context_length))
         if do_measure:
-            result.measured = measure(model, result, setup)
+            result.measured, result.pass_costs = measure(model, result, setup)
     return result

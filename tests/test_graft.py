@@ -14,12 +14,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf import GGUFReader
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file
 
 from clover_gguf.convert import convert
 from clover_gguf.export import export_ar
 from clover_gguf.gguf_header import read_header
 from clover_gguf.tensor_map import CLOVER_EXTRA_RE
+from clover_gguf.testing.make_tiny import with_random_block_tensors
 
 BUNDLED = Path(__file__).resolve().parents[1] / "clover_gguf" / "assets" / "tiny-clover"
 
@@ -177,18 +178,7 @@ def test_check_block_holds_on_the_bundled_model_and_not_on_random_block_tensors(
     assert good["acceptance"] >= 0.95 and good["verdict"] == "holds" and good["drafted"] > 50
 
     # the same model with its block tensors replaced by random values (a wrong reading looks like this)
-    ck = tmp_path / "random-block"
-    ck.mkdir()
-    for f in BUNDLED.iterdir():
-        if f.name != "model.safetensors":
-            (ck / f.name).write_bytes(f.read_bytes())
-    rng = np.random.default_rng(0)
-    t = load_file(BUNDLED / "model.safetensors")
-    for k in t:
-        if k.rsplit(".", 1)[-1] in ("conv_right_weight", "bd_softmax_logit_scale", "bd_softmax_history_bias",
-                                     "bd_softmax_history_c"):
-            t[k] = rng.normal(0, 2.0, t[k].shape).astype(t[k].dtype)
-    save_file(t, ck / "model.safetensors")
+    ck = with_random_block_tensors(BUNDLED, tmp_path / "random-block")
     bad_gguf = tmp_path / "random.gguf"
     convert(ck, bad_gguf, outtype="f32", quiet=True)
     p = _cli("check-block", bad_gguf, "--prompts", prompts, "-n", "48", "--json")

@@ -242,6 +242,32 @@ def make_tiny(out: Path, seed: int = 0, preset: str = "tiny", dtype: str | None 
     return cfg
 
 
+def with_random_block_tensors(src: Path, out: Path, seed: int = 0, std: float = 2.0) -> Path:
+    """A copy of the single-shard checkpoint `src` whose block-mode tensors (tensor_map's clover_extra rules) are
+    drawn from N(0, std): what running real weights under a reading that does not fit them looks like (the block
+    path proposes noise; the causal path is untouched). -> out."""
+    from safetensors.numpy import load_file, save_file
+
+    from clover_gguf.tensor_map import match_rule
+
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.name != "model.safetensors":
+            (out / f.name).write_bytes(f.read_bytes())
+    rng = np.random.default_rng(seed)
+    tensors = load_file(src / "model.safetensors")
+    n = 0
+    for name, t in tensors.items():
+        hit = match_rule(name)
+        if hit is not None and hit[0].clover_extra:
+            tensors[name] = rng.normal(0.0, std, t.shape).astype(t.dtype)
+            n += 1
+    if not n:
+        raise ValueError(f"{src} has no block-mode tensors")
+    save_file(tensors, out / "model.safetensors")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m clover_gguf.testing.make_tiny", description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
