@@ -45,8 +45,8 @@ def bench_model(label: str, gguf: Path, prompts: list[str], max_new: int, rounds
         for m in MODES:  # warm-up (a fresh process's first calls cost more than a pass)
             runtimes[m].generate(prompts[0], mode=m, max_new_tokens=8)
         for r in range(rounds):
-            for p in prompts:
-                for m in MODES:
+            for i, p in enumerate(prompts):
+                for m in MODES[i % len(MODES):] + MODES[:i % len(MODES)]:  # no mode always runs after another
                     t0 = time.perf_counter()
                     a = runtimes[m].generate(p, mode=m, max_new_tokens=max_new)
                     row, st = rows[m], a.stats

@@ -439,18 +439,25 @@ def test_metrics_and_slots(server, prompts):
     assert httpx.get(server.base + "/slots", timeout=10).status_code == 401
     server.wait_idle()
     before = _metrics(server)
-    answers = [_ask(server.client(), p, mode=m, max_tokens=16) for p, m in zip(prompts[:2], ("ar", "draft-self"))]
+    modes = ("ar", "draft-self", "auto")
+    answers = [_ask(server.client(), p, mode=m, max_tokens=16) for p, m in zip(prompts[:3], modes)]
     server.wait_idle()
     after = _metrics(server)
 
     def delta(name: str) -> float:
         return after.get(name, 0) - before.get(name, 0)
 
-    for a, m in zip(answers, ("ar", "draft-self")):
+    for a, m in zip(answers, modes):
         st = a.model_extra["clover_stats"]
         assert st["mode"] == m
-    assert sum(delta(f'clover_requests_total{{mode="{m}",finish="{f}"}}') for m in ("ar", "draft-self")
-               for f in ("stop", "length")) == 2
+    assert sum(delta(f'clover_requests_total{{mode="{m}",finish="{f}"}}') for m in modes
+               for f in ("stop", "length")) == 3
+    # what auto chose, as its stats say and /metrics counts
+    auto = answers[2].model_extra["clover_stats"]
+    assert auto["ar_steps"] + auto["drafts"] > 0 and auto["measured_tokens_per_s"] > 0
+    for field in ("ar_steps", "drafts", "block_passes"):
+        assert delta(f'clover_{field}_total{{mode="auto"}}') == auto[field], field
+    assert delta('clover_auto_measured_seconds_total{mode="auto"}') > 0
     assert delta('clover_generated_tokens_total{mode="ar"}') == answers[0].usage.completion_tokens
     assert delta('clover_forward_passes_total{mode="draft-self"}') == \
         answers[1].model_extra["clover_stats"]["forward_passes"]
