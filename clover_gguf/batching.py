@@ -13,6 +13,11 @@ them:
 A prompt goes in chunks of at most `prefill_chunk` tokens, one per step, so it does not stall the others.
 Memory operations (sequence copies and removals) run at once, under the same lock as the decodes.
 
+Each pass is charged its share of the llama_decode it ran in (by tokens: an AR step decoded with seven others costs
+an eighth of that decode, a block pass its own decode), and a slot's `cost_clock` adds up its charges: auto
+(clover_gguf.auto) times a slot's passes on it, so with several busy slots AR steps cost what they add to the shared
+step while a draft's block passes cost their whole decodes, and each slot's choice weighs that (docs/serve.md).
+
 Sequences: slot i owns `seqs_per_slot` consecutive sequence ids from i * seqs_per_slot (runtime.SEQ_*); a SlotContext
 translates them, so the runtime's code is the same as with a context of its own (docs/serve.md)."""
 
@@ -37,7 +42,7 @@ class _Pass:
     """One pass a slot handed in: a causal part (ids, first position, sequence, gather or None) whose only row, if
     any, is its last token's, which can share a decode with other slots' parts; or a call to run alone."""
 
-    __slots__ = ("part", "fn", "result", "error", "done")
+    __slots__ = ("part", "fn", "result", "error", "done", "seconds")
 
     def __init__(self, part: tuple[list[int], int, int, Gather | None] | None = None,
                  fn: Callable[[], Any] | None = None):
@@ -47,6 +52,11 @@ class _Pass:
         # set when the pass ran: each slot waits on its own pass, so a step wakes the slots it served and a pass
         # handed in wakes the scheduler alone (one shared condition woke every waiting slot at each)
         self.done = threading.Event()
+        self.seconds = 0.0  # its share of the llama_decode it ran in
+
+    @property
+    def tokens(self) -> int:
+        return len(self.part[0]) if self.part is not None else 1
 
     def finish(self, result: Any = None, error: BaseException | None = None) -> None:
         self.result, self.error = result, error
@@ -189,13 +199,16 @@ class Scheduler:
 
     def _finish(self, passes: list[_Pass], fn: Callable[[], list[Any]]) -> None:
         self.decodes += 1
+        t0 = time.perf_counter()
         try:
             results = fn()
         except BaseException as e:  # every pass of the decode fails with it; the server answers 500 for each
             for p in passes:
                 p.finish(error=e)
         else:
+            took, tokens = time.perf_counter() - t0, sum(p.tokens for p in passes)
             for p, r in zip(passes, results):
+                p.seconds = took * p.tokens / tokens
                 p.finish(result=r)
 
 
@@ -210,6 +223,11 @@ class SlotContext:
         self._closed = False
         self._cancelled: Callable[[], bool] | None = None
         self._serving = self._joined = False  # inside serving(); counted by the scheduler's steps
+        self.charged = 0.0  # seconds of llama_decode charged to this slot's passes (cost_clock)
+
+    def cost_clock(self) -> float:
+        """The seconds of llama.cpp work this slot's passes were charged so far (module doc): auto's clock."""
+        return self.charged
 
     def __getattr__(self, name: str) -> Any:  # the tokenizer, metadata and sizes of the shared context
         return getattr(self._shared, name)
@@ -242,7 +260,10 @@ class SlotContext:
         if self._serving and not self._joined:
             self._joined = True
             self.scheduler.join()
-        return self.scheduler.run(p)
+        try:
+            return self.scheduler.run(p)
+        finally:
+            self.charged += p.seconds
 
     def memory_breakdown(self) -> dict[str, dict[str, int]]:
         """The shared context's (all slots')."""

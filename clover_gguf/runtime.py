@@ -625,7 +625,8 @@ class CloverRuntime:
         for chunk in decoding.generate(self.backend, ids, mode=mode, max_new_tokens=max_new_tokens,
                                        block_size=block_size, threshold=self.threshold if threshold is None else threshold,
                                        accept=accept, sampler=sampler, logits_processors=procs, stats=stats,
-                                       end_rule=end_rule, costs=self.pass_costs, policy=policy):
+                                       end_rule=end_rule, costs=self.pass_costs, policy=policy,
+                                       clock=getattr(self.ctx, "cost_clock", time.perf_counter)):
             now = time.perf_counter()
             if chunk.tokens and stats.time_to_first_token_s is None:
                 stats.time_to_first_token_s = now - t0

@@ -3,6 +3,7 @@ is prefilled in chunks between the others' steps, and every request's greedy ans
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -138,3 +139,19 @@ def test_a_cancelled_request_stops_between_prompt_chunks_and_the_slot_serves_on(
     finally:
         for rt in rts:
             rt.close()
+
+
+def test_a_decode_is_charged_to_its_passes_by_their_tokens():
+    """auto's clock in serve (SlotContext.cost_clock): a shared decode costs each pass its share by tokens, a pass
+    alone its whole decode."""
+    from clover_gguf.batching import Scheduler, _Pass
+
+    sched = Scheduler.__new__(Scheduler)  # _finish alone: no context, no thread
+    sched.decodes = 0
+    shared = [_Pass(part=([5], 0, 0, None)), _Pass(part=([1, 2, 3], 0, 1, None))]
+    sched._finish(shared, lambda: (time.sleep(0.08), [1, 2])[1])
+    assert shared[1].seconds == pytest.approx(3 * shared[0].seconds)
+    assert shared[0].seconds + shared[1].seconds >= 0.08
+    alone = [_Pass(fn=lambda: None)]
+    sched._finish(alone, lambda: (time.sleep(0.02), [0])[1])
+    assert alone[0].seconds >= 0.02
