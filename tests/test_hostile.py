@@ -1139,3 +1139,182 @@ def test_serve_refuses_slots_that_cannot_fit(base, tmp_path):
     before = snapshot(tmp_path)
     p = clover("serve", model, "--port", "0", "--ctx", "64", "--parallel", "1000000")
     assert_refused(p, before, tmp_path, "--parallel 1000000 cannot fit")
+
+
+# ---- issue 37: graft from folders and from a misbehaving hub, check-block prompt files, convert's side files, ------
+# ---- serve's empty key --------------------------------------------------------------------------------------------
+INDEX = "model.safetensors.index.json"
+BLOCK_SUFFIXES = ("conv_right_weight", "bd_softmax_logit_scale", "bd_softmax_history_bias", "bd_softmax_history_c")
+
+
+@pytest.fixture(scope="session")
+def official(base, tmp_path_factory) -> Path:
+    """The base model without its block tensors (what upstream's converter writes): graft's input."""
+    from clover_gguf.export import export_ar
+
+    out = tmp_path_factory.mktemp("hostile-official") / "ar.gguf"
+    export_ar(base["gguf"], out, quiet=True)
+    return out
+
+
+def _tensors(fn: Callable[[dict], None]) -> Callable[[Work], None]:
+    """Rewrite the shard with fn applied to its {name: array} (safetensors' own writer: a well-formed file)."""
+    def apply(w: Work) -> None:
+        from safetensors.numpy import load_file, save_file
+
+        t = load_file(w.shard())
+        fn(t)
+        save_file(t, w.shard())
+    return apply
+
+
+def _set_block(name: str, value: float) -> Callable[[Work], None]:
+    def fn(t: dict) -> None:
+        t[name] = np.full_like(t[name], value)
+    return _tensors(fn)
+
+
+def _block_on_attention_layer(t: dict) -> None:
+    # layer 3 is the tiny model's full-attention layer
+    t["model.layers.3.linear_attn.conv_right_weight"] = t["model.layers.0.linear_attn.conv_right_weight"].copy()
+
+
+def _index(values) -> Callable[[Work], None]:
+    """An index whose weight_map gives every tensor the shard name `values`."""
+    def apply(w: Work) -> None:
+        index = {"metadata": {}, "weight_map": {n: values for n in _shard_names(w.shard())}}
+        (w.ck / INDEX).write_text(json.dumps(index))
+    return apply
+
+
+def _gen(**changes) -> Callable[[Work], None]:
+    return lambda w: w.edit_json("generation_config.json", lambda d: d.update(changes))
+
+
+def _gen_raw(key: str, text: str) -> Callable[[Work], None]:
+    """A generation_config.json value written as raw JSON text (1e400: what json.dumps cannot write)."""
+    def apply(w: Work) -> None:
+        p = w.ck / "generation_config.json"
+        p.write_text(p.read_text().rstrip().rstrip("}").rstrip() + f', "{key}": {text}}}')
+    return apply
+
+
+DEEP = "[" * 100_000 + "]" * 100_000
+LOGIT_SCALE = "model.layers.0.linear_attn.bd_softmax_logit_scale"
+RIGHT_CONV = "model.layers.0.linear_attn.conv_right_weight"
+# breakers both convert and graft (from a folder) must refuse: item -> (breaker, words)
+SIDE_FILE_CASES: dict[str, tuple[Callable[[Work], None], str]] = {
+    # 3: one index reader
+    "index-shard-5": (_index(5), "names a shard 5"),
+    "index-shard-null": (_index(None), "names a shard None"),
+    "index-shard-list": (_index(["model.safetensors"]), "names a shard ["),
+    "index-100000-deep": (_write(INDEX, DEEP.encode()), "nested too deeply"),
+    # 4: non-finite or absurd block tensors, in and out of their transform
+    "block-nan": (_set_block(RIGHT_CONV, float("nan")), "NaN or infinite"),
+    "block-inf": (_set_block("model.layers.1.linear_attn.bd_softmax_history_bias", float("inf")), "NaN or infinite"),
+    "block-minus-inf": (_set_block("model.layers.2.linear_attn.bd_softmax_history_c", float("-inf")),
+                        "NaN or infinite"),
+    "block-1e30": (_set_block(RIGHT_CONV, 1e30), "beyond +-65504"),
+    "logit-scale-1000": (_set_block(LOGIT_SCALE, 1000.0), "stored as exp(value)"),
+    # 7: a block tensor on a full-attention layer
+    "block-on-attention-layer": (_tensors(_block_on_attention_layer), "layer_types makes layer 3 full_attention"),
+}
+# 7: convert alone writes generation_config.json's sampling keys (general.sampling.*)
+CONVERT37_CASES: dict[str, tuple[Callable[[Work], None], str]] = {
+    "temperature-hot": (_gen(temperature="hot"), "temperature"),
+    "top-k-string": (_gen(top_k="5"), "top_k"),
+    "top-p-string": (_gen(top_p="0.9"), "top_p"),
+    "min-p-list": (_gen(min_p=[]), "min_p"),
+    "temperature-1e400": (_gen_raw("temperature", "1e400"), "temperature"),
+    "top-p-7": (_gen(top_p=7), "top_p must be in [0, 1]"),
+    "mirostat-3": (_gen(mirostat=3), "mirostat"),
+    "presence-penalty-1e300": (_gen(presence_penalty=1e300), "presence_penalty"),
+}
+
+
+@pytest.mark.parametrize("case", list(SIDE_FILE_CASES) + list(CONVERT37_CASES))
+def test_convert_refuses_bad_side_files_and_block_tensors(base, tmp_path, case):
+    breaker, words = {**SIDE_FILE_CASES, **CONVERT37_CASES}[case]
+    w = Work(tmp_path, base)
+    breaker(w)
+    before = snapshot(tmp_path)
+    assert_refused(clover(*w.convert()), before, tmp_path, words)
+
+
+def _graft(w: Work, official: Path, source, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return clover("graft", official, "--from", source, "-o", w.out, "--quiet", env=env)
+
+
+GRAFT_FOLDER_CASES: dict[str, tuple[Callable[[Work], None], str]] = {
+    **SIDE_FILE_CASES,
+    # 2: a checkpoint that is not the file's model
+    "two-layer-config": (_cfg(num_hidden_layers=2, layer_types=["linear_attention"] * 2), "has 4 blocks"),
+    "layer-pattern-differs": (_cfg(layer_types=["linear_attention", "linear_attention", "full_attention",
+                                                "linear_attention"]), "layer 2 is linear_attention in the file"),
+}
+
+
+@pytest.mark.parametrize("case", list(GRAFT_FOLDER_CASES))
+def test_graft_from_a_folder_refuses(base, official, tmp_path, case):
+    breaker, words = GRAFT_FOLDER_CASES[case]
+    w = Work(tmp_path, base)
+    breaker(w)
+    shutil.copy(official, tmp_path / "ar.gguf")
+    before = snapshot(tmp_path)
+    assert_refused(_graft(w, tmp_path / "ar.gguf", w.ck), before, tmp_path, words)
+
+
+def test_graft_from_a_folder_writes_what_convert_writes(base, official, tmp_path):
+    """The good case beside the table: the grafted file has the converted file's block tensors, value for value."""
+    from gguf import GGUFReader
+
+    w = Work(tmp_path, base)
+    p = _graft(w, official, w.ck)
+    assert p.returncode == 0, p.stderr
+    got = {t.name: np.array(t.data) for t in GGUFReader(w.out).tensors}
+    want = {t.name: np.array(t.data) for t in GGUFReader(base["gguf"]).tensors}
+    assert set(got) == set(want)
+    assert all(np.array_equal(got[n], want[n]) for n in want)
+
+
+# ---- 6. check-block: prompt files ----------------------------------------------------------------------------------
+CHECK_BLOCK_ROWS = {
+    "prompt-5": '{"prompt": 5}',
+    "prompt-null": '{"prompt": null}',
+    "prompt-list": '{"prompt": ["a"]}',
+    "prompt-nan": '{"prompt": NaN}',
+    "row-a-list": '[1, 2]',
+    "content-null": '{"messages": [{"role": "user", "content": null}]}',
+    "content-list": '{"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}',
+    "messages-null": '{"messages": null}',
+    "message-a-string": '{"messages": ["hi"]}',
+    "row-100000-deep": DEEP,
+}
+
+
+@pytest.mark.parametrize("case", list(CHECK_BLOCK_ROWS))
+def test_check_block_refuses_bad_prompt_rows(base, tmp_path, case):
+    model = Work(tmp_path, base).gguf
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "What is 2 + 3?"}\n' + CHECK_BLOCK_ROWS[case] + "\n")
+    before = snapshot(tmp_path)
+    assert_refused(clover("check-block", model, "--prompts", prompts), before, tmp_path, "row 2")
+
+
+# ---- 1. serve: the API key -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("argv,env", [
+    (["--api-key", ""], {}),
+    ([], {"CLOVER_GGUF_API_KEY": ""}),
+    (["--host", "0.0.0.0", "--api-key", ""], {}),
+], ids=["option", "environment", "open-host"])
+def test_serve_refuses_an_empty_api_key(base, tmp_path, argv, env):
+    model = Work(tmp_path, base).gguf
+    before = snapshot(tmp_path)
+    assert_refused(clover("serve", model, "--port", "0", *argv, env=env), before, tmp_path, "API key is empty")
+
+
+def test_serve_refuses_an_api_key_no_client_sends_alike(base, tmp_path):
+    model = Work(tmp_path, base).gguf
+    before = snapshot(tmp_path)
+    for key in ("cl\u00e9", "two words", "\u4f60\u597d"):
+        assert_refused(clover("serve", model, "--port", "0", "--api-key", key), before, tmp_path, "printable ASCII")
