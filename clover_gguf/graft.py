@@ -10,6 +10,7 @@ writes for block mode (convert.block_mode_keys). The output appears whole or not
 
 from __future__ import annotations
 
+import os
 import re
 import resource
 import sys
@@ -80,12 +81,17 @@ class HubSource:
 
     def __init__(self, repo_id: str, revision: str | None = None):
         check_repo_id(repo_id)
+        from clover_gguf.http_range import RangeReader, check_url
+
+        if "HF_ENDPOINT" in os.environ:  # huggingface_hub parses it on import: a bad one would be its traceback
+            check_url(os.environ["HF_ENDPOINT"], "the Hub endpoint ($HF_ENDPOINT)")
         try:
             from huggingface_hub import constants, hf_hub_url
             from huggingface_hub.utils import build_hf_headers
         except ImportError:
             raise UserError("reading a checkpoint from the Hub needs huggingface_hub: pip install 'clover-gguf[hub]'") from None
-        from clover_gguf.http_range import RangeReader
+        except ValueError as e:
+            raise UserError(f"huggingface_hub refuses its settings: {str(e).splitlines()[0]}") from None
 
         self.repo_id, self.revision = repo_id, revision
         self.label = repo_id

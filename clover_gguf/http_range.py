@@ -96,8 +96,8 @@ class RangeReader:
             headers["Range"] = f"bytes={rng[0]}-{rng[0] + rng[1] - 1}"
         for _ in range(MAX_REDIRECTS + 1):
             parts = check_url(url, f"{where}: the URL")
-            if _origin(parts) != self.origin:
-                headers.pop("Authorization", None)  # the token stays on the endpoint's host
+            if _origin(parts) != self.origin:  # the token stays on the endpoint's scheme, host and port
+                headers = {k: v for k, v in headers.items() if k.lower() not in ("authorization", "cookie")}
             status, hdrs, body, location = self._exchange(parts, headers, where, cap, rng is not None)
             if status in REDIRECTS:
                 if not location:
@@ -166,6 +166,8 @@ class RangeReader:
         try:
             conn.request("GET", path, headers=headers)
             r = conn.getresponse()
+            if expired.is_set():  # the headers ended because the watchdog shut the socket
+                raise self._late(where)
             if r.status in REDIRECTS or r.status == 404 or (ranged and r.status != 206) or \
                     (not ranged and r.status != 200):
                 return r.status, r.headers, b"", r.headers.get("Location")
@@ -176,14 +178,17 @@ class RangeReader:
             body = bytearray()
             while True:
                 chunk = r.read1(CHUNK)
+                if expired.is_set():
+                    raise self._late(where)
                 if not chunk:
                     break
                 body += chunk
                 self.bytes_read += len(chunk)
                 if len(body) > cap:
                     raise UserError(f"{where}: the server sends more than the {cap} bytes this read takes")
-                if expired.is_set():
-                    raise self._late(where)
+            if length is not None and len(body) != int(length):
+                raise UserError(f"{where}: the server's answer was cut short ({len(body)} of the {int(length)} "
+                                "bytes it announced)")
             return r.status, r.headers, bytes(body), None
         except UserError:
             raise
