@@ -1595,3 +1595,29 @@ def test_graft_refuses_a_bad_repo_id_or_endpoint(base, official, tmp_path, name,
         env = _hub_env("http://127.0.0.1:9", CLOVER_GGUF_HUB_TIMEOUT="\u00b2")
     before = snapshot(tmp_path)
     assert_refused(_graft(w, official, spec, env=env), before, tmp_path, words)
+
+
+def test_a_stop_string_that_is_not_utf8_is_a_400():
+    """A lone surrogate in a stop string ("\\ud800" in the JSON) can never match any output: 400, as for the prompt
+    (docs/serve.md). Also in the table of tests/test_hostile_serve.py, through a running server."""
+    pytest.importorskip("fastapi")
+    from clover_gguf.server import APIError, _models, plan_from
+
+    chat, completion = _models()
+    for stop in ("\ud800", ["ok", "a\udfffb"]):
+        for req, is_chat in ((chat(messages=[{"role": "user", "content": "hi"}], stop=stop), True),
+                             (completion(prompt="hi", stop=stop), False)):
+            with pytest.raises(APIError) as e:
+                plan_from(req, is_chat, "ar")
+            assert e.value.status == 400 and e.value.param == "stop" and "not valid UTF-8" in e.value.message
+
+
+def test_the_key_middleware_takes_no_empty_or_non_ascii_key():
+    """create_app and serve check the key first (above, through the CLI); the middleware itself never runs with a key
+    that would let everyone in or that clients send as different bytes."""
+    from clover_gguf.errors import UserError
+    from clover_gguf.server import RequireKey
+
+    for key in ("", "cl\u00e9", " key"):
+        with pytest.raises(UserError):
+            RequireKey(None, key)
