@@ -1434,7 +1434,7 @@ def _empty_206(hub, h, name, data, start, end, rng) -> bool:
 def _superscript_total(hub, h, name, data, start, end, rng) -> bool:
     if not rng:
         return False
-    hub.send(h, 206, data[start:end + 1], {"Content-Range": f"bytes {start}-{end}/\u00b2".encode().decode("latin-1")})
+    hub.send(h, 206, data[start:end + 1], {"Content-Range": f"bytes {start}-{end}/\u00b2"})  # latin-1 byte 0xB2
     return True
 
 
