@@ -85,8 +85,7 @@ class RangeReader:
     def range(self, url: str, name: str, start: int, n: int, total: int | None = None) -> tuple[bytes, int] | None:
         """Bytes start..start+n-1 and the file's size (None: 404; (b"", 0) for an empty file). `total`: the size
         an earlier read reported, which this answer must repeat."""
-        got = self._get(url, name, (start, n, total), n)
-        return got
+        return self._get(url, name, (start, n, total), n)
 
     # ---- one exchange, redirects followed -----------------------------------------------------------------------
     def _get(self, url: str, name: str, rng: tuple[int, int, int | None] | None, cap: int):
@@ -111,6 +110,9 @@ class RangeReader:
                rng: tuple[int, int, int | None] | None, cap: int):
         if status == 404:
             return None
+        if status in (401, 403):
+            raise UserError(f"{where}: the server answered {status} (a gated or private repo needs a token: "
+                            "`huggingface-cli login` or $HF_TOKEN)")
         if rng is None:
             if status != 200:
                 raise UserError(f"{where}: the server answered {status}, not 200 with the file")
