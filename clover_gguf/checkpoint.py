@@ -61,7 +61,6 @@ def normalise_name(name: str) -> str | None:
 
 
 INDEX = "model.safetensors.index.json"
-MAX_INDEX_BYTES = 64 * 2**20  # the 35B's index is about 2 MB (every expert of every layer named)
 
 
 def parse_index(blob: bytes, where: str) -> dict[str, str]:
@@ -92,9 +91,11 @@ def list_shards(src: Path) -> list[Path]:
         raise UserError(f"not a checkpoint folder: {src}")
     index = src / INDEX
     if index.is_file():
+        from clover_gguf.config import MAX_JSON_BYTES
+
         try:
-            if index.stat().st_size > MAX_INDEX_BYTES:
-                raise UserError(f"{index} is over {MAX_INDEX_BYTES >> 20} MiB: not a safetensors index")
+            if index.stat().st_size > MAX_JSON_BYTES:
+                raise UserError(f"{index} is over {MAX_JSON_BYTES >> 20} MiB: not a safetensors index")
             blob = index.read_bytes()
         except OSError as e:
             raise UserError(f"cannot read {index}: {e.strerror or e}") from None

@@ -39,6 +39,9 @@ MAX_BLOCK = 4096  # a diffusion block: one block pass holds it in a single ubatc
 MAX_CONTEXT = 2**24
 MAX_U32 = 2**32 - 1
 MAX_I32 = 2**31 - 1
+# a checkpoint's JSON side file (config, generation config, safetensors index; the 35B's index is about 2 MB, every
+# expert of every layer named): a larger one is refused before it is read whole
+MAX_JSON_BYTES = 64 * 2**20
 MAX_F32 = 3.4028234663852886e38  # the largest float32: a larger value is written to the GGUF as inf
 REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
             "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",

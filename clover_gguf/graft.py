@@ -22,16 +22,13 @@ from typing import Any, Callable
 import numpy as np
 
 from clover_gguf.checkpoint import INDEX, SAFETENSORS_DTYPES, normalise_name, parse_index, parse_shard_header
-from clover_gguf.config import CloverConfig, generation_defaults, parse_json
+from clover_gguf.config import MAX_JSON_BYTES, CloverConfig, generation_defaults, parse_json
 from clover_gguf.errors import UserError
 from clover_gguf.metadata import ARCH, GenerationDefaults, MASK_TOKEN_ID, hparam
 from clover_gguf.tensor_map import TENSOR_RULES, match_rule
 
 SINGLE = "model.safetensors"
 BLOCK_RULES = [r for r in TENSOR_RULES if r.clover_extra]
-
-
-MAX_JSON_BYTES = 64 * 2**20  # config.json, generation_config.json, the index: a few KB to 2 MB in the 35B
 
 
 class LocalSource:
