@@ -77,21 +77,36 @@ def read_prompts(path: Path) -> list[str]:
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"cannot read the prompts file {path}: {getattr(e, 'strerror', None) or e}") from None
     if Path(path).suffix == ".jsonl":
-        import json
+        from clover_gguf.config import parse_json
 
         prompts = []
         for i, line in enumerate(l for l in text.splitlines() if l.strip()):
-            try:
-                row = json.loads(line)
-                prompts.append(row["prompt"] if "prompt" in row else
-                               [m for m in row["messages"] if m["role"] == "user"][-1]["content"])
-            except (ValueError, KeyError, IndexError, TypeError):
-                raise UserError(f"{path}: row {i + 1} has no prompt") from None
+            where = f"{path}: row {i + 1}"
+            prompt = _row_prompt(parse_json(line.encode("utf-8", "surrogatepass"), where, "a JSON row"))
+            if prompt is None:
+                raise UserError(f"{where} has no prompt (a \"prompt\" string, or \"messages\" whose last user "
+                                "message has string content)")
+            prompts.append(prompt)
     else:
         prompts = [l.strip() for l in text.splitlines() if l.strip()]
     if not prompts:
         raise UserError(f"{path} holds no prompt")
     return prompts
+
+
+def _row_prompt(row: Any) -> str | None:
+    """A JSONL row's prompt: its "prompt" string, or the content string of the last "user" message of its
+    "messages" list; None when it has neither (a number, null, NaN, a list, content parts)."""
+    if not isinstance(row, dict):
+        return None
+    if "prompt" in row:
+        prompt = row["prompt"]
+    else:
+        messages = row.get("messages")
+        users = [m for m in messages if isinstance(m, dict) and m.get("role") == "user"] \
+            if isinstance(messages, list) else []
+        prompt = users[-1].get("content") if users else None
+    return prompt if isinstance(prompt, str) else None
 
 
 def check_block(model: Path, prompts: Path | None = None, max_new_tokens: int = 128, n_ctx: int | None = None,

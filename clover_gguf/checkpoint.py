@@ -12,7 +12,7 @@ import mmap
 import re
 import struct
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Callable
 
 import numpy as np
@@ -60,30 +60,46 @@ def normalise_name(name: str) -> str | None:
     return name
 
 
-def _shard_path(src: Path, name: Any, index: Path) -> Path:
-    """A shard named in the index: a plain relative path inside the checkpoint folder. Shards may be links
-    (the Hugging Face cache links them to its blobs), so the name is checked, not where it resolves to."""
-    if not isinstance(name, str) or not name:
-        raise UserError(f"{index.name} names a shard {name!r}: shard names are file names")
-    rel = Path(name)
-    if rel.is_absolute() or ".." in rel.parts:
-        raise UserError(f"{index.name} names a shard outside the checkpoint folder: {name}")
-    return src / rel
+INDEX = "model.safetensors.index.json"
+
+
+def parse_index(blob: bytes, where: str) -> dict[str, str]:
+    """A safetensors index's bytes -> its weight_map (tensor name -> shard), checked: one reader for `convert`
+    (a folder) and `graft` (a folder or the Hub). Valid JSON (not nested past Python's stack), an object with a
+    non-empty weight_map object whose keys are strings and whose values are shard names: plain relative paths inside
+    the checkpoint (not absolute, no `..`). Shards may be links (the Hugging Face cache links them to its blobs), so
+    the name is checked, not where it resolves to."""
+    from clover_gguf.config import parse_json
+
+    data = parse_json(blob, where, "a safetensors index")
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise UserError(f"{where} is not a valid safetensors index (no weight_map object)")
+    for tensor, shard in weight_map.items():
+        if not isinstance(shard, str) or not shard or "\0" in shard:
+            shown = repr(shard) if len(repr(shard)) <= 40 else repr(shard)[:37] + "..."
+            raise UserError(f"{where} names a shard {shown} for {tensor}: shard names are file names")
+        rel = PurePosixPath(shard)
+        if rel.is_absolute() or ".." in rel.parts or Path(shard).is_absolute():
+            raise UserError(f"{where} names a shard outside the checkpoint folder: {shard}")
+    return weight_map
 
 
 def list_shards(src: Path) -> list[Path]:
     src = Path(src)
     if not src.is_dir():
         raise UserError(f"not a checkpoint folder: {src}")
-    index = src / "model.safetensors.index.json"
+    index = src / INDEX
     if index.is_file():
-        from clover_gguf.config import read_json
+        from clover_gguf.config import MAX_JSON_BYTES
 
-        data = read_json(index, "a safetensors index")
-        weight_map = data.get("weight_map") if isinstance(data, dict) else None
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise UserError(f"{index} is not a valid safetensors index (no weight_map object)")
-        shards = sorted({_shard_path(src, f, index) for f in weight_map.values()})
+        try:
+            if index.stat().st_size > MAX_JSON_BYTES:
+                raise UserError(f"{index} is over {MAX_JSON_BYTES >> 20} MiB: not a safetensors index")
+            blob = index.read_bytes()
+        except OSError as e:
+            raise UserError(f"cannot read {index}: {e.strerror or e}") from None
+        shards = sorted({src / f for f in parse_index(blob, str(index)).values()})
         for s in shards:
             if not s.is_file():
                 what = "a folder" if s.is_dir() else "absent"

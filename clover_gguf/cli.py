@@ -468,6 +468,8 @@ def serve(
     """An OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models, /health."""
     from clover_gguf.server import serve as run
 
+    if api_key is None and os.environ.get("CLOVER_GGUF_API_KEY") is not None:
+        api_key = os.environ["CLOVER_GGUF_API_KEY"]  # click skips an empty variable: set but empty is refused
     run(model, host=host, port=port, mode=mode.value if mode else None, ctx=ctx, parallel=parallel, api_key=api_key,
         rollback=rollback.value, n_threads=offload.threads, offload=offload, cache_ram=cache_ram * 2**20,
         **_rpc(rpc))  # threads per slot

@@ -38,6 +38,11 @@ MAX_BLOCK = 4096  # a diffusion block: one block pass holds it in a single ubatc
 # planning 2^31 tokens took 50 s, planning 2^24 takes about 2 s and 1 GB
 MAX_CONTEXT = 2**24
 MAX_U32 = 2**32 - 1
+MAX_I32 = 2**31 - 1
+# a checkpoint's JSON side file (config, generation config, safetensors index; the 35B's index is about 2 MB, every
+# expert of every layer named): a larger one is refused before it is read whole
+MAX_JSON_BYTES = 64 * 2**20
+MAX_F32 = 3.4028234663852886e38  # the largest float32: a larger value is written to the GGUF as inf
 REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
             "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
             "linear_conv_kernel_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
@@ -47,15 +52,23 @@ REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_hea
 def read_json(path: Path, what: str) -> Any:
     """A JSON file, or one UserError line saying why it is not one (binary, invalid, unreadable)."""
     try:
-        return json.loads(Path(path).read_bytes().decode("utf-8"))
-    except UnicodeDecodeError:
-        raise UserError(f"{path} is not a text file ({what} must be UTF-8 JSON)") from None
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path} is not valid JSON: {e.msg} at line {e.lineno}") from None
-    except RecursionError:
-        raise UserError(f"{path}: {what} is nested too deeply") from None
+        blob = Path(path).read_bytes()
     except OSError as e:
         raise UserError(f"cannot read {path}: {e.strerror or e}") from None
+    return parse_json(blob, str(path), what)
+
+
+def parse_json(blob: bytes, where: str, what: str) -> Any:
+    """JSON bytes (from a file, or from the Hub) -> the object, or one UserError line saying why they are not JSON:
+    not UTF-8, invalid, or nested so deeply that Python's reader runs out of stack (RecursionError)."""
+    try:
+        return json.loads(blob.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise UserError(f"{where} is not a text file ({what} must be UTF-8 JSON)") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"{where} is not valid JSON: {e.msg} at line {e.lineno}") from None
+    except RecursionError:
+        raise UserError(f"{where}: {what} is nested too deeply") from None
 
 
 class _Fields:
@@ -86,8 +99,8 @@ class _Fields:
         v = self.d.get(key)
         if v is None:
             return default
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise self._fail(key, "a finite number", v)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or abs(v) > MAX_F32:
+            raise self._fail(key, "a finite number (within float32's range: it is written as one)", v)
         return float(v)
 
     def bool(self, key: str, default: bool) -> bool:
@@ -409,8 +422,35 @@ def generation_defaults(d: Any, where: str = "generation_config.json") -> Genera
             kwargs[name] = f.int(hf_key, lo, hi, default=default)
         else:
             kwargs[name] = f.float(hf_key, default=default)
+    _check_sampling_keys(f, where)
     if not 0.0 <= kwargs["threshold"] <= 1.0:
         raise UserError(f"{where}: threshold must be in [0, 1], not {kwargs['threshold']}")
     if not kwargs["repetition_penalty"] > 0.0:
         raise UserError(f"{where}: repetition_penalty must be positive, not {kwargs['repetition_penalty']}")
     return GenerationDefaults(**kwargs)
+
+
+# generation_config.json's sampling keys that gguf-py's Metadata.load copies into general.sampling.* (convert's
+# describe): key -> (kind, low, high), the GGUF type it is written as (int32, float32, string) and its range
+SAMPLING_KEYS: dict[str, tuple[str, float, float]] = {
+    "top_k": ("int", 0, MAX_I32), "penalty_last_n": ("int", -1, MAX_I32), "mirostat": ("int", 0, 2),
+    "temperature": ("float", 0.0, MAX_F32), "top_p": ("float", 0.0, 1.0), "min_p": ("float", 0.0, 1.0),
+    "xtc_probability": ("float", 0.0, 1.0), "xtc_threshold": ("float", 0.0, 1.0),
+    "penalty_repeat": ("float", 0.0, MAX_F32), "mirostat_tau": ("float", 0.0, MAX_F32),
+    "mirostat_eta": ("float", 0.0, MAX_F32), "sequence": ("str", 0, 0),
+}
+
+
+def _check_sampling_keys(f: _Fields, where: str) -> None:
+    """The sampling keys a converted file carries (SAMPLING_KEYS): of their type and in range, so a bad one is one
+    line here rather than gguf-py's struct.error while writing (or an inf / out-of-range value in the file)."""
+    for key, (kind, lo, hi) in SAMPLING_KEYS.items():
+        if kind == "int":
+            f.int(key, int(lo), int(hi), default=None)
+        elif kind == "str":
+            f.str(key, default="")
+        else:
+            v = f.float(key, default=lo)
+            if not lo <= v <= hi:
+                want = f"at least {lo:g}" if hi == MAX_F32 else f"in [{lo:g}, {hi:g}]"
+                raise UserError(f"{where}: {key} must be {want}, not {v:g}")

@@ -116,6 +116,44 @@ def right_kernel_from_shapes(shapes: dict[str, tuple[int, ...]], cfg: CloverConf
     return dataclasses.replace(cfg, linear_conv_right_kernel_dim=kr)
 
 
+# the largest magnitude a block-mode value may have in the GGUF (float16's largest): trained right-conv taps and
+# block-softmax controls are O(1)-O(100); 1e30, or a logit scale whose exp overflows, is no model and only makes
+# block passes write nothing
+BLOCK_VALUE_LIMIT = 65504.0
+
+
+def check_layer_kind(rule: TensorRule, name: str, layer: int | None, cfg: CloverConfig) -> None:
+    """A layer's tensor must belong to a layer config.json has, and one of its kind: GDN tensors (the block-mode ones
+    among them) on linear-attention layers, attention tensors on full-attention layers. (MTP layers, at index
+    num_hidden_layers and up, are checked by their own count.)"""
+    if layer is None or rule.scope not in ("attention", "gdn"):
+        return
+    n_layers = cfg.num_hidden_layers
+    if layer >= n_layers:
+        raise UserError(f"tensor {name} belongs to layer {layer}, but config.json has {n_layers} layers "
+                        f"(0..{n_layers - 1})")
+    if (rule.scope == "gdn") == cfg.is_full_attention(layer):
+        kind = "a linear-attention (GDN)" if rule.scope == "gdn" else "a full-attention"
+        raise UserError(f"tensor {name} belongs to {kind} layer, but config.json's layer_types makes layer {layer} "
+                        f"{cfg.layer_types[layer]}")
+
+
+def block_tensor(rule: TensorRule, name: str, layer: int, a: np.ndarray, cfg: CloverConfig) -> np.ndarray:
+    """One block-mode tensor as both convert and graft take it: on a GDN layer (check_layer_kind), finite stored values,
+    the transform (tensor_map), and finite values within +-BLOCK_VALUE_LIMIT after it. -> the F32 GGUF array."""
+    check_layer_kind(rule, name, layer, cfg)
+    if not np.isfinite(a).all():
+        raise UserError(f"tensor {name} holds NaN or infinite values")
+    with np.errstate(all="ignore"):  # an overflow is refused below, not printed as a RuntimeWarning
+        out = np.ascontiguousarray(TRANSFORMS[rule.transform](a, cfg), dtype=np.float32)
+    if out.size and not (np.isfinite(out).all() and np.abs(out).max() <= BLOCK_VALUE_LIMIT):
+        worst = float(np.nanmax(np.abs(a))) if a.size else 0.0
+        raise UserError(f"tensor {name}: its values (up to {worst:.4g} in magnitude) make GGUF values beyond "
+                        f"+-{BLOCK_VALUE_LIMIT:g}" + (" (it is stored as exp(value))" if rule.transform.startswith("exp")
+                                                    else "") + ": not a trained model's block-mode tensor")
+    return out
+
+
 def plan_conversion(ck: Checkpoint, cfg: CloverConfig, outtype: str = "bf16", skip_unknown: bool = False,
                     arch: str = ARCH) -> ConversionPlan:
     if cfg.linear_key_head_dim != cfg.linear_value_head_dim:
@@ -146,10 +184,17 @@ def plan_conversion(ck: Checkpoint, cfg: CloverConfig, outtype: str = "bf16", sk
     def plan_rule(rule: TensorRule, src_name: str, bid: int) -> None:
         ref = ck.tensors[src_name]
         want = rule.hf_shape(cfg)
+        if bid < n_layers:
+            check_layer_kind(rule, ref.source_name, bid, cfg)
         if not rule.accepts(ref.shape, cfg):
             raise UserError(f"tensor {ref.source_name} has shape {list(ref.shape)}, config.json implies {list(want)}")
         if ref.dtype not in SOURCE_TYPES:
             raise UserError(f"tensor {ref.source_name} has unsupported dtype {ref.dtype} (supported: F32, F16, BF16)")
+        if rule.clover_extra:  # small (a few MB in the 35B): read and checked now, as graft does
+            a = block_tensor(rule, ref.source_name, bid, ck.f32(src_name), cfg)
+            name = rule.gguf.format(i=bid, L=n_layers)
+            by_gguf[name] = PlannedTensor(name, a.shape, QT.F32, lambda a=a: iter([a]), False)
+            return
         fn = TRANSFORMS[rule.transform]
         shape = out_shape(rule.transform, want)
         out_type = _output_type(rule.f32, shape, qt)

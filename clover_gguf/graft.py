@@ -10,7 +10,8 @@ writes for block mode (convert.block_mode_keys). The output appears whole or not
 
 from __future__ import annotations
 
-import json
+import os
+import re
 import resource
 import sys
 import time
@@ -20,13 +21,12 @@ from typing import Any, Callable
 
 import numpy as np
 
-from clover_gguf.checkpoint import SAFETENSORS_DTYPES, normalise_name, parse_shard_header
-from clover_gguf.config import CloverConfig, generation_defaults
+from clover_gguf.checkpoint import INDEX, SAFETENSORS_DTYPES, normalise_name, parse_index, parse_shard_header
+from clover_gguf.config import MAX_JSON_BYTES, CloverConfig, generation_defaults, parse_json
 from clover_gguf.errors import UserError
 from clover_gguf.metadata import ARCH, GenerationDefaults, MASK_TOKEN_ID, hparam
-from clover_gguf.tensor_map import TENSOR_RULES, TRANSFORMS, match_rule
+from clover_gguf.tensor_map import TENSOR_RULES, match_rule
 
-INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 BLOCK_RULES = [r for r in TENSOR_RULES if r.clover_extra]
 
@@ -52,54 +52,86 @@ class LocalSource:
         self.bytes_read += len(data)
         return data
 
+    def json_bytes(self, name: str) -> bytes | None:
+        size = self.size(name)
+        if size is None:
+            return None
+        if size > MAX_JSON_BYTES:
+            raise UserError(f"{self.label}/{name} is over {MAX_JSON_BYTES >> 20} MiB: not a checkpoint's JSON file")
+        return self.read(name)
+
+
+# a Hub repo id: owner/name, each of letters, digits, '-', '_', '.', no '..' or '--', at most 96 characters
+REPO_PART = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?", re.ASCII)
+
+
+def check_repo_id(spec: str) -> None:
+    parts = spec.split("/")
+    if len(parts) != 2 or not all(REPO_PART.fullmatch(x) and ".." not in x and "--" not in x for x in parts):
+        raise UserError(f"--from {spec!r}: not a checkpoint folder, nor a Hugging Face repo id (owner/name of "
+                        "letters, digits, '-', '_' and '.')")
+
 
 class HubSource:
-    """A Hugging Face repo, read by HTTP range requests (huggingface_hub gives the URLs, $HF_ENDPOINT, the token)."""
+    """A Hugging Face repo, read by HTTP range requests through http_range.RangeReader (huggingface_hub gives the
+    URLs, $HF_ENDPOINT and the token): every answer is checked, the token stays on the endpoint's host."""
 
     def __init__(self, repo_id: str, revision: str | None = None):
+        check_repo_id(repo_id)
+        from clover_gguf.http_range import RangeReader, check_url
+
+        if "HF_ENDPOINT" in os.environ:  # huggingface_hub parses it on import: a bad one would be its traceback
+            check_url(os.environ["HF_ENDPOINT"], "the Hub endpoint ($HF_ENDPOINT)")
         try:
-            from huggingface_hub import hf_hub_url
+            from huggingface_hub import constants, hf_hub_url
             from huggingface_hub.utils import build_hf_headers
         except ImportError:
             raise UserError("reading a checkpoint from the Hub needs huggingface_hub: pip install 'clover-gguf[hub]'") from None
-        self.repo_id, self.revision, self.bytes_read = repo_id, revision, 0
+        except ValueError as e:
+            raise UserError(f"huggingface_hub refuses its settings: {str(e).splitlines()[0]}") from None
+
+        self.repo_id, self.revision = repo_id, revision
         self.label = repo_id
-        self._url = lambda name: hf_hub_url(repo_id, name, revision=revision)
-        self._headers = build_hf_headers()
+
+        def url(name: str) -> str:
+            try:
+                return hf_hub_url(repo_id, name, revision=revision)
+            except ValueError as e:  # huggingface_hub's HFValidationError
+                raise UserError(f"{repo_id}/{name}: {str(e).splitlines()[0] if str(e) else 'not a valid Hub file'}"
+                                ) from None
+
+        self._url = url
+        try:
+            headers = build_hf_headers()
+        except ValueError as e:
+            raise UserError(f"the Hugging Face token is not usable: {str(e).splitlines()[0]}") from None
+        self.http = RangeReader(constants.ENDPOINT, headers, repo_id)
         self._sizes: dict[str, int | None] = {}
 
-    def _get(self, name: str, start: int, end: int | None) -> tuple[bytes, int | None]:
-        import urllib.error
-        import urllib.request
-
-        rng = f"bytes={start}-" if end is None else f"bytes={start}-{end - 1}"
-        req = urllib.request.Request(self._url(name), headers={**self._headers, "Range": rng})
-        try:
-            with urllib.request.urlopen(req, timeout=60) as r:
-                data = r.read()
-                total = r.headers.get("Content-Range", "").rpartition("/")[2]
-                if r.status == 200 and (start or end is not None):  # the server ignored the range
-                    data = data[start:end]
-        except urllib.error.HTTPError as e:
-            if e.code in (404, 416):
-                return b"", None
-            raise UserError(f"{self.repo_id}/{name}: the Hub answered {e.code} {e.reason}"
-                            + (" (a gated or private repo needs `huggingface-cli login`)" if e.code in (401, 403)
-                               else "")) from None
-        except (urllib.error.URLError, OSError) as e:
-            raise UserError(f"cannot reach the Hub for {self.repo_id}: {getattr(e, 'reason', e)}") from None
-        self.bytes_read += len(data)
-        return data, int(total) if total.isdigit() else None
+    @property
+    def bytes_read(self) -> int:
+        return self.http.bytes_read
 
     def size(self, name: str) -> int | None:
         if name not in self._sizes:
-            data, total = self._get(name, 0, 1)
-            self._sizes[name] = total if total is not None else (len(data) or None)
+            got = self.http.range(self._url(name), name, 0, 1)
+            self._sizes[name] = None if got is None else got[1]
         return self._sizes[name]
 
     def read(self, name: str, offset: int = 0, n: int | None = None) -> bytes:
-        data, _ = self._get(name, offset, None if n is None else offset + n)
-        return data
+        size = self.size(name)
+        if size is None:
+            raise UserError(f"{self.label} has no {name}")
+        n = size - offset if n is None else n
+        if n <= 0:
+            return b""
+        got = self.http.range(self._url(name), name, offset, n, total=size)
+        if got is None:
+            raise UserError(f"{self.label}/{name} disappeared while it was read (404)")
+        return got[0]
+
+    def json_bytes(self, name: str) -> bytes | None:
+        return self.http.whole(self._url(name), name, MAX_JSON_BYTES)
 
 
 def open_source(spec: str, revision: str | None = None) -> LocalSource | HubSource:
@@ -112,39 +144,35 @@ def open_source(spec: str, revision: str | None = None) -> LocalSource | HubSour
 
 
 def _json(src, name: str, required: bool = True) -> Any:
-    if src.size(name) is None:
+    blob = src.json_bytes(name)
+    if blob is None:
         if required:
             raise UserError(f"{src.label} has no {name}")
         return None
-    try:
-        return json.loads(src.read(name).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise UserError(f"{src.label}/{name} is not valid JSON") from None
+    return parse_json(blob, f"{src.label}/{name}", name)
 
 
 def block_tensor_refs(src) -> dict[str, tuple[str, str, tuple[int, ...], int, int]]:
     """normalised HF name -> (shard, dtype, shape, begin, end) for every block-mode tensor of the checkpoint: only
     the index (or the one shard's header) is read."""
-    index = _json(src, INDEX, required=False)
+    index = src.json_bytes(INDEX)
     if index is not None:
-        weight_map = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(weight_map, dict):
-            raise UserError(f"{src.label}/{INDEX} has no weight_map")
-        shards = sorted({f for n, f in weight_map.items() if isinstance(n, str) and _is_block(n)})
+        weight_map = parse_index(index, f"{src.label}/{INDEX}")  # the reader convert uses
+        shards = sorted({f for n, f in weight_map.items() if _is_block(n)})
     elif src.size(SINGLE) is not None:
         shards = [SINGLE]
     else:
         raise UserError(f"{src.label} has neither {INDEX} nor {SINGLE}")
     refs = {}
     for shard in shards:
-        if not isinstance(shard, str) or "/" in shard or shard.startswith("."):
-            raise UserError(f"{src.label}/{INDEX} names a shard {shard!r}: shard names are file names")
         size = src.size(shard)
         if size is None:
             raise UserError(f"{src.label} has no shard {shard}")
         for name, dtype, shape, b, e in parse_shard_header(Path(shard), lambda o, n, s=shard: src.read(s, o, n), size):
             norm = normalise_name(name)
             if norm is not None and _is_block(norm):
+                if norm in refs:
+                    raise UserError(f"tensor {name} appears twice in the checkpoint")
                 refs[norm] = (shard, dtype, shape, b, e)
     return refs
 
@@ -176,7 +204,9 @@ class GraftResult:
 
 
 def _check_same_model(h, cfg: CloverConfig) -> None:
-    """The checkpoint must be the GGUF's model: the widths the block tensors depend on agree."""
+    """The checkpoint must be the GGUF's model: the widths the block tensors depend on agree, and the layers are the
+    file's, one for one, with the GDN layers (the ones holding ssm_conv1d, which the block tensors join) where
+    config.json's layer_types puts them."""
     want = {"embedding_length": cfg.hidden_size, "ssm.inner_size": cfg.value_dim,
             "ssm.time_step_rank": cfg.linear_num_value_heads, "ssm.group_count": cfg.linear_num_key_heads,
             "ssm.state_size": cfg.linear_key_head_dim}
@@ -184,15 +214,32 @@ def _check_same_model(h, cfg: CloverConfig) -> None:
         if h.kv.get(hparam(key)) != value:
             raise UserError(f"the checkpoint is not this GGUF's model: {hparam(key)} is {h.kv.get(hparam(key))}, "
                             f"config.json implies {value}")
-    n_blocks = h.kv.get(hparam("block_count"))
-    if not isinstance(n_blocks, int) or n_blocks < cfg.num_hidden_layers:
-        raise UserError(f"the checkpoint is not this GGUF's model: {hparam('block_count')} is {n_blocks}, "
-                        f"config.json has {cfg.num_hidden_layers} layers")
+    n_blocks, n_mtp = h.kv.get(hparam("block_count")), h.kv.get(hparam("nextn_predict_layers"), 0)
+    if not isinstance(n_blocks, int) or not isinstance(n_mtp, int) or n_blocks - n_mtp != cfg.num_hidden_layers:
+        raise UserError(f"the checkpoint is not this GGUF's model: the file has {n_blocks} blocks ({n_mtp} of them "
+                        f"MTP), config.json has {cfg.num_hidden_layers} layers")
+    in_file = ["linear_attention" if f"blk.{i}.ssm_conv1d.weight" in h.tensors else "full_attention"
+               for i in range(cfg.num_hidden_layers)]
+    if in_file != list(cfg.layer_types):
+        i = next(i for i, (a, b) in enumerate(zip(in_file, cfg.layer_types)) if a != b)
+        raise UserError(f"the checkpoint is not this GGUF's model: layer {i} is {in_file[i]} in the file, "
+                        f"{cfg.layer_types[i]} in config.json's layer_types")
+
+
+def _check_fits_file(h, name: str, a: np.ndarray) -> None:
+    """A block tensor joins its GDN layer's own tensors: the right conv has ssm_conv1d's channels, the per-head
+    vectors ssm_a's heads."""
+    layer = name.split(".")[1]
+    like = f"blk.{layer}.ssm_conv1d.weight" if "conv1d_right" in name else f"blk.{layer}.ssm_a"
+    want = h.tensors.get(like, ((None,), None))[0]
+    if a.shape[0] != want[0] or (a.ndim == 1) != (len(want) == 1):
+        raise UserError(f"the checkpoint is not this GGUF's model: {name} would be {list(a.shape)}, the file's "
+                        f"{like} is {list(want)}")
 
 
 def graft(src: Path, from_: str, out: Path, revision: str | None = None, force: bool = False, quiet: bool = False,
           log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr)) -> GraftResult:
-    from clover_gguf.convert import block_mode_keys, right_kernel_from_shapes
+    from clover_gguf.convert import block_mode_keys, block_tensor, check_layer_kind, right_kernel_from_shapes
     from clover_gguf.export import copy_gguf
     from clover_gguf.gguf_header import check_model, read_header
     from clover_gguf.tensor_map import CLOVER_EXTRA_RE
@@ -220,6 +267,9 @@ def graft(src: Path, from_: str, out: Path, revision: str | None = None, force: 
     cfg = right_kernel_from_shapes({n: r[2] for n, r in refs.items()}, cfg)
     _check_same_model(h, cfg)
 
+    for name in sorted(refs):  # block tensors where config.json has no GDN layer: refused as convert does
+        rule, layer = match_rule(name)
+        check_layer_kind(rule, name, layer, cfg)
     added: dict[str, np.ndarray] = {}
     for layer in range(cfg.num_hidden_layers):
         if cfg.is_full_attention(layer):
@@ -234,10 +284,14 @@ def graft(src: Path, from_: str, out: Path, revision: str | None = None, force: 
                                 f"{list(rule.hf_shape(cfg))}")
             if dtype not in ("F32", "F16", "BF16"):
                 raise UserError(f"tensor {name} has unsupported dtype {dtype} (supported: F32, F16, BF16)")
-            raw = np.frombuffer(source.read(shard, b, e - b), dtype=SAFETENSORS_DTYPES[dtype]).reshape(shape)
+            data = source.read(shard, b, e - b)
+            if len(data) != e - b:
+                raise UserError(f"{source.label}/{shard}: {name} is cut short ({len(data)} of {e - b} bytes)")
+            raw = np.frombuffer(data, dtype=SAFETENSORS_DTYPES[dtype]).reshape(shape)
             a = (raw.astype(np.uint32) << 16).view(np.float32) if dtype == "BF16" else raw.astype(np.float32)
-            added[rule.gguf.format(i=layer)] = np.ascontiguousarray(TRANSFORMS[rule.transform](a, cfg),
-                                                                    dtype=np.float32)
+            gguf_name = rule.gguf.format(i=layer)
+            added[gguf_name] = block_tensor(rule, name, layer, a, cfg)
+            _check_fits_file(h, gguf_name, added[gguf_name])
 
     keys = block_mode_keys(cfg, gen)
     if MASK_TOKEN_ID not in h.kv:

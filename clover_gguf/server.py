@@ -549,6 +549,19 @@ async def _on_http_error(request: Request, exc: Any) -> Any:
                         headers=getattr(exc, "headers", None))
 
 
+def check_api_key(key: str) -> str:
+    """An API key is 1..4096 printable ASCII characters without spaces (what a Bearer token can carry in an HTTP
+    header on every client). An empty key would turn authentication off (`--api-key "$KEY"` with KEY unset); a
+    non-ASCII one reaches the server as whatever bytes each client encodes it to."""
+    if not key:
+        raise UserError("the API key is empty (--api-key '' or an empty $CLOVER_GGUF_API_KEY): an empty key would "
+                        "turn authentication off; give a key, or leave the option out")
+    if len(key) > 4096 or not all("!" <= c <= "~" for c in key):
+        raise UserError("the API key must be at most 4096 printable ASCII characters without spaces (a Bearer "
+                        "token in an HTTP header)")
+    return key
+
+
 class RequireKey:
     """ASGI middleware: with an API key set, every path but /health (the API, /openapi.json) needs it. It runs
     before routing and before the body is read, so a request without the key learns nothing else (401 first)."""
@@ -556,7 +569,7 @@ class RequireKey:
     OPEN = frozenset({"/health"})
 
     def __init__(self, app: Any, api_key: str):
-        self.app, self.key = app, api_key.encode("utf-8", "replace")
+        self.app, self.key = app, check_api_key(api_key).encode("ascii")
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"] not in self.OPEN:
@@ -566,7 +579,8 @@ class RequireKey:
             headers = Headers(scope=scope)
             given = headers.get("authorization", "")
             token = given[7:].strip() if given[:7].lower() == "bearer " else headers.get("x-api-key", "")
-            if not hmac.compare_digest(token.encode("utf-8", "replace"), self.key):
+            # header values are bytes, which Starlette decodes as latin-1: encoded back, they are what was sent
+            if not hmac.compare_digest(token.encode("latin-1", "replace"), self.key):
                 body = _error_body("missing or wrong API key (send Authorization: Bearer KEY)",
                                    "authentication_error", code="invalid_api_key")
                 await JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
@@ -617,6 +631,12 @@ def plan_from(req: Any, chat: bool, default_mode: str) -> Plan:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > MAX_STOP:
         raise APIError(400, f"at most {MAX_STOP} stop strings", param="stop")
+    for i, text in enumerate(stop):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate ("\ud800"): no output can ever contain it
+            raise APIError(400, f"stop string {i} is not valid UTF-8 text (character {e.start} cannot be encoded)",
+                           param="stop") from None
     controls = {k: v for k, v in (("presence_penalty", req.presence_penalty),
                                   ("frequency_penalty", req.frequency_penalty),
                                   ("repetition_penalty", req.repetition_penalty)) if v is not None}
@@ -884,6 +904,8 @@ def create_app(model: str | Path | Callable[[], Any], mode: str | None = None, a
         raise UserError("--parallel must be at least 1")
     if ctx is not None and ctx < 16:
         raise UserError("--ctx must be at least 16")
+    if api_key is not None:
+        check_api_key(api_key)
     runtimes, name = load_runtimes(model, parallel, ctx, model_id, runtime_kwargs)
     first = runtimes[0]
     mode = mode or getattr(first, "default_mode", "auto")  # ar for an AR-only file
@@ -939,6 +961,8 @@ def serve(model: str | Path, host: str = "127.0.0.1", port: int = 8080, mode: st
         raise UserError("serving needs the serve extra: pip install 'clover-gguf[serve]'") from None
     if not 0 <= port <= 65535:
         raise UserError(f"port {port} is out of range")
+    if api_key is not None:
+        check_api_key(api_key)  # before anything loads or binds
     if not _is_loopback(host) and api_key is None:
         log.warning("serving on %s without --api-key: anyone who can reach this address can use the model", host)
     sock = bind(host, port)  # before the model loads: a port in use is one line, not a minute later

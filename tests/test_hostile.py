@@ -1139,3 +1139,485 @@ def test_serve_refuses_slots_that_cannot_fit(base, tmp_path):
     before = snapshot(tmp_path)
     p = clover("serve", model, "--port", "0", "--ctx", "64", "--parallel", "1000000")
     assert_refused(p, before, tmp_path, "--parallel 1000000 cannot fit")
+
+
+# ---- issue 37: graft from folders and from a misbehaving hub, check-block prompt files, convert's side files, ------
+# ---- serve's empty key --------------------------------------------------------------------------------------------
+INDEX = "model.safetensors.index.json"
+BLOCK_SUFFIXES = ("conv_right_weight", "bd_softmax_logit_scale", "bd_softmax_history_bias", "bd_softmax_history_c")
+
+
+@pytest.fixture(scope="session")
+def official(base, tmp_path_factory) -> Path:
+    """The base model without its block tensors (what upstream's converter writes): graft's input."""
+    from clover_gguf.export import export_ar
+
+    out = tmp_path_factory.mktemp("hostile-official") / "ar.gguf"
+    export_ar(base["gguf"], out, quiet=True)
+    return out
+
+
+def _tensors(fn: Callable[[dict], None]) -> Callable[[Work], None]:
+    """Rewrite the shard with fn applied to its {name: array} (safetensors' own writer: a well-formed file)."""
+    def apply(w: Work) -> None:
+        from safetensors.numpy import load_file, save_file
+
+        t = load_file(w.shard())
+        fn(t)
+        save_file(t, w.shard())
+    return apply
+
+
+def _set_block(name: str, value: float) -> Callable[[Work], None]:
+    def fn(t: dict) -> None:
+        t[name] = np.full_like(t[name], value)
+    return _tensors(fn)
+
+
+def _block_on_attention_layer(t: dict) -> None:
+    # layer 3 is the tiny model's full-attention layer
+    t["model.layers.3.linear_attn.conv_right_weight"] = t["model.layers.0.linear_attn.conv_right_weight"].copy()
+
+
+def _index(values) -> Callable[[Work], None]:
+    """An index whose weight_map gives every tensor the shard name `values`."""
+    def apply(w: Work) -> None:
+        index = {"metadata": {}, "weight_map": {n: values for n in _shard_names(w.shard())}}
+        (w.ck / INDEX).write_text(json.dumps(index))
+    return apply
+
+
+def _gen(**changes) -> Callable[[Work], None]:
+    return lambda w: w.edit_json("generation_config.json", lambda d: d.update(changes))
+
+
+def _gen_raw(key: str, text: str) -> Callable[[Work], None]:
+    """A generation_config.json value written as raw JSON text (1e400: what json.dumps cannot write)."""
+    def apply(w: Work) -> None:
+        p = w.ck / "generation_config.json"
+        p.write_text(p.read_text().rstrip().rstrip("}").rstrip() + f', "{key}": {text}}}')
+    return apply
+
+
+DEEP = "[" * 100_000 + "]" * 100_000
+LOGIT_SCALE = "model.layers.0.linear_attn.bd_softmax_logit_scale"
+RIGHT_CONV = "model.layers.0.linear_attn.conv_right_weight"
+# breakers both convert and graft (from a folder) must refuse: item -> (breaker, words)
+SIDE_FILE_CASES: dict[str, tuple[Callable[[Work], None], str]] = {
+    # 3: one index reader
+    "index-shard-5": (_index(5), "names a shard 5"),
+    "index-shard-null": (_index(None), "names a shard None"),
+    "index-shard-list": (_index(["model.safetensors"]), "names a shard ["),
+    "index-100000-deep": (_write(INDEX, DEEP.encode()), "nested too deeply"),
+    # 4: non-finite or absurd block tensors, in and out of their transform
+    "block-nan": (_set_block(RIGHT_CONV, float("nan")), "NaN or infinite"),
+    "block-inf": (_set_block("model.layers.1.linear_attn.bd_softmax_history_bias", float("inf")), "NaN or infinite"),
+    "block-minus-inf": (_set_block("model.layers.2.linear_attn.bd_softmax_history_c", float("-inf")),
+                        "NaN or infinite"),
+    "block-1e30": (_set_block(RIGHT_CONV, 1e30), "beyond +-65504"),
+    "logit-scale-1000": (_set_block(LOGIT_SCALE, 1000.0), "stored as exp(value)"),
+    # 7: a block tensor on a full-attention layer
+    "block-on-attention-layer": (_tensors(_block_on_attention_layer), "layer_types makes layer 3 full_attention"),
+}
+# 7: convert alone writes generation_config.json's sampling keys (general.sampling.*)
+CONVERT37_CASES: dict[str, tuple[Callable[[Work], None], str]] = {
+    "temperature-hot": (_gen(temperature="hot"), "temperature"),
+    "top-k-string": (_gen(top_k="5"), "top_k"),
+    "top-p-string": (_gen(top_p="0.9"), "top_p"),
+    "min-p-list": (_gen(min_p=[]), "min_p"),
+    "temperature-1e400": (_gen_raw("temperature", "1e400"), "temperature"),
+    "top-p-7": (_gen(top_p=7), "top_p must be in [0, 1]"),
+    "mirostat-3": (_gen(mirostat=3), "mirostat"),
+    "presence-penalty-1e300": (_gen(presence_penalty=1e300), "presence_penalty"),
+}
+
+
+@pytest.mark.parametrize("case", list(SIDE_FILE_CASES) + list(CONVERT37_CASES))
+def test_convert_refuses_bad_side_files_and_block_tensors(base, tmp_path, case):
+    breaker, words = {**SIDE_FILE_CASES, **CONVERT37_CASES}[case]
+    w = Work(tmp_path, base)
+    breaker(w)
+    before = snapshot(tmp_path)
+    assert_refused(clover(*w.convert()), before, tmp_path, words)
+
+
+def _graft(w: Work, official: Path, source, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return clover("graft", official, "--from", source, "-o", w.out, "--quiet", env=env)
+
+
+GRAFT_FOLDER_CASES: dict[str, tuple[Callable[[Work], None], str]] = {
+    **SIDE_FILE_CASES,
+    # 2: a checkpoint that is not the file's model
+    "two-layer-config": (_cfg(num_hidden_layers=2, layer_types=["linear_attention"] * 2), "has 4 blocks"),
+    "layer-pattern-differs": (_cfg(layer_types=["linear_attention", "linear_attention", "full_attention",
+                                                "linear_attention"]), "layer 2 is linear_attention in the file"),
+}
+
+
+@pytest.mark.parametrize("case", list(GRAFT_FOLDER_CASES))
+def test_graft_from_a_folder_refuses(base, official, tmp_path, case):
+    breaker, words = GRAFT_FOLDER_CASES[case]
+    w = Work(tmp_path, base)
+    breaker(w)
+    shutil.copy(official, tmp_path / "ar.gguf")
+    before = snapshot(tmp_path)
+    assert_refused(_graft(w, tmp_path / "ar.gguf", w.ck), before, tmp_path, words)
+
+
+def test_graft_from_a_folder_writes_what_convert_writes(base, official, tmp_path):
+    """The good case beside the table: the grafted file has the converted file's block tensors, value for value."""
+    from gguf import GGUFReader
+
+    w = Work(tmp_path, base)
+    p = _graft(w, official, w.ck)
+    assert p.returncode == 0, p.stderr
+    got = {t.name: np.array(t.data) for t in GGUFReader(w.out).tensors}
+    want = {t.name: np.array(t.data) for t in GGUFReader(base["gguf"]).tensors}
+    assert set(got) == set(want)
+    assert all(np.array_equal(got[n], want[n]) for n in want)
+
+
+# ---- 6. check-block: prompt files ----------------------------------------------------------------------------------
+CHECK_BLOCK_ROWS = {
+    "prompt-5": '{"prompt": 5}',
+    "prompt-null": '{"prompt": null}',
+    "prompt-list": '{"prompt": ["a"]}',
+    "prompt-nan": '{"prompt": NaN}',
+    "row-a-list": '[1, 2]',
+    "content-null": '{"messages": [{"role": "user", "content": null}]}',
+    "content-list": '{"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}',
+    "messages-null": '{"messages": null}',
+    "message-a-string": '{"messages": ["hi"]}',
+    "row-100000-deep": DEEP,
+}
+
+
+@pytest.mark.parametrize("case", list(CHECK_BLOCK_ROWS))
+def test_check_block_refuses_bad_prompt_rows(base, tmp_path, case):
+    model = Work(tmp_path, base).gguf
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "What is 2 + 3?"}\n' + CHECK_BLOCK_ROWS[case] + "\n")
+    before = snapshot(tmp_path)
+    assert_refused(clover("check-block", model, "--prompts", prompts), before, tmp_path, "row 2")
+
+
+# ---- 1. serve: the API key -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("argv,env", [
+    (["--api-key", ""], {}),
+    ([], {"CLOVER_GGUF_API_KEY": ""}),
+    (["--host", "0.0.0.0", "--api-key", ""], {}),
+], ids=["option", "environment", "open-host"])
+def test_serve_refuses_an_empty_api_key(base, tmp_path, argv, env):
+    model = Work(tmp_path, base).gguf
+    before = snapshot(tmp_path)
+    assert_refused(clover("serve", model, "--port", "0", *argv, env=env), before, tmp_path, "API key is empty")
+
+
+def test_serve_refuses_an_api_key_no_client_sends_alike(base, tmp_path):
+    model = Work(tmp_path, base).gguf
+    before = snapshot(tmp_path)
+    for key in ("cl\u00e9", "two words", "\u4f60\u597d"):
+        assert_refused(clover("serve", model, "--port", "0", "--api-key", key), before, tmp_path, "printable ASCII")
+
+
+# ---- 5. graft --from a hub id, against a server that misbehaves ----------------------------------------------------
+class _Hub:
+    """A stand-in for the Hub on 127.0.0.1 (/{owner}/{name}/resolve/{revision}/{file}) serving a checkpoint folder
+    with byte ranges, or misbehaving as `mode` says: the mode's function writes the whole answer itself (raw bytes)
+    and returns True, or returns False for a normal answer. It records each request's headers and counts the body
+    bytes it got out."""
+
+    def __init__(self, folder: Path, mode: Callable | None = None, redirect_to: str | None = None):
+        import http.server
+        import threading
+
+        hub = self
+        self.folder, self.mode, self.redirect_to = folder, mode, redirect_to
+        self.requests: list[dict[str, str]] = []
+        self.sent = 0
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.0"
+
+            def log_message(self, *a):
+                pass
+
+            def do_GET(self):
+                hub.requests.append(dict(self.headers))
+                try:
+                    hub.answer(self)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def answer(self, h) -> None:
+        if self.redirect_to is not None:
+            h.send_response(302)
+            h.send_header("Location", self.redirect_to + h.path)
+            h.send_header("Content-Length", "0")
+            h.end_headers()
+            return
+        parts = h.path.split("/")  # '', owner, name, 'resolve', revision, file
+        f = self.folder / parts[-1]
+        if len(parts) != 6 or parts[3] != "resolve" or not f.is_file():
+            h.send_error(404)
+            return
+        data = f.read_bytes()
+        start, end, rng = 0, len(data) - 1, h.headers.get("Range")
+        if rng:
+            a, _, b = rng.removeprefix("bytes=").partition("-")
+            start, end = int(a), min(int(b) if b else len(data) - 1, len(data) - 1)
+        if self.mode is not None and self.mode(self, h, f.name, data, start, end, rng):
+            return
+        self.send(h, 206 if rng else 200, data[start:end + 1],
+                  {"Content-Range": f"bytes {start}-{end}/{len(data)}"} if rng else {})
+
+    def send(self, h, status: int, body: bytes, headers: dict[str, str] | None = None, length: int | None = None):
+        h.send_response(status)
+        h.send_header("Content-Length", str(len(body) if length is None else length))
+        for k, v in (headers or {}).items():
+            h.send_header(k, v)
+        h.end_headers()
+        for i in range(0, len(body), 1 << 16):
+            h.wfile.write(body[i:i + (1 << 16)])
+            self.sent += len(body[i:i + (1 << 16)])
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _tensor_read(name: str, start: int, rng) -> bool:
+    """A ranged read inside the shard past its 8-byte length: a header or tensor read, not a size probe."""
+    return name == "model.safetensors" and bool(rng) and start >= 8
+
+
+def _raw(text: bytes, only_tensors: bool = False):
+    def mode(hub, h, name, data, start, end, rng) -> bool:
+        if only_tensors and not _tensor_read(name, start, rng):
+            return False
+        h.wfile.write(text)
+        return True
+    return mode
+
+
+def _truncated(hub, h, name, data, start, end, rng) -> bool:
+    if not _tensor_read(name, start, rng):
+        return False
+    body = data[start:end + 1]
+    h.send_response(206)
+    h.send_header("Content-Range", f"bytes {start}-{end}/{len(data)}")
+    h.send_header("Content-Length", str(len(body)))
+    h.end_headers()
+    h.wfile.write(body[:len(body) // 2])  # then the connection closes
+    return True
+
+
+def _short_body(hub, h, name, data, start, end, rng) -> bool:
+    if not _tensor_read(name, start, rng):
+        return False
+    hub.send(h, 206, data[start:end], {"Content-Range": f"bytes {start}-{end}/{len(data)}"})  # one byte short
+    return True
+
+
+def _empty_206(hub, h, name, data, start, end, rng) -> bool:
+    if not _tensor_read(name, start, rng):
+        return False
+    hub.send(h, 206, b"", {"Content-Range": f"bytes {start}-{end}/{len(data)}"})
+    return True
+
+
+def _superscript_total(hub, h, name, data, start, end, rng) -> bool:
+    if not rng:
+        return False
+    hub.send(h, 206, data[start:end + 1], {"Content-Range": f"bytes {start}-{end}/\u00b2"})  # latin-1 byte 0xB2
+    return True
+
+
+def _wrong_offset(hub, h, name, data, start, end, rng) -> bool:
+    if not _tensor_read(name, start, rng) or end - start > 1024:  # the tensors, not the header
+        return False
+    s = start + 4
+    hub.send(h, 206, data[s:s + end - start + 1], {"Content-Range": f"bytes {s}-{s + end - start}/{len(data)}"})
+    return True
+
+
+def _wrong_offset_claimed(hub, h, name, data, start, end, rng) -> bool:
+    """The other lie: the Content-Range says what was asked, the bytes come from elsewhere (nothing can see
+    that but the values; here the body is also one byte longer than the range, which is seen)."""
+    if not _tensor_read(name, start, rng) or end - start > 1024:
+        return False
+    hub.send(h, 206, data[start + 4:end + 6], {"Content-Range": f"bytes {start}-{end}/{len(data)}"})
+    return True
+
+
+def _ignores_ranges(hub, h, name, data, start, end, rng) -> bool:
+    if name != "model.safetensors":
+        return False
+    hub.send(h, 200, data)
+    return True
+
+
+def _ignores_ranges_with_content_range(hub, h, name, data, start, end, rng) -> bool:
+    if name != "model.safetensors":
+        return False
+    hub.send(h, 200, data, {"Content-Range": f"bytes 0-{len(data) - 1}/{len(data)}"})
+    return True
+
+
+def _huge_config(hub, h, name, data, start, end, rng) -> bool:
+    if name != "config.json":
+        return False
+    h.send_response(200)
+    h.send_header("Content-Length", str(300 * 2**20))
+    h.end_headers()
+    h.wfile.write(data)
+    return True
+
+
+def _endless_config(hub, h, name, data, start, end, rng) -> bool:
+    """No Content-Length: a body that goes on until the reader stops."""
+    if name != "config.json":
+        return False
+    h.send_response(200)
+    h.end_headers()
+    chunk = b" " * (1 << 20)
+    for _ in range(100):
+        h.wfile.write(chunk)
+        hub.sent += len(chunk)
+    return True
+
+
+def _trickle(hub, h, name, data, start, end, rng) -> bool:
+    h.wfile.write(b"HTTP/1.0 200 OK\r\nContent-Length: 100\r\n")
+    for _ in range(60):  # one header byte every half second: each read is quick, the answer never ends
+        h.wfile.write(b"X")
+        h.wfile.flush()
+        time.sleep(0.5)
+    return True
+
+
+HUB_CASES: dict[str, tuple[Callable, str]] = {
+    "truncated-body": (_truncated, "cut short"),
+    "bad-chunking": (_raw(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nabc\r\n"), "malformed"),
+    "bad-status-line": (_raw(b"HELLO THERE\r\n\r\n"), "malformed (BadStatusLine"),
+    "101-headers": (_raw(b"HTTP/1.0 200 OK\r\n" + b"".join(b"X-%d: y\r\n" % i for i in range(101)) + b"\r\n"),
+                    "malformed"),
+    "line-too-long": (_raw(b"HTTP/1.0 200 OK\r\nX: " + b"y" * 70000 + b"\r\n\r\n"), "malformed (LineTooLong"),
+    "short-tensor-body": (_short_body, "bytes"),
+    "empty-206": (_empty_206, "sent 0 bytes"),
+    "superscript-total": (_superscript_total, "no valid Content-Range"),
+    "wrong-offset": (_wrong_offset, "for a request of bytes"),
+    "wrong-offset-claimed": (_wrong_offset_claimed, "bytes"),
+    "ignores-ranges": (_ignores_ranges, "ignores byte ranges"),
+    "ignores-ranges-with-content-range": (_ignores_ranges_with_content_range, "ignores byte ranges"),
+    "300MB-config": (_huge_config, "more than the"),
+    "endless-config": (_endless_config, "more than the"),
+}
+
+
+def _hub_env(hub_url: str, **extra: str) -> dict[str, str]:
+    return {"HF_ENDPOINT": hub_url, "HF_HUB_OFFLINE": "0", "HF_TOKEN": "", "HF_HOME": "/nonexistent-hf-home",
+            **extra}
+
+
+@pytest.mark.parametrize("case", list(HUB_CASES))
+def test_graft_from_a_misbehaving_hub_is_one_line(base, official, tmp_path, case):
+    mode, words = HUB_CASES[case]
+    w = Work(tmp_path, base)
+    folder = w.ck
+    hub = _Hub(folder, mode)
+    before = snapshot(tmp_path)
+    try:
+        p = _graft(w, official, "Diffuspace/Clover-35B-A3B-Preview", env=_hub_env(hub.url))
+    finally:
+        hub.close()
+    assert_refused(p, before, tmp_path, words)
+    shard = (folder / "model.safetensors").stat().st_size
+    assert hub.sent <= 2 * shard + 70 * 2**20, hub.sent  # the endless body: at most the 64 MiB cap and a buffer
+    if "ignores-ranges" in case:
+        assert hub.sent <= 2 * shard
+
+
+def test_graft_from_a_trickling_hub_stops_at_its_deadline(base, official, tmp_path):
+    w = Work(tmp_path, base)
+    hub = _Hub(w.ck, _trickle)
+    before = snapshot(tmp_path)
+    t0 = time.monotonic()
+    try:
+        p = _graft(w, official, "Diffuspace/Clover-35B-A3B-Preview",
+                   env=_hub_env(hub.url, CLOVER_GGUF_HUB_TIMEOUT="2"))
+    finally:
+        hub.close()
+    assert_refused(p, before, tmp_path, "did not finish answering within 2 s")
+    assert time.monotonic() - t0 < 20
+
+
+def test_graft_keeps_the_token_on_the_endpoints_host(base, official, tmp_path):
+    """The endpoint redirects every file to another host:port (as the Hub does to its CDN): the file is grafted, and
+    the token went to the endpoint only."""
+    w = Work(tmp_path, base)
+    cdn = _Hub(w.ck)
+    endpoint = _Hub(w.ck, redirect_to=cdn.url)
+    try:
+        p = _graft(w, official, "Diffuspace/Clover-35B-A3B-Preview",
+                   env=_hub_env(endpoint.url, HF_TOKEN="hf_secret_token_of_the_user"))
+    finally:
+        cdn.close()
+        endpoint.close()
+    assert p.returncode == 0, p.stderr
+    ours = [{k.lower(): v for k, v in r.items()} for r in endpoint.requests]
+    ours = [r for r in ours if "hf_hub" in r.get("user-agent", "")]  # not a stray probe of another test's port
+    assert ours and all("hf_secret" in r.get("authorization", "") for r in ours)
+    assert cdn.requests and not [r for r in cdn.requests if "hf_secret" in str(r)]
+
+
+HUB_SPEC_CASES = [  # (name, --from, HF_ENDPOINT or None for a live stand-in, words)
+    ("repo-id-with-space", "Diffuspace/Clover 35B", None, "not a checkpoint folder, nor a Hugging Face repo id"),
+    ("repo-id-dotdot", "Diffuspace/..", None, "not a checkpoint folder"),
+    ("repo-id-dotdot-inside", "Diffu..space/x", None, "not a checkpoint folder"),
+    ("endpoint-port-99999", "Diffuspace/Clover", "http://127.0.0.1:99999", "port outside 0-65535"),
+    ("endpoint-with-crlf", "Diffuspace/Clover", "http://127.0.0.1:1\r\nX-Injected: 1", "control characters"),
+    ("endpoint-not-http", "Diffuspace/Clover", "ftp://127.0.0.1", "not an http(s) URL"),
+    ("timeout-not-a-number", "Diffuspace/Clover", "TIMEOUT", "CLOVER_GGUF_HUB_TIMEOUT"),
+]
+
+
+@pytest.mark.parametrize("name,spec,endpoint,words", HUB_SPEC_CASES, ids=[c[0] for c in HUB_SPEC_CASES])
+def test_graft_refuses_a_bad_repo_id_or_endpoint(base, official, tmp_path, name, spec, endpoint, words):
+    w = Work(tmp_path, base)
+    env = _hub_env(endpoint or "http://127.0.0.1:9")
+    if endpoint == "TIMEOUT":
+        env = _hub_env("http://127.0.0.1:9", CLOVER_GGUF_HUB_TIMEOUT="\u00b2")
+    before = snapshot(tmp_path)
+    assert_refused(_graft(w, official, spec, env=env), before, tmp_path, words)
+
+
+def test_a_stop_string_that_is_not_utf8_is_a_400():
+    """A lone surrogate in a stop string ("\\ud800" in the JSON) can never match any output: 400, as for the prompt
+    (docs/serve.md). Also in the table of tests/test_hostile_serve.py, through a running server."""
+    pytest.importorskip("fastapi")
+    from clover_gguf.server import APIError, _models, plan_from
+
+    chat, completion = _models()
+    for stop in ("\ud800", ["ok", "a\udfffb"]):
+        for req, is_chat in ((chat(messages=[{"role": "user", "content": "hi"}], stop=stop), True),
+                             (completion(prompt="hi", stop=stop), False)):
+            with pytest.raises(APIError) as e:
+                plan_from(req, is_chat, "ar")
+            assert e.value.status == 400 and e.value.param == "stop" and "not valid UTF-8" in e.value.message
+
+
+def test_the_key_middleware_takes_no_empty_or_non_ascii_key():
+    """create_app and serve check the key first (above, through the CLI); the middleware itself never runs with a key
+    that would let everyone in or that clients send as different bytes."""
+    from clover_gguf.errors import UserError
+    from clover_gguf.server import RequireKey
+
+    for key in ("", "cl\u00e9", " key"):
+        with pytest.raises(UserError):
+            RequireKey(None, key)
