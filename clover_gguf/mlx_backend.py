@@ -197,6 +197,7 @@ class Loaded:
     path: Path
     kind: str  # "checkpoint" or "mlx"
     config: dict  # config.json as mlx-lm keeps it (quantization included)
+    block_raw: dict[str, Any] | None = None  # the block tensors as stored, HF names (what mlx-convert writes)
 
 
 def load(path: str | Path, dtype: str | None = None, quantize: tuple[int, int] | None = None) -> Loaded:
@@ -219,7 +220,8 @@ def load(path: str | Path, dtype: str | None = None, quantize: tuple[int, int] |
                                        model_config={"model_type": "qwen3_5_moe"})
         except (ValueError, FileNotFoundError) as e:
             raise UserError(f"mlx-lm cannot load {path}: {e}") from None
-        block = _block_tensors(mx.load(str(path / BLOCK_FILE)), cfg) if has_block else None
+        block_raw = mx.load(str(path / BLOCK_FILE)) if has_block else None
+        block = _block_tensors(block_raw, cfg) if has_block else None
         kind = "mlx"
     else:
         cfg, raw = _read_config(path, has_block=False)
@@ -230,11 +232,13 @@ def load(path: str | Path, dtype: str | None = None, quantize: tuple[int, int] |
         if not cfg.is_clover and block_raw:
             raise UserError(f"{path} has block tensors but model_type {cfg.model_type!r}")
         model.eval()
+        if dtype:  # before sanitize: its `1 + w` of the norms is then computed in the dtype asked for
+            weights = {k: v.astype(getattr(mx, dtype)) for k, v in weights.items()}
         try:
             model.load_weights(list(model.sanitize(weights).items()), strict=True)
         except ValueError as e:
             raise UserError(f"{path}: the weights do not fit config.json: {e}") from None
-        config = {k: v for k, v in raw.items() if k != "text_config"}
+        config = dict(raw)
         if quantize is not None:
             bits, group = quantize
             if dtype:
@@ -246,7 +250,99 @@ def load(path: str | Path, dtype: str | None = None, quantize: tuple[int, int] |
     mx.eval(model.parameters())
     if block is not None:
         mx.eval([[b.right, b.tau, b.history_bias, b.history_c] for b in block.values()])
-    return Loaded(model, cfg, block, path, kind, config)
+    return Loaded(model, cfg, block, path, kind, config, block_raw if block is not None else None)
+
+
+# files of a checkpoint folder an MLX folder keeps as they are (tokenizer, chat template, generation defaults)
+_KEPT_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+               "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+               "generation_config.json")
+
+
+@dataclass
+class ConvertResult:
+    out: Path
+    bits: int | None
+    group_size: int | None
+    block_tensors: int
+    size_bytes: int
+    seconds: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"out": str(self.out), "q_bits": self.bits, "q_group_size": self.group_size,
+                "block_tensors": self.block_tensors, "size_bytes": self.size_bytes, "seconds": round(self.seconds, 3)}
+
+    def summary(self) -> str:
+        q = f"{self.bits}-bit, groups of {self.group_size}" if self.bits else "not quantized"
+        blk = f"{self.block_tensors} block tensors kept unquantized" if self.block_tensors else "no block tensors (AR only)"
+        return f"wrote {self.out}: MLX folder, {q}, {blk}, {self.size_bytes / 2**30:.3f} GiB in {self.seconds:.1f} s"
+
+
+def write_folder(loaded: Loaded, tmp: Path, src: Path | None = None) -> int:
+    """Write `loaded` as an MLX folder into the empty folder `tmp` (mlx-lm's save_model and save_config; the block
+    tensors in BLOCK_FILE; the tokenizer files copied from `src`) -> the number of block tensors written."""
+    import shutil
+
+    from mlx_lm.utils import save_config, save_model
+
+    save_model(tmp, loaded.model, donate_model=True)
+    config = {k: v for k, v in loaded.config.items()}
+    config["model_type"] = "qwen3_5_moe"  # mlx-lm's class for it; the block file makes it Clover again
+    config["architectures"] = ["Qwen3_5MoeForCausalLM"]
+    save_config(config, tmp / "config.json")
+    n = 0
+    if loaded.block_raw:
+        mx.save_safetensors(str(tmp / BLOCK_FILE), {k: v.astype(mx.float32) for k, v in loaded.block_raw.items()},
+                            metadata={"format": "mlx", "clover": "block-mode tensors, HF names"})
+        n = len(loaded.block_raw)
+    for name in _KEPT_FILES if src is not None else ():
+        if (src / name).is_file():
+            shutil.copy2(src / name, tmp / name)
+    return n
+
+
+def convert(src: str | Path, out: str | Path, q_bits: int | None = None, q_group_size: int = 64,
+            dtype: str | None = None, force: bool = False) -> ConvertResult:
+    """A Clover checkpoint folder -> an MLX folder (mlx-lm's layout and quantization; the block tensors kept
+    unquantized in BLOCK_FILE). The folder appears whole or not at all."""
+    import contextlib
+    import os
+    import shutil
+    import sys
+    import time
+
+    t0 = time.perf_counter()
+    src, out = Path(src), Path(out)
+    if q_bits is not None and q_bits not in (2, 3, 4, 5, 6, 8):
+        raise UserError(f"--q-bits must be 2, 3, 4, 5, 6 or 8, not {q_bits}")
+    if q_group_size not in (32, 64, 128):
+        raise UserError(f"--q-group-size must be 32, 64 or 128, not {q_group_size}")
+    if not src.is_dir():
+        raise UserError(f"{src} is not a checkpoint folder")
+    if is_mlx_folder(src):
+        raise UserError(f"{src} is an MLX folder already: mlx-convert takes the checkpoint")
+    if out.exists() and (out.resolve() == src.resolve() or src.resolve() in out.resolve().parents):
+        raise UserError(f"{out} is the checkpoint itself (or holds it): choose another output folder")
+    if out.exists() and not force:
+        raise UserError(f"{out} exists: pass --force to replace it")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out} exists and is not a folder")
+    with contextlib.redirect_stdout(sys.stderr):  # mlx-lm prints its bits per weight
+        loaded = load(src, dtype=dtype, quantize=(q_bits, q_group_size) if q_bits else None)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        n = write_folder(loaded, tmp, src)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
+    return ConvertResult(out, q_bits, q_group_size if q_bits else None, n, size, time.perf_counter() - t0)
 
 
 # ---------------------------------------------------------------------------------------------------------------
