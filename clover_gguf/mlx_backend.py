@@ -33,11 +33,12 @@ import numpy as np
 from clover_gguf.config import CloverConfig
 from clover_gguf.errors import UserError
 
+from clover_gguf.graft import BLOCK_RULES, MLX_BLOCK_FILE as BLOCK_FILE  # noqa: E402
+
 INSTALL_HINT = "pip install 'clover-gguf[mlx]'"
-BLOCK_FILE = "clover-block.safetensors"  # the block tensors of an MLX folder, HF names, float32
-BLOCK_NAMES = ("conv_right_weight", "bd_softmax_logit_scale", "bd_softmax_history_bias", "bd_softmax_history_c")
-_BLOCK_RE = re.compile(r"^(?:model\.|model\.language_model\.|language_model\.model\.)layers\.(\d+)\.linear_attn\."
-                       r"(" + "|".join(BLOCK_NAMES) + r")$")
+# the four block tensors' short names (tensor_map's rules), found by layer in HF-named (normalised) tensors
+BLOCK_NAMES = tuple(r.hf.rsplit(".", 1)[1] for r in BLOCK_RULES)
+_BLOCK_RE = re.compile(r"^model\.layers\.(\d+)\.linear_attn\.(" + "|".join(BLOCK_NAMES) + r")$")
 
 try:  # the one place that imports MLX; everything below needs it
     import mlx.core as mx

@@ -79,10 +79,10 @@ class MlxRuntime(CloverRuntime):
                  coreset: bool | None = None, dtype: str | None = None, **_ignored):
         from gguf import TokenType
 
-        from clover_gguf import mlx_backend
         from clover_gguf.vocab import compile_chat_template, load_vocab
 
         path = Path(folder)
+        mlx_backend = import_mlx_backend()
         loaded = mlx_backend.load(path, dtype=dtype)
         cfg = loaded.cfg
         self.loaded, self.path = loaded, path
@@ -134,3 +134,32 @@ class MlxRuntime(CloverRuntime):
     def close(self) -> None:
         pass
 
+
+
+def open_runtime(model: Path, backend: str = "auto", **llama_kw) -> CloverRuntime:
+    """The runtime for a command's MODEL: MlxRuntime for a folder (or --backend mlx), else CloverRuntime with the
+    llama.cpp settings given. llama.cpp's offload settings mean nothing on MLX and are left unused; --rpc is
+    refused."""
+    if model_backend(model, backend) == "mlx":
+        if llama_kw.get("rpc"):
+            raise UserError("--rpc is llama.cpp's: MLX runs the model on this machine")
+        return MlxRuntime(model, n_ctx=llama_kw.get("n_ctx"), block_size=llama_kw.get("block_size"),
+                          coreset=llama_kw.get("coreset"))
+    return CloverRuntime(model, **llama_kw)
+
+
+def import_mlx_backend():
+    """clover_gguf.mlx_backend, imported now (it imports MLX; UserError with the install line when MLX is missing)."""
+    from clover_gguf import mlx_backend
+
+    return mlx_backend
+
+
+def mlx_status() -> dict:
+    """Whether MLX is installed here and whether it has Metal (doctor)."""
+    try:
+        info = import_mlx_backend().availability()
+    except UserError as e:
+        return {"installed": False, "metal": False, "summary": str(e)}
+    where = "Metal GPU" if info["metal"] else f"no Metal: MLX runs on the CPU ({info['device']})"
+    return {"installed": True, **info, "summary": f"mlx {info['mlx']}, mlx-lm {info['mlx_lm']}: {where}"}
