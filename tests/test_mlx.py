@@ -1,0 +1,280 @@
+"""Clover on MLX (clover_gguf/mlx_backend.py, docs/mac.md), on MLX's CPU device: causal and block logits equal the
+PyTorch reference on a random tiny checkpoint and on a slice with the 35B's per-layer shapes; a 4-bit conversion
+stays within the tolerance docs/mac.md states; on the bundled model draft-self (exact) gives AR's text and decodes
+in the reference backend's passes (which the llama.cpp backend's tests equal); an MLX folder without the block
+tensors runs AR and graft adds them; the commands take a folder, and the ones that do not run MLX never import it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+mx = pytest.importorskip("mlx.core")  # the test extra installs mlx[cpu]; a machine without it skips this module
+
+from clover_gguf import mlx_backend as mb  # noqa: E402
+from clover_gguf.decoding import generate_all  # noqa: E402
+from clover_gguf.errors import UserError  # noqa: E402
+from clover_gguf.reference import CloverModel, ReferenceBackend  # noqa: E402
+
+TOL = 1e-4  # relative, float32 on both sides
+# a 4-bit conversion (groups of 64) of the bundled trained model against the float64 reference, prompts and all-mask
+# blocks of eight eval rows: measured 0.17 at most (0.10 on average), top-1 agreeing on 92% of rows (73% at least
+# for one pass); 8-bit: 0.013 at most (docs/mac.md)
+Q4_REL, Q4_TOP1 = 0.25, 0.85
+Q8_REL = 0.03
+BUNDLED = Path(__file__).resolve().parents[1] / "clover_gguf" / "assets" / "tiny-clover"
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def _ids(rng, cfg, n):
+    return rng.integers(0, cfg.vocab_size, size=n).tolist()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Parity with the reference
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_pair(tiny):
+    return CloverModel.from_pretrained(tiny, dtype=torch.float64), mb.load(tiny, dtype="float32")
+
+
+def test_tiny_causal_and_block_logits_equal_the_reference(tiny_pair):
+    ref, loaded = tiny_pair
+    cfg = ref.cfg
+    rng = np.random.default_rng(3)
+    prefix, nxt = _ids(rng, cfg, 13), _ids(rng, cfg, 5)
+    blocks = {"full": _ids(rng, cfg, cfg.block_size), "masked": [cfg.mask_token_id] * 8 + _ids(rng, cfg, 4),
+              "short": _ids(rng, cfg, 3)}
+    b = mb.MlxBackend(loaded)
+    with torch.no_grad():
+        want, state = ref.prefill(prefix)
+        want_next, _ = ref.prefill(nxt, state)
+        assert rel_err(b.commit(prefix), want.numpy()) < TOL
+        for name, block in blocks.items():
+            for coreset in (None, False, 0.5):
+                b.coreset_top_p = mb.MlxBackend(loaded, coreset=coreset).coreset_top_p
+                err = rel_err(b.block_logits(block), ref.block_logits(None, block, coreset=coreset, state=state).numpy())
+                assert err < TOL, (name, coreset, err)
+    # the block passes left the prefix as it was: the next causal pass continues it exactly
+    assert rel_err(b.commit(nxt), want_next.numpy()) < TOL
+
+
+def test_coreset_keep_is_the_reference_rule(tiny_pair):
+    from clover_gguf.reference import coreset_keep_mask
+
+    rng = np.random.default_rng(0)
+    for t, e, k, p in [(32, 16, 8, 0.9), (5, 8, 2, 0.5), (32, 256, 8, 0.9), (1, 8, 2, 1.0)]:
+        probs = torch.from_numpy(rng.dirichlet(np.full(e, 0.3), size=t))
+        probs[:, 3] = probs[:, 4]  # equal masses: the lower index first
+        want = coreset_keep_mask(probs, k, p).numpy()
+        got = np.array(mb.coreset_keep(mx.array(probs.float().numpy()), k, p))
+        assert (got == want).all(), (t, e, k, p)
+
+
+def test_rollback_gives_the_state_of_the_kept_tokens(tiny_pair):
+    ref, loaded = tiny_pair
+    rng = np.random.default_rng(4)
+    prefix, draft = _ids(rng, ref.cfg, 9), _ids(rng, ref.cfg, 7)
+    b = mb.MlxBackend(loaded)
+    b.commit(prefix)
+    b.commit(draft)
+    b.rollback(4)
+    assert b.n_past == 12
+    with torch.no_grad():
+        want, _ = ref.prefill(prefix + draft[:3] + [5])
+    assert rel_err(b.commit([5])[-1], want[-1].numpy()) < TOL
+    with pytest.raises(ValueError):
+        b.rollback(3)  # past the latest commit's one token
+
+
+def test_slice35b_logits_equal_the_reference(make_checkpoint):
+    """The 35B's per-layer shapes (hidden 2048, 16 q / 2 kv heads of 256, GDN 16 key / 32 value heads of 128,
+    experts of 512 top-8) with 16 experts, 4 layers, a 1,024-row vocabulary (tests/test_slice35b.py's checkpoint)."""
+    torch.set_num_threads(2)
+    ckpt = make_checkpoint(seed=5, preset="slice35b", num_experts=16, vocab_size=1024)
+    ref = CloverModel.from_pretrained(ckpt, dtype=torch.float32)
+    loaded = mb.load(ckpt, dtype="float32")
+    assert (loaded.cfg.hidden_size, loaded.cfg.linear_num_value_heads, loaded.cfg.head_dim) == (2048, 32, 256)
+    rng = np.random.default_rng(7)
+    prefix, block = _ids(rng, ref.cfg, 6), _ids(rng, ref.cfg, 12)
+    b = mb.MlxBackend(loaded)
+    with torch.no_grad():
+        want, state = ref.prefill(prefix)
+        assert rel_err(b.commit(prefix), want.numpy()) < TOL
+        assert rel_err(b.block_logits(block), ref.block_logits(None, block, state=state).numpy()) < TOL
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Conversion
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("mlx")
+    out = {}
+    for name, bits in (("f32", None), ("q4", 4), ("q8", 8)):
+        out[name] = mb.convert(BUNDLED, root / name, q_bits=bits, q_group_size=64).out
+    return out
+
+
+@pytest.fixture(scope="module")
+def bundled_ref():
+    torch.set_num_threads(2)
+    return CloverModel.from_pretrained(BUNDLED, dtype=torch.float64)
+
+
+def _eval_prompts(n: int, stride: int) -> list[list[int]]:
+    from tokenizers import Tokenizer
+
+    from clover_gguf.testing.train_tiny import load_eval, row_conversation
+
+    tok = Tokenizer.from_file(str(BUNDLED / "tokenizer.json"))
+    return [tok.encode(row_conversation(r).prompt_text()).ids for r in load_eval(BUNDLED)[::stride][:n]]
+
+
+def test_the_folder_keeps_the_block_tensors_unquantized_and_mlx_lm_loads_it(converted):
+    from mlx_lm.utils import load_model
+    from safetensors import safe_open
+
+    q4 = converted["q4"]
+    with safe_open(str(q4 / mb.BLOCK_FILE), "np") as f:
+        names = list(f.keys())
+        assert len(names) == 4 * 2 and all(f.get_tensor(n).dtype == np.float32 for n in names)
+    cfg = json.loads((q4 / "config.json").read_text())
+    assert cfg["quantization"]["bits"] == 4 and cfg["model_type"] == "qwen3_5_moe" and cfg["mask_token_id"] == 379
+    with safe_open(str(q4 / "model.safetensors"), "np") as f:
+        assert any(n.endswith(".scales") for n in f.keys()) and not any("conv_right" in n for n in f.keys())
+    # mlx-lm's own loader (what mlx_lm.generate uses) runs the same folder, AR, with the same causal logits as ours
+    model, _ = load_model(q4)
+    ids = _eval_prompts(1, 1)[0]
+    ours = mb.MlxBackend(mb.load(q4)).commit(ids)
+    assert rel_err(np.array(model(mx.array([ids]))[0]), ours) < 1e-6
+
+
+def test_quantized_conversions_stay_within_the_stated_tolerance(converted, bundled_ref):
+    ref = bundled_ref
+    mask = [ref.cfg.mask_token_id] * ref.cfg.block_size
+    backends = {k: mb.MlxBackend(mb.load(converted[k])) for k in ("f32", "q4", "q8")}
+    errs: dict[str, list[float]] = {k: [] for k in backends}
+    top1: list[float] = []
+    for ids in _eval_prompts(4, 80):
+        with torch.no_grad():
+            want, state = ref.prefill(ids)
+            want_block = ref.block_logits(None, mask, state=state)
+        for k, b in backends.items():
+            b.reset()
+            got, got_block = b.commit(ids), b.block_logits(mask)
+            errs[k] += [rel_err(got, want.numpy()), rel_err(got_block, want_block.numpy())]
+            if k == "q4":
+                top1 += [float((got.argmax(-1) == want.numpy().argmax(-1)).mean()),
+                         float((got_block.argmax(-1) == want_block.numpy().argmax(-1)).mean())]
+    assert max(errs["f32"]) < TOL
+    assert max(errs["q8"]) < Q8_REL
+    assert max(errs["q4"]) < Q4_REL and np.mean(top1) >= Q4_TOP1, (max(errs["q4"]), np.mean(top1))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Decoding on the bundled model
+# ---------------------------------------------------------------------------------------------------------------
+def test_bundled_draft_self_exact_gives_ar_and_the_reference_passes(converted, bundled_ref):
+    """Greedy, controls off: draft-self (exact) answers what AR answers; draft-self and diffusion take the same
+    passes, token for token, as the reference backend (whose decodes the llama.cpp backend's tests equal)."""
+    mlx_b = mb.MlxBackend(mb.load(converted["f32"]))
+    ref_b = ReferenceBackend(CloverModel.from_pretrained(BUNDLED, dtype=torch.float32))
+    for ids in _eval_prompts(3, 97):
+        ar, _ = generate_all(mlx_b, ids, mode="ar", max_new_tokens=48)
+        for mode in ("draft-self", "diffusion"):
+            got, stats = generate_all(mlx_b, ids, mode=mode, max_new_tokens=48)
+            want, want_stats = generate_all(ref_b, ids, mode=mode, max_new_tokens=48)
+            assert got == want and stats.forward_passes == want_stats.forward_passes, mode
+            assert stats.tokens_per_pass == want_stats.tokens_per_pass
+            if mode == "draft-self":
+                assert got == ar and stats.forward_passes < len(ar)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A community folder (no block tensors), graft, the commands
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def community(converted, tmp_path_factory) -> Path:
+    """What a community MLX conversion holds: mlx-lm's files without the block tensors or the Clover keys."""
+    import shutil
+
+    out = tmp_path_factory.mktemp("community") / "clover-4bit"
+    shutil.copytree(converted["q4"], out)
+    (out / mb.BLOCK_FILE).unlink()
+    cfg = json.loads((out / "config.json").read_text())
+    for k in ("mask_token_id", "block_size", "linear_conv_right_kernel_dim", "moe_block_coreset_enabled",
+              "moe_block_coreset_top_p", "clover_gguf_block_reading"):
+        cfg.pop(k, None)
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+def test_a_folder_without_block_tensors_runs_ar_and_graft_adds_them(community, converted, tmp_path):
+    from clover_gguf.graft import graft
+    from clover_gguf.mlx_runtime import MlxRuntime
+
+    rt = MlxRuntime(community)
+    assert not rt.block_mode and rt.default_mode == "ar"
+    assert rt.generate("What is 7 + 8?", mode="ar", max_new_tokens=24).text
+    with pytest.raises(UserError, match="graft"):
+        rt.check_request(10, 10, "draft-self", 32)
+    out = tmp_path / "grafted"
+    res = graft(community, str(BUNDLED), out, quiet=True)
+    assert res.added_tensors == 8 and (out / mb.BLOCK_FILE).is_file() and not (community / mb.BLOCK_FILE).exists()
+    ids = _eval_prompts(1, 1)[0]
+    a, b = mb.MlxBackend(mb.load(out)), mb.MlxBackend(mb.load(converted["q4"]))
+    a.commit(ids), b.commit(ids)
+    mask = [379] * 32
+    assert np.array_equal(a.block_logits(mask), b.block_logits(mask))
+    with pytest.raises(UserError, match="already has"):
+        graft(out, str(BUNDLED), tmp_path / "again", quiet=True)
+
+
+def _cli(*args, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "clover_gguf", *map(str, args)], capture_output=True, text=True,
+                          timeout=300, env=env)
+
+
+def test_generate_takes_an_mlx_folder_and_a_checkpoint(converted, capsys):
+    from clover_gguf.cli import main
+
+    for model in (converted["q8"], BUNDLED):
+        with pytest.raises(SystemExit) as e:
+            main(["generate", str(model), "-p", "Count from 12 to 17.", "--json", "-n", "40"])
+        assert e.value.code == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["text"] == "12 13 14 15 16 17" and out["stats"]["mode"] == "draft-self"
+    with pytest.raises(SystemExit) as e:
+        main(["generate", str(converted["q8"]), "-p", "x", "--backend", "llama"])
+    assert e.value.code == 2 and "is a folder" in capsys.readouterr().err
+
+
+def test_commands_that_do_not_run_mlx_never_import_it_and_a_missing_mlx_is_one_line(tmp_path, converted):
+    code = ("import sys; from clover_gguf.cli import main\n"
+            "for args in (['generate', '--help'], ['serve', '--help'], ['mlx-convert', '--help']):\n"
+            "    try: main(args)\n"
+            "    except SystemExit: pass\n"
+            "import clover_gguf.runtime, clover_gguf.server, clover_gguf.chat, clover_gguf.graft, clover_gguf.mlx_runtime\n"
+            "assert not [m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm')], 'mlx imported'\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    # no MLX: a package named mlx that cannot be imported stands in for it
+    (tmp_path / "mlx").mkdir()
+    (tmp_path / "mlx" / "__init__.py").write_text("raise ImportError('no MLX here', name='mlx')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(Path(__file__).resolve().parents[1])])}
+    r = _cli("generate", converted["q8"], "-p", "hi", "--backend", "mlx", env=env)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "pip install 'clover-gguf[mlx]'" in r.stderr, r.stderr
+    r = _cli("mlx-convert", BUNDLED, "-o", tmp_path / "x", env=env)
+    assert r.returncode == 2 and "clover-gguf[mlx]" in r.stderr
