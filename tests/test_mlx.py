@@ -80,6 +80,13 @@ def test_coreset_keep_is_the_reference_rule(tiny_pair):
         want = coreset_keep_mask(probs, k, p).numpy()
         got = np.array(mb.coreset_keep(mx.array(probs.float().numpy()), k, p))
         assert (got == want).all(), (t, e, k, p)
+    # equal masses at the cut: the lower index is kept (experts 1 and 2 each hold 0.6, the cut keeps one)
+    probs = np.array([[0.1, 0.1, 0.6, 0.2], [0.1, 0.6, 0.1, 0.2]], dtype=np.float32)
+    assert np.array(mb.coreset_keep(mx.array(probs), 1, 0.4)).tolist() == [False, True, False, False]
+    # a top_p whose leading set is smaller than k: extended along the ranking to k experts
+    probs = np.array([[0.7, 0.1, 0.1, 0.1], [0.6, 0.3, 0.05, 0.05]], dtype=np.float32)
+    assert np.array(mb.coreset_keep(mx.array(probs), 2, 0.1)).tolist() == [True, True, False, False]
+    assert coreset_keep_mask(torch.from_numpy(probs), 2, 0.1).tolist() == [True, True, False, False]
 
 
 def test_rollback_gives_the_state_of_the_kept_tokens(tiny_pair):
