@@ -31,6 +31,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from clover_gguf.config import CloverConfig
+from clover_gguf.controls import Gather, GraphRows
 from clover_gguf.errors import UserError
 
 from clover_gguf.graft import BLOCK_RULES, MLX_BLOCK_FILE as BLOCK_FILE  # noqa: E402
@@ -449,6 +450,41 @@ def block_forward(loaded: Loaded, ids, cache, coreset_top_p: float | None):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# The selection's rows in MLX (decoding.GraphBackend): what llama.cpp's graph returns (controls.GraphRows)
+# ---------------------------------------------------------------------------------------------------------------
+MAX_CHUNKS = 256
+
+
+def _chunks(n_vocab: int) -> int:
+    """How many equal chunks of consecutive ids the rest of a row is read in: the most up to MAX_CHUNKS."""
+    return max(d for d in range(1, min(MAX_CHUNKS, n_vocab) + 1) if n_vocab % d == 0)
+
+
+def _rows(logits, gather: Gather) -> GraphRows:
+    """Rows [T, V] of logits (MLX) -> the greedy GraphRows controls.Selector.choose reads: the logits at the gathered
+    ids, and for the rest of each row (the gathered ids left out) each chunk's largest logit, its id (the lowest on
+    ties) and, with gather.probs, its probability within the chunk's softmax. Only these leave MLX."""
+    if gather.temp > 0:
+        raise ValueError("the MLX backend selects greedily in MLX; sampling runs on numpy logits")
+    t, v = logits.shape
+    logits = logits.astype(mx.float32)
+    ids = mx.array(np.asarray(gather.ids, dtype=np.int32))
+    at = mx.take(logits, ids, axis=1)  # [T, W]
+    gathered = mx.zeros((v,), dtype=mx.bool_)
+    gathered[ids] = True
+    n = _chunks(v)
+    rest = mx.where(gathered, -mx.inf, logits).reshape(t, n, v // n)
+    best = mx.max(rest, axis=-1)  # [T, n]
+    arg = mx.argmax(rest, axis=-1).astype(mx.int64) + mx.arange(n, dtype=mx.int64) * (v // n)
+    outs = [at, best, arg]
+    if gather.probs:
+        outs.append(1.0 / mx.sum(mx.exp(rest - best[..., None]), axis=-1))
+    mx.eval(outs)
+    at_, best_, arg_, *p = (np.array(o) for o in outs)
+    return GraphRows(at_ids=at_, rest_ids=arg_, rest_logits=best_, rest_probs=p[0] if p else None)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # The decoding backend
 # ---------------------------------------------------------------------------------------------------------------
 class MlxBackend:
@@ -470,6 +506,9 @@ class MlxBackend:
             coreset = cfg.moe_block_coreset_enabled
         self.coreset_top_p = None if coreset is False else \
             (cfg.moe_block_coreset_top_p if coreset is True else float(coreset))
+        # decoding._Passes reads it: select in MLX (the GraphBackend methods below) rather than on numpy logits; off
+        # by default, as those methods serve the greedy selection only (MlxRuntime turns it on for greedy answers)
+        self.select_in_graph = False
         self.keep_backup = True  # the runtime's switches (runtime.CloverRuntime.stream_ids sets them)
         self.keep_at = None
         self.extra_passes = 0
@@ -495,28 +534,48 @@ class MlxBackend:
     def _logits(self, out) -> np.ndarray:
         return np.array(out[0].astype(mx.float32))
 
-    def commit(self, ids: Sequence[int]) -> np.ndarray:
+    def _commit(self, ids: Sequence[int]):
         if not len(ids):
             raise ValueError("commit needs at least one token")
         self._before = (len(self._ids), [list(c.cache) if not hasattr(c, "offset") else None for c in self._cache])
-        out = self._forward(ids)
+        out = self._forward(ids)[0]  # [T, V], not evaluated yet
         self._ids.extend(int(t) for t in ids)
-        return self._logits(out)
+        return out
 
-    def prefill(self, ids: Sequence[int]) -> np.ndarray:
+    def commit(self, ids: Sequence[int]) -> np.ndarray:
+        return self._logits(self._commit(ids)[None])
+
+    def commit_rows(self, ids: Sequence[int], gather: Gather | None) -> GraphRows | None:
+        out = self._commit(ids)
+        return _rows(out, gather) if gather is not None else mx.eval(out)
+
+    def _prefill(self, ids: Sequence[int], gather: Gather | None, dense: bool):
         import time
 
         t0 = time.perf_counter()
         self.reused = 0
-        out = self.commit(ids)[-1]
+        last = self._commit(ids)[-1:]
+        out = self._logits(last[None])[-1] if dense else _rows(last, gather) if gather is not None else mx.eval(last)
         self.prefill_seconds += time.perf_counter() - t0
         return out
 
-    def block_logits(self, block: Sequence[int]) -> np.ndarray:
+    def prefill(self, ids: Sequence[int]) -> np.ndarray:
+        return self._prefill(ids, None, dense=True)
+
+    def prefill_rows(self, ids: Sequence[int], gather: Gather | None) -> GraphRows | None:
+        return self._prefill(ids, gather, dense=False)
+
+    def _block(self, block: Sequence[int]):
         if not self.block_mode:
             raise UserError("this model has no block-mode tensors (or no mask_token_id): block mode is unavailable")
         ids = mx.array([list(block)], dtype=mx.int32)
-        return self._logits(block_forward(self.loaded, ids, self._cache, self.coreset_top_p))
+        return block_forward(self.loaded, ids, self._cache, self.coreset_top_p)[0]
+
+    def block_logits(self, block: Sequence[int]) -> np.ndarray:
+        return self._logits(self._block(block)[None])
+
+    def block_rows(self, block: Sequence[int], positions: Sequence[int], gather: Gather) -> GraphRows:
+        return _rows(self._block(block)[mx.array(list(positions), dtype=mx.int32)], gather)
 
     def rollback(self, n: int) -> None:
         if n <= 0:

@@ -14,7 +14,7 @@ from typing import Sequence
 from clover_gguf.config import MAX_BLOCK, generation_defaults, read_json
 from clover_gguf.errors import UserError
 from clover_gguf.metadata import READING, READING_FIELD, Controls, GenerationDefaults
-from clover_gguf.runtime import DEFAULT_CTX, CloverRuntime
+from clover_gguf.runtime import DEFAULT_CTX, SELECTIONS, CloverRuntime
 
 BACKENDS = ("auto", "llama", "mlx")
 
@@ -76,7 +76,9 @@ class MlxRuntime(CloverRuntime):
     accepted and ignored where they have no meaning here."""
 
     def __init__(self, folder: str | Path, n_ctx: int | None = None, block_size: int | None = None,
-                 coreset: bool | None = None, dtype: str | None = None, **_ignored):
+                 coreset: bool | None = None, dtype: str | None = None, selection: str = "graph", **_ignored):
+        """selection: "graph" (greedy answers select in MLX: only a few numbers per row leave it) or "numpy"
+        (every row's logits are copied out), as runtime.SELECTIONS."""
         from gguf import TokenType
 
         from clover_gguf.vocab import compile_chat_template, load_vocab
@@ -88,6 +90,9 @@ class MlxRuntime(CloverRuntime):
         self.loaded, self.path = loaded, path
         self.meta = {"general.architecture": "clover_moe" if cfg.is_clover else "qwen35moe", "backend": "mlx"}
         self.backend = mlx_backend.MlxBackend(loaded, coreset=coreset)
+        if selection not in SELECTIONS:
+            raise UserError(f"unknown selection {selection!r}: choose {' or '.join(SELECTIONS)}")
+        self.selection = selection
         self.block_mode = self.backend.block_mode
         self.reading = cfg.extra.get(READING_FIELD) or READING
         self.reading_verified = cfg.extra.get(READING_FIELD) == READING
@@ -127,6 +132,10 @@ class MlxRuntime(CloverRuntime):
         note = super().reading_note(mode)
         return None if note is None else note.replace(f"`clover-gguf check-block {self.path.name}`",
                                                       "`clover-gguf check-block` on its GGUF")
+
+    def stream_ids(self, ids: Sequence[int], temp: float = 0.0, **kw):
+        self.backend.select_in_graph = self.selection == "graph" and temp == 0.0  # MLX's rows are greedy's
+        return super().stream_ids(ids, temp=temp, **kw)
 
     def prompt_and_keep(self, messages: Sequence[dict[str, str]], think: bool = True) -> tuple[list[int], int | None]:
         return self.prompt_ids(messages, think=think), None  # no prefix reuse here
