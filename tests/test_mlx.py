@@ -253,7 +253,7 @@ def test_a_folder_without_block_tensors_runs_ar_and_graft_adds_them(community, c
     rt = MlxRuntime(community)
     assert not rt.block_mode and rt.default_mode == "ar"
     assert rt.generate("What is 7 + 8?", mode="ar", max_new_tokens=24).text
-    with pytest.raises(UserError, match="graft"):
+    with pytest.raises(UserError, match="graft clover-4bit --from .* -o OUT_FOLDER"):
         rt.check_request(10, 10, "draft-self", 32)
     out = tmp_path / "grafted"
     res = graft(community, str(BUNDLED), out, quiet=True)
@@ -303,3 +303,27 @@ def test_commands_that_do_not_run_mlx_never_import_it_and_a_missing_mlx_is_one_l
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "pip install 'clover-gguf[mlx]'" in r.stderr, r.stderr
     r = _cli("mlx-convert", BUNDLED, "-o", tmp_path / "x", env=env)
     assert r.returncode == 2 and "clover-gguf[mlx]" in r.stderr
+
+
+def test_chat_and_serve_run_an_mlx_folder(converted):
+    """A three-turn chat and the OpenAI-compatible server on an MLX folder (one runtime, its answers as ar's)."""
+    import io
+
+    from fastapi.testclient import TestClient
+
+    from clover_gguf.chat import ChatSession
+    from clover_gguf.mlx_runtime import MlxRuntime
+    from clover_gguf.server import create_app
+
+    rt = MlxRuntime(converted["f32"])
+    out = io.StringIO()
+    ChatSession(converted["f32"], runtime=rt, max_new_tokens=48, out=out,
+                inp=io.StringIO("What is 7 + 8?\nCount from 33 to 37.\n/mode ar\nReverse: c l o v e r\n")).loop()
+    text = out.getvalue()
+    assert "7 + 8 = 15" in text and "33 34 35 36 37" in text and "r e v o l c" in text
+    with TestClient(create_app(lambda: rt, mode="draft-self", model_id="tiny-mlx")) as http:
+        r = http.post("/v1/chat/completions", json={"model": "tiny-mlx", "max_tokens": 48,
+                                                   "messages": [{"role": "user", "content": "What is 34 + 58?"}]})
+        assert r.status_code == 200, r.text
+        assert "34 + 58 = 92" in r.json()["choices"][0]["message"]["content"]
+        assert http.get("/v1/models").json()["data"][0]["meta"]["block_mode"] is True
