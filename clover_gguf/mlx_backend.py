@@ -453,6 +453,7 @@ def block_forward(loaded: Loaded, ids, cache, coreset_top_p: float | None):
 # The selection's rows in MLX (decoding.GraphBackend): what llama.cpp's graph returns (controls.GraphRows)
 # ---------------------------------------------------------------------------------------------------------------
 MAX_CHUNKS = 256
+PREFILL_CHUNK = 2048  # mlx-lm's prefill_step_size
 
 
 def _chunks(n_vocab: int) -> int:
@@ -509,6 +510,9 @@ class MlxBackend:
         # decoding._Passes reads it: select in MLX (the GraphBackend methods below) rather than on numpy logits; off
         # by default, as those methods serve the greedy selection only (MlxRuntime turns it on for greedy answers)
         self.select_in_graph = False
+        # a prompt runs in passes of this many tokens, as mlx-lm's prefill does: a long one's attention scores in one
+        # pass would not fit (16 heads x T x T floats)
+        self.prefill_chunk = PREFILL_CHUNK
         self.keep_backup = True  # the runtime's switches (runtime.CloverRuntime.stream_ids sets them)
         self.keep_at = None
         self.extra_passes = 0
@@ -534,12 +538,19 @@ class MlxBackend:
     def _logits(self, out) -> np.ndarray:
         return np.array(out[0].astype(mx.float32))
 
-    def _commit(self, ids: Sequence[int]):
+    def _commit(self, ids: Sequence[int], chunk: int | None = None):
+        """Run `ids` causally (in passes of `chunk` tokens, the logits of all but the last dropped) -> the last
+        pass's logits [T, V], not evaluated yet."""
         if not len(ids):
             raise ValueError("commit needs at least one token")
         self._before = (len(self._ids), [list(c.cache) if not hasattr(c, "offset") else None for c in self._cache])
-        out = self._forward(ids)[0]  # [T, V], not evaluated yet
-        self._ids.extend(int(t) for t in ids)
+        ids, done = [int(t) for t in ids], 0
+        while chunk and len(ids) - done > chunk:
+            self._forward(ids[done:done + chunk])
+            mx.eval([a for c in self._cache for a in ([c.keys, c.values] if hasattr(c, "offset") else c.cache)])
+            done += chunk
+        out = self._forward(ids[done:])[0]
+        self._ids.extend(ids)
         return out
 
     def commit(self, ids: Sequence[int]) -> np.ndarray:
@@ -554,7 +565,7 @@ class MlxBackend:
 
         t0 = time.perf_counter()
         self.reused = 0
-        last = self._commit(ids)[-1:]
+        last = self._commit(ids, chunk=self.prefill_chunk)[-1:]
         out = self._logits(last[None])[-1] if dense else _rows(last, gather) if gather is not None else mx.eval(last)
         self.prefill_seconds += time.perf_counter() - t0
         return out

@@ -103,6 +103,13 @@ def test_rollback_gives_the_state_of_the_kept_tokens(tiny_pair):
     assert rel_err(b.commit([5])[-1], want[-1].numpy()) < TOL
     with pytest.raises(ValueError):
         b.rollback(3)  # past the latest commit's one token
+    # a prompt prefilled in passes of 4 tokens, as a long one is in passes of PREFILL_CHUNK
+    b.reset()
+    b.prefill_chunk = 4
+    assert rel_err(b.prefill(prefix + draft[:3] + [5]), want[-1].numpy()) < TOL
+    with torch.no_grad():
+        want_block = ref.block_logits(prefix + draft[:3] + [5], draft).numpy()
+    assert b.n_past == 13 and rel_err(b.block_logits(draft), want_block) < TOL
 
 
 def test_slice35b_logits_equal_the_reference(make_checkpoint):
