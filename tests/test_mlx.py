@@ -295,6 +295,25 @@ def _cli(*args, env=None) -> subprocess.CompletedProcess:
                           timeout=300, env=env)
 
 
+def test_mlx_convert_on_the_command_line(converted, capsys, tmp_path):
+    from clover_gguf.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["mlx-convert", str(BUNDLED), "-o", str(tmp_path / "q8"), "--q-bits", "8", "--json"])
+    assert e.value.code == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["q_bits"] == 8 and res["q_group_size"] == 64 and res["block_tensors"] == 8
+    for args, words in [(["--q-group-size", "48"], "--q-group-size must be"), (["--q-bits", "7"], "--q-bits must be"),
+                        ([], "exists: pass --force")]:
+        with pytest.raises(SystemExit) as e:
+            main(["mlx-convert", str(BUNDLED), "-o", str(tmp_path / "q8"), *args])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and words in err and err.count("\n") == 1, err
+    with pytest.raises(SystemExit) as e:
+        main(["mlx-convert", str(converted["q4"]), "-o", str(tmp_path / "again")])
+    assert e.value.code == 2 and "an MLX folder already" in capsys.readouterr().err
+
+
 def test_generate_takes_an_mlx_folder_and_a_checkpoint(converted, capsys):
     from clover_gguf.cli import main
 
@@ -307,6 +326,10 @@ def test_generate_takes_an_mlx_folder_and_a_checkpoint(converted, capsys):
     with pytest.raises(SystemExit) as e:
         main(["generate", str(converted["q8"]), "-p", "x", "--backend", "llama"])
     assert e.value.code == 2 and "is a folder" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["doctor", "--json"])
+    d = json.loads(capsys.readouterr().out)["mlx"]
+    assert d["installed"] and d["metal"] is False and d["mlx"] == mx.__version__ and "no Metal" in d["summary"]
 
 
 def test_commands_that_do_not_run_mlx_never_import_it_and_a_missing_mlx_is_one_line(tmp_path, converted):
