@@ -32,6 +32,15 @@ Q8_REL = 0.03
 BUNDLED = Path(__file__).resolve().parents[1] / "clover_gguf" / "assets" / "tiny-clover"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """The reference on one thread: two spin against each other on a shared 2-core machine (as llama.cpp's do)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def rel_err(a, b) -> float:
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
@@ -115,7 +124,6 @@ def test_rollback_gives_the_state_of_the_kept_tokens(tiny_pair):
 def test_slice35b_logits_equal_the_reference(make_checkpoint):
     """The 35B's per-layer shapes (hidden 2048, 16 q / 2 kv heads of 256, GDN 16 key / 32 value heads of 128,
     experts of 512 top-8) with 16 experts, 4 layers, a 1,024-row vocabulary (tests/test_slice35b.py's checkpoint)."""
-    torch.set_num_threads(2)
     ckpt = make_checkpoint(seed=5, preset="slice35b", num_experts=16, vocab_size=1024)
     ref = CloverModel.from_pretrained(ckpt, dtype=torch.float32)
     loaded = mb.load(ckpt, dtype="float32")
@@ -143,7 +151,6 @@ def converted(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def bundled_ref():
-    torch.set_num_threads(2)
     return CloverModel.from_pretrained(BUNDLED, dtype=torch.float32)
 
 
@@ -223,7 +230,7 @@ def test_bundled_decodes_take_the_llama_cpp_backends_passes(converted, bundled_g
     from clover_gguf.runtime import CloverRuntime
 
     mlx_b = mb.MlxBackend(mb.load(converted["f32"]))
-    with CloverRuntime(bundled_gguf, n_ctx=512, exact=True, n_threads=2) as rt:
+    with CloverRuntime(bundled_gguf, n_ctx=512, exact=True, n_threads=1) as rt:  # 2 spin on a shared machine
         for ids in _eval_prompts(2, 61):
             for mode in ("draft-self", "diffusion"):
                 got, stats = generate_all(mlx_b, ids, mode=mode, max_new_tokens=48)
