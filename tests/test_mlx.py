@@ -121,6 +121,23 @@ def test_rollback_gives_the_state_of_the_kept_tokens(tiny_pair):
     assert b.n_past == 13 and rel_err(b.block_logits(draft), want_block) < TOL
 
 
+def test_draft_self_with_rejections_gives_ar(tiny_pair, tiny):
+    """On a random model most drafted tokens are rejected: every round rolls back and runs the kept tokens again.
+    draft-self (exact) still answers what AR answers, in the reference backend's passes."""
+    ref, loaded = tiny_pair
+    b, ref_b = mb.MlxBackend(loaded), ReferenceBackend(CloverModel.from_pretrained(tiny, dtype=torch.float32))
+    rng = np.random.default_rng(11)
+    drafted = accepted = 0
+    for n in (7, 12):
+        ids = _ids(rng, ref.cfg, n)
+        ar, _ = generate_all(b, ids, mode="ar", max_new_tokens=12)
+        got, stats = generate_all(b, ids, mode="draft-self", max_new_tokens=12, block_size=6, threshold=0.3)
+        want, want_stats = generate_all(ref_b, ids, mode="draft-self", max_new_tokens=12, block_size=6, threshold=0.3)
+        assert got == ar == want and stats.forward_passes == want_stats.forward_passes
+        drafted, accepted = drafted + stats.drafted_tokens, accepted + stats.accepted_tokens
+    assert accepted < drafted and b.extra_passes > 0
+
+
 def test_slice35b_logits_equal_the_reference(make_checkpoint):
     """The 35B's per-layer shapes (hidden 2048, 16 q / 2 kv heads of 256, GDN 16 key / 32 value heads of 128,
     experts of 512 top-8) with 16 experts, 4 layers, a 1,024-row vocabulary (tests/test_slice35b.py's checkpoint)."""
