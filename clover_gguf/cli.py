@@ -202,7 +202,7 @@ def graft(
                                "MLX folder without them (a community conversion; OUT is then a folder)"),
     from_: str = typer.Option(..., "--from", help="the checkpoint: a local folder, or a Hugging Face repo id "
                               "(ranged reads: only the block tensors and the headers are downloaded)"),
-    out: Path = typer.Option(..., "-o", "--out", help="output GGUF"),
+    out: Path = typer.Option(..., "-o", "--out", help="output GGUF (a folder for an MLX folder)"),
     revision: Optional[str] = typer.Option(None, "--revision", help="with a repo id: branch, tag or commit"),
     force: bool = typer.Option(False, "--force", help="overwrite OUT"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
@@ -479,8 +479,8 @@ def chat(
     check_sampling(temp)
     runtime = open_runtime(model, engine.value, n_ctx=ctx, **_rpc(rpc)) \
         if model_backend(model, engine.value) == "mlx" else None
-    ChatSession(model, runtime=runtime, mode=mode.value if mode else None, max_new_tokens=max_new_tokens, think=think, show_thinking=show_thinking,
-                temp=temp, seed=seed, n_ctx=ctx, json_stats=json_stats, rollback=rollback.value,
+    ChatSession(model, runtime=runtime, mode=mode.value if mode else None, max_new_tokens=max_new_tokens, think=think,
+                show_thinking=show_thinking, temp=temp, seed=seed, n_ctx=ctx, json_stats=json_stats, rollback=rollback.value,
                 offload=offload, **_rpc(rpc)).loop()
 
 

@@ -488,6 +488,19 @@ def _rows(logits, gather: Gather) -> GraphRows:
 # ---------------------------------------------------------------------------------------------------------------
 # The decoding backend
 # ---------------------------------------------------------------------------------------------------------------
+def _on_stream(method):
+    """Run a pass's MLX work on the backend's thread-local stream (as mlx-lm's generation stream): a server runs its
+    requests in worker threads, and an MLX stream belongs to the thread that made it."""
+    import functools
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with mx.stream(self._stream):
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
 class MlxBackend:
     """decoding.Backend on MLX (as runtime.LlamaBackend is on llama.cpp and reference.ReferenceBackend on PyTorch).
 
@@ -513,6 +526,7 @@ class MlxBackend:
         # a prompt runs in passes of this many tokens, as mlx-lm's prefill does: a long one's attention scores in one
         # pass would not fit (16 heads x T x T floats)
         self.prefill_chunk = PREFILL_CHUNK
+        self._stream = mx.new_thread_local_stream(mx.default_device())
         self.keep_backup = True  # the runtime's switches (runtime.CloverRuntime.stream_ids sets them)
         self.keep_at = None
         self.extra_passes = 0
@@ -553,13 +567,16 @@ class MlxBackend:
         self._ids.extend(ids)
         return out
 
+    @_on_stream
     def commit(self, ids: Sequence[int]) -> np.ndarray:
         return self._logits(self._commit(ids)[None])
 
+    @_on_stream
     def commit_rows(self, ids: Sequence[int], gather: Gather | None) -> GraphRows | None:
         out = self._commit(ids)
         return _rows(out, gather) if gather is not None else mx.eval(out)
 
+    @_on_stream
     def _prefill(self, ids: Sequence[int], gather: Gather | None, dense: bool):
         import time
 
@@ -582,12 +599,15 @@ class MlxBackend:
         ids = mx.array([list(block)], dtype=mx.int32)
         return block_forward(self.loaded, ids, self._cache, self.coreset_top_p)[0]
 
+    @_on_stream
     def block_logits(self, block: Sequence[int]) -> np.ndarray:
         return self._logits(self._block(block)[None])
 
+    @_on_stream
     def block_rows(self, block: Sequence[int], positions: Sequence[int], gather: Gather) -> GraphRows:
         return _rows(self._block(block)[mx.array(list(positions), dtype=mx.int32)], gather)
 
+    @_on_stream
     def rollback(self, n: int) -> None:
         if n <= 0:
             return
