@@ -79,6 +79,21 @@ def test_tiny_causal_and_block_logits_equal_the_reference(tiny_pair):
     assert rel_err(b.commit(nxt), want_next.numpy()) < TOL
 
 
+def test_the_multimodal_layout_with_fused_experts_and_mtp(make_checkpoint, tmp_path):
+    """A ForConditionalGeneration checkpoint (text_config, `model.language_model.` names, vision tensors), experts
+    fused (gate_up_proj), an MTP block: loaded as is and through mlx-convert, the reference's logits."""
+    ckpt = make_checkpoint(seed=2, experts="fused", prefix=True, mtp=True)
+    ref = CloverModel.from_pretrained(ckpt, dtype=torch.float64)
+    rng = np.random.default_rng(5)
+    prefix, block = _ids(rng, ref.cfg, 11), _ids(rng, ref.cfg, 9)
+    with torch.no_grad():
+        want, state = ref.prefill(prefix)
+        want_block = ref.block_logits(None, block, state=state).numpy()
+    for folder in (ckpt, mb.convert(ckpt, tmp_path / "mlx").out):
+        b = mb.MlxBackend(mb.load(folder, dtype="float32"))
+        assert rel_err(b.commit(prefix), want.numpy()) < TOL and rel_err(b.block_logits(block), want_block) < TOL
+
+
 def test_coreset_keep_is_the_reference_rule(tiny_pair):
     from clover_gguf.reference import coreset_keep_mask
 
