@@ -169,7 +169,7 @@ def _checkpoint_weights(path: Path, cfg: CloverConfig) -> dict[str, Any]:
     weights: dict[str, Any] = {}
     experts: dict[tuple[int, str], dict[int, Any]] = {}
     for shard in list_shards(path):
-        for name, a in mx.load(str(shard)).items():
+        for name, a in _mx_load(shard).items():
             norm = normalise_name(name)
             if norm is None or norm.startswith("mtp."):
                 continue
@@ -187,6 +187,14 @@ def _checkpoint_weights(path: Path, cfg: CloverConfig) -> dict[str, Any]:
             weights[p + "gate_up_proj"] = mx.concatenate([weights.pop(p + "gate"), weights.pop(p + "up")], axis=1)
             weights[p + "down_proj"] = weights.pop(p + "down")
     return weights
+
+
+def _mx_load(path: Path) -> dict[str, Any]:
+    """A safetensors file's arrays (lazy), or one UserError line for a file MLX cannot read."""
+    try:
+        return mx.load(str(path))
+    except (RuntimeError, ValueError, OSError) as e:
+        raise UserError(f"cannot read {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
 
 
 @dataclass
@@ -220,9 +228,10 @@ def load(path: str | Path, dtype: str | None = None, quantize: tuple[int, int] |
             model, config = load_model(path, lazy=True, strict=True,
                                        get_model_classes=lambda config: (qwen3_5_moe.Model, qwen3_5_moe.ModelArgs),
                                        model_config={"model_type": "qwen3_5_moe"})
-        except (ValueError, FileNotFoundError) as e:
-            raise UserError(f"mlx-lm cannot load {path}: {e}") from None
-        block_raw = mx.load(str(path / BLOCK_FILE)) if has_block else None
+        except (ValueError, FileNotFoundError, RuntimeError) as e:
+            raise UserError(f"mlx-lm cannot load {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") \
+                from None
+        block_raw = _mx_load(path / BLOCK_FILE) if has_block else None
         block = _block_tensors(block_raw, cfg) if has_block else None
         kind = "mlx"
     else:

@@ -412,3 +412,36 @@ def test_chat_and_serve_run_an_mlx_folder(converted):
         assert r.status_code == 200, r.text
         assert "34 + 58 = 92" in r.json()["choices"][0]["message"]["content"]
         assert http.get("/v1/models").json()["data"][0]["meta"]["block_mode"] is True
+
+
+def test_a_bad_folder_is_one_line(tmp_path, capsys):
+    """No config.json, a corrupt weights file (checkpoint or MLX folder), a wrong-shape block file: one line, exit 2."""
+    import shutil
+
+    from clover_gguf.cli import main
+
+    cases = {"empty": ("not a model folder", None)}
+    for name, mlx_folder in (("ckpt", False), ("mlxdir", True)):
+        d = tmp_path / name
+        d.mkdir()
+        for f in BUNDLED.glob("*.json"):
+            shutil.copy(f, d)
+        if mlx_folder:
+            cfg = json.loads((d / "config.json").read_text())
+            (d / "config.json").write_text(json.dumps({**cfg, "quantization": {"bits": 4, "group_size": 64}}))
+        (d / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all}")
+        cases[name] = ("header" if not mlx_folder else "cannot load", None)
+    (tmp_path / "empty").mkdir()
+    blk = tmp_path / "blk"
+    mb.convert(BUNDLED, blk)
+    from safetensors.numpy import load_file, save_file
+
+    t = load_file(str(blk / mb.BLOCK_FILE))
+    t = {k: (v[:5] if k.endswith("conv_right_weight") else v) for k, v in t.items()}
+    save_file(t, str(blk / mb.BLOCK_FILE))
+    cases["blk"] = ("conv_right_weight has shape", None)
+    for name, (words, _) in cases.items():
+        with pytest.raises(SystemExit) as e:
+            main(["generate", str(tmp_path / name), "-p", "hi"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and words in err and err.count("\n") == 1, (name, err)
