@@ -34,7 +34,7 @@ from clover_gguf.config import CloverConfig
 from clover_gguf.controls import Gather, GraphRows
 from clover_gguf.errors import UserError
 
-from clover_gguf.graft import BLOCK_RULES, MLX_BLOCK_FILE as BLOCK_FILE  # noqa: E402
+from clover_gguf.graft import BLOCK_RULES, MLX_BLOCK_FILE as BLOCK_FILE
 
 INSTALL_HINT = "pip install 'clover-gguf[mlx]'"
 # the four block tensors' short names (tensor_map's rules), found by layer in HF-named (normalised) tensors
@@ -189,6 +189,15 @@ def _checkpoint_weights(path: Path, cfg: CloverConfig) -> dict[str, Any]:
     return weights
 
 
+def _cast(model, dtype: str) -> None:
+    """Floating parameters to `dtype`, except those mlx-lm keeps as they are (its cast_predicate: A_log)."""
+    from mlx.utils import tree_map_with_path
+
+    keep, to = model.cast_predicate, getattr(mx, dtype)
+    model.update(tree_map_with_path(
+        lambda k, v: v.astype(to) if keep(k) and mx.issubdtype(v.dtype, mx.floating) else v, model.parameters()))
+
+
 def _mx_load(path: Path) -> dict[str, Any]:
     """A safetensors file's arrays (lazy), or one UserError line for a file MLX cannot read."""
     try:
@@ -244,7 +253,8 @@ def load(path: str | Path, dtype: str | None = None, quantize: tuple[int, int] |
             raise UserError(f"{path} has block tensors but model_type {cfg.model_type!r}")
         model.eval()
         if dtype:  # before sanitize: its `1 + w` of the norms is then computed in the dtype asked for
-            weights = {k: v.astype(getattr(mx, dtype)) for k, v in weights.items()}
+            keep = model.cast_predicate
+            weights = {k: v.astype(getattr(mx, dtype)) if keep(k) else v for k, v in weights.items()}
         try:
             model.load_weights(list(model.sanitize(weights).items()), strict=True)
         except ValueError as e:
@@ -253,11 +263,11 @@ def load(path: str | Path, dtype: str | None = None, quantize: tuple[int, int] |
         if quantize is not None:
             bits, group = quantize
             if dtype:
-                model.set_dtype(getattr(mx, dtype))
+                _cast(model, dtype)
             model, config = quantize_model(model, config, group, bits)
         kind = "checkpoint"
     if dtype:
-        model.set_dtype(getattr(mx, dtype))
+        _cast(model, dtype)
     mx.eval(model.parameters())
     if block is not None:
         mx.eval([[b.right, b.tau, b.history_bias, b.history_c] for b in block.values()])
