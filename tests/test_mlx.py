@@ -236,6 +236,22 @@ def test_quantized_conversions_stay_within_the_stated_tolerance(converted, bundl
     assert max(errs["q4"]) < Q4_REL and np.mean(top1) >= Q4_TOP1, (max(errs["q4"]), np.mean(top1))
 
 
+def test_a_bfloat16_4bit_folder_runs_block_mode(tmp_path, bundled_ref):
+    """What a Mac runs (the 35B is BF16): 4-bit weights, BF16 activations, the block math in float32: block logits
+    near the reference's, and draft-self (exact) still AR's text."""
+    b = mb.MlxBackend(mb.load(mb.convert(BUNDLED, tmp_path / "bf16-q4", q_bits=4, dtype="bfloat16").out))
+    ids = _eval_prompts(1, 1)[0]
+    mask = [bundled_ref.cfg.mask_token_id] * 32
+    with torch.no_grad():
+        _, state = bundled_ref.prefill(ids)
+        want = bundled_ref.block_logits(None, mask, state=state).numpy()
+    b.commit(ids)
+    assert rel_err(b.block_logits(mask), want) < Q4_REL
+    for ids in _eval_prompts(2, 113):
+        ar, _ = generate_all(b, ids, mode="ar", max_new_tokens=32)
+        assert generate_all(b, ids, mode="draft-self", max_new_tokens=32)[0] == ar
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Decoding on the bundled model
 # ---------------------------------------------------------------------------------------------------------------
