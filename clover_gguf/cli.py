@@ -480,8 +480,8 @@ def chat(
     runtime = open_runtime(model, engine.value, n_ctx=ctx, **_rpc(rpc)) \
         if model_backend(model, engine.value) == "mlx" else None
     ChatSession(model, runtime=runtime, mode=mode.value if mode else None, max_new_tokens=max_new_tokens, think=think,
-                show_thinking=show_thinking, temp=temp, seed=seed, n_ctx=ctx, json_stats=json_stats, rollback=rollback.value,
-                offload=offload, **_rpc(rpc)).loop()
+                show_thinking=show_thinking, temp=temp, seed=seed, n_ctx=ctx, json_stats=json_stats,
+                rollback=rollback.value, offload=offload, **_rpc(rpc)).loop()
 
 
 @app.command()

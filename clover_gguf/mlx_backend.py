@@ -295,7 +295,8 @@ class ConvertResult:
 
     def summary(self) -> str:
         q = f"{self.bits}-bit, groups of {self.group_size}" if self.bits else "not quantized"
-        blk = f"{self.block_tensors} block tensors kept unquantized" if self.block_tensors else "no block tensors (AR only)"
+        blk = (f"{self.block_tensors} block tensors kept unquantized" if self.block_tensors
+               else "no block tensors (AR only)")
         return f"wrote {self.out}: MLX folder, {q}, {blk}, {self.size_bytes / 2**30:.3f} GiB in {self.seconds:.1f} s"
 
 

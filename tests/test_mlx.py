@@ -73,7 +73,8 @@ def test_tiny_causal_and_block_logits_equal_the_reference(tiny_pair):
         for name, block in blocks.items():
             for coreset in (None, False, 0.5):
                 b.coreset_top_p = mb.MlxBackend(loaded, coreset=coreset).coreset_top_p
-                err = rel_err(b.block_logits(block), ref.block_logits(None, block, coreset=coreset, state=state).numpy())
+                want_block = ref.block_logits(None, block, coreset=coreset, state=state).numpy()
+                err = rel_err(b.block_logits(block), want_block)
                 assert err < TOL, (name, coreset, err)
     # the block passes left the prefix as it was: the next causal pass continues it exactly
     assert rel_err(b.commit(nxt), want_next.numpy()) < TOL
@@ -392,7 +393,8 @@ def test_commands_that_do_not_run_mlx_never_import_it_and_a_missing_mlx_is_one_l
             "for args in (['generate', '--help'], ['serve', '--help'], ['mlx-convert', '--help']):\n"
             "    try: main(args)\n"
             "    except SystemExit: pass\n"
-            "import clover_gguf.runtime, clover_gguf.server, clover_gguf.chat, clover_gguf.graft, clover_gguf.mlx_runtime\n"
+            "import clover_gguf.runtime, clover_gguf.server, clover_gguf.chat, clover_gguf.graft\n"
+            "import clover_gguf.mlx_runtime\n"
             "assert not [m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm')], 'mlx imported'\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
