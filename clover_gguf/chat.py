@@ -52,10 +52,12 @@ class ChatSession:
     def __init__(self, model: Path, mode: str | None = None, max_new_tokens: int = 1024, think: bool = True,
                  show_thinking: bool = True, temp: float = 0.0, seed: int | None = None, n_ctx: int | None = None,
                  json_stats: bool = False, out: TextIO | None = None, inp: TextIO | None = None,
-                 rollback: str = "redecode", offload: Offload | None = None, **runtime_kwargs):
-        # each turn continues from the state kept after the previous turn's messages (docs/runtime.md, "Prefix reuse")
-        self.rt = CloverRuntime(model, n_ctx=n_ctx, rollback=rollback, offload=offload, keep_prefix=True,
-                                **runtime_kwargs)
+                 rollback: str = "redecode", offload: Offload | None = None, runtime: CloverRuntime | None = None,
+                 **runtime_kwargs):
+        # each turn continues from the state kept after the previous turn's messages (docs/runtime.md, "Prefix reuse");
+        # runtime: one already loaded (an mlx_runtime.MlxRuntime), used instead
+        self.rt = runtime or CloverRuntime(model, n_ctx=n_ctx, rollback=rollback, offload=offload, keep_prefix=True,
+                                           **runtime_kwargs)
         mode = mode or self.rt.default_mode
         self.mode, self.max_new_tokens, self.think, self.show_thinking = mode, max_new_tokens, think, show_thinking
         self.temp, self.seed, self.json_stats = temp, seed, json_stats

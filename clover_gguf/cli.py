@@ -41,6 +41,14 @@ class Backend(str, Enum):
     vulkan = "vulkan"
 
 
+class Engine(str, Enum):
+    """Which engine runs MODEL (generate, chat, serve): auto is MLX for a folder, llama.cpp for a GGUF file."""
+    auto = "auto"
+    llama = "llama"
+    mlx = "mlx"
+
+
+ENGINE_HELP = "auto (a folder runs on MLX, a GGUF file on llama.cpp), llama or mlx (docs/mac.md)"
 RPC_HELP = ("HOST:PORT[,HOST:PORT...]: put the model's layers on these ggml-rpc-servers, as llama.cpp's --rpc does "
             "(unauthenticated: trusted networks only)")
 
@@ -190,10 +198,11 @@ def export_ar(
 
 @app.command()
 def graft(
-    src: Path = typer.Argument(..., help="a clover_moe GGUF without the block-mode tensors (an official file)"),
+    src: Path = typer.Argument(..., help="a clover_moe GGUF without the block-mode tensors (an official file), or an "
+                               "MLX folder without them (a community conversion; OUT is then a folder)"),
     from_: str = typer.Option(..., "--from", help="the checkpoint: a local folder, or a Hugging Face repo id "
                               "(ranged reads: only the block tensors and the headers are downloaded)"),
-    out: Path = typer.Option(..., "-o", "--out", help="output GGUF"),
+    out: Path = typer.Option(..., "-o", "--out", help="output GGUF (a folder for an MLX folder)"),
     revision: Optional[str] = typer.Option(None, "--revision", help="with a repo id: branch, tag or commit"),
     force: bool = typer.Option(False, "--force", help="overwrite OUT"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
@@ -203,6 +212,27 @@ def graft(
     from clover_gguf.graft import graft as run
 
     res = run(src, from_, out, revision=revision, force=force, quiet=quiet or as_json)
+    typer.echo(json.dumps(res.to_json()) if as_json else res.summary())
+
+
+@app.command("mlx-convert")
+def mlx_convert(
+    src: Path = typer.Argument(..., help="a Clover checkpoint folder (config.json, safetensors, tokenizer)"),
+    out: Path = typer.Option(..., "-o", "--out", help="output MLX folder"),
+    q_bits: Optional[int] = typer.Option(None, "--q-bits", help="quantize to 4 or 8 bits (mlx-lm's affine "
+                                         "quantization; default: not quantized)"),
+    q_group_size: int = typer.Option(64, "--q-group-size", help="weights per quantization group: 32, 64 or 128"),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="float32, bfloat16 or float16 for what is not "
+                                        "quantized (default: as stored)"),
+    force: bool = typer.Option(False, "--force", help="replace OUT"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Clover checkpoint -> MLX folder (mlx-lm's layout; the block-mode tensors kept unquantized beside it)."""
+    if dtype is not None and dtype not in ("float32", "bfloat16", "float16"):
+        raise UserError(f"--dtype must be float32, bfloat16 or float16, not {dtype!r}")
+    from clover_gguf.mlx_runtime import import_mlx_backend
+
+    res = import_mlx_backend().convert(src, out, q_bits=q_bits, q_group_size=q_group_size, dtype=dtype, force=force)
     typer.echo(json.dumps(res.to_json()) if as_json else res.summary())
 
 
@@ -328,12 +358,16 @@ def doctor(
     from clover_gguf import build
 
     d = build.doctor(backend.value if backend else None)
+    from clover_gguf.mlx_runtime import mlx_status
+
+    d["mlx"] = mlx_status()  # reported; llama.cpp's readiness alone decides "ok"
     if as_json:
         typer.echo(json.dumps(d))
     else:
         for key in ("library_path", "bin_dir", "backend", "backend_choice", "cached_backends", "patch_hash",
                     "binding_version", "cache_dir"):
             typer.echo(f"{key:<16} {d.get(key)}")
+        typer.echo(f"{'mlx':<16} {d['mlx']['summary']}")
         for w in d.get("warnings", []):
             typer.echo(f"warning: {w}")
         for m in d.get("missing", []):
@@ -387,19 +421,21 @@ def generate(
     rpc: Optional[str] = typer.Option(None, "--rpc", help=RPC_HELP),
     stats: bool = typer.Option(False, "--stats", help="print a one-line stats summary to stderr (all of them: --json)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object: text, thinking, stats"),
+    engine: Engine = typer.Option(Engine.auto, "--backend", help=ENGINE_HELP),
     offload=None,
 ) -> None:
     """Answer one prompt, streaming the answer as tokens are accepted."""
     from dataclasses import replace
 
     from clover_gguf.metadata import Controls
-    from clover_gguf.runtime import CloverRuntime, check_sampling
+    from clover_gguf.mlx_runtime import open_runtime
+    from clover_gguf.runtime import check_sampling
 
     overrides = {k: v for k, v in {"presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty,
                                    "repetition_penalty": repetition_penalty}.items() if v is not None}
     check_sampling(temp, top_p, top_k, threshold, replace(Controls(), **overrides))  # before the model loads
-    with CloverRuntime(model, n_ctx=ctx, rollback=rollback.value, offload=offload, block_size=block_size,
-                       **_rpc(rpc)) as rt:
+    with open_runtime(model, engine.value, n_ctx=ctx, rollback=rollback.value, offload=offload,
+                      block_size=block_size, **_rpc(rpc)) as rt:
         controls = replace(rt.controls.off() if no_controls else rt.controls, **overrides)
         mode_ = mode.value if mode else rt.default_mode
         if note := rt.reading_note(mode_):
@@ -433,17 +469,20 @@ def chat(
     rollback: Rollback = typer.Option(Rollback.redecode, "--rollback", help="draft-self rollback strategy"),
     json_stats: bool = typer.Option(False, "--json-stats", help="each answer's stats as one JSON object, not a line"),
     rpc: Optional[str] = typer.Option(None, "--rpc", help=RPC_HELP),
+    engine: Engine = typer.Option(Engine.auto, "--backend", help=ENGINE_HELP),
     offload=None,
 ) -> None:
     """Chat in the terminal: /reset, /mode auto|ar|diffusion|draft-self, /stats, /quit; Ctrl-C stops an answer."""
     from clover_gguf.chat import ChatSession
+    from clover_gguf.mlx_runtime import model_backend, open_runtime
     from clover_gguf.runtime import check_sampling
 
     check_sampling(temp)
-
-    ChatSession(model, mode=mode.value if mode else None, max_new_tokens=max_new_tokens, think=think, show_thinking=show_thinking,
-                temp=temp, seed=seed, n_ctx=ctx, json_stats=json_stats, rollback=rollback.value,
-                offload=offload, **_rpc(rpc)).loop()
+    runtime = open_runtime(model, engine.value, n_ctx=ctx, **_rpc(rpc)) \
+        if model_backend(model, engine.value) == "mlx" else None
+    ChatSession(model, runtime=runtime, mode=mode.value if mode else None, max_new_tokens=max_new_tokens, think=think,
+                show_thinking=show_thinking, temp=temp, seed=seed, n_ctx=ctx, json_stats=json_stats,
+                rollback=rollback.value, offload=offload, **_rpc(rpc)).loop()
 
 
 @app.command()
@@ -463,13 +502,22 @@ def serve(
                                   help="MiB of host memory for the kept states of conversations a slot moved on from "
                                        "(a later request of theirs continues on any slot; 0: off)"),
     rpc: Optional[str] = typer.Option(None, "--rpc", help=RPC_HELP),
+    engine: Engine = typer.Option(Engine.auto, "--backend", help=ENGINE_HELP),
     offload=None,
 ) -> None:
     """An OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models, /health."""
+    from clover_gguf.mlx_runtime import model_backend, open_runtime
     from clover_gguf.server import serve as run
 
     if api_key is None and os.environ.get("CLOVER_GGUF_API_KEY") is not None:
         api_key = os.environ["CLOVER_GGUF_API_KEY"]  # click skips an empty variable: set but empty is refused
+    if model_backend(model, engine.value) == "mlx":  # one model, one slot
+        if parallel != 1:
+            raise UserError("--parallel is llama.cpp's (one context, several slots): MLX serves one request at a time")
+        run(lambda: open_runtime(model, "mlx", n_ctx=ctx, **_rpc(rpc)), host=host, port=port,
+            mode=mode.value if mode else None, ctx=ctx, api_key=api_key, model_id=model.name)
+        return
+
     run(model, host=host, port=port, mode=mode.value if mode else None, ctx=ctx, parallel=parallel, api_key=api_key,
         rollback=rollback.value, n_threads=offload.threads, offload=offload, cache_ram=cache_ram * 2**20,
         **_rpc(rpc))  # threads per slot

@@ -29,6 +29,7 @@ from clover_gguf.tensor_map import TENSOR_RULES, match_rule
 
 SINGLE = "model.safetensors"
 BLOCK_RULES = [r for r in TENSOR_RULES if r.clover_extra]
+MLX_BLOCK_FILE = "clover-block.safetensors"  # an MLX folder's block tensors (mlx-lm's loader reads model*.safetensors)
 
 
 class LocalSource:
@@ -237,15 +238,46 @@ def _check_fits_file(h, name: str, a: np.ndarray) -> None:
                         f"{like} is {list(want)}")
 
 
+def read_block_tensors(source, cfg: CloverConfig, refs: dict
+                       ) -> list[tuple[int, Any, str, np.ndarray, np.ndarray]]:
+    """[(layer, rule, HF name, the tensor as stored in float32, its GGUF values)] for every block tensor of every GDN
+    layer, each checked (present, shape, dtype, whole, and its values as convert checks them: convert.block_tensor)."""
+    from clover_gguf.convert import block_tensor
+
+    out = []
+    for layer in range(cfg.num_hidden_layers):
+        if cfg.is_full_attention(layer):
+            continue
+        for rule in BLOCK_RULES:
+            name = rule.hf.format(i=layer)
+            if name not in refs:
+                raise UserError(f"{source.label} lacks tensor {name} (layer {layer} is a GDN layer)")
+            shard, dtype, shape, b, e = refs[name]
+            if not rule.accepts(shape, cfg):
+                raise UserError(f"tensor {name} has shape {list(shape)}, config.json implies "
+                                f"{list(rule.hf_shape(cfg))}")
+            if dtype not in ("F32", "F16", "BF16"):
+                raise UserError(f"tensor {name} has unsupported dtype {dtype} (supported: F32, F16, BF16)")
+            data = source.read(shard, b, e - b)
+            if len(data) != e - b:
+                raise UserError(f"{source.label}/{shard}: {name} is cut short ({len(data)} of {e - b} bytes)")
+            raw = np.frombuffer(data, dtype=SAFETENSORS_DTYPES[dtype]).reshape(shape)
+            a = (raw.astype(np.uint32) << 16).view(np.float32) if dtype == "BF16" else raw.astype(np.float32)
+            out.append((layer, rule, name, a, block_tensor(rule, name, layer, a, cfg)))
+    return out
+
+
 def graft(src: Path, from_: str, out: Path, revision: str | None = None, force: bool = False, quiet: bool = False,
           log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr)) -> GraftResult:
-    from clover_gguf.convert import block_mode_keys, block_tensor, check_layer_kind, right_kernel_from_shapes
+    from clover_gguf.convert import block_mode_keys, check_layer_kind, right_kernel_from_shapes
     from clover_gguf.export import copy_gguf
     from clover_gguf.gguf_header import check_model, read_header
     from clover_gguf.tensor_map import CLOVER_EXTRA_RE
 
     t0 = time.perf_counter()
     src, out = Path(src), Path(out)
+    if src.is_dir():  # an MLX folder
+        return graft_folder(src, from_, out, revision=revision, force=force, quiet=quiet, log=log)
     try:
         h = read_header(src, full=True)
     except UserError as e:
@@ -271,27 +303,10 @@ def graft(src: Path, from_: str, out: Path, revision: str | None = None, force: 
         rule, layer = match_rule(name)
         check_layer_kind(rule, name, layer, cfg)
     added: dict[str, np.ndarray] = {}
-    for layer in range(cfg.num_hidden_layers):
-        if cfg.is_full_attention(layer):
-            continue
-        for rule in BLOCK_RULES:
-            name = rule.hf.format(i=layer)
-            if name not in refs:
-                raise UserError(f"{source.label} lacks tensor {name} (layer {layer} is a GDN layer)")
-            shard, dtype, shape, b, e = refs[name]
-            if not rule.accepts(shape, cfg):
-                raise UserError(f"tensor {name} has shape {list(shape)}, config.json implies "
-                                f"{list(rule.hf_shape(cfg))}")
-            if dtype not in ("F32", "F16", "BF16"):
-                raise UserError(f"tensor {name} has unsupported dtype {dtype} (supported: F32, F16, BF16)")
-            data = source.read(shard, b, e - b)
-            if len(data) != e - b:
-                raise UserError(f"{source.label}/{shard}: {name} is cut short ({len(data)} of {e - b} bytes)")
-            raw = np.frombuffer(data, dtype=SAFETENSORS_DTYPES[dtype]).reshape(shape)
-            a = (raw.astype(np.uint32) << 16).view(np.float32) if dtype == "BF16" else raw.astype(np.float32)
-            gguf_name = rule.gguf.format(i=layer)
-            added[gguf_name] = block_tensor(rule, name, layer, a, cfg)
-            _check_fits_file(h, gguf_name, added[gguf_name])
+    for layer, rule, _, _, values in read_block_tensors(source, cfg, refs):
+        gguf_name = rule.gguf.format(i=layer)
+        added[gguf_name] = values
+        _check_fits_file(h, gguf_name, values)
 
     keys = block_mode_keys(cfg, gen)
     if MASK_TOKEN_ID not in h.kv:
@@ -308,3 +323,94 @@ def graft(src: Path, from_: str, out: Path, revision: str | None = None, force: 
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return GraftResult(out, source.label, len(added), source.bytes_read, time.perf_counter() - t0, rss,
                        out.stat().st_size)
+
+
+# the config.json keys of block mode an MLX folder carries (CloverConfig's names)
+FOLDER_BLOCK_KEYS = ("mask_token_id", "block_size", "linear_conv_right_kernel_dim", "moe_block_coreset_enabled",
+                     "moe_block_coreset_top_p")
+SAME_MODEL_FIELDS = ("hidden_size", "num_hidden_layers", "linear_num_key_heads", "linear_num_value_heads",
+                     "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "vocab_size")
+
+
+def graft_folder(src: Path, from_: str, out: Path, revision: str | None = None, force: bool = False,
+                 quiet: bool = False, log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr)
+                 ) -> GraftResult:
+    """The block tensors added to an MLX folder (a community conversion, mlx-lm's layout): OUT is the folder's files
+    (hard links where the file system allows, else copies) with the block tensors as they are stored in the
+    checkpoint, float32, in clover-block.safetensors (mlx_backend.BLOCK_FILE, which mlx-lm's own loader never
+    reads), config.json given block mode's keys and generation_config.json the checkpoint's decoding defaults. OUT
+    appears whole or not at all."""
+    import os
+    import shutil
+
+    from safetensors.numpy import save_file
+
+    from clover_gguf.config import read_json
+    from clover_gguf.convert import right_kernel_from_shapes
+    from clover_gguf.metadata import READING_FIELD
+
+    block_file = MLX_BLOCK_FILE
+    t0 = time.perf_counter()
+    if not (src / "config.json").is_file():
+        raise UserError(f"{src} is not a model folder (no config.json)")
+    if (src / block_file).exists():
+        raise UserError(f"{src} already has the block-mode tensors ({block_file})")
+    if out.resolve() == src.resolve():
+        raise UserError("graft writes a new folder: OUT must not be the input folder")
+    if out.exists() and not force:
+        raise UserError(f"{out} exists: pass --force to replace it")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out} exists and is not a folder")
+    folder = read_json(src / "config.json", "config.json")
+    if not isinstance(folder, dict):
+        raise UserError(f"{src}/config.json must be a JSON object")
+    mine = CloverConfig.from_dict(folder)
+
+    source = open_source(from_, revision)
+    raw_cfg = _json(source, "config.json")
+    cfg = CloverConfig.from_dict(raw_cfg)
+    if not cfg.is_clover:
+        raise UserError(f"{source.label} is not a Clover checkpoint (model_type {cfg.model_type!r})")
+    for key in SAME_MODEL_FIELDS:
+        if getattr(mine, key) != getattr(cfg, key):
+            raise UserError(f"the checkpoint is not this folder's model: {key} is {getattr(mine, key)} here, "
+                            f"{getattr(cfg, key)} in the checkpoint")
+    refs = block_tensor_refs(source)
+    cfg = right_kernel_from_shapes({n: r[2] for n, r in refs.items()}, cfg)
+    tensors = {name: np.ascontiguousarray(a) for _, _, name, a, _ in read_block_tensors(source, cfg, refs)}
+    gen_raw = _json(source, "generation_config.json", required=False)
+    if not quiet:
+        log(f"graft: {len(tensors)} block-mode tensors read from {source.label} ({source.bytes_read / 2**20:.2f} MiB)")
+
+    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        for p in src.iterdir():
+            if p.is_file() and p.name not in ("config.json", "generation_config.json"):
+                try:
+                    os.link(p, tmp / p.name)
+                except OSError:
+                    shutil.copy2(p, tmp / p.name)
+        for key in FOLDER_BLOCK_KEYS:
+            folder[key] = getattr(cfg, key) if key != "linear_conv_right_kernel_dim" else cfg.right_kernel
+        if READING_FIELD in raw_cfg:
+            folder[READING_FIELD] = raw_cfg[READING_FIELD]
+        (tmp / "config.json").write_text(json.dumps(folder, indent=4, sort_keys=True))
+        gen = read_json(src / "generation_config.json", "generation_config.json") \
+            if (src / "generation_config.json").is_file() else {}
+        if isinstance(gen_raw, dict):
+            gen = {**gen_raw, **(gen if isinstance(gen, dict) else {})}  # the folder's own values win
+            generation_defaults(gen, where=f"{source.label}: generation_config.json")
+        if gen:
+            (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
+        save_file(tensors, str(tmp / block_file), metadata={"format": "mlx", "clover": "block-mode tensors, HF names"})
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
+    return GraftResult(out, source.label, len(tensors), source.bytes_read, time.perf_counter() - t0, rss, size)

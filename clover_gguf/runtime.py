@@ -659,6 +659,9 @@ class CloverRuntime:
 def no_block_tensors(path: Path, mode: str) -> str:
     """Why `mode` cannot run on a file without the block-mode tensors, and the fix."""
     name = Path(path).name
+    if Path(path).is_dir():  # an MLX folder (docs/mac.md)
+        return (f"{name} has no block-mode tensors (an MLX conversion made without them), so --mode {mode} cannot "
+                f"run: add them with `clover-gguf graft {name} --from {md.HF_REPO} -o OUT_FOLDER`, or use --mode ar")
     return (f"{name} has no block-mode tensors (an AR-only file, as the official GGUFs are), so --mode {mode} cannot "
             f"run: add them with `clover-gguf graft {name} --from {md.HF_REPO} -o OUT.gguf`, or use --mode ar")
 
