@@ -10,6 +10,7 @@ writes for block mode (convert.block_mode_keys). The output appears whole or not
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import resource
