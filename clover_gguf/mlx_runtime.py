@@ -127,6 +127,7 @@ class MlxRuntime(CloverRuntime):
         self.max_token_bytes = max(1, max(len(t.encode("utf-8")) for t in vocab.tokens))
         self.think_id = self._special("<think>")
         self.think_end_id = self._special("</think>")
+        self._start_auto()
 
     def reading_note(self, mode: str) -> str | None:
         note = super().reading_note(mode)

@@ -422,13 +422,16 @@ class CloverRuntime:
         self.backend = LlamaBackend(self.ctx, self.mask_token_id if self.mask_token_id is not None else -1,
                                     self.eos_ids, self.block_size, rollback=rollback, selection=selection,
                                     keep_prefix=keep_prefix, keep_prompt=keep_prompt)
-        # pass costs measured on this device, by every answer of this runtime, for auto's choices (clover_gguf.auto);
-        # and the last auto answer's view of the drafts, where the next one starts
-        self.pass_costs = PassCosts()
-        self._auto_last: AutoPolicy | None = None
+        self._start_auto()
         if keep_prefix:  # one state cache for every slot of the context (slot_of: the first runtime's)
             self.backend.state_cache = (slot_of.backend.state_cache if slot_of is not None
                                         else StateCache(cache_ram) if cache_ram > 0 else None)
+
+    def _start_auto(self) -> None:
+        """Pass costs measured on this device by every answer of this runtime, for auto's choices (clover_gguf.auto),
+        and the last auto answer's view of the drafts, where the next one starts."""
+        self.pass_costs = PassCosts()
+        self._auto_last: AutoPolicy | None = None
 
     def _scan_vocab(self) -> tuple[list[int], re.Pattern | None, int]:
         """-> (the end tokens, a pattern matching the text of every control token, the most bytes of prompt text
