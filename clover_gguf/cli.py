@@ -210,7 +210,10 @@ def graft(
 @offload_options
 def check_block(
     model: Path = typer.Argument(..., help="a Clover GGUF with the block-mode tensors"),
-    prompts: Optional[Path] = typer.Option(None, "--prompts", help="one prompt per line (default: a built-in set)"),
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help="a text file, one prompt per line, or a .jsonl "
+                                           "file, each row's \"prompt\" (or its \"messages\"' last user message) "
+                                           "(default: built-in prompts that fit the model: general questions, or the "
+                                           "bundled tiny Clover's own held-out prompts for that model)"),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", min=1),
     ctx: Optional[int] = typer.Option(None, "--ctx", min=16),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
@@ -314,7 +317,10 @@ def build_llama(
         build.install_binding(info, quiet=quiet)
     state = "cached" if info.cached else f"built in {info.seconds:.0f} s"
     typer.echo(f"llama.cpp ({info.backend}{'' if patches else ', unpatched'}) {state}: {info.bin_dir}")
-    typer.echo(f"export LLAMA_CPP_LIB_PATH={info.lib_dir}")
+    # what the folder is for, not a command to run: clover-gguf finds its patched build by itself
+    use = ("clover-gguf finds it by itself: nothing to set" if patches else
+           "the runtime never picks it; a program is pointed at it by $LLAMA_CPP_LIB_PATH")
+    typer.echo(f"library: {info.lib_dir} ({use})")
 
 
 @app.command()
@@ -464,7 +470,8 @@ def serve(
     rpc: Optional[str] = typer.Option(None, "--rpc", help=RPC_HELP),
     offload=None,
 ) -> None:
-    """An OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models, /health."""
+    """An OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics, /slots.
+    It prints the address it listens on once the model is loaded."""
     from clover_gguf.server import serve as run
 
     run(model, host=host, port=port, mode=mode.value if mode else None, ctx=ctx, parallel=parallel, api_key=api_key,

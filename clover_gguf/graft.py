@@ -61,7 +61,8 @@ class HubSource:
             from huggingface_hub import hf_hub_url
             from huggingface_hub.utils import build_hf_headers
         except ImportError:
-            raise UserError("reading a checkpoint from the Hub needs huggingface_hub: pip install 'clover-gguf[hub]'") from None
+            raise UserError("reading a checkpoint from the Hub needs huggingface_hub: `pip install huggingface_hub` (in a "
+                            "checkout of clover-gguf: `pip install '.[hub]'`)") from None
         self.repo_id, self.revision, self.bytes_read = repo_id, revision, 0
         self.label = repo_id
         self._url = lambda name: hf_hub_url(repo_id, name, revision=revision)

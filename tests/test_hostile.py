@@ -1115,11 +1115,15 @@ def test_ctrl_c_stops_an_answer_and_the_chat_goes_on(bundled_gguf):
 
     class Out(io.StringIO):
         sent = False
+        at = -1  # where the output stood when the Ctrl-C came
 
         def write(self, text: str) -> int:
             if not self.sent and text.strip() and not text.startswith(("clover-gguf chat", ">")):
                 self.sent = True
+                n = super().write(text)
+                self.at = len(self.getvalue())
                 os.kill(os.getpid(), signal.SIGINT)
+                return n
             return super().write(text)
 
     out = Out()
@@ -1128,6 +1132,7 @@ def test_ctrl_c_stops_an_answer_and_the_chat_goes_on(bundled_gguf):
     s.loop()
     text = out.getvalue()
     assert out.sent and "(stopped)" in text, text
+    assert text[out.at:].startswith("\n(stopped)"), text  # no token printed after the Ctrl-C (issue 38)
     assert s.last is not None and s.last.generated_tokens < 256
     assert text.count(f"({s.last.summary()})") == 2  # after the stopped answer, and for /stats: the chat went on
     assert text.endswith("> \n")
