@@ -142,7 +142,7 @@ def _eval_rows(path: Path) -> list[dict[str, Any]]:
 
 def check_block(model: Path, prompts: Path | None = None, max_new_tokens: int = 128, n_ctx: int | None = None,
                 offload: Offload | None = None) -> CheckResult:
-    from clover_gguf.runtime import CloverRuntime, has_35b_hparams, no_block_tensors
+    from clover_gguf.runtime import CloverRuntime, no_block_tensors
 
     texts = read_prompts(prompts) if prompts is not None else None
     with CloverRuntime(model, n_ctx=n_ctx, offload=offload) as rt:
@@ -159,9 +159,18 @@ def check_block(model: Path, prompts: Path | None = None, max_new_tokens: int = 
             res.accepted += st.accepted_tokens
             res.per_prompt.append({"prompt": text, "drafted": st.drafted_tokens, "accepted": st.accepted_tokens,
                                    "acceptance": st.accepted_tokens / st.drafted_tokens if st.drafted_tokens else 0.0})
-    if res.prompt_set == "general" and res.verdict != "holds" and not has_35b_hparams(Path(model)):
-        res.note = GENERAL_NOTE  # the verdict may say more about the prompts than about the reading
+    res.note = general_note(res, Path(model))
     return res
+
+
+def general_note(res: CheckResult, model: Path) -> str | None:
+    """GENERAL_NOTE for a verdict short of "holds" on the general questions for a model that is not the 35B: the
+    verdict may then say more about the prompts than about the reading."""
+    from clover_gguf.runtime import has_35b_hparams
+
+    if res.prompt_set == "general" and res.verdict != "holds" and not has_35b_hparams(model):
+        return GENERAL_NOTE
+    return None
 
 
 

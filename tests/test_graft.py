@@ -236,15 +236,29 @@ def test_check_block_holds_out_of_the_box_on_the_bundled_model(bundled_gguf):
     assert {r["prompt"].split()[0] for r in res["per_prompt"]} >= {"Count", "What", "Reverse:", "Copy:", "Keys:"}
 
 
-def test_check_block_says_when_its_general_prompts_may_not_fit(make_checkpoint, tmp_path):
-    """A model of neither the 35B's nor the bundled model's shape (here an untrained one) is checked on the general
-    questions, and a verdict short of "holds" says that such a model may need its own prompts."""
-    out = tmp_path / "random.gguf"
-    convert(make_checkpoint(seed=1), out, outtype="f32", quiet=True)
-    p = _cli("check-block", out, "-n", "8")
-    assert p.returncode == 0, p.stderr
-    assert "(the built-in general questions)" in p.stdout and "verdict: the reading holds" not in p.stdout, p.stdout
-    assert p.stdout.rstrip().splitlines()[-1].startswith("note: the built-in prompts are general questions"), p.stdout
+def test_check_block_says_when_its_general_prompts_may_not_fit(bundled_gguf, tmp_path):
+    """A model of neither the 35B's nor the bundled model's shape is checked on the general questions, and a verdict
+    short of "holds" there says that such a model may need its own prompts; not for the 35B, nor when it holds."""
+    from types import SimpleNamespace
+
+    from clover_gguf import metadata as md
+    from clover_gguf.check_block import DEFAULT_PROMPTS, CheckResult, default_prompts, general_note
+
+    cfg = json.loads((BUNDLED / "config.json").read_text())
+    meta = {md.hparam("block_count"): cfg["num_hidden_layers"], md.hparam("embedding_length"): cfg["hidden_size"],
+            md.hparam("expert_count"): cfg["num_experts"]}
+    bundled = SimpleNamespace(meta=meta, ctx=SimpleNamespace(n_vocab=cfg["vocab_size"]))
+    other = SimpleNamespace(meta={**meta, md.hparam("embedding_length"): 64}, ctx=bundled.ctx)
+    assert default_prompts(bundled)[1] == "bundled" and default_prompts(other) == (list(DEFAULT_PROMPTS), "general")
+    low = CheckResult("m", "clover-gguf-1", True, drafted=100, accepted=30, prompt_set="general")
+    assert general_note(low, bundled_gguf).startswith("the built-in prompts are general questions")
+    low.note = general_note(low, bundled_gguf)
+    assert low.format().splitlines()[-1].startswith("note: the built-in prompts are general")
+    assert "(the built-in general questions)" in low.format()
+    high = CheckResult("m", "clover-gguf-1", True, drafted=100, accepted=90, prompt_set="general")
+    assert general_note(high, bundled_gguf) is None
+    mine = CheckResult("m", "clover-gguf-1", True, drafted=100, accepted=30, prompt_set="yours")
+    assert general_note(mine, bundled_gguf) is None
 
 
 def test_block_mode_run_on_an_unverified_file_says_so_and_prints_its_acceptance(tmp_path):

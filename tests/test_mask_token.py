@@ -149,18 +149,22 @@ def bundled_runtimes(bundled_gguf):
 PROMPTS = ["What is 34 + 58?", "Count from 12 to 17.", "Reverse: c l o v e r"]
 
 
+@pytest.mark.slow  # 19-241 s a case on 2 loaded cores (issue 38): draft-self's sampled drafts are mostly rejected
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("selection", ["graph", "numpy"])
 def test_no_mode_chooses_the_mask_on_the_bundled_model(bundled_runtimes, mode, selection):
     """llama.cpp's passes, the selection in its graph (sampled by patches/0005's sampler) or in numpy: greedy and
-    temperatures 1, 3 and 20 with and without top-k / top-p, many seeds, the mask token biased to the top."""
+    temperatures 1, 3 and 20 with and without top-k / top-p, several seeds, the mask token biased to the top.
+    Sampled, the block threshold is 0 (every position filled in one pass): near-uniform rows would otherwise fill
+    one position per pass, and the rule does not depend on the threshold."""
     rt = bundled_runtimes[selection]
     n = 0
-    for k, sampler in enumerate(_samplers(range(4))):
+    for k, sampler in enumerate(_samplers(range(3))):
         ids = rt.prompt_ids(PROMPTS[k % len(PROMPTS)])
         procs = make_processors(rt.controls, rt.eos_ids, rt.think_id, rt.think_end_id, rt.thinking_at_start(ids))
         rt.backend.keep_backup = mode == "draft-self"
-        toks, stats = generate_all(rt.backend, ids, mode=mode, max_new_tokens=40, sampler=sampler,
+        toks, stats = generate_all(rt.backend, ids, mode=mode, max_new_tokens=32, sampler=sampler,
+                                   threshold=0.95 if sampler is None else 0.0,
                                    logits_processors=[*procs, FavourMask(rt.mask_token_id)])
         assert rt.mask_token_id not in toks, (mode, k)
         n += len(toks)
@@ -174,12 +178,13 @@ def test_sampled_answers_never_show_the_mask(bundled_runtimes, mode):
     rt = bundled_runtimes["graph"]
     mask_text = rt.ctx.token_to_piece(rt.mask_token_id, special=True).decode()
     assert mask_text == "<|mask|>"
-    for seed in range(12):
+    for seed in range(6):
         ans = rt.generate(PROMPTS[seed % len(PROMPTS)], mode=mode, temp=3.0 if seed % 2 else 20.0, seed=seed,
-                          max_new_tokens=48)
+                          max_new_tokens=24, threshold=0.0)
         assert mask_text not in ans.raw, (mode, seed)
 
 
+@pytest.mark.slow  # the PyTorch reference: 227 s on 2 loaded cores before its threshold was 0
 def test_the_reference_backend_never_chooses_the_mask():
     """The same rule on the PyTorch reference (every backend goes through the one Selector)."""
     pytest.importorskip("torch")
@@ -191,7 +196,7 @@ def test_the_reference_backend_never_chooses_the_mask():
     for mode in MODES:
         for seed in range(3):
             toks, _ = generate_all(be, [1, 2, 3, 4], mode=mode, max_new_tokens=20, sampler=Sampling(5.0, seed=seed),
-                                   logits_processors=[FavourMask(be.mask_token_id)])
+                                   threshold=0.0, logits_processors=[FavourMask(be.mask_token_id)])
             assert be.mask_token_id not in toks, (mode, seed)
             n += len(toks)
     assert n >= 40
