@@ -171,6 +171,7 @@ def test_no_mode_chooses_the_mask_on_the_bundled_model(bundled_runtimes, mode, s
     assert n > 100
 
 
+@pytest.mark.slow  # 18-148 s a mode on 2 loaded cores
 @pytest.mark.parametrize("mode", MODES)
 def test_sampled_answers_never_show_the_mask(bundled_runtimes, mode):
     """The command line's path as it is (the card's controls, nothing biased): --temp 3 and 20 over many seeds,
