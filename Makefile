@@ -2,29 +2,46 @@
 # (.venv, from pyproject.toml: the package for the demo, plus the test extra for the tests), then the patched
 # llama.cpp (cached in ~/.cache/clover-gguf). PY may name another interpreter, whose environment is then yours.
 VENV ?= .venv
+# CLI: what `make demo` ends by naming, the venv's clover-gguf (on PATH only once the venv is activated)
 ifeq ($(origin PY),undefined)
 PY := $(VENV)/bin/python
 CORE_ENV := $(VENV)/.core
 TEST_ENV := $(VENV)/.test
+CLI := $(VENV)/bin/clover-gguf
+CLI_NOTE := or, after running . $(VENV)/bin/activate once in your shell, clover-gguf as the README writes it
+else
+CLI := $(PY) -m clover_gguf
+CLI_NOTE := the README writes it clover-gguf
 endif
 DEMO_DIR ?= out/demo
 
 .PHONY: venv test test-fast demo llama clean
 
-# the package alone (what the demo needs) and the package with its test extra; redone when pyproject.toml changes
+# setuptools tells every editable install "Please be careful with folders in your working directory...": a note for
+# its own users that reads like a warning to ours; this filter drops that one note (the build backend inherits it)
+EDITABLE := PYTHONWARNINGS="ignore:Editable installation"
+# the test extra's torch: the CPU build (PyTorch's CPU index; PyPI's Linux torch is the CUDA one, several GB), unless
+# pip's own configuration already holds it (a local wheel: --no-index finds it silently). TORCH_INDEX=URL: another.
+TORCH := $(shell grep -o '"torch==[^"]*"' pyproject.toml | head -n 1 | tr -d '"')
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+
+# the package with serve's extra (what the demo and the README's Use need) and with the test extra; redone when
+# pyproject.toml changes
 $(VENV)/.core: pyproject.toml
 	test -x $(VENV)/bin/python || python3 -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
-	$(VENV)/bin/python -m pip install -q -e .
+	$(EDITABLE) $(VENV)/bin/python -m pip install -q -e '.[serve]'
 	touch $@
 
 $(VENV)/.test: $(VENV)/.core
-	$(VENV)/bin/python -m pip install -q -e '.[test]'
+	$(VENV)/bin/python -m pip install -q --no-deps --no-index '$(TORCH)' 2>/dev/null || \
+		$(VENV)/bin/python -m pip install -q --no-deps --index-url $(TORCH_INDEX) '$(TORCH)'
+	$(EDITABLE) $(VENV)/bin/python -m pip install -q -e '.[test]'
 	touch $@
 
 venv: $(VENV)/.test
 
-# Every test, the slow ones included (`make test-fast`: pytest -m "not slow", under a minute).
+# Every test, the slow ones included (`make test-fast`: pytest -m "not slow"; times in the README).
 test: $(TEST_ENV) llama
 	$(PY) -m pytest -q
 
@@ -47,6 +64,7 @@ demo: $(CORE_ENV) llama
 		echo "== $$mode: $$p"; \
 		$(PY) -m clover_gguf generate $(DEMO_DIR)/tiny-clover-q8_0.gguf -p "$$p" --mode $$mode --stats || exit 1; \
 	done; done
+	@echo '== done. Run the commands of the README (Use) as $(CLI) ($(CLI_NOTE)).'
 
 clean:
 	rm -rf out .pytest_cache

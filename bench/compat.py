@@ -62,7 +62,7 @@ def unpatched_lib(given: Path | None) -> Path:
         return given
     p = subprocess.run([sys.executable, "-m", "clover_gguf", "build-llama", "--no-patches", "--no-binding"],
                        capture_output=True, text=True)
-    m = re.search(r"LLAMA_CPP_LIB_PATH=(\S+)", p.stdout)
+    m = re.search(r"^library: (\S+)", p.stdout, re.M)
     if p.returncode != 0 or not m:
         sys.exit(f"build-llama --no-patches failed: {(p.stderr.strip().splitlines() or ['?'])[-1]}")
     return Path(m.group(1))

@@ -120,12 +120,12 @@ class ChatSession:
             try:
                 for piece, stats in pieces:
                     self.last = stats
+                    if self._stop:  # Ctrl-C (the handler of loop): nothing decoded after it is shown
+                        stopped = True
+                        break
                     thinking, said = split.feed(piece)
                     answer.append(said)
                     view.write(thinking, said)
-                    if self._stop:  # Ctrl-C (the handler of loop)
-                        stopped = True
-                        break
             finally:
                 pieces.close()
         except KeyboardInterrupt:  # Ctrl-C where loop's handler is not installed (a caller of answer alone)

@@ -24,6 +24,10 @@ VERDICTS = {
     "unclear": "unclear: the block path agrees only in part; try more prompts, and report it",
     "wrong": "the reading does not fit these weights: block modes would write noise (AR is unaffected)",
 }
+# The built-in prompts (check_block's default): they must fit the model, since a model drafts well only on text like
+# its training data. General questions for the 35B (and any model of general text); for a file of the bundled tiny
+# Clover's shape, its own held-out prompts (it was trained on counting, sums, copying, reversing and key look-ups
+# only: on general questions its drafts say nothing about the reading).
 DEFAULT_PROMPTS = (
     "Why is the sky blue? Answer in three sentences.",
     "Write a Python function that returns the n-th Fibonacci number.",
@@ -32,6 +36,10 @@ DEFAULT_PROMPTS = (
     "List five prime numbers and explain why each is prime.",
     "Summarise the plot of Romeo and Juliet in one paragraph.",
 )
+BUNDLED = Path(__file__).resolve().parent / "assets" / "tiny-clover"
+BUNDLED_EVERY = 15  # every 15th single-turn row of its eval set: 12 prompts, every kind of task
+GENERAL_NOTE = ("the built-in prompts are general questions written for the 35B: for a model trained on other "
+                "text, give prompts like its training data with --prompts FILE")
 
 
 def verdict(acceptance: float) -> str:
@@ -46,6 +54,8 @@ class CheckResult:
     drafted: int = 0
     accepted: int = 0
     per_prompt: list[dict[str, Any]] = field(default_factory=list)
+    prompt_set: str = "yours"  # "yours" (--prompts), "general" (DEFAULT_PROMPTS) or "bundled" (its eval prompts)
+    note: str | None = None  # why the verdict may need the user's prompts
 
     @property
     def acceptance(self) -> float:
@@ -57,15 +67,19 @@ class CheckResult:
 
     def to_json(self) -> dict[str, Any]:
         return {"model": self.model, "reading": self.reading, "trained_under_reading": self.trained_under_reading,
-                "prompts": len(self.per_prompt), "drafted": self.drafted, "accepted": self.accepted,
-                "acceptance": round(self.acceptance, 4), "verdict": self.verdict, "per_prompt": self.per_prompt}
+                "prompts": len(self.per_prompt), "prompt_set": self.prompt_set, "drafted": self.drafted,
+                "accepted": self.accepted, "acceptance": round(self.acceptance, 4), "verdict": self.verdict,
+                "note": self.note, "per_prompt": self.per_prompt}
 
     def format(self) -> str:
         lines = [f"{p['acceptance']:6.1%}  {p['accepted']:>5}/{p['drafted']:<5} {p['prompt'][:60]}"
                  for p in self.per_prompt]
         lines.append(f"reading {self.reading}: {self.accepted} of {self.drafted} drafted tokens accepted by the "
-                     f"causal path ({self.acceptance:.1%}) over {len(self.per_prompt)} prompts")
+                     f"causal path ({self.acceptance:.1%}) over {len(self.per_prompt)} prompts "
+                     f"({PROMPT_SETS[self.prompt_set]})")
         lines.append(f"verdict: {VERDICTS[self.verdict]}")
+        if self.note:
+            lines.append(f"note: {self.note}")
         return "\n".join(lines)
 
 
@@ -109,14 +123,50 @@ def _row_prompt(row: Any) -> str | None:
     return prompt if isinstance(prompt, str) else None
 
 
+PROMPT_SETS = {"yours": "yours", "general": "the built-in general questions",
+               "bundled": "the bundled tiny Clover's own held-out prompts"}
+
+
+def _bundled_shape(rt) -> bool:
+    """The file has the bundled tiny Clover's shape (layers, width, experts, vocabulary): a conversion of it."""
+    import json
+
+    from clover_gguf import metadata as md
+
+    cfg = json.loads((BUNDLED / "config.json").read_text())
+    return (rt.ctx.n_vocab == cfg["vocab_size"] and
+            all(rt.meta.get(md.hparam(k)) == cfg[f] for k, f in (("block_count", "num_hidden_layers"),
+                                                                  ("embedding_length", "hidden_size"),
+                                                                  ("expert_count", "num_experts"))))
+
+
+def default_prompts(rt) -> tuple[list[str], str]:
+    """The built-in prompts that fit the runtime's model -> (prompts, PROMPT_SETS key)."""
+    if _bundled_shape(rt):
+        rows = [r for r in _eval_rows(BUNDLED / "eval.jsonl") if "history" not in r]
+        return [r["prompt"] for r in rows[::BUNDLED_EVERY]], "bundled"
+    return list(DEFAULT_PROMPTS), "general"
+
+
+def _eval_rows(path: Path) -> list[dict[str, Any]]:
+    """A bundled eval set's rows (package data: well-formed)."""
+    import json
+
+    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
 def check_block(model: Path, prompts: Path | None = None, max_new_tokens: int = 128, n_ctx: int | None = None,
                 offload: Offload | None = None) -> CheckResult:
-    from clover_gguf.runtime import CloverRuntime
+    from clover_gguf.runtime import CloverRuntime, no_block_tensors
 
-    texts = read_prompts(prompts) if prompts is not None else list(DEFAULT_PROMPTS)
+    texts = read_prompts(prompts) if prompts is not None else None
     with CloverRuntime(model, n_ctx=n_ctx, offload=offload) as rt:
-        rt.check_request(1, 1, "draft-self", rt.block_size)  # a file without block tensors: one line, the fix
+        if not rt.block_mode:  # one line and the fix (check-block has no other mode to offer)
+            raise UserError(no_block_tensors(rt.path, None))
+        rt.check_request(1, 1, "draft-self", rt.block_size)
         res = CheckResult(str(model), rt.reading, rt.reading_verified)
+        if texts is None:
+            texts, res.prompt_set = default_prompts(rt)
         for text in texts:
             ans = rt.generate(text, mode="draft-self", accept="exact", max_new_tokens=max_new_tokens)
             st = ans.stats
@@ -124,7 +174,18 @@ def check_block(model: Path, prompts: Path | None = None, max_new_tokens: int = 
             res.accepted += st.accepted_tokens
             res.per_prompt.append({"prompt": text, "drafted": st.drafted_tokens, "accepted": st.accepted_tokens,
                                    "acceptance": st.accepted_tokens / st.drafted_tokens if st.drafted_tokens else 0.0})
+    res.note = general_note(res, Path(model))
     return res
+
+
+def general_note(res: CheckResult, model: Path) -> str | None:
+    """GENERAL_NOTE for a verdict short of "holds" on the general questions for a model that is not the 35B: the
+    verdict may then say more about the prompts than about the reading."""
+    from clover_gguf.runtime import has_35b_hparams
+
+    if res.prompt_set == "general" and res.verdict != "holds" and not has_35b_hparams(model):
+        return GENERAL_NOTE
+    return None
 
 
 

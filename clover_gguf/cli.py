@@ -240,7 +240,10 @@ def mlx_convert(
 @offload_options
 def check_block(
     model: Path = typer.Argument(..., help="a Clover GGUF with the block-mode tensors"),
-    prompts: Optional[Path] = typer.Option(None, "--prompts", help="one prompt per line (default: a built-in set)"),
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help="a text file, one prompt per line, or a .jsonl "
+                                           "file, each row's \"prompt\" (or its \"messages\"' last user message) "
+                                           "(default: built-in prompts that fit the model: general questions, or the "
+                                           "bundled tiny Clover's own held-out prompts for that model)"),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", min=1),
     ctx: Optional[int] = typer.Option(None, "--ctx", min=16),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
@@ -344,7 +347,10 @@ def build_llama(
         build.install_binding(info, quiet=quiet)
     state = "cached" if info.cached else f"built in {info.seconds:.0f} s"
     typer.echo(f"llama.cpp ({info.backend}{'' if patches else ', unpatched'}) {state}: {info.bin_dir}")
-    typer.echo(f"export LLAMA_CPP_LIB_PATH={info.lib_dir}")
+    # what the folder is for, not a command to run: clover-gguf finds its patched build by itself
+    use = ("clover-gguf finds it by itself: nothing to set" if patches else
+           "the runtime never picks it; a program is pointed at it by $LLAMA_CPP_LIB_PATH")
+    typer.echo(f"library: {info.lib_dir} ({use})")
 
 
 @app.command()
@@ -505,7 +511,8 @@ def serve(
     engine: Engine = typer.Option(Engine.auto, "--backend", help=ENGINE_HELP),
     offload=None,
 ) -> None:
-    """An OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models, /health."""
+    """An OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics, /slots.
+    It prints the address it listens on once the model is loaded."""
     from clover_gguf.mlx_runtime import model_backend, open_runtime
     from clover_gguf.server import serve as run
 

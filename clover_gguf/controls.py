@@ -22,6 +22,10 @@ Selection (`Selector`): a pass's rows -> the chosen tokens and their confidences
   at those ids (`Gather`) and the largest logits of the rest of the row with their softmax probabilities there; the
   processors' sparse form (`at`) then gives exactly what the dense path gives (docs/runtime.md, "Selection in
   llama.cpp's graph"). With temperature the graph samples itself, the controls given to it as per-id coefficients.
+Never chosen (`Selector(never=...)`, the decoders pass the mask token): ids whose logit is -inf in every row after
+the processors, on both paths: dense, one column set per row; in the graph, the ids are always gathered (so the rest
+of the row leaves them out) and get -inf on the host (greedy) or as their added coefficient (sampled). No pass, mode
+or temperature can sample, commit or show them, and the confidences are the softmax without them.
 """
 
 from __future__ import annotations
@@ -515,10 +519,12 @@ class Selector:
     the occurrences of the answer's tokens as the answer grows."""
 
     def __init__(self, processors: Sequence[Processor] = (), sampler: Sampler | None = None,
-                 end_ids: Sequence[int] = ()):
+                 end_ids: Sequence[int] = (), never: Sequence[int] = ()):
         self.processors = list(processors)
         self.sampler = sampler or greedy
         self.end_ids = sorted({int(t) for t in end_ids})
+        # ids no row may choose (the mask token); a negative id (a file without one) is no id
+        self.never = np.asarray(sorted({int(t) for t in never if t is not None and int(t) >= 0}), dtype=np.int64)
         self.sampling = self.sampler if isinstance(self.sampler, Sampling) else None
         # the graph can select when every processor has the sparse form and the sampler is one of ours
         self.in_graph = (all(hasattr(p, "at") for p in self.processors) and
@@ -529,11 +535,21 @@ class Selector:
         self.history = any(getattr(p, "history", False) for p in self.processors)
         # what every gather holds besides the histories: the ids the processors touch, the end tokens
         self.fixed_ids = list(dict.fromkeys([int(t) for p in self.processors if hasattr(p, "touches")
-                                             for t in p.touches()] + self.end_ids))
+                                             for t in p.touches()] + self.end_ids + self.never.tolist()))
+
+    def _exclude(self, logits: np.ndarray, source: np.ndarray, cols) -> np.ndarray:
+        """logits [T, W] with -inf in the columns `cols` (of the `never` ids); a copy only when `logits` shares
+        memory with the pass's own `source` (the processors usually made a new array already)."""
+        if not self.never.size:
+            return logits
+        if np.may_share_memory(logits, source):
+            logits = logits.copy()
+        logits[:, cols] = -np.inf
+        return logits
 
     # ---- dense --------------------------------------------------------------------------------------------
     def choose_dense(self, h: Sequence[Sequence[int]], logits: np.ndarray) -> Choice:
-        processed = process(self.processors, h, logits)
+        processed = self._exclude(process(self.processors, h, logits), logits, self.never)
         return _DenseChoice(processed, self.sampler(processed))
 
     # ---- in the graph -------------------------------------------------------------------------------------
@@ -571,12 +587,12 @@ class Selector:
 
     def process_at(self, h: Histories, g: Gather, logits: np.ndarray) -> np.ndarray:
         """The processed logits [T, W] at the gathered ids, from the raw ones there: what `process` gives in those
-        columns."""
+        columns, the `never` ids at -inf (as choose_dense)."""
         rows = self._rows(h, g)
         out = np.asarray(logits, dtype=np.float64)
         for p in self.processors:
             out = np.asarray(p.at(rows, out), dtype=np.float64)
-        return out
+        return self._exclude(out, logits, rows.cols(self.never))
 
     def coef(self, h: Histories, g: Gather) -> np.ndarray:
         """[3, T, W] float32: the processors as x -> x * (c0 if x > 0 else c1) + c2 at the gathered ids (the sampled
@@ -589,6 +605,8 @@ class Selector:
             if c0 is not None:
                 out[0], out[1] = c0, c1
             out[2] += c2
+        if self.never.size:
+            out[2][:, rows.cols(self.never)] = -np.inf  # x * scale - inf: never drawn, probability 0
         return out
 
     def choose(self, h: Sequence[Sequence[int]], rows: np.ndarray | GraphRows, gather: Gather | None = None

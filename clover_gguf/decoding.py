@@ -19,7 +19,8 @@ Conventions
   tokens generated so far in this answer before row i (not the prompt), which for a block position means the
   committed answer tokens plus the resolved tokens before it in the block. Processors run before sampling and
   before confidences are taken, in every mode, also on the verification logits of draft-self.
-* End tokens (`backend.eos_ids`) end the answer and are never yielded.
+* End tokens (`backend.eos_ids`) end the answer and are never yielded. The mask token (`backend.mask_token_id`) is
+  never chosen: every selection gives it -inf (controls.Selector's `never`).
 * Forward passes count every model evaluation the decoder asks for, the prompt's prefill included: one per
   `prefill`, `commit` and `block_logits` call. AR decoding therefore takes one pass per token, the end token
   included (n answer tokens + 1 passes).
@@ -115,6 +116,12 @@ class GraphBackend(Backend, Protocol):
 # ---------------------------------------------------------------------------------------------------------------
 # Passes and their selection: processors and samplers are clover_gguf.controls' (Selector)
 # ---------------------------------------------------------------------------------------------------------------
+def _selector(backend: Backend, processors: Sequence[Processor], sampler: Sampler | None) -> Selector:
+    """The selection of an answer's passes on this backend: its end tokens, and its mask token never chosen (it marks
+    an unresolved block position; no mode at any temperature may sample, commit or show it)."""
+    return Selector(processors, sampler, backend.eos_ids, never=(backend.mask_token_id,))
+
+
 class _Passes:
     """The model passes of one answer with the selection of their rows: in the backend's graph when it can and the
     selector allows it (every processor sparse, the sampler ours), else on dense logits. Either way the same
@@ -295,7 +302,7 @@ def resolve_block(backend: Backend, block: list[int], resolved: list[bool], gene
     if end_rule not in END_RULES:
         raise ValueError(f"end_rule must be one of {END_RULES}, not {end_rule!r}")
     passes = sampler if isinstance(sampler, _Passes) else _Passes(
-        backend, sampler if isinstance(sampler, Selector) else Selector(processors, sampler, backend.eos_ids))
+        backend, sampler if isinstance(sampler, Selector) else _selector(backend, processors, sampler))
     stats = stats if stats is not None else GenerationStats(mode="diffusion")
     eos = backend.eos_ids
     done = 0
@@ -372,7 +379,7 @@ def generate(backend: Backend, prompt_ids: Sequence[int], mode: str = "diffusion
         if policy is None:
             policy = AutoPolicy(costs if costs is not None else PassCosts(), block_size)
         costs = policy.costs
-    passes = _Passes(backend, Selector(logits_processors, sampler, backend.eos_ids), costs, clock)  # one per answer
+    passes = _Passes(backend, _selector(backend, logits_processors, sampler), costs, clock)  # one per answer
     if mode == "auto":
         gen = _auto(passes, prompt_ids, max_new_tokens, block_size, threshold, accept, stats, end_rule, policy)
     elif mode == "ar":

@@ -88,7 +88,8 @@ class HubSource:
             from huggingface_hub import constants, hf_hub_url
             from huggingface_hub.utils import build_hf_headers
         except ImportError:
-            raise UserError("reading a checkpoint from the Hub needs huggingface_hub: pip install 'clover-gguf[hub]'") from None
+            raise UserError("reading a checkpoint from the Hub needs huggingface_hub: `pip install huggingface_hub` (in a "
+                            "checkout of clover-gguf: `pip install '.[hub]'`)") from None
         except ValueError as e:
             raise UserError(f"huggingface_hub refuses its settings: {str(e).splitlines()[0]}") from None
 

@@ -320,7 +320,7 @@ class RunStats(decoding.GenerationStats):
         elif self.acceptance_rate is not None:  # every block-mode run: the check of the block reading
             parts.append(f"{self.acceptance_rate:.0%} of block tokens accepted by the causal path")
         elif self.mode != "ar":  # the answer ended inside its first block: no causal pass checked one
-            parts.append("no block checked by the causal path yet")
+            parts.append("ended inside its first block (no block for the causal path to check)")
         parts.append(f"{self.seconds:.2f} s")
         if self.reused_tokens:
             parts.append(f"{self.reused_tokens} of {self.prompt_tokens} prompt tokens reused")
@@ -659,14 +659,36 @@ class CloverRuntime:
         self.close()
 
 
-def no_block_tensors(path: Path, mode: str) -> str:
-    """Why `mode` cannot run on a file without the block-mode tensors, and the fix."""
+def no_block_tensors(path: Path, mode: str | None) -> str:
+    """Why `mode` cannot run on a file without the block-mode tensors, and the fix (mode None: check-block, which
+    has no other mode to offer). graft's --from names the 35B's repository only for a file of the 35B's shape."""
     name = Path(path).name
-    if Path(path).is_dir():  # an MLX folder (docs/mac.md)
-        return (f"{name} has no block-mode tensors (an MLX conversion made without them), so --mode {mode} cannot "
-                f"run: add them with `clover-gguf graft {name} --from {md.HF_REPO} -o OUT_FOLDER`, or use --mode ar")
-    return (f"{name} has no block-mode tensors (an AR-only file, as the official GGUFs are), so --mode {mode} cannot "
-            f"run: add them with `clover-gguf graft {name} --from {md.HF_REPO} -o OUT.gguf`, or use --mode ar")
+    what = f"--mode {mode} cannot run" if mode else "check-block has nothing to check"
+    src = md.HF_REPO if has_35b_hparams(Path(path)) else "CHECKPOINT"
+    folder = Path(path).is_dir()  # an MLX folder (docs/mac.md)
+    fix = f"add them with `clover-gguf graft {name} --from {src} -o {'OUT_FOLDER' if folder else 'OUT.gguf'}`"
+    if src != md.HF_REPO:
+        fix += " (CHECKPOINT: the Clover checkpoint this file was made from, its folder or Hugging Face repository)"
+    kind = "an MLX conversion made without them" if folder else "an AR-only file, as the official GGUFs are"
+    return f"{name} has no block-mode tensors ({kind}), so {what}: {fix}" + (", or use --mode ar" if mode else "")
+
+
+def has_35b_hparams(path: Path) -> bool:
+    """The file's layers, experts and width are the 35B's (config.SHAPE_35B): from its header's hparams, so an
+    AR-only file too (quantize.has_35b_shape asks for every tensor of the 35B, the block tensors included)."""
+    import json
+
+    from clover_gguf.config import SHAPE_35B
+    from clover_gguf.gguf_header import read_header
+
+    try:
+        kv = read_header(path).kv
+    except (UserError, OSError):
+        return False
+    shape = json.loads(SHAPE_35B.read_text())
+    return all(kv.get(md.hparam(k)) == shape[f] for k, f in (("block_count", "num_hidden_layers"),
+                                                               ("expert_count", "num_experts"),
+                                                               ("embedding_length", "hidden_size")))
 
 
 def _check_utf8(text: str, what: str) -> None:

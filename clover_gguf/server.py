@@ -958,7 +958,8 @@ def serve(model: str | Path, host: str = "127.0.0.1", port: int = 8080, mode: st
         import fastapi  # noqa: F401
         import uvicorn
     except ImportError:
-        raise UserError("serving needs the serve extra: pip install 'clover-gguf[serve]'") from None
+        raise UserError("serving needs FastAPI and uvicorn: `pip install fastapi uvicorn` (in a checkout of clover-gguf: "
+                        "`pip install '.[serve]'`; `make demo` installs them)") from None
     if not 0 <= port <= 65535:
         raise UserError(f"port {port} is out of range")
     if api_key is not None:
@@ -970,9 +971,24 @@ def serve(model: str | Path, host: str = "127.0.0.1", port: int = 8080, mode: st
         app = create_app(model, mode=mode, api_key=api_key, parallel=parallel, ctx=ctx, model_id=model_id,
                          runtime_kwargs=runtime_kwargs)
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
-        uvicorn.Server(config).run(sockets=[sock])
+        url = listen_url(host, sock)
+
+        class Server(uvicorn.Server):  # uvicorn names no address for sockets it is given: say it once it serves
+            async def startup(self, sockets=None):
+                await super().startup(sockets=sockets)
+                if self.started:
+                    logging.getLogger("uvicorn.error").info(
+                        "listening on %s (OpenAI base URL %s/v1; Ctrl-C to stop)", url, url)
+
+        Server(config).run(sockets=[sock])
     finally:
         sock.close()
+
+
+def listen_url(host: str, sock: socket.socket) -> str:
+    """http://HOST:PORT for a listening socket bound for `host` (its real port: --port 0 picks one)."""
+    name = host.strip("[]") or "0.0.0.0"
+    return f"http://{f'[{name}]' if ':' in name else name}:{sock.getsockname()[1]}"
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -130,3 +130,44 @@ def test_the_python_we_claim_is_the_one_our_pins_allow():
     for r in pinned:
         theirs = SpecifierSet(metadata(r.name).get("Requires-Python") or "")
         assert floor in theirs, f"{r.name} {r.specifier} needs Python {theirs}, we claim {claim}"
+
+
+# ---- first use (issue 38) ---------------------------------------------------------------------------------------
+def test_help_names_what_the_commands_take_and_serve(capsys):
+    """serve --help lists every endpoint it serves; check-block --help says it reads JSONL and what its default
+    prompts are."""
+    _, out, _ = _main(capsys, "serve", "--help")
+    flat = " ".join(out.split())
+    assert all(e in flat for e in ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics",
+                                   "/slots")), out
+    _, out, _ = _main(capsys, "check-block", "--help")
+    flat = " ".join(out.split())
+    assert ".jsonl" in flat and "one prompt per line" in flat and "fit the model" in flat, out
+
+
+def _make_dry(*args: str) -> list[str]:
+    import shutil
+
+    if shutil.which("make") is None:
+        pytest.skip("no make here")
+    p = subprocess.run(["make", "-n", "-B", *args], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert p.returncode == 0, p.stderr
+    return p.stdout.splitlines()
+
+
+def test_make_demo_ends_by_naming_the_command_line():
+    """After `make demo` nothing is on PATH: its last line says what to type (the venv's clover-gguf, or activate)."""
+    last = _make_dry("demo")[-1]
+    assert ".venv/bin/clover-gguf" in last and ". .venv/bin/activate" in last, last
+    assert "`" not in last  # the shell would run it as a command substitution
+
+
+def test_make_installs_without_setuptools_editable_note():
+    """Every editable install in the Makefile carries the filter for setuptools' "Editable installation" note, and the
+    filter matches the note setuptools emits."""
+    import setuptools.command.editable_wheel as ew
+
+    installs = [l for l in _make_dry("venv") if "pip install" in l and " -e " in l]
+    assert len(installs) == 2, installs
+    assert all(l.startswith('PYTHONWARNINGS="ignore:Editable installation" ') for l in installs), installs
+    assert 'InformationOnly.emit("Editable installation."' in Path(ew.__file__).read_text()

@@ -12,8 +12,10 @@ V, MASK, EOS, B = 12, 11, 10, 6
 
 
 def dist(tok: int, p: float) -> np.ndarray:
-    """Logits whose softmax puts probability p on tok and spreads the rest evenly."""
-    probs = np.full(V, (1.0 - p) / (V - 1))
+    """Logits whose softmax puts probability p on tok and spreads the rest evenly over the tokens a pass can choose
+    (the mask token never is: it gets next to none, so p is also the confidence once the selection drops it)."""
+    probs = np.full(V, (1.0 - p) / (V - 2))
+    probs[MASK] = 1e-30
     probs[tok] = p
     return np.log(probs)
 

@@ -120,6 +120,7 @@ def test_trim_keeps_the_cuda_and_cpu_build_and_drops_the_rest(tmp_path):
                     "tools/ui/CMakeLists.txt"]
 
 
+@pytest.mark.slow  # 70 s of `make test-fast`'s 6 min 25 s in issue 38: the whole device run, not a fast check
 def test_pack_then_run_on_the_cpu(tmp_path):
     """The scripts end to end on the CPU: pack a kit, then every step of run.sh's CPU profile from the kit's own copy
     of the project, with the cached build (`--reuse-build`): each step ends ok or skipped with a reason, and each

@@ -164,3 +164,22 @@ def test_serve_refuses_a_context_bigger_than_the_machine():
     check_slots(8, held, host_bytes=1100)
     with pytest.raises(UserError, match="--parallel 8 cannot fit"):
         check_slots(8, held, host_bytes=1099)
+
+
+@pytest.mark.slow
+def test_the_docs_show_what_fit_prints():
+    """docs/hardware.md's sample is fit's output for its arguments, and the README's 16 GB chat line uses the context
+    and offload that output names (issue 38: they had drifted from the build). About 25 s: llama.cpp's dry run."""
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    args = ["--config", str(SHAPE_35B), "--type", "Q4_K_M", "--vram", "16GiB", "--ram", "64GiB"]
+    p = subprocess.run([sys.executable, "-m", "clover_gguf", "fit", *args], capture_output=True, text=True,
+                       timeout=600, cwd=root)
+    assert p.returncode == 0, p.stderr
+    doc = (root / "docs" / "hardware.md").read_text()
+    start = doc.index("```\nmodel    clover-35b-a3b-shape.json") + 4
+    assert doc[start:doc.index("```", start)] == p.stdout
+    ctx, n_cpu_moe = re.search(r"--ctx (\d+) --n-cpu-moe (\d+)\n", p.stdout).groups()
+    readme = (root / "README.md").read_text()
+    assert f"clover-gguf chat clover-q4_k_m.gguf --ctx {ctx} --n-cpu-moe {n_cpu_moe}" in readme

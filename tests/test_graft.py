@@ -66,6 +66,31 @@ def test_official_style_file_runs_ar_and_refuses_block_modes_in_one_line(officia
         assert p.returncode == 2 and "Traceback" not in p.stderr
         lines = p.stderr.strip().splitlines()
         assert len(lines) == 1 and "clover-gguf graft" in lines[0] and f"--mode {mode}" in lines[0], p.stderr
+        # a tiny file is no conversion of the 35B: the hint names no 35B repository (issue 38)
+        assert "--from CHECKPOINT" in lines[0] and "Diffuspace" not in lines[0], p.stderr
+    p = _cli("check-block", official)  # it has no --mode: its hint offers none
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1, p.stderr
+    assert "check-block has nothing to check" in lines[0] and "--mode" not in lines[0], p.stderr
+
+
+def test_the_graft_hint_names_the_35b_repository_for_a_file_of_its_shape(official, tmp_path):
+    """The same hint on a header claiming the 35B's layers, experts and width names its repository."""
+    from clover_gguf import metadata as md
+    from clover_gguf.runtime import has_35b_hparams, no_block_tensors
+
+    from gguf import GGUFWriter
+
+    shape = json.loads((BUNDLED.parents[1] / "data" / "clover-35b-a3b-shape.json").read_text())
+    w = GGUFWriter(str(tmp_path / "big.gguf"), "clover_moe")
+    w.add_uint32(md.hparam("block_count"), shape["num_hidden_layers"])
+    w.add_uint32(md.hparam("expert_count"), shape["num_experts"])
+    w.add_uint32(md.hparam("embedding_length"), shape["hidden_size"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    assert has_35b_hparams(tmp_path / "big.gguf") and not has_35b_hparams(official)
+    assert f"--from {md.HF_REPO} -o OUT.gguf`, or use --mode ar" in no_block_tensors(tmp_path / "big.gguf", "diffusion")
 
 
 def test_official_style_file_runs_ar_in_chat_serve_and_fit(official):
@@ -190,6 +215,42 @@ def test_check_block_holds_on_the_bundled_model_and_not_on_random_block_tensors(
     assert "does not fit these weights" in p.stdout
 
 
+def test_check_block_holds_out_of_the_box_on_the_bundled_model(bundled_gguf):
+    """No --prompts: the bundled model is checked on its own held-out prompts (general questions are outside what it
+    was trained on, and gave "unclear", 36%, in issue 38)."""
+    p = _cli("check-block", bundled_gguf, "-n", "48", "--json")
+    assert p.returncode == 0, p.stderr
+    res = json.loads(p.stdout)
+    assert res["prompt_set"] == "bundled" and res["prompts"] == 12 and res["note"] is None, res
+    assert res["verdict"] == "holds" and res["acceptance"] >= 0.95, res
+    assert {r["prompt"].split()[0] for r in res["per_prompt"]} >= {"Count", "What", "Reverse:", "Copy:", "Keys:"}
+
+
+def test_check_block_says_when_its_general_prompts_may_not_fit(bundled_gguf, tmp_path):
+    """A model of neither the 35B's nor the bundled model's shape is checked on the general questions, and a verdict
+    short of "holds" there says that such a model may need its own prompts; not for the 35B, nor when it holds."""
+    from types import SimpleNamespace
+
+    from clover_gguf import metadata as md
+    from clover_gguf.check_block import DEFAULT_PROMPTS, CheckResult, default_prompts, general_note
+
+    cfg = json.loads((BUNDLED / "config.json").read_text())
+    meta = {md.hparam("block_count"): cfg["num_hidden_layers"], md.hparam("embedding_length"): cfg["hidden_size"],
+            md.hparam("expert_count"): cfg["num_experts"]}
+    bundled = SimpleNamespace(meta=meta, ctx=SimpleNamespace(n_vocab=cfg["vocab_size"]))
+    other = SimpleNamespace(meta={**meta, md.hparam("embedding_length"): 64}, ctx=bundled.ctx)
+    assert default_prompts(bundled)[1] == "bundled" and default_prompts(other) == (list(DEFAULT_PROMPTS), "general")
+    low = CheckResult("m", "clover-gguf-1", True, drafted=100, accepted=30, prompt_set="general")
+    assert general_note(low, bundled_gguf).startswith("the built-in prompts are general questions")
+    low.note = general_note(low, bundled_gguf)
+    assert low.format().splitlines()[-1].startswith("note: the built-in prompts are general")
+    assert "(the built-in general questions)" in low.format()
+    high = CheckResult("m", "clover-gguf-1", True, drafted=100, accepted=90, prompt_set="general")
+    assert general_note(high, bundled_gguf) is None
+    mine = CheckResult("m", "clover-gguf-1", True, drafted=100, accepted=30, prompt_set="yours")
+    assert general_note(mine, bundled_gguf) is None
+
+
 def test_block_mode_run_on_an_unverified_file_says_so_and_prints_its_acceptance(tmp_path):
     """A checkpoint that does not declare our reading (the real one) gives a file that says, in one line, that its
     reading is unverified; every block-mode run prints its acceptance."""
@@ -207,7 +268,8 @@ def test_block_mode_run_on_an_unverified_file_says_so_and_prints_its_acceptance(
     assert p.returncode == 0, p.stderr
     notes = [l for l in p.stderr.splitlines() if "not yet verified" in l]
     assert len(notes) == 1 and "check-block" in notes[0]
-    assert "by the causal path" in p.stderr.splitlines()[-1]
+    assert "causal path" in p.stderr.splitlines()[-1]  # its acceptance, or that it ended inside its first block
+    assert "yet" not in p.stderr.splitlines()[-1]  # not "no block checked ... yet": nothing failed (issue 38)
     p = _cli("generate", out, "-p", "Count from 12 to 40.", "--no-think", "--mode", "diffusion", "-n", "80", "--block-size", "8", "--stats")
     assert p.returncode == 0 and "of block tokens accepted by the causal path" in p.stderr, p.stderr
     p = _cli("generate", out, "-p", "What is 7 + 8?", "--mode", "ar", "-n", "4")

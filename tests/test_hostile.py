@@ -1115,11 +1115,15 @@ def test_ctrl_c_stops_an_answer_and_the_chat_goes_on(bundled_gguf):
 
     class Out(io.StringIO):
         sent = False
+        at = -1  # where the output stood when the Ctrl-C came
 
         def write(self, text: str) -> int:
             if not self.sent and text.strip() and not text.startswith(("clover-gguf chat", ">")):
                 self.sent = True
+                n = super().write(text)
+                self.at = len(self.getvalue())
                 os.kill(os.getpid(), signal.SIGINT)
+                return n
             return super().write(text)
 
     out = Out()
@@ -1128,6 +1132,26 @@ def test_ctrl_c_stops_an_answer_and_the_chat_goes_on(bundled_gguf):
     s.loop()
     text = out.getvalue()
     assert out.sent and "(stopped)" in text, text
+    assert text[out.at:].startswith("\n(stopped)"), text
+
+    # a Ctrl-C while the next token is being decoded (the usual moment): that token is not printed (issue 38)
+    out = io.StringIO()
+    s = ChatSession(bundled_gguf, mode="ar", max_new_tokens=256, n_ctx=512, out=out, n_threads=2,
+                    inp=io.StringIO("Count from 1 to 60.\n/stats\n"))
+    backend, seen = s.rt.backend, {"at": -1}
+    step = backend.commit_rows
+
+    def commit_rows(ids, gather):  # an AR step: the Ctrl-C comes during the third one
+        seen["n"] = seen.get("n", 0) + 1
+        if seen["n"] == 3:
+            seen["at"] = len(out.getvalue())
+            os.kill(os.getpid(), signal.SIGINT)
+        return step(ids, gather)
+
+    backend.commit_rows = commit_rows
+    s.loop()
+    text = out.getvalue()
+    assert seen["at"] > 0 and text[seen["at"]:].startswith("\n(stopped)"), text  # nothing printed after it
     assert s.last is not None and s.last.generated_tokens < 256
     assert text.count(f"({s.last.summary()})") == 2  # after the stopped answer, and for /stats: the chat went on
     assert text.endswith("> \n")

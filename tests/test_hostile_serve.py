@@ -203,6 +203,18 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 JSON = {"Content-Type": "application/json"}
 
 
+def test_serve_says_where_it_listens(server):
+    """uvicorn names no address for a socket it is given: serve prints its own line once it serves (issue 38)."""
+    import select
+
+    proc, base, port = server
+    out, deadline = b"", time.monotonic() + 30
+    while f"listening on {base} ".encode() not in out and time.monotonic() < deadline:
+        if select.select([proc.stdout], [], [], 1)[0]:
+            out += os.read(proc.stdout.fileno(), 65536)
+    assert f"listening on {base} (OpenAI base URL {base}/v1; Ctrl-C to stop)".encode() in out, out.decode()
+
+
 def _chat(content, **extra) -> dict:
     return {"messages": [{"role": "user", "content": content}], "max_tokens": 8, **extra}
 

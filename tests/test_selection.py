@@ -90,9 +90,10 @@ CONTROLS = {"off": None, "card": Controls(), "biting": BITING}
     ("ar", "exact", "prefix"), ("diffusion", "exact", "prefix"), ("diffusion", "exact", "tail"),
     ("draft-self", "exact", "prefix"), ("draft-self", "threshold", "plain")])
 def test_graph_selection_decodes_as_dense_selection(controls, mode, accept, end_rule):
-    """Every mode, the card's controls off, on and biting: tokens, passes and drafts equal, pass by pass."""
+    """Every mode, the card's controls off, on and biting: tokens, passes and drafts equal, pass by pass (20 models:
+    with the "tail" rule these answers often end within a block, and the controls change only some of them)."""
     changed = 0
-    for seed in range(10):
+    for seed in range(20):
         m = _Model(seed)
         c = CONTROLS[controls]
         procs = make_processors(c, [EOS], THINK, THINK_END) if c else ()
