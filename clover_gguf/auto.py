@@ -177,7 +177,8 @@ class AutoPolicy:
         if self.ok.value is None:
             return 0.5
         denom = self.ok.value + self.cut.value
-        return self.ok.value / denom if denom > 0 else 1.0
+        # no proposal checked yet (drafts cut before their first resolved position): still unknown
+        return self.ok.value / denom if denom > 0 else 0.5
 
     def expected_tokens(self, length: int) -> float:
         """Tokens a fully drafted block of `length` is expected to yield: the pending token plus the accepted

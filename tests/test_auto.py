@@ -57,7 +57,9 @@ class TimedBackend(FakeBackend):
             rows = []
             for j in range(len(blk)):
                 i = i0 + j
-                rows.append(dist(answer(i), 0.99) if good(i) else dist((answer(i) + 1) % 10, wrong_conf))
+                # (wrong: a little less confident further right, so that no tie decides which position a pass fills)
+                wrong = dist((answer(i) + 1) % 10, round(wrong_conf - 1e-3 * j, 4))
+                rows.append(dist(answer(i), 0.99) if good(i) else wrong)
             return np.stack(rows)
 
         super().__init__(causal_logits, block_logits, block_size=B)
