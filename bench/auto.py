@@ -104,6 +104,7 @@ def main() -> None:
     ap.add_argument("--only", choices=["a", "b", "c"], action="append", help="run only these models")
     ap.add_argument("--json", action="store_true", help="print one JSON line with every figure at the end")
     a = ap.parse_args()
+    sys.stdout.reconfigure(line_buffering=True)  # each model's table as it is done, also into a file
     a.workdir.mkdir(parents=True, exist_ok=True)
     only = set(a.only or ("a", "b", "c"))
     evals = [json.loads(x) for x in (BUNDLED / "eval.jsonl").read_text().splitlines() if x.strip()]

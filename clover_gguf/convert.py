@@ -190,7 +190,8 @@ def plan_conversion(ck: Checkpoint, cfg: CloverConfig, outtype: str = "bf16", sk
             raise UserError(f"tensor {ref.source_name} has shape {list(ref.shape)}, config.json implies {list(want)}")
         if ref.dtype not in SOURCE_TYPES:
             raise UserError(f"tensor {ref.source_name} has unsupported dtype {ref.dtype} (supported: F32, F16, BF16)")
-        if rule.clover_extra:  # small (a few MB in the 35B): read and checked now, as graft does
+        # small (a few MB in the 35B): read and checked now, as graft does (a plan from a config alone has no data)
+        if rule.clover_extra and getattr(ck, "has_data", True):
             a = block_tensor(rule, ref.source_name, bid, ck.f32(src_name), cfg)
             name = rule.gguf.format(i=bid, L=n_layers)
             by_gguf[name] = PlannedTensor(name, a.shape, QT.F32, lambda a=a: iter([a]), False)

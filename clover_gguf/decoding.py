@@ -573,7 +573,9 @@ def _auto(passes: _Passes, prompt_ids, max_new, block_size, threshold, accept, s
         steps, seconds = 0, 0.0  # the steps' own time, not the reader's between two chunks
         for _ in range(plan.steps):
             took, full = _emit([pending], out, max_new, stats)
-            if full:
+            if full:  # the run so far still counts, for the stats and the next answer
+                policy.observe_ar(steps, seconds)
+                account(steps + 1, plan, seconds)
                 yield _finish(stats, took, "length")
                 return
             yield Chunk(took, stats)

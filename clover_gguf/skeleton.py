@@ -31,6 +31,8 @@ MAX_SKELETON_BYTES = 2**44
 class VirtualCheckpoint:
     """What plan_conversion reads from a Checkpoint (names, shapes, dtypes), with no data behind it."""
 
+    has_data = False  # plan_conversion reads no block tensor of it
+
     def __init__(self, cfg: CloverConfig, dtype: str = "BF16"):
         self.tensors: dict[str, TensorRef] = {}
         self.dropped: list[str] = []

@@ -210,3 +210,17 @@ def test_a_bounded_draft_verifies_only_its_resolved_prefix():
     verify = [c[1] for c in be.calls if c[0] == "commit" and len(c[1]) > 1 and c[1] != PROMPT]
     assert verify and len(verify[0]) <= 3  # the pending token + at most one resolved position per pass
     assert MASK not in verify[0]
+
+
+def test_an_answer_cut_inside_an_ar_run_still_reports_its_rate():
+    pol = AutoPolicy(PassCosts(), B)
+    pol.ar_step.add(1.0)
+    pol.costs.observe("block", B, 50.0)  # drafts cannot pay: AR runs of B steps
+    pol.costs.observe("causal", B, 5.0)
+    pol.kept.add(1.0)
+    pol.seconds.add(60.0)
+    clock = Clock()
+    be = TimedBackend(clock, lambda i: True, **GPU_LIKE)
+    _, st = generate_all(be, PROMPT, mode="auto", max_new_tokens=5, block_size=B, policy=pol, clock=clock)
+    assert st.ar_steps == 4 and st.drafts == 0
+    assert st.measured_tokens_per_s and st.predicted_tokens_per_s

@@ -150,7 +150,7 @@ def _make_dry(*args: str) -> list[str]:
 
     if shutil.which("make") is None:
         pytest.skip("no make here")
-    p = subprocess.run(["make", "-n", "-B", *args], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    p = subprocess.run(["make", "-n", "-B", "--no-print-directory", *args], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert p.returncode == 0, p.stderr
     return p.stdout.splitlines()
 
