@@ -31,7 +31,13 @@ from dataclasses import dataclass, field
 KINDS = ("causal", "block", "rollback")
 DECAY = 0.7  # weight of the past in a pass cost's running average
 DRAFT_DECAY = 0.5  # the same for drafts: a change of topic (drafts that start or stop paying) shows within a few
-PROBE_MAX = 8  # at most this many AR runs between two probe drafts when drafts do not pay
+PROBE_MAX = 8  # this many AR runs between two probe drafts when drafts do not pay (at least: see PROBE_SHARE)
+# while drafts do not pay, probes take at most this share of the time: a probe costs a draft's passes and the graph
+# rebuilds around them (about 10 AR steps on the bundled model on a CPU), so it waits at least that many AR steps / 0.02
+PROBE_SHARE = 0.02
+# drafts stay chosen until their rate falls this far below AR's: one short draft at an answer's end (5 tokens for a
+# block pass and a verification) must not send the next answers to AR
+HYSTERESIS = 0.85
 # AR runs between two probes where the pass costs say that even a draft accepted whole after one block pass would not
 # pay (a CPU): acceptance cannot change that, only the costs can, and they are re-measured this rarely
 COST_PROBE_GAP = 32
@@ -74,6 +80,10 @@ class PassCosts:
 
     def seen(self, kind: str) -> bool:
         return any(k == kind for k, _ in self.buckets)
+
+    def warm(self, kind: str) -> bool:
+        """A pass of this kind was timed at least twice at some row count (the first is a cold one)."""
+        return any(k == kind and a.n >= 2 for (k, _), a in self.buckets.items())
 
     def predict(self, kind: str, rows: int) -> float | None:
         pts = [(r, a.value, min(a.n, 8)) for (k, r), a in self.buckets.items() if k == kind]
@@ -130,7 +140,12 @@ class AutoPolicy:
         # acceptance per proposal, geometric: accepted proposals against drafts cut by a rejection (recent first)
         self.ok, self.cut = _Average(), _Average()
         self.gap = 1  # AR runs before the next probe draft, doubled after each probe that did not pay
-        self.runs_since_draft = 0
+        # AR steps since the last draft: the probe waits for gap runs' worth of them (answers shorter than a run
+        # would otherwise probe once an answer at the lowest rate)
+        self.steps_since_draft = 0
+        self.probe_seconds = 0.0  # what the last probe that did not pay cost
+        self.last_kind = ""  # the kind of the last move ("ar" or "draft")
+        self.drafts_seen = 0  # drafts this model's answers made so far (this one's and, with a prior, the earlier)
         self.ar_steps_done = 0
         if prior is not None:  # the last answer's view of the drafts, as one observation's weight
             for name in ("ar_step", "kept", "passes", "seconds", "ok", "cut"):
@@ -138,7 +153,10 @@ class AutoPolicy:
                 if src.value is not None:  # warm: this answer's first value averages with it
                     dst.value, dst.n = src.value, 2
             self.gap = prior.gap
-            self.runs_since_draft = prior.runs_since_draft
+            self.steps_since_draft = prior.steps_since_draft
+            self.probe_seconds = prior.probe_seconds
+            self.drafts_seen = prior.drafts_seen
+            self.last_kind = prior.last_kind
 
     # ---- what the decoder reports ------------------------------------------------------------------------------
     def observe_ar(self, steps: int, seconds: float) -> None:
@@ -146,22 +164,31 @@ class AutoPolicy:
         if steps:
             self.ar_step.add(seconds / steps)
         self.ar_steps_done += steps
-        self.runs_since_draft += 1
+        self.steps_since_draft += steps
+        self.last_kind = "ar"
 
     def observe_draft(self, kept: int, proposed: int, accepted: int, passes: int, seconds: float,
                       probe: bool) -> None:
         """A draft-self block: `kept` tokens yielded (pending + accepted), `proposed` draft tokens checked, of them
         `accepted`, after `passes` block passes, in `seconds` (its block passes, verification and rollback)."""
+        self.drafts_seen += 1
+        self.last_kind = "draft"
         self.kept.add(kept, DRAFT_DECAY)
         self.passes.add(passes, DRAFT_DECAY)
         self.seconds.add(seconds, DRAFT_DECAY)
         self.ok.add(accepted, DRAFT_DECAY)
         self.cut.add(1.0 if accepted < proposed else 0.0, DRAFT_DECAY)
-        self.runs_since_draft = 0
-        if probe:  # did it pay? a probe that did not waits twice as long for the next one
+        self.steps_since_draft = 0
+        if probe:  # did it pay? a probe whose proposals were rejected waits twice as long for the next one (one whose
+            # proposals were accepted lost on its cost, which varies from block to block: the next one comes soon)
             paid = self.draft_rate() is not None and self.ar_rate() is not None and \
                 self.draft_rate() >= self.ar_rate()
+            paid = paid or (proposed > 0 and accepted >= proposed / 2)
             self.gap = 1 if paid else min(PROBE_MAX, self.gap * 2)
+            # its cost as the pass costs say (warm), when they can: the probe itself may have been a cold one
+            t_block, t_verify = self.costs.predict("block", self.block_size), self.costs.predict("causal", 2)
+            cost = seconds if t_block is None or t_verify is None else min(seconds, t_block + t_verify)
+            self.probe_seconds = 0.0 if paid else cost
 
     # ---- estimates ---------------------------------------------------------------------------------------------
     def ar_step_seconds(self) -> float | None:
@@ -230,11 +257,19 @@ class AutoPolicy:
             return Plan("ar", steps=FIRST_AR_STEPS, predicted_tok_s=None)
         if draft is None:  # block passes never timed: a short probe draft
             return Plan("draft", max_passes=PROBE_PASSES, probe=True, predicted_tok_s=None)
-        if draft >= ar:
+        if self.drafts_seen < 2:  # the first draft of a process is a cold one: a second, warm one before judging
+            return Plan("draft", max_passes=self.max_passes(), probe=True, predicted_tok_s=draft)
+        if draft >= ar * (HYSTERESIS if self.last_kind == "draft" else 1.0):
             return Plan("draft", max_passes=self.max_passes(), predicted_tok_s=draft)
+        # long waits only on warm figures: a process's first block pass builds its graph cold (20 ms against 2 ms), and
+        # its first draft is a cold one (23 ms against 4 ms on the bundled model)
+        warm = self.costs.warm("block") and self.drafts_seen >= 2
         best = self.best_draft_rate()
-        gap = COST_PROBE_GAP if best is not None and best < ar else self.gap
-        if self.runs_since_draft >= gap:
+        gap = COST_PROBE_GAP if warm and best is not None and best < ar else self.gap
+        wait = gap * self.ar_run
+        if warm and self.probe_seconds and gap != COST_PROBE_GAP:
+            wait = max(wait, self.probe_seconds / (PROBE_SHARE * self.ar_step_seconds()))
+        if self.steps_since_draft >= wait:
             return Plan("draft", max_passes=1 if gap == COST_PROBE_GAP else self.max_passes(), probe=True,
                         predicted_tok_s=draft)
         return Plan("ar", steps=self.ar_run, predicted_tok_s=ar)
