@@ -128,6 +128,28 @@ def atomic_output(target: Path) -> Iterator[Path]:
 
 
 @contextlib.contextmanager
+def atomic_folder(target: Path) -> Iterator[Path]:
+    """atomic_output for a folder: yield an empty temporary folder beside `target` (its parents made); when the block
+    completes, it replaces `target` (an existing folder there is removed first); any exception, Ctrl-C and the stop
+    signals included, removes it instead."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_name(target)
+    with stop_signals_interrupt():
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            tmp.mkdir()
+            yield tmp
+            if target.exists():
+                shutil.rmtree(target)
+            tmp.rename(target)
+        except BaseException:
+            with _signals_ignored():
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+
+@contextlib.contextmanager
 def temp_dir(prefix: str) -> Iterator[Path]:
     """A scratch folder in the system's temporary directory, removed however the block ends: an error, Ctrl-C, and
     SIGTERM or SIGHUP (which stop the work as Ctrl-C does inside the block; exit 130)."""

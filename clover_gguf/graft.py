@@ -342,12 +342,12 @@ def graft_folder(src: Path, from_: str, out: Path, revision: str | None = None, 
     checkpoint, float32, in clover-block.safetensors (mlx_backend.BLOCK_FILE, which mlx-lm's own loader never
     reads), config.json given block mode's keys and generation_config.json the checkpoint's decoding defaults. OUT
     appears whole or not at all."""
-    import os
     import shutil
 
     from safetensors.numpy import save_file
 
     from clover_gguf.config import read_json
+    from clover_gguf.fsutil import atomic_folder
     from clover_gguf.convert import right_kernel_from_shapes
     from clover_gguf.metadata import READING_FIELD
 
@@ -384,10 +384,7 @@ def graft_folder(src: Path, from_: str, out: Path, revision: str | None = None, 
     if not quiet:
         log(f"graft: {len(tensors)} block-mode tensors read from {source.label} ({source.bytes_read / 2**20:.2f} MiB)")
 
-    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with atomic_folder(out) as tmp:
         for p in src.iterdir():
             if p.is_file() and p.name not in ("config.json", "generation_config.json"):
                 try:
@@ -407,12 +404,6 @@ def graft_folder(src: Path, from_: str, out: Path, revision: str | None = None, 
         if gen:
             (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
         save_file(tensors, str(tmp / block_file), metadata={"format": "mlx", "clover": "block-mode tensors, HF names"})
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
     return GraftResult(out, source.label, len(tensors), source.bytes_read, time.perf_counter() - t0, rss, size)

@@ -328,10 +328,10 @@ def convert(src: str | Path, out: str | Path, q_bits: int | None = None, q_group
     """A Clover checkpoint folder -> an MLX folder (mlx-lm's layout and quantization; the block tensors kept
     unquantized in BLOCK_FILE). The folder appears whole or not at all."""
     import contextlib
-    import os
-    import shutil
     import sys
     import time
+
+    from clover_gguf.fsutil import atomic_folder
 
     t0 = time.perf_counter()
     src, out = Path(src), Path(out)
@@ -351,18 +351,8 @@ def convert(src: str | Path, out: str | Path, q_bits: int | None = None, q_group
         raise UserError(f"{out} exists and is not a folder")
     with contextlib.redirect_stdout(sys.stderr):  # mlx-lm prints its bits per weight
         loaded = load(src, dtype=dtype, quantize=(q_bits, q_group_size) if q_bits else None)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with atomic_folder(out) as tmp:
         n = write_folder(loaded, tmp, src)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
     return ConvertResult(out, q_bits, q_group_size if q_bits else None, n, size, time.perf_counter() - t0)
 
