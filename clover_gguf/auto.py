@@ -78,9 +78,6 @@ class PassCosts:
             return
         self.buckets.setdefault((kind, int(rows)), _Average()).add(float(seconds))
 
-    def seen(self, kind: str) -> bool:
-        return any(k == kind for k, _ in self.buckets)
-
     def warm(self, kind: str) -> bool:
         """A pass of this kind was timed at least twice at some row count (the first is a cold one)."""
         return any(k == kind and a.n >= 2 for (k, _), a in self.buckets.items())
@@ -121,6 +118,10 @@ class Plan:
     predicted_tok_s: float | None = None
 
 
+# what a new answer takes over as it is from the previous answer's policy (besides the averages, taken as warm ones)
+CARRIED = ("gap", "steps_since_draft", "probe_seconds", "drafts_seen", "last_kind")
+
+
 class AutoPolicy:
     """One answer's choices (see the module's docstring). `costs` outlives the answer; so may `prior`, the draft
     averages of the previous answer on this model (a new answer starts from them, then its own drafts take over).
@@ -146,24 +147,19 @@ class AutoPolicy:
         self.probe_seconds = 0.0  # what the last probe that did not pay cost
         self.last_kind = ""  # the kind of the last move ("ar" or "draft")
         self.drafts_seen = 0  # drafts this model's answers made so far (this one's and, with a prior, the earlier)
-        self.ar_steps_done = 0
         if prior is not None:  # the last answer's view of the drafts, as one observation's weight
             for name in ("ar_step", "kept", "passes", "seconds", "ok", "cut"):
                 src, dst = getattr(prior, name), getattr(self, name)
                 if src.value is not None:  # warm: this answer's first value averages with it
                     dst.value, dst.n = src.value, 2
-            self.gap = prior.gap
-            self.steps_since_draft = prior.steps_since_draft
-            self.probe_seconds = prior.probe_seconds
-            self.drafts_seen = prior.drafts_seen
-            self.last_kind = prior.last_kind
+            for name in CARRIED:  # where the probes and the last move stand
+                setattr(self, name, getattr(prior, name))
 
     # ---- what the decoder reports ------------------------------------------------------------------------------
     def observe_ar(self, steps: int, seconds: float) -> None:
         """A run of `steps` AR steps that took `seconds` (the steps alone)."""
         if steps:
             self.ar_step.add(seconds / steps)
-        self.ar_steps_done += steps
         self.steps_since_draft += steps
         self.last_kind = "ar"
 
