@@ -1,11 +1,12 @@
 """A llama.cpp context on a Clover GGUF through llama-cpp-python's low-level binding.
 
 The binding loads libllama from $LLAMA_CPP_LIB_PATH; `load_binding()` points it at the patched build first
-(`clover-gguf build-llama`). Block passes follow docs/llama-cpp-patch.md: the scratch sequence is switched to block
-attention once (`llama_set_block_attn`, the patch's API); a block pass copies the committed sequence to it, decodes the
-block there with logits for every block token and drops the copy, so the committed sequence never changes.
+(`clover-gguf build-llama`). Block passes follow docs/llama-cpp-patch.md: a block pass copies the committed sequence
+to the scratch sequence, switches that to block attention (`llama_set_block_attn`, the patch's API; the flag is the
+sequence's state, so emptying the copy drops it), decodes the block there with logits for every block token and drops
+the copy, so the committed sequence never changes.
 
-A decode returns the logits of its rows, or, given a `controls.Gather`, what patches/0005's sampler computed in the
+A decode returns the logits of its rows, or, given a `controls.Gather`, what patches/0006's sampler computed in the
 graph (`controls.GraphRows`): a sequence decoded that way carries the sampler (llama.cpp's backend sampling), and
 llama.cpp then copies no logits at all. Switching a sequence between the two rebuilds llama.cpp's graph.
 """
@@ -72,7 +73,9 @@ def _clover_api(L: Any) -> Any:
     lib = L.llama_cpp._lib
     try:
         lib.llama_set_block_attn.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_bool]
-        lib.llama_set_block_attn.restype = ctypes.c_int32
+        lib.llama_set_block_attn.restype = ctypes.c_bool
+        lib.llama_get_block_attn.argtypes = [ctypes.c_void_p, ctypes.c_int32]
+        lib.llama_get_block_attn.restype = ctypes.c_bool
         lib.llama_model_has_block_attn.argtypes = [ctypes.c_void_p]
         lib.llama_model_has_block_attn.restype = ctypes.c_bool
         lib.llama_get_memory_breakdown_entries.argtypes = [ctypes.c_void_p, ctypes.POINTER(_MemoryBreakdownEntry),
@@ -295,7 +298,6 @@ class LlamaContext:
             raise ContextError("llama.cpp could not create a context (too little memory for n_ctx?)")
         self._api = _clover_api(L)
         self.has_block_attn = bool(self._api.llama_model_has_block_attn(self.model))
-        self._block_seqs: set[int] = set()  # sequences switched to block attention
         self.vocab = L.llama_model_get_vocab(self.model)
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
         self.n_ctx = L.llama_n_ctx(self.ctx)
@@ -328,9 +330,8 @@ class LlamaContext:
         if enabled and not self.has_block_attn:
             raise UserError("this GGUF has no Clover block-mode tensors (a plain Qwen3.5-MoE conversion?): "
                             "block decoding is unavailable, use AR decoding")
-        if self._api.llama_set_block_attn(self.ctx, seq, enabled) != 0:
+        if not self._api.llama_set_block_attn(self.ctx, seq, enabled):
             raise UserError(f"llama.cpp refused block attention on sequence {seq}")
-        (self._block_seqs.add if enabled else self._block_seqs.discard)(seq)
 
     def decode(self, ids: Sequence[int], pos0: int, seq: int = 0, logits: bool | Sequence[bool] = True,
                extra: Sequence[tuple[Sequence[int], int, int]] = (), gather: Gather | None = None
@@ -387,7 +388,7 @@ class LlamaContext:
     def decode_parts(self, parts: Sequence[tuple[Sequence[int], int, int, Gather | None]]) -> list[GraphRows | None]:
         """Causal passes of several sequences in one llama_decode (a server's slots: their AR steps and prompt chunks):
         (ids, first position, sequence, gather) each -> per part, with a gather the row of its LAST token as
-        GraphRows, selected in the graph by its own sequence's sampler (patches/0005: each sampler computes and reads
+        GraphRows, selected in the graph by its own sequence's sampler (patches/0006: each sampler computes and reads
         its own rows), else None (no row). The sequences must differ. llama.cpp splits the batch into ubatches of
         equal tokens per sequence, so one-token steps share one graph and a prompt's other tokens follow."""
         self._check_open()
@@ -412,7 +413,7 @@ class LlamaContext:
         # llama.cpp finds a row by its token's batch index
         return [self._graph_rows(int(last), 1, p[3]) if p[3] is not None else None for last, p in zip(lasts, parts)]
 
-    # ---- selection in the graph (patches/0005) ----------------------------------------------------------
+    # ---- selection in the graph (patches/0006) ----------------------------------------------------------
     def _disarm(self, seqs: Sequence[int]) -> None:
         """The samplers of sequences outside this decode have no rows in it: each then spends one row of the graph
         (llama.cpp builds every attached sampler), not as many as it had last time."""
@@ -502,16 +503,16 @@ class LlamaContext:
               positions: Sequence[int] | None = None, gather: Gather | None = None) -> np.ndarray | GraphRows:
         """Block-mode logits [B, V] for `block_ids` after the n_past tokens of `seq`, which is left untouched; only
         the rows of `positions` when given; the graph's selection rows with `gather` (decode)."""
-        if scratch not in self._block_seqs:
-            self.set_block_attn(scratch)
         L = self.L
         want: bool | list[bool] = True
         if positions is not None:
             want = [False] * len(block_ids)
             for i in positions:
                 want[i] = True
+        # the flag is the scratch sequence's state: the copy takes the committed sequence's (off), emptying it drops it
         L.llama_memory_seq_cp(self.mem, seq, scratch, -1, -1)
         try:
+            self.set_block_attn(scratch)
             return self.decode(block_ids, n_past, seq=scratch, logits=want, gather=gather)
         finally:
             L.llama_memory_seq_rm(self.mem, scratch, -1, -1)

@@ -1,8 +1,10 @@
 """llama.cpp's own architecture test, `test-llama-archs -a clover_moe`, run from the cached patched build.
 
 It builds a clover_moe model with random weights in memory and checks, on every device of the build, its logits
-against the CPU's, the causal-attention toggle, block attention (check_block_attn: a block on a copy of the prefix,
-the prefix untouched, the API's refusals) and a save/load round trip. Runs in CI on the build `make llama` made: a
+against the CPU's, the causal-attention toggle, block attention (check_block_attn, with the coreset on: a block on a
+copy of the prefix, blocks alternating with causal passes, a block and a causal sequence in one decode against the two
+apart, the prefix untouched, the flag through seq_cp / seq_rm / clear / state, the API's refusals) and a save/load
+round trip. Runs in CI on the build `make llama` made: a
 missing tool is a failure, never a skip.
 """
 

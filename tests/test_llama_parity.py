@@ -194,7 +194,9 @@ def test_blocks_of_two_sequences_in_one_call(clover_files, ref, seqs, n2):
         alone = [r.block(b, len(prefix), scratch=s) for b, s in ((b1, 1), (b2, 2))]
         r.seq_cp(0, 1)
         r.seq_cp(0, 2)
-        got = r.decode(b1, len(prefix), 1, extra=[(b2, len(prefix), 2)])  # both sequences are in block mode now
+        r.set_block_attn(1)  # the flag is the sequence's state: a copy of the causal sequence 0 has it off
+        r.set_block_attn(2)
+        got = r.decode(b1, len(prefix), 1, extra=[(b2, len(prefix), 2)])
         r.seq_rm(1)
         r.seq_rm(2)
         # the same as alone up to float reordering (the KV cache holds the other block's cells meanwhile)
@@ -215,8 +217,8 @@ def test_causal_commit_and_block_in_one_call(clover_files, ref, seqs):
     r = _runner(clover_files[1])
     try:
         r.decode(prefix, 0, 0)
-        r.set_block_attn(1)
         r.seq_cp(0, 1)
+        r.set_block_attn(1)  # after the copy: seq_cp gives the destination the source's flag
         got = r.decode(nxt, len(prefix), 0, extra=[(block, len(prefix), 1)])
         r.seq_rm(1)
         assert parity(got[: len(nxt)], want_next) <= TOL
@@ -290,7 +292,7 @@ def test_an_mtp_context_on_a_block_capable_file_is_safe(make_checkpoint, tmp_pat
         cp.n_ctx, cp.ctx_type, cp.kv_unified = 256, 1, True  # LLAMA_CONTEXT_TYPE_MTP
         ctx = L.llama_init_from_model(model, cp)
         assert ctx, "no MTP context"
-        assert api.llama_set_block_attn(ctx, 0, True) == -1
+        assert not api.llama_set_block_attn(ctx, 0, True)
         print("refused")
     """)
     p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
@@ -383,14 +385,16 @@ def test_block_passes_allocate_nothing_after_context_creation(clover_files, seqs
 
 
 def test_saved_model_keeps_block_settings(clover_files, ref, seqs, tmp_path):
-    """llama_model_save_to_file keeps block mode, the coreset settings and the right-conv kernel: the saved copy
-    decodes blocks to the same logits (here with a coreset override that must survive too)."""
+    """llama_model_save_to_file keeps block mode, the coreset settings, the right-conv kernel and the mask token
+    (patches/0003: the saver left it out, so a saved copy lost block mode): the saved copy decodes blocks to the same
+    logits (here with a coreset override that must survive too)."""
     prefix, block = seqs["prefix"], seqs["block"]
     saved = tmp_path / "saved.gguf"
     r = _runner(clover_files[1], overrides={"clover_moe.moe_block_coreset.top_p": 0.5})
     try:
         r.decode(prefix, 0, 0)
         want = r.block(block, len(prefix))
+        mask = r.meta("tokenizer.ggml.mask_token_id")
         r.L.llama_model_save_to_file(r.model, str(saved).encode())
     finally:
         r.close()
@@ -402,6 +406,7 @@ def test_saved_model_keeps_block_settings(clover_files, ref, seqs, tmp_path):
     r = _runner(saved)
     try:
         assert r.meta("clover_moe.moe_block_coreset.top_p") == "0.500000" and r.meta("clover_moe.block_mode") == "true"
+        assert mask is not None and r.meta("tokenizer.ggml.mask_token_id") == mask
         r.decode(prefix, 0, 0)
         assert np.array_equal(r.block(block, len(prefix)), want)
     finally:
@@ -432,7 +437,7 @@ def test_plain_qwen_block_mode_is_refused_cleanly(plain_files):
         r.decode([1, 2, 3], 0, 0)
         with pytest.raises(UserError, match="no Clover block-mode tensors"):
             r.block([4, 5, 6], 3)
-        assert r._api.llama_set_block_attn(r.ctx, 1, True) == -1  # the C API refuses too
+        assert not r._api.llama_set_block_attn(r.ctx, 1, True)  # the C API refuses too
         assert r.decode([4], 3, 0).shape[0] == 1
     finally:
         r.close()

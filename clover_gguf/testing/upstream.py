@@ -10,6 +10,7 @@ and they use Qwen3.5's regex, so `get_vocab_base_pre` names them "qwen35".
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -59,9 +60,12 @@ def converter_source(patched: bool = False) -> Path:
 
 
 def upstream_convert_command(checkpoint: Path, out: Path, outtype: str = "f32", patched: bool = False) -> list[str]:
-    """argv that runs the pinned tree's converter on a checkpoint (no MTP layers: neither does our converter)."""
+    """argv that runs the pinned tree's converter on a checkpoint (no MTP layers: neither does our converter; the
+    clover_moe class writes none and refuses the --no-mtp option, as upstream's does)."""
     src = converter_source(patched)
-    args = [str(checkpoint), "--outfile", str(out), "--outtype", outtype, "--no-mtp"]
+    args = [str(checkpoint), "--outfile", str(out), "--outtype", outtype]
+    if "CloverMoeModelLM" not in json.loads((Path(checkpoint) / "config.json").read_text()).get("architectures", []):
+        args.append("--no-mtp")
     return [sys.executable, "-c", _WRAPPER.format(gguf_py=str(src / "gguf-py"), src=str(src), args=args)]
 
 
