@@ -109,11 +109,15 @@ def ggml_library() -> ctypes.CDLL:
     return ctypes.CDLL(str(Path(os.environ["LLAMA_CPP_LIB_PATH"]) / _shared_lib_name("ggml")))
 
 
-def _kv_overrides(L: Any, overrides: dict[str, bool | int | float]) -> Any:
+def _kv_overrides(L: Any, overrides: dict[str, bool | int | float | str]) -> Any:
     arr = (L.llama_model_kv_override * (len(overrides) + 1))()
     for i, (key, val) in enumerate(overrides.items()):
         arr[i].key = key.encode()
-        if isinstance(val, bool):
+        if isinstance(val, str):  # e.g. clover_moe.block_reading
+            if len(val.encode()) >= 128:
+                raise UserError(f"the value of {key} is longer than llama.cpp's 127 bytes")
+            arr[i].tag, arr[i].value.val_str = L.LLAMA_KV_OVERRIDE_TYPE_STR, val.encode()
+        elif isinstance(val, bool):
             arr[i].tag, arr[i].value.val_bool = L.LLAMA_KV_OVERRIDE_TYPE_BOOL, val
         elif isinstance(val, int):
             arr[i].tag, arr[i].value.val_i64 = L.LLAMA_KV_OVERRIDE_TYPE_INT, val

@@ -127,6 +127,36 @@ def test_block_parity_routing_and_continuation(files, ref, seqs, coreset):
         r.close()
 
 
+@pytest.mark.parametrize("reading", ["clover-gguf-2", "clover-gguf-3"])
+def test_block_parity_under_every_reading(files, ref, seqs, reading):
+    """The other readings of the block softmax (docs/architecture.md 3b), chosen at load by clover_moe.block_reading
+    (here a KV override, as check-block uses it): llama.cpp's block logits are the reference's under the same reading,
+    and not reading 1's. (Reading 1 is every other block test's.)"""
+    prefix, block, state = seqs["prefix"], seqs["block"], seqs["state"]
+    with torch.no_grad():
+        first = ref.block_logits(None, block, coreset=False, state=state).numpy()
+        ref.reading = reading
+        try:
+            want = ref.block_logits(None, block, coreset=False, state=state).numpy()
+        finally:
+            ref.reading = "clover-gguf-1"
+    assert rel_err(want, first) > 3 * TOL  # the reading matters at this shape, beyond the parity tolerance
+    r = LlamaContext(files[1], n_ctx=256, n_ubatch=256, exact=True, n_threads=2, **env_offload_kwargs(),
+                     overrides={"clover_moe.moe_block_coreset.enabled": False, "clover_moe.block_reading": reading})
+    try:
+        r.decode(prefix, 0, 0, logits=False)
+        for n in (32, 5, 1):
+            with torch.no_grad():
+                ref.reading = reading
+                try:
+                    want_n = ref.block_logits(None, block[:n], coreset=False, state=state).numpy()
+                finally:
+                    ref.reading = "clover-gguf-1"
+            assert rel_err(r.block(block[:n], len(prefix)), want_n) <= TOL, n
+    finally:
+        r.close()
+
+
 CORPUS = ["Hello world! It's what we'll do; they're here.", "zebra quick brown foxes jump over lazy dogs abcd xyzzy",
           "<|im_start|>user\nCount from 3 to 9.<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n3 4 5"]
 
