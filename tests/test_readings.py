@@ -1,0 +1,258 @@
+"""The readings of the block softmax's tensors (metadata.READINGS, docs/architecture.md 3b): each reading's math
+against naive loops, the reading a file carries (convert --reading, the runtime's refusals, restamping a header in
+place), check-block --reading all's rankings on the bundled model and on the model trained under clover-gguf-3, and
+that a reading wrong for the weights still gives AR's greedy text in draft-self (exact)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import clover_gguf
+from clover_gguf import metadata as md
+from clover_gguf.convert import convert
+from clover_gguf.errors import UserError
+from clover_gguf.gguf_header import BOOL, STRING, read_header, restamp
+from clover_gguf.reference import CloverModel, ReferenceBackend, block_softmax, load_gguf
+
+ASSETS = Path(clover_gguf.__file__).parent / "assets"
+BUNDLED = ASSETS / "tiny-clover"
+R3 = ASSETS / "tiny-clover-r3"  # the bundled model fine-tuned under clover-gguf-3 (docs/tiny-model.md)
+
+
+def _cli(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "clover_gguf", *map(str, args)], capture_output=True, text=True,
+                          timeout=900)
+
+
+# ---- the math ---------------------------------------------------------------------------------------------------
+def naive_block_softmax(reading, o_gdn, q, k, v, s0, logit_scale, history_bias, history_c):
+    """docs/architecture.md 3b written out with Python loops over sequences, heads, positions and dims."""
+    n_seq, t_len, hv, dk = q.shape
+    dv = v.shape[-1]
+    out = np.zeros(o_gdn.shape)
+    for n in range(n_seq):
+        for h in range(hv):
+            tau, b, c = math.exp(logit_scale[h]), float(history_bias[h]), float(history_c[h])
+            for t in range(t_len):
+                logits = [tau * sum(q[n, t, h, d] * k[n, j, h, d] for d in range(dk)) for j in range(t_len)] + [b]
+                top = max(logits)
+                w = [math.exp(x - top) for x in logits]
+                z = sum(w)
+                o_sm = [sum(w[j] * v[n, j, h, e] for j in range(t_len)) / z for e in range(dv)]
+                if reading != "clover-gguf-1":  # the history's value: the clean state read by q_t / sqrt(dk)
+                    hist = [sum(q[n, t, h, d] * s0[n, h, d, e] for d in range(dk)) / math.sqrt(dk) for e in range(dv)]
+                    o_sm = [o_sm[e] + w[t_len] / z * hist[e] for e in range(dv)]
+                for e in range(dv):
+                    g = o_gdn[n, t, h, e]
+                    out[n, t, h, e] = (1 - c) * g + c * o_sm[e] if reading == "clover-gguf-3" else g + c * o_sm[e]
+    return out
+
+
+@pytest.mark.parametrize("reading", list(md.READINGS))
+def test_each_reading_matches_naive_loops(reading):
+    g = torch.Generator().manual_seed(7)
+    n, t, hv, dk, dv = 2, 5, 3, 4, 3
+
+    def r(*shape, scale=1.0):
+        return torch.randn(*shape, generator=g, dtype=torch.float64) * scale
+
+    q, k = torch.nn.functional.normalize(r(n, t, hv, dk), dim=-1), torch.nn.functional.normalize(r(n, t, hv, dk), dim=-1)
+    v, o_gdn, s0 = r(n, t, hv, dv), r(n, t, hv, dv), r(n, hv, dk, dv, scale=2.0)
+    ls, hb, hc = r(hv, scale=0.5), r(hv), torch.rand(hv, generator=g, dtype=torch.float64)
+    got = block_softmax(reading, o_gdn, q, k, v, s0, ls, hb, hc).numpy()
+    want = naive_block_softmax(reading, *(x.numpy() for x in (o_gdn, q, k, v, s0, ls, hb, hc)))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
+    # the readings are three different functions of the same inputs
+    others = [block_softmax(x, o_gdn, q, k, v, s0, ls, hb, hc) for x in md.READINGS if x != reading]
+    assert all(float((torch.from_numpy(got) - o).abs().max()) > 1e-3 for o in others)
+
+
+def test_the_readings_table_is_one_length_and_unknown_names_are_refused():
+    assert len({len(x) for x in md.READINGS}) == 1 and md.READING in md.READINGS
+    with pytest.raises(UserError, match="unknown block reading 'clover-gguf-9'.*clover-gguf-1, clover-gguf-2"):
+        md.check_reading("clover-gguf-9", "--reading")
+    model = CloverModel.from_pretrained(BUNDLED)
+    with pytest.raises(UserError, match="unknown block reading"):
+        model.reading = "sink"
+
+
+def test_the_model_runs_its_reading(tiny):
+    """In a whole model: with no prefix the clean state is zero, so clover-gguf-2 is clover-gguf-1 exactly; after
+    a prefix the three readings give three different block passes; a causal pass never depends on the reading."""
+    model = CloverModel.from_pretrained(tiny, dtype=torch.float64)
+    assert model.reading == md.READING  # make_tiny's checkpoints are made under the default reading
+    mask = model.cfg.mask_token_id
+    block, prefix = [mask, 5, mask, 9, mask, mask], [3, 14, 15, 9, 26, 5, 35]
+    got = {}
+    with torch.no_grad():
+        for reading in md.READINGS:
+            model.reading = reading
+            got[reading] = (model.block_logits(None, block), model.block_logits(prefix, block), model(prefix))
+    one, two, three = (got[x] for x in md.READINGS)
+    assert torch.equal(one[0], two[0]) and not torch.equal(one[0], three[0])
+    assert all(float((a[1] - b[1]).abs().max()) > 1e-6 for a, b in ((one, two), (one, three), (two, three)))
+    assert torch.equal(one[2], two[2]) and torch.equal(one[2], three[2])
+
+
+def test_load_gguf_gives_the_checkpoints_model(make_checkpoint, tmp_path):
+    """reference.load_gguf undoes every converter transform: the same weights (to a float32 ulp) and the same
+    block logits as the checkpoint, value heads tiled (Hk < Hv) and untied embeddings included; the file's reading."""
+    ck = make_checkpoint(seed=3)
+    out = tmp_path / "m.gguf"
+    convert(ck, out, outtype="f32", quiet=True, reading="clover-gguf-2")
+    a, b = load_gguf(out), CloverModel.from_pretrained(ck)
+    assert a.cfg.linear_num_key_heads < a.cfg.linear_num_value_heads and a.reading == "clover-gguf-2"
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    assert pa.keys() == pb.keys()
+    for name, p in pb.items():
+        torch.testing.assert_close(pa[name], p, rtol=2e-7, atol=2e-7, msg=name)
+    b.reading = "clover-gguf-2"
+    with torch.no_grad():
+        ids, block = [3, 1, 4, 1, 5], [a.cfg.mask_token_id, 9, a.cfg.mask_token_id]
+        torch.testing.assert_close(a.block_logits(ids, block), b.block_logits(ids, block), rtol=1e-5, atol=1e-5)
+
+
+# ---- the reading a file carries ------------------------------------------------------------------------------------
+def _data_hash(path: Path) -> str:
+    h = read_header(path)
+    with open(path, "rb") as f:
+        f.seek(h.data_offset)
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def test_convert_stamps_the_reading_it_is_told_and_refuses_an_unknown_one(tmp_path):
+    out = tmp_path / "b.gguf"
+    p = _cli("convert", BUNDLED, "-o", out, "--outtype", "f32", "-q", "--reading", "clover-gguf-3")
+    assert p.returncode == 0, p.stderr
+    kv = read_header(out).kv
+    assert kv[md.BLOCK_READING] == "clover-gguf-3" and kv[md.BLOCK_READING_VERIFIED] is False  # made under -1
+    bad = tmp_path / "bad.gguf"
+    p = _cli("convert", BUNDLED, "-o", bad, "--outtype", "f32", "-q", "--reading", "clover-gguf-7")
+    assert p.returncode == 2 and not bad.exists() and not list(tmp_path.glob(".bad*")), p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "unknown block reading 'clover-gguf-7'" in lines[0] and "Traceback" not in p.stderr
+
+
+def test_restamp_in_place_and_by_rewriting(bundled_gguf, tmp_path):
+    """Same-size values are written into the header in place (the tensors never move, the size stays); a key that
+    is not there makes a copy renamed over the file; no temporary file is left either way."""
+    f = tmp_path / "m.gguf"
+    shutil.copy(bundled_gguf, f)
+    size, data = f.stat().st_size, _data_hash(f)
+    assert restamp(f, {md.BLOCK_READING: (STRING, "clover-gguf-3"), md.BLOCK_READING_VERIFIED: (BOOL, True)}) \
+        == "in place"
+    h = read_header(f)
+    assert h.kv[md.BLOCK_READING] == "clover-gguf-3" and h.kv[md.BLOCK_READING_VERIFIED] is True
+    assert f.stat().st_size == size and _data_hash(f) == data
+    assert {k: v for k, v in h.kv.items() if k not in (md.BLOCK_READING, md.BLOCK_READING_VERIFIED)} == \
+        {k: v for k, v in read_header(bundled_gguf).kv.items() if k not in (md.BLOCK_READING, md.BLOCK_READING_VERIFIED)}
+    assert restamp(f, {md.BLOCK_READING: (STRING, "a-longer-reading-name"), "clover_moe.test.note": (STRING, "x")}) \
+        == "rewritten"
+    h = read_header(f)
+    assert h.kv[md.BLOCK_READING] == "a-longer-reading-name" and h.kv["clover_moe.test.note"] == "x"
+    assert list(tmp_path.iterdir()) == [f]
+    with open(f, "rb") as fh:  # the tensors, byte for byte (their offsets moved with the longer header)
+        fh.seek(h.data_offset)
+        assert hashlib.sha256(fh.read()).hexdigest() == data
+
+
+def test_a_reading_llama_cpp_does_not_run_refuses_block_modes_and_auto_decodes_ar(bundled_gguf, tmp_path):
+    f = tmp_path / "r3-stamped.gguf"
+    shutil.copy(bundled_gguf, f)
+    restamp(f, {md.BLOCK_READING: (STRING, "clover-gguf-3")})
+    args = ("-p", "Count from 3 to 9.", "--no-think", "-n", "24")
+    ar = _cli("generate", bundled_gguf, *args, "--mode", "ar")
+    assert ar.returncode == 0, ar.stderr
+    for mode in ("draft-self", "diffusion"):
+        p = _cli("generate", f, *args, "--mode", mode)
+        lines = p.stderr.strip().splitlines()
+        assert p.returncode == 2 and len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
+        assert "clover-gguf-3" in lines[0] and f"--mode {mode} cannot run" in lines[0] and "check-block" in lines[0]
+    for extra in ((), ("--mode", "auto")):  # the default, and auto asked for: AR's text, one note
+        p = _cli("generate", f, *args, *extra, "--stats")
+        assert p.returncode == 0 and p.stdout == ar.stdout, p.stderr
+        assert sum("auto decodes AR" in l for l in p.stderr.splitlines()) == 1, p.stderr
+    p = _cli("generate", f, *args, "--mode", "ar")
+    assert p.stdout == ar.stdout and "auto decodes AR" not in p.stderr
+
+
+# ---- a wrong reading: the same text, only slower ----------------------------------------------------------------
+def test_a_wrong_reading_still_gives_ar_text_in_draft_self_exact(bundled_eval):
+    """The model trained under clover-gguf-3 run under the other readings (the reference backend runs them all):
+    draft-self (exact) writes AR's greedy tokens on every prompt; only the accepted share changes."""
+    from clover_gguf.decoding import generate_all
+    from tokenizers import Tokenizer
+
+    from clover_gguf.testing.train_tiny import row_conversation
+
+    model = CloverModel.from_pretrained(R3)
+    assert model.reading == "clover-gguf-3"
+    tok = Tokenizer.from_file(str(R3 / "tokenizer.json"))
+    backend = ReferenceBackend(model)
+    rows = [r for r in bundled_eval if "history" not in r][::30]
+    accepted = {}
+    for reading in md.READINGS:
+        model.reading = reading
+        drafted = kept = 0
+        for row in rows:
+            ids = tok.encode(row_conversation(row).prompt_text()).ids
+            ar, _ = generate_all(backend, ids, mode="ar", max_new_tokens=40)
+            ds, st = generate_all(backend, ids, mode="draft-self", accept="exact", max_new_tokens=40)
+            assert ds == ar, (reading, row["prompt"])
+            drafted, kept = drafted + st.drafted_tokens, kept + st.accepted_tokens
+        accepted[reading] = kept / drafted
+    print("accepted under each reading:", accepted)
+    assert accepted["clover-gguf-3"] > max(accepted["clover-gguf-1"], accepted["clover-gguf-2"])
+
+
+# ---- check-block --reading all ------------------------------------------------------------------------------------
+def test_check_block_ranks_clover_gguf_1_first_on_the_bundled_model(bundled_gguf):
+    p = _cli("check-block", bundled_gguf, "--reading", "all", "-n", "48", "--json")
+    assert p.returncode == 0, p.stderr
+    res = json.loads(p.stdout)
+    print("bundled:", [(r["reading"], r["acceptance"], r["accepted_per_pass"]) for r in res["ranking"]])
+    assert res["winner"] == "clover-gguf-1" and res["verdict"] == "holds" and res["written"] is None
+    assert [r["reading"] for r in res["ranking"]][0] == "clover-gguf-1" and len(res["ranking"]) == len(md.READINGS)
+    assert {r["backend"] for r in res["ranking"]} == {"llama.cpp", "PyTorch reference"}
+    assert all(r["prompts"] == 12 for r in res["ranking"])  # one check-block run per reading
+
+
+def test_check_block_finds_and_writes_the_reading_a_model_was_trained_under(tmp_path):
+    """The model fine-tuned under clover-gguf-3, converted as if it were the real checkpoint (stamped with the
+    default reading, unverified): llama.cpp's draft-self still writes AR's text; check-block --reading all ranks
+    clover-gguf-3 first by a wide margin and --write stamps it into the header in place."""
+    f = tmp_path / "r3.gguf"
+    convert(R3, f, outtype="f32", quiet=True, reading=md.READING)
+    assert read_header(f).kv[md.BLOCK_READING_VERIFIED] is False
+    args = ("-p", "Count from 12 to 40.", "--no-think", "-n", "80")
+    ar, ds = _cli("generate", f, *args, "--mode", "ar"), _cli("generate", f, *args, "--mode", "draft-self")
+    assert ar.returncode == 0 and ds.returncode == 0 and ds.stdout == ar.stdout, ds.stderr
+    size, data = f.stat().st_size, _data_hash(f)
+    p = _cli("check-block", f, "--reading", "all", "-n", "48", "--write", "--json")
+    assert p.returncode == 0, p.stderr
+    res = json.loads(p.stdout)
+    print("trained under clover-gguf-3:", [(r["reading"], r["acceptance"]) for r in res["ranking"]], res["margin"])
+    assert res["winner"] == "clover-gguf-3" and res["verdict"] == "holds" and res["written"] == "in place"
+    assert res["margin"] >= 0.3, res["margin"]
+    kv = read_header(f).kv
+    assert kv[md.BLOCK_READING] == "clover-gguf-3" and kv[md.BLOCK_READING_VERIFIED] is True
+    assert f.stat().st_size == size and _data_hash(f) == data
+    # from then on llama.cpp (clover-gguf-1 only) refuses its block modes instead of drafting under the wrong reading
+    p = _cli("generate", f, *args, "--mode", "draft-self")
+    assert p.returncode == 2 and "clover-gguf-3" in p.stderr
+
+
+def test_check_block_reading_option_is_checked_first(bundled_gguf):
+    p = _cli("check-block", bundled_gguf, "--reading", "sinks")
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and "unknown block reading 'sinks'" in lines[0], p.stderr
