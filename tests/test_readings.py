@@ -1,7 +1,7 @@
 """The readings of the block softmax's tensors (metadata.READINGS, docs/architecture.md 3b): each reading's math
 against naive loops, the reading a file carries (convert --reading, the runtime's refusals, restamping a header in
-place), check-block --reading all's rankings on the bundled model and on the model trained under clover-gguf-3, and
-that a reading wrong for the weights still gives AR's greedy text in draft-self (exact)."""
+place), check-block --reading all's ranking on the bundled model and --write / graft --pick-reading, and that a reading
+wrong for the weights still gives AR's greedy text in draft-self (exact)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,6 @@ from clover_gguf.reference import CloverModel, ReferenceBackend, block_softmax, 
 
 ASSETS = Path(clover_gguf.__file__).parent / "assets"
 BUNDLED = ASSETS / "tiny-clover"
-R3 = ASSETS / "tiny-clover-r3"  # the bundled model fine-tuned under clover-gguf-3 (docs/tiny-model.md)
 
 
 def _cli(*args) -> subprocess.CompletedProcess:
@@ -187,69 +186,98 @@ def test_a_reading_llama_cpp_does_not_run_refuses_block_modes_and_auto_decodes_a
 
 
 # ---- a wrong reading: the same text, only slower ----------------------------------------------------------------
-def test_a_wrong_reading_still_gives_ar_text_in_draft_self_exact(bundled_eval):
-    """The model trained under clover-gguf-3 run under the other readings (the reference backend runs them all):
-    draft-self (exact) writes AR's greedy tokens on every prompt; only the accepted share changes."""
-    from clover_gguf.decoding import generate_all
+def test_a_wrong_reading_still_gives_ar_text_in_draft_self_exact(bundled_eval, tmp_path):
+    """Block tensors read under a reading that does not fit them (the bundled model's replaced by random values,
+    under every reading; the reference backend runs them all): draft-self (exact) writes AR's greedy tokens on every
+    prompt; only the accepted share falls."""
     from tokenizers import Tokenizer
 
+    from clover_gguf.decoding import generate_all
+    from clover_gguf.testing.make_tiny import with_random_block_tensors
     from clover_gguf.testing.train_tiny import row_conversation
 
-    model = CloverModel.from_pretrained(R3)
-    assert model.reading == "clover-gguf-3"
-    tok = Tokenizer.from_file(str(R3 / "tokenizer.json"))
+    model = CloverModel.from_pretrained(with_random_block_tensors(BUNDLED, tmp_path / "random"))
+    tok = Tokenizer.from_file(str(BUNDLED / "tokenizer.json"))
     backend = ReferenceBackend(model)
-    rows = [r for r in bundled_eval if "history" not in r][::30]
-    accepted = {}
+    rows = [r for r in bundled_eval if "history" not in r][::40]
     for reading in md.READINGS:
         model.reading = reading
         drafted = kept = 0
         for row in rows:
             ids = tok.encode(row_conversation(row).prompt_text()).ids
-            ar, _ = generate_all(backend, ids, mode="ar", max_new_tokens=40)
-            ds, st = generate_all(backend, ids, mode="draft-self", accept="exact", max_new_tokens=40)
+            ar, _ = generate_all(backend, ids, mode="ar", max_new_tokens=24)
+            ds, st = generate_all(backend, ids, mode="draft-self", accept="exact", max_new_tokens=24)
             assert ds == ar, (reading, row["prompt"])
             drafted, kept = drafted + st.drafted_tokens, kept + st.accepted_tokens
-        accepted[reading] = kept / drafted
-    print("accepted under each reading:", accepted)
-    assert accepted["clover-gguf-3"] > max(accepted["clover-gguf-1"], accepted["clover-gguf-2"])
+        print(reading, "accepted", kept, "of", drafted)
+        assert drafted > 0 and kept / drafted < 0.5
 
 
 # ---- check-block --reading all ------------------------------------------------------------------------------------
 def test_check_block_ranks_clover_gguf_1_first_on_the_bundled_model(bundled_gguf):
+    """The bundled model was trained under clover-gguf-1. Its history logits are -10000 (the slot never takes any
+    weight), so clover-gguf-2 is the same function there, and clover-gguf-3 (c_h 0.07-0.55) drafts the same tokens in
+    the same passes: the three tie exactly, and a tie goes to the file's own reading."""
     p = _cli("check-block", bundled_gguf, "--reading", "all", "-n", "48", "--json")
     assert p.returncode == 0, p.stderr
     res = json.loads(p.stdout)
     print("bundled:", [(r["reading"], r["acceptance"], r["accepted_per_pass"]) for r in res["ranking"]])
     assert res["winner"] == "clover-gguf-1" and res["verdict"] == "holds" and res["written"] is None
-    assert [r["reading"] for r in res["ranking"]][0] == "clover-gguf-1" and len(res["ranking"]) == len(md.READINGS)
+    assert [r["reading"] for r in res["ranking"]] == list(md.READINGS)
     assert {r["backend"] for r in res["ranking"]} == {"llama.cpp", "PyTorch reference"}
     assert all(r["prompts"] == 12 for r in res["ranking"])  # one check-block run per reading
+    one = res["ranking"][0]
+    assert one["acceptance"] >= 0.95 and all((r["accepted"], r["drafted"], r["block_passes"]) ==
+                                             (one["accepted"], one["drafted"], one["block_passes"])
+                                             for r in res["ranking"])
 
 
-def test_check_block_finds_and_writes_the_reading_a_model_was_trained_under(tmp_path):
-    """The model fine-tuned under clover-gguf-3, converted as if it were the real checkpoint (stamped with the
-    default reading, unverified): llama.cpp's draft-self still writes AR's text; check-block --reading all ranks
-    clover-gguf-3 first by a wide margin and --write stamps it into the header in place."""
-    f = tmp_path / "r3.gguf"
-    convert(R3, f, outtype="f32", quiet=True, reading=md.READING)
+def _unverified_checkpoint(tmp_path: Path) -> Path:
+    """The bundled checkpoint without its reading field: what the real checkpoint looks like to us."""
+    ck = tmp_path / "unverified"
+    shutil.copytree(BUNDLED, ck)
+    cfg = json.loads((ck / "config.json").read_text())
+    del cfg[md.READING_FIELD]
+    (ck / "config.json").write_text(json.dumps(cfg))
+    return ck
+
+
+def test_check_block_write_stamps_a_reading_that_holds_in_place(tmp_path, bundled_eval):
+    f = tmp_path / "m.gguf"
+    convert(_unverified_checkpoint(tmp_path), f, outtype="f32", quiet=True)
     assert read_header(f).kv[md.BLOCK_READING_VERIFIED] is False
-    args = ("-p", "Count from 12 to 40.", "--no-think", "-n", "80")
-    ar, ds = _cli("generate", f, *args, "--mode", "ar"), _cli("generate", f, *args, "--mode", "draft-self")
-    assert ar.returncode == 0 and ds.returncode == 0 and ds.stdout == ar.stdout, ds.stderr
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in bundled_eval[:4]))
     size, data = f.stat().st_size, _data_hash(f)
-    p = _cli("check-block", f, "--reading", "all", "-n", "48", "--write", "--json")
+    p = _cli("check-block", f, "--reading", "all", "--prompts", prompts, "-n", "32", "--write")
+    assert p.returncode == 0, p.stderr
+    assert f"wrote {md.BLOCK_READING} = clover-gguf-1 into m.gguf (in place)" in p.stdout, p.stdout
+    kv = read_header(f).kv
+    assert kv[md.BLOCK_READING] == "clover-gguf-1" and kv[md.BLOCK_READING_VERIFIED] is True
+    assert f.stat().st_size == size and _data_hash(f) == data and list(tmp_path.glob(".m.gguf*")) == []
+    p = _cli("check-block", f, "--prompts", prompts, "-n", "32", "--write", "--json")
+    assert json.loads(p.stdout)["written"].startswith("nothing written: clover-gguf-1 is the file's reading")
+
+
+def test_graft_pick_reading_ranks_and_stamps_the_file_it_writes(bundled_gguf, tmp_path, bundled_eval):
+    from clover_gguf.export import export_ar
+
+    official = tmp_path / "official.gguf"
+    export_ar(bundled_gguf, official, quiet=True)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in bundled_eval[:3]))
+    out = tmp_path / "grafted.gguf"
+    p = _cli("graft", official, "--from", _unverified_checkpoint(tmp_path), "-o", out, "-q", "--pick-reading",
+             "--prompts", prompts, "--json")
     assert p.returncode == 0, p.stderr
     res = json.loads(p.stdout)
-    print("trained under clover-gguf-3:", [(r["reading"], r["acceptance"]) for r in res["ranking"]], res["margin"])
-    assert res["winner"] == "clover-gguf-3" and res["verdict"] == "holds" and res["written"] == "in place"
-    assert res["margin"] >= 0.3, res["margin"]
-    kv = read_header(f).kv
-    assert kv[md.BLOCK_READING] == "clover-gguf-3" and kv[md.BLOCK_READING_VERIFIED] is True
-    assert f.stat().st_size == size and _data_hash(f) == data
-    # from then on llama.cpp (clover-gguf-1 only) refuses its block modes instead of drafting under the wrong reading
-    p = _cli("generate", f, *args, "--mode", "draft-self")
-    assert p.returncode == 2 and "clover-gguf-3" in p.stderr
+    assert [r["reading"] for r in res["ranking"]["ranking"]][0] == "clover-gguf-1"
+    assert res["ranking"]["written"] == "in place" and len(res["ranking"]["ranking"]) == len(md.READINGS)
+    assert read_header(out).kv[md.BLOCK_READING_VERIFIED] is True
+    bad = tmp_path / "bad.txt"
+    bad.write_text("\n\n")
+    p = _cli("graft", official, "--from", BUNDLED, "-o", tmp_path / "never.gguf", "--pick-reading", "--prompts", bad)
+    assert p.returncode == 2 and "holds no prompt" in p.stderr and not (tmp_path / "never.gguf").exists()
 
 
 def test_check_block_reading_option_is_checked_first(bundled_gguf):

@@ -250,31 +250,22 @@ def init_model(cfg, seed: int):
 
 
 BLOCK_SOFTMAX = ("bd_softmax_logit_scale", "bd_softmax_history_bias", "bd_softmax_history_c")
-# clover-gguf-3 started from a checkpoint: its block-softmax tensors start where that reading and clover-gguf-1 differ
-# most, so that the fine-tuned model's reading matters. The history's logit b_h high (the slot takes most of the
-# softmax: clover-gguf-1's sink then leaves little of the block term, clover-gguf-3 reads the clean state) and c_h = 2
-# (clover-gguf-3: o = -o_gdn + 2 o_sm). Measured on a model fine-tuned under clover-gguf-3 from c_h = 0.9 and random
-# b_h: the readings' drafts agreed on every position (the block softmax's term is small beside the attention layers'
-# bidirectional work); with these starting values the two readings' first block passes agree on 47% of positions.
-MIX_START = {"bd_softmax_history_c": 2.0, "bd_softmax_history_bias": 8.0}
 
 
-def start_from(model, folder: Path, reading: str) -> None:
+def start_from(model, folder: Path) -> None:
     """Load a checkpoint's weights into `model` (train --init-from), all but the block-softmax tensors, which keep
-    their fresh random values (under clover-gguf-3, c_h and b_h at MIX_START)."""
+    their fresh random values (make_tiny's init table)."""
     import torch
 
     from clover_gguf import checkpoint
 
-    if (json.loads((folder / "config.json").read_text()).get("vocab_size") != model.cfg.vocab_size):
+    if json.loads((folder / "config.json").read_text()).get("vocab_size") != model.cfg.vocab_size:
         raise SystemExit(f"--init-from {folder}: not a checkpoint of this script's shape and tokenizer")
     tensors = checkpoint.load_hf_tensors(folder)
     own = model.hf_state_dict(experts="fused")
     for name in list(tensors):
         if name.rsplit(".", 1)[-1] in BLOCK_SOFTMAX:
             tensors[name] = own[name]
-        if reading == "clover-gguf-3" and name.rsplit(".", 1)[-1] in MIX_START:
-            tensors[name] = torch.full_like(own[name], MIX_START[name.rsplit(".", 1)[-1]])
     model.load_hf_state_dict({k: torch.as_tensor(v) for k, v in tensors.items()})
 
 
@@ -509,7 +500,7 @@ def train(out: Path, steps: int, seed: int = 0, resume: bool = False, micro: int
     torch.manual_seed(seed)
     model = init_model(cfg, seed)
     if init_from is not None:
-        start_from(model, Path(init_from), reading)
+        start_from(model, Path(init_from))
     model.reading = reading
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
     start = 0
