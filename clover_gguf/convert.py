@@ -475,6 +475,9 @@ def convert(src: Path, out: Path, outtype: str = "bf16", skip_unknown: bool = Fa
         raise UserError(f"unknown --arch {arch!r}: choose one of {', '.join(ARCHS)}")
     if reading is not None:
         check_reading(reading, "--reading")
+        if arch != ARCH:
+            raise UserError(f"--reading stamps the block reading of a {ARCH} file; --arch {arch} writes no block "
+                            "tensors")
     src, out = Path(src), Path(out)
     cfg = CloverConfig.from_file(src)
     gen = read_generation_defaults(src)

@@ -140,6 +140,8 @@ def test_convert_stamps_the_reading_it_is_told_and_refuses_an_unknown_one(tmp_pa
     assert p.returncode == 2 and not bad.exists() and not list(tmp_path.glob(".bad*")), p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and "unknown block reading 'clover-gguf-7'" in lines[0] and "Traceback" not in p.stderr
+    p = _cli("convert", BUNDLED, "-o", bad, "--arch", "qwen35moe", "--reading", "clover-gguf-2")
+    assert p.returncode == 2 and "--arch qwen35moe writes no block tensors" in p.stderr and not bad.exists()
 
 
 def test_restamp_in_place_and_by_rewriting(bundled_gguf, tmp_path):
