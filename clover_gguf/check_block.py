@@ -1,9 +1,9 @@
 """`clover-gguf check-block`: does the file's reading of the block tensors hold for its weights?
 
 The math of the real checkpoint's block tensors is not published; clover-gguf reads them in one of a few ways, its
-readings (docs/architecture.md 3b; the file's is stamped into the GGUF as `clover_moe.block_reading`). The model's causal path needs no reading, so it can
-judge the block path: draft-self (exact) drafts each block with the block path and keeps only what the causal path
-would have written itself. Under a right reading most of a trained model's drafts are accepted (the llama.cpp PR's
+readings (docs/architecture.md 3b; the file's is stamped into the GGUF as `clover_moe.block_reading`). The model's
+causal path needs no reading, so it can judge the block path: draft-self (exact) drafts each block with the block
+path and keeps only what the causal path would have written itself. Under a right reading most of a trained model's drafts are accepted (the llama.cpp PR's
 draft-self on the real model: 82.6%; our trained tiny model: 99%); under a wrong one the block path proposes noise
 and almost nothing is accepted. The answers are the causal path's either way.
 

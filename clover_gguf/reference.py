@@ -550,7 +550,8 @@ def load_gguf(path: str | Path, reading: str | None = None, dtype: torch.dtype =
     tensors: dict[str, torch.Tensor] = {}
     for hf_name in model.hf_name_map():
         rule, i = match_rule(hf_name)
-        tensors[hf_name] = torch.from_numpy(np.ascontiguousarray(INVERSE[rule.transform](values(rule.gguf.format(i=i)), cfg)))
+        hf_values = INVERSE[rule.transform](values(rule.gguf.format(i=i)), cfg)
+        tensors[hf_name] = torch.from_numpy(np.ascontiguousarray(hf_values))
     for i in range(cfg.num_hidden_layers):
         for kind, gguf_name in EXPERT_KINDS.items():
             tensors[f"model.layers.{i}.mlp.experts.{kind}_proj"] = torch.from_numpy(values(gguf_name.format(i=i)))

@@ -65,7 +65,8 @@ def test_each_reading_matches_naive_loops(reading):
     def r(*shape, scale=1.0):
         return torch.randn(*shape, generator=g, dtype=torch.float64) * scale
 
-    q, k = torch.nn.functional.normalize(r(n, t, hv, dk), dim=-1), torch.nn.functional.normalize(r(n, t, hv, dk), dim=-1)
+    unit = torch.nn.functional.normalize
+    q, k = unit(r(n, t, hv, dk), dim=-1), unit(r(n, t, hv, dk), dim=-1)
     v, o_gdn, s0 = r(n, t, hv, dv), r(n, t, hv, dv), r(n, hv, dk, dv, scale=2.0)
     ls, hb, hc = r(hv, scale=0.5), r(hv), torch.rand(hv, generator=g, dtype=torch.float64)
     got = block_softmax(reading, o_gdn, q, k, v, s0, ls, hb, hc).numpy()
@@ -155,8 +156,9 @@ def test_restamp_in_place_and_by_rewriting(bundled_gguf, tmp_path):
     h = read_header(f)
     assert h.kv[md.BLOCK_READING] == "clover-gguf-3" and h.kv[md.BLOCK_READING_VERIFIED] is True
     assert f.stat().st_size == size and _data_hash(f) == data
-    assert {k: v for k, v in h.kv.items() if k not in (md.BLOCK_READING, md.BLOCK_READING_VERIFIED)} == \
-        {k: v for k, v in read_header(bundled_gguf).kv.items() if k not in (md.BLOCK_READING, md.BLOCK_READING_VERIFIED)}
+    stamped = (md.BLOCK_READING, md.BLOCK_READING_VERIFIED)
+    assert {k: v for k, v in h.kv.items() if k not in stamped} == \
+        {k: v for k, v in read_header(bundled_gguf).kv.items() if k not in stamped}
     assert restamp(f, {md.BLOCK_READING: (STRING, "a-longer-reading-name"), "clover_moe.test.note": (STRING, "x")}) \
         == "rewritten"
     h = read_header(f)
