@@ -1,20 +1,25 @@
 """`clover-gguf check-block`: does the file's reading of the block tensors hold for its weights?
 
-The math of the real checkpoint's block tensors is not published; clover-gguf reads them one way (docs/architecture.md
-section 3, stamped into the GGUF as `clover_moe.block_reading`). The model's causal path needs no reading, so it can
-judge the block path: draft-self (exact) drafts each block with the block path and keeps only what the causal path
-would have written itself. Under a right reading most of a trained model's drafts are accepted (the llama.cpp PR's
+The math of the real checkpoint's block tensors is not published; clover-gguf reads them in one of a few ways, its
+readings (docs/architecture.md 3b; the file's is stamped into the GGUF as `clover_moe.block_reading`). The model's
+causal path needs no reading, so it can judge the block path: draft-self (exact) drafts each block with the block
+path and keeps only what the causal path would have written itself. Under a right reading most of a trained model's drafts are accepted (the llama.cpp PR's
 draft-self on the real model: 82.6%; our trained tiny model: 99%); under a wrong one the block path proposes noise
 and almost nothing is accepted. The answers are the causal path's either way.
+
+`--reading all` (rank_readings) does that once under every reading this version knows (metadata.READINGS) and ranks
+them; a reading llama.cpp does not compute runs on the PyTorch reference holding the file's weights. `--write` stamps
+the best into the file's header, in place (gguf_header.restamp), when it holds.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from clover_gguf.errors import UserError
+from clover_gguf.metadata import BLOCK_READING, BLOCK_READING_VERIFIED, READINGS, check_reading
 from clover_gguf.offload import Offload
 
 # the share of drafted tokens the causal path accepts, and what it says about the reading
@@ -56,6 +61,8 @@ class CheckResult:
     per_prompt: list[dict[str, Any]] = field(default_factory=list)
     prompt_set: str = "yours"  # "yours" (--prompts), "general" (DEFAULT_PROMPTS) or "bundled" (its eval prompts)
     note: str | None = None  # why the verdict may need the user's prompts
+    backend: str = "llama.cpp"  # what decoded the reading: llama.cpp, or the PyTorch reference (a reading it lacks)
+    block_passes: int = 0  # the block passes its drafts took (fewer for the same drafts: a more confident block path)
 
     @property
     def acceptance(self) -> float:
@@ -65,10 +72,18 @@ class CheckResult:
     def verdict(self) -> str:
         return verdict(self.acceptance)
 
+    @property
+    def accepted_per_pass(self) -> float:
+        """Accepted draft tokens per block pass: the ranking's second key (readings whose drafts are accepted
+        alike differ in how many passes their block path needs to fill them)."""
+        return self.accepted / self.block_passes if self.block_passes else 0.0
+
     def to_json(self) -> dict[str, Any]:
         return {"model": self.model, "reading": self.reading, "trained_under_reading": self.trained_under_reading,
+                "backend": self.backend,
                 "prompts": len(self.per_prompt), "prompt_set": self.prompt_set, "drafted": self.drafted,
                 "accepted": self.accepted, "acceptance": round(self.acceptance, 4), "verdict": self.verdict,
+                "block_passes": self.block_passes, "accepted_per_pass": round(self.accepted_per_pass, 4),
                 "note": self.note, "per_prompt": self.per_prompt}
 
     def format(self) -> str:
@@ -157,25 +172,128 @@ def _eval_rows(path: Path) -> list[dict[str, Any]]:
 
 def check_block(model: Path, prompts: Path | None = None, max_new_tokens: int = 128, n_ctx: int | None = None,
                 offload: Offload | None = None) -> CheckResult:
+    """The file's own reading, checked (what `check-block FILE` prints)."""
+    return rank_readings(model, None, prompts, max_new_tokens, n_ctx, offload).results[0]
+
+
+@dataclass
+class Ranking:
+    """check-block --reading: one CheckResult per reading, best first (by draft acceptance; ties: the file's own
+    reading first, then metadata.READINGS' order)."""
+
+    model: str
+    file_reading: str
+    results: list[CheckResult]
+    written: str | None = None  # what --write did: None (not asked), "in place", "rewritten", or why nothing
+
+    @property
+    def winner(self) -> CheckResult:
+        return self.results[0]
+
+    @property
+    def margin(self) -> float | None:
+        """The winner's acceptance less the runner-up's (None with one reading)."""
+        return self.results[0].acceptance - self.results[1].acceptance if len(self.results) > 1 else None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"model": self.model, "file_reading": self.file_reading, "winner": self.winner.reading,
+                "verdict": self.winner.verdict, "margin": None if self.margin is None else round(self.margin, 4),
+                "written": self.written, "ranking": [r.to_json() for r in self.results]}
+
+    def format(self) -> str:
+        lines = [f"{'reading':<15} {'accepted':>9} {'drafted':>8}  {'share':>6}  {'per pass':>8}  verdict  (backend)"]
+        for r in self.results:
+            mark = "  <- the file's" if r.reading == self.file_reading else ""
+            lines.append(f"{r.reading:<15} {r.accepted:>9} {r.drafted:>8}  {r.acceptance:6.1%}  "
+                         f"{r.accepted_per_pass:8.2f}  {r.verdict:<7}  ({r.backend}){mark}")
+        w = self.winner
+        lines.append(f"best: {w.reading} ({READINGS[w.reading]})" +
+                     ("" if self.margin is None else f", {self.margin:+.1%} over {self.results[1].reading}") +
+                     f" over {len(w.per_prompt)} prompts ({PROMPT_SETS[w.prompt_set]})")
+        lines.append(f"verdict: {VERDICTS[w.verdict]}")
+        if w.note:
+            lines.append(f"note: {w.note}")
+        if self.written:
+            lines.append(self.written if self.written.startswith("nothing") else
+                         f"wrote {BLOCK_READING} = {w.reading} into {Path(self.model).name} ({self.written})")
+        return "\n".join(lines)
+
+
+def parse_readings(spec: str | None) -> tuple[str, ...] | None:
+    """--reading: "all", one name, or None (the file's own)."""
+    if spec is None:
+        return None
+    return tuple(READINGS) if spec == "all" else (check_reading(spec, "--reading"),)
+
+
+def rank_readings(model: Path, readings: Sequence[str] | None = None, prompts: Path | None = None,
+                  max_new_tokens: int = 128, n_ctx: int | None = None, offload: Offload | None = None,
+                  write: bool = False) -> Ranking:
+    """Decode the prompts in draft-self (exact) under each reading (None: the file's own) and rank the readings by
+    the share of drafted tokens the causal path accepts: one check-block run per reading, on one loaded runtime.
+    A reading the runtime's backend (llama.cpp) computes runs there; any other on the PyTorch reference holding the
+    file's weights (reference.load_gguf, loaded once). write: stamp the winner into the file's header
+    (gguf_header.restamp: in place, whole or not at all) when its verdict is "holds"."""
     from clover_gguf.runtime import CloverRuntime, no_block_tensors
 
     texts = read_prompts(prompts) if prompts is not None else None
+    results = []
     with CloverRuntime(model, n_ctx=n_ctx, offload=offload) as rt:
         if not rt.block_mode:  # one line and the fix (check-block has no other mode to offer)
             raise UserError(no_block_tensors(rt.path, None))
-        rt.check_request(1, 1, "draft-self", rt.block_size)
-        res = CheckResult(str(model), rt.reading, rt.reading_verified)
+        file_reading = rt.reading
+        wanted = tuple(readings) if readings is not None else (file_reading,)
         if texts is None:
-            texts, res.prompt_set = default_prompts(rt)
-        for text in texts:
-            ans = rt.generate(text, mode="draft-self", accept="exact", max_new_tokens=max_new_tokens)
-            st = ans.stats
-            res.drafted += st.drafted_tokens
-            res.accepted += st.accepted_tokens
-            res.per_prompt.append({"prompt": text, "drafted": st.drafted_tokens, "accepted": st.accepted_tokens,
-                                   "acceptance": st.accepted_tokens / st.drafted_tokens if st.drafted_tokens else 0.0})
-    res.note = general_note(res, Path(model))
-    return res
+            texts, prompt_set = default_prompts(rt)
+        else:
+            prompt_set = "yours"
+        reference = None
+        for reading in wanted:
+            res = CheckResult(str(model), reading, rt.reading_verified and reading == file_reading,
+                              prompt_set=prompt_set)
+            if reading in rt.backend.READINGS:
+                _decode(rt, texts, max_new_tokens, res)
+            else:
+                if reference is None:
+                    from clover_gguf.reference import ReferenceBackend, load_gguf
+
+                    reference = ReferenceBackend(load_gguf(model), eos_ids=rt.eos_ids)
+                reference.model.reading = reading
+                res.backend = "PyTorch reference"
+                with rt.running_on(reference, reading):
+                    _decode(rt, texts, max_new_tokens, res)
+            res.note = general_note(res, Path(model))
+            results.append(res)
+    order = {r: i for i, r in enumerate(READINGS)}
+    results.sort(key=lambda r: (-r.acceptance, -r.accepted_per_pass, r.reading != file_reading,
+                                order.get(r.reading, len(order))))
+    ranking = Ranking(str(model), file_reading, results)
+    if write:
+        ranking.written = stamp(Path(model), ranking.winner, file_reading, rt.reading_verified)
+    return ranking
+
+
+def stamp(model: Path, winner: CheckResult, file_reading: str, verified: bool) -> str:
+    """Stamp the winning reading into the file (--write) when it holds -> what was done, for Ranking.written."""
+    from clover_gguf.gguf_header import BOOL, STRING, restamp
+
+    if winner.verdict != "holds":
+        return f"nothing written: no reading holds on these prompts ({file_reading} stays)"
+    if winner.reading == file_reading and verified:
+        return f"nothing written: {file_reading} is the file's reading already"
+    return restamp(model, {BLOCK_READING: (STRING, winner.reading), BLOCK_READING_VERIFIED: (BOOL, True)})
+
+
+def _decode(rt, texts: Sequence[str], max_new_tokens: int, res: CheckResult) -> None:
+    rt.check_request(1, 1, "draft-self", rt.block_size)
+    for text in texts:
+        ans = rt.generate(text, mode="draft-self", accept="exact", max_new_tokens=max_new_tokens)
+        st = ans.stats
+        res.drafted += st.drafted_tokens
+        res.accepted += st.accepted_tokens
+        res.block_passes += st.block_passes
+        res.per_prompt.append({"prompt": text, "drafted": st.drafted_tokens, "accepted": st.accepted_tokens,
+                               "acceptance": st.accepted_tokens / st.drafted_tokens if st.drafted_tokens else 0.0})
 
 
 def general_note(res: CheckResult, model: Path) -> str | None:

@@ -153,13 +153,16 @@ def convert(
     dry_run: bool = typer.Option(False, "--dry-run", help="validate and print the plan; write nothing"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
     force: bool = typer.Option(False, "--force", help="overwrite OUT"),
+    reading: Optional[str] = typer.Option(None, "--reading", help="the block reading to stamp (clover-gguf-1, "
+                                          "-2 or -3, docs/architecture.md 3b; default: the one the checkpoint was "
+                                          "made under, else clover-gguf-1)"),
     as_json: bool = typer.Option(False, "--json", help="print a JSON summary"),
 ) -> None:
     """Clover safetensors -> GGUF (streaming)."""
     from clover_gguf.convert import convert as run
 
     res = run(src, out, outtype.value, skip_unknown=skip_unknown, dry_run=dry_run, quiet=quiet or as_json,
-              force=force, arch=arch.value)
+              force=force, arch=arch.value, reading=reading)
     summary = {"out": str(res.out) if res.out else None, "tensors": res.n_tensors, "bytes": res.nbytes,
                "dry_run": dry_run, "notices": res.notices, "skipped_unknown": res.skipped_unknown}
     if as_json:
@@ -204,6 +207,9 @@ def graft(
                               "(ranged reads: only the block tensors and the headers are downloaded)"),
     out: Path = typer.Option(..., "-o", "--out", help="output GGUF (a folder for an MLX folder)"),
     revision: Optional[str] = typer.Option(None, "--revision", help="with a repo id: branch, tag or commit"),
+    pick_reading: bool = typer.Option(False, "--pick-reading", help="then rank every reading of the block tensors "
+                                      "on OUT (check-block --reading all) and stamp the best into it when it holds"),
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help="with --pick-reading: check-block's --prompts"),
     force: bool = typer.Option(False, "--force", help="overwrite OUT"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
@@ -211,7 +217,10 @@ def graft(
     """Add the block-mode tensors and keys to an AR-only GGUF (its tensors copied byte for byte)."""
     from clover_gguf.graft import graft as run
 
-    res = run(src, from_, out, revision=revision, force=force, quiet=quiet or as_json)
+    if prompts is not None and not pick_reading:
+        raise UserError("--prompts goes with --pick-reading")
+    res = run(src, from_, out, revision=revision, force=force, quiet=quiet or as_json, pick_reading=pick_reading,
+              prompts=prompts)
     typer.echo(json.dumps(res.to_json()) if as_json else res.summary())
 
 
@@ -246,13 +255,20 @@ def check_block(
                                            "bundled tiny Clover's own held-out prompts for that model)"),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", min=1),
     ctx: Optional[int] = typer.Option(None, "--ctx", min=16),
+    reading: Optional[str] = typer.Option(None, "--reading", help="all: decode under every reading of the block "
+                                          "tensors and rank them; or one reading's name (default: the file's own)"),
+    write: bool = typer.Option(False, "--write", help="stamp the best reading into the file's header (in place) "
+                               "when it holds"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
     offload=None,
 ) -> None:
     """Check the file's reading of the block tensors: the share of drafted tokens its own causal path accepts."""
-    from clover_gguf.check_block import check_block as run
+    from clover_gguf.check_block import parse_readings, rank_readings
 
-    res = run(model, prompts=prompts, max_new_tokens=max_new_tokens, n_ctx=ctx, offload=offload)
+    res = rank_readings(model, parse_readings(reading), prompts=prompts, max_new_tokens=max_new_tokens, n_ctx=ctx,
+                        offload=offload, write=write)
+    if reading is None and not write:  # the file's own reading: its one result, as before
+        res = res.winner
     typer.echo(json.dumps(res.to_json()) if as_json else res.format())
 
 

@@ -403,8 +403,8 @@ class CloverConfig:
                 moe_block_coreset_enabled=self.moe_block_coreset_enabled,
                 moe_block_coreset_top_p=self.moe_block_coreset_top_p,
             )
-            if our_reading:
-                d[READING_FIELD] = READING
+            if our_reading:  # the reading they were made under (train_tiny --reading), else the default
+                d[READING_FIELD] = self.extra.get(READING_FIELD, READING)
         return d
 
 

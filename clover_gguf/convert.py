@@ -19,7 +19,7 @@ from clover_gguf.errors import UserError
 from clover_gguf.fsutil import atomic_output, check_free_disk, check_output
 from clover_gguf.gguf_header import BOOL, F32, HPARAMS, STRING, U32
 from clover_gguf.metadata import (ARCH, BLOCK_READING, BLOCK_READING_VERIFIED, READING, READING_FIELD,
-                                  GenerationDefaults, hparam)
+                                  GenerationDefaults, check_reading, hparam)
 from clover_gguf.tensor_map import (CLOVER_EXTRA_RE, EXPERT_KINDS, FUSED_RE, PER_EXPERT_RE, REORDER_ONLY, TRANSFORMS, TensorRule,
                                     expert_shape, gguf_names, match_rule, mtp_as_layer, out_shape)
 from clover_gguf.vocab import Vocab, load_vocab
@@ -338,10 +338,13 @@ QWEN35MOE_HPARAMS = frozenset({
 UPSTREAM_HPARAMS = {AR_ARCH: QWEN35MOE_HPARAMS, ARCH: QWEN35MOE_HPARAMS | {"expert_shared_count"}}
 
 
-def block_mode_keys(cfg: CloverConfig, gen: GenerationDefaults) -> dict[str, tuple[int, Any]]:
+def block_mode_keys(cfg: CloverConfig, gen: GenerationDefaults, reading: str | None = None
+                    ) -> dict[str, tuple[int, Any]]:
     """The keys only we write (upstream's clover_moe has none of them): block mode's settings, the card's controls
-    and which reading of the block tensors the file is made for. GGUF key -> (GGUF type, value). convert writes
-    them into every clover_moe file, graft into an AR-only one."""
+    and which reading of the block tensors the file is made for: `reading` (convert --reading), else the one the
+    checkpoint says it was made under (our own models), else the default; verified when the checkpoint was made
+    under that reading. GGUF key -> (GGUF type, value). convert writes them into every clover_moe file, graft into
+    an AR-only one."""
     keys: dict[str, Any] = {
         "ssm.conv_right_kernel": cfg.right_kernel, "moe_block_coreset.top_p": cfg.moe_block_coreset_top_p,
         **{k.removeprefix(ARCH + "."): v for k, v in gen.gguf_items().items()},  # the card's keys (metadata.py)
@@ -350,8 +353,12 @@ def block_mode_keys(cfg: CloverConfig, gen: GenerationDefaults) -> dict[str, tup
     # each key with the GGUF type gguf_header.HPARAMS gives it, the type check_model and llama.cpp require
     out = {hparam(k): (HPARAMS[k][0], v) for k, v in keys.items()}
     if cfg.is_clover:
-        out[BLOCK_READING] = (STRING, READING)
-        out[BLOCK_READING_VERIFIED] = (BOOL, cfg.extra.get(READING_FIELD) == READING)
+        made = cfg.extra.get(READING_FIELD)
+        if made is not None:
+            check_reading(made, f"config.json {READING_FIELD}")
+        name = check_reading(reading, "--reading") if reading is not None else made or READING
+        out[BLOCK_READING] = (STRING, name)
+        out[BLOCK_READING_VERIFIED] = (BOOL, made == name)
     return out
 
 
@@ -387,7 +394,7 @@ def describe(src: Path | None, plan: ConversionPlan, gen: GenerationDefaults, ou
 
 
 def write_metadata(w: GGUFWriter, cfg: CloverConfig, vocab: Vocab, gen: GenerationDefaults, n_blocks: int,
-                   meta: Metadata, file_type: LlamaFileType, arch: str = ARCH) -> None:
+                   meta: Metadata, file_type: LlamaFileType, arch: str = ARCH, reading: str | None = None) -> None:
     """What upstream's converter writes for `arch`: the general.* description (describe), the hyperparameters
     (UPSTREAM_HPARAMS, under its prefix) and the tokenizer; for clover_moe also our block-mode keys."""
     rope_sections = list(cfg.rope_sections) + [0] * (4 - len(cfg.rope_sections))
@@ -413,7 +420,7 @@ def write_metadata(w: GGUFWriter, cfg: CloverConfig, vocab: Vocab, gen: Generati
         upstream["nextn_predict_layers"] = n_blocks - cfg.num_hidden_layers
     write_keys(w, {f"{arch}.{k}": (HPARAMS[k][0], v) for k, v in upstream.items() if k in UPSTREAM_HPARAMS[arch]})
     if arch == ARCH:
-        write_keys(w, block_mode_keys(cfg, gen))
+        write_keys(w, block_mode_keys(cfg, gen, reading))
     w.add_array(f"{arch}.rope.dimension_sections", rope_sections)
     w.add_array(f"{arch}.attention.recurrent_layers", recurrent)
 
@@ -456,8 +463,9 @@ class ConvertResult:
 
 def convert(src: Path, out: Path, outtype: str = "bf16", skip_unknown: bool = False, dry_run: bool = False,
             quiet: bool = False, force: bool = False, log=lambda msg: print(msg, file=sys.stderr),
-            arch: str = ARCH) -> ConvertResult:
+            arch: str = ARCH, reading: str | None = None) -> ConvertResult:
     """Convert the checkpoint folder `src` to the GGUF file `out`. A dry run plans and validates, writes nothing.
+    reading: the block reading to stamp (metadata.READINGS; default: the checkpoint's own, else the default one).
 
     `out` must not be one of the checkpoint's files or a special file, and an existing file is replaced only with
     `force` (fsutil.check_output)."""
@@ -465,9 +473,16 @@ def convert(src: Path, out: Path, outtype: str = "bf16", skip_unknown: bool = Fa
         raise UserError(f"unknown --outtype {outtype!r}: choose one of {', '.join(OUTTYPES)}")
     if arch not in ARCHS:
         raise UserError(f"unknown --arch {arch!r}: choose one of {', '.join(ARCHS)}")
+    if reading is not None:
+        check_reading(reading, "--reading")
+        if arch != ARCH:
+            raise UserError(f"--reading stamps the block reading of a {ARCH} file; --arch {arch} writes no block "
+                            "tensors")
     src, out = Path(src), Path(out)
     cfg = CloverConfig.from_file(src)
     gen = read_generation_defaults(src)
+    if arch == ARCH:
+        block_mode_keys(cfg, gen, reading)  # a reading this version does not know: refused before any work
     with Checkpoint(src) as ck:
         # the tensors' shapes are checked against config.json before anything (the vocabulary) is sized from it
         plan = plan_conversion(ck, cfg, outtype, skip_unknown, arch)
@@ -483,16 +498,17 @@ def convert(src: Path, out: Path, outtype: str = "bf16", skip_unknown: bool = Fa
         check_free_disk(out, plan.nbytes + 16 * 2**20)
         with atomic_output(out) as tmp:
             _write(tmp, plan, vocab, gen, describe(src, plan, gen, outtype), quiet,
-                   after_tensor=ck.drop_resident_pages, arch=arch)
+                   after_tensor=ck.drop_resident_pages, arch=arch, reading=reading)
     return ConvertResult(out, len(plan.tensors), plan.nbytes, plan.notices, plan.skipped_unknown, plan)
 
 
 def _write(path: Path, plan: ConversionPlan, vocab: Vocab, gen: GenerationDefaults,
-           description: tuple[Metadata, LlamaFileType], quiet: bool, after_tensor: Callable[[], None] = lambda: None, arch: str = ARCH) -> None:
+           description: tuple[Metadata, LlamaFileType], quiet: bool, after_tensor: Callable[[], None] = lambda: None,
+           arch: str = ARCH, reading: str | None = None) -> None:
     from tqdm import tqdm
 
     w = GGUFWriter(path=None, arch=arch)
-    write_metadata(w, plan.cfg, vocab, gen, plan.n_blocks, *description, arch)
+    write_metadata(w, plan.cfg, vocab, gen, plan.n_blocks, *description, arch, reading)
     for t in plan.tensors:
         nbytes = t.nbytes
         storage = {QT.F32: np.float32, QT.F16: np.float16, QT.BF16: np.uint16, QT.Q8_0: np.uint8}[t.qtype]

@@ -51,6 +51,7 @@ class GGUFHeader:
     file_size: int = 0
     offsets: dict[str, int] = field(default_factory=dict)  # tensor -> byte offset from data_offset
     header_bytes: int = 0  # where the tensor infos end: data_offset is this padded to the alignment
+    spans: dict[str, tuple[int, int]] = field(default_factory=dict)  # key -> where its value's bytes start, end
 
     @property
     def arch(self) -> str | None:
@@ -140,13 +141,16 @@ def read_header(path: Path, full: bool = False) -> GGUFHeader:
         n_tensors, n_kv = take("Q"), take("Q")
         kv: dict[str, Any] = {}
         types: dict[str, tuple[int, int | None]] = {}
+        spans: dict[str, tuple[int, int]] = {}
         for _ in range(n_kv):
             key, vtype = string(), take("I")
             if key in kv:
                 raise UserError(f"{path}: key {key} appears twice")
             sub = struct.unpack_from("<I", m, pos)[0] if vtype == ARRAY else None
+            start = pos
             kv[key] = value(key, vtype)
             types[key] = (vtype, sub)
+            spans[key] = (start, pos)
         align = kv.get("general.alignment", 32)
         if types.get("general.alignment", (U32,))[0] != U32 or align <= 0 or align & (align - 1):
             raise UserError(f"{path}: general.alignment must be a UINT32 power of two, not {align!r}")
@@ -173,7 +177,61 @@ def read_header(path: Path, full: bool = False) -> GGUFHeader:
         if data_offset + end > size:
             raise UserError(f"{path} is truncated: tensor {name} ends {data_offset + end - size} bytes past the end "
                             "of the file")
-    return GGUFHeader(path, kv, tensors, data_offset, align, types, size, offsets, header_bytes=pos)
+    return GGUFHeader(path, kv, tensors, data_offset, align, types, size, offsets, header_bytes=pos, spans=spans)
+
+
+def _encoded(vtype: int, value: Any) -> bytes:
+    """A STRING, BOOL, UINT32 or FLOAT32 value as GGUF stores it."""
+    if vtype == STRING:
+        raw = str(value).encode("utf-8")
+        return struct.pack("<Q", len(raw)) + raw
+    return struct.pack("<" + _SCALAR[vtype], value)
+
+
+def restamp(path: Path, keys: dict[str, tuple[int, Any]], quiet: bool = True) -> str:
+    """Set these keys (key -> (GGUF type, value); STRING, BOOL, UINT32 or FLOAT32) in a GGUF file, whole or not
+    at all. In place when each key is there with the same type and its new value takes as many bytes (a reading's
+    name for another: metadata.READINGS are all one length): the bytes from the first changed value to the last are
+    written back in one write, then synced, so a reader sees the old header or the new one and the tensors never
+    move. Otherwise the file is copied with the keys set (its tensors byte for byte) and the copy renamed over it.
+    -> "in place" or "rewritten"."""
+    import os
+
+    path = Path(path)
+    h = read_header(path)
+    types = h.types or {}
+    if all(k in h.spans and types.get(k, (None,))[0] == t and
+           len(_encoded(t, v)) == h.spans[k][1] - h.spans[k][0] for k, (t, v) in keys.items()):
+        first = min(h.spans[k][0] for k in keys)
+        last = max(h.spans[k][1] for k in keys)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as e:
+            raise UserError(f"cannot write {path}: {e.strerror or e}") from None
+        try:
+            buf = bytearray(os.pread(fd, last - first, first))
+            for k, (t, v) in keys.items():
+                a, b = h.spans[k]
+                buf[a - first:b - first] = _encoded(t, v)
+            if os.pwrite(fd, bytes(buf), first) != len(buf):
+                raise UserError(f"{path}: the header write was cut short (disk full?)")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return "in place"
+    from clover_gguf.export import copy_gguf
+    from clover_gguf.fsutil import temp_name
+
+    full = read_header(path, full=True)
+    tmp = temp_name(path).with_name(temp_name(path).name + "-restamp")
+    try:
+        copy_gguf(full, path, tmp, keep=list(full.tensors), drop_keys=set(keys), add_keys=keys, quiet=quiet,
+                  desc="restamp", arch=full.arch or md.ARCH)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return "rewritten"
 
 
 # ---- the hyperparameters of a Clover GGUF -------------------------------------------------------------------------
@@ -346,3 +404,44 @@ def _check_tokenizer(c: _Checker) -> None:
 
         if why := chat_template_error(template):
             raise c.fail("tokenizer.chat_template", f"is not a chat template that compiles: {why}")
+
+
+def config_from_header(h: GGUFHeader) -> "CloverConfig":  # noqa: F821
+    """The CloverConfig a Clover GGUF was converted from, as far as the reference model needs it (shapes, norms,
+    RoPE, routing, block settings), from its hyperparameters (check_model passed). The block reading is not here:
+    it is the file's BLOCK_READING, read by its user."""
+    from clover_gguf.config import CLOVER_MODEL_TYPE, CloverConfig
+
+    kv = h.kv
+
+    def hp(key: str, default: Any = None) -> Any:
+        return kv.get(md.hparam(key), default)
+
+    extra = int(hp("nextn_predict_layers", 0) or 0)
+    n_layers = int(hp("block_count")) - extra
+    recurrent = hp("attention.recurrent_layers")
+    head_dim = int(hp("attention.key_length"))
+    d = {
+        "model_type": CLOVER_MODEL_TYPE if kv.get(md.BLOCK_MODE) else "qwen3_5_moe_text",
+        "vocab_size": h.tensors["token_embd.weight"][0][0], "hidden_size": hp("embedding_length"),
+        "num_hidden_layers": n_layers, "num_attention_heads": hp("attention.head_count"),
+        "num_key_value_heads": hp("attention.head_count_kv"), "head_dim": head_dim,
+        "max_position_embeddings": hp("context_length"), "rms_norm_eps": hp("attention.layer_norm_rms_epsilon"),
+        "tie_word_embeddings": "output.weight" not in h.tensors,
+        "rope_parameters": {"rope_theta": hp("rope.freq_base", 10_000.0),
+                            "partial_rotary_factor": hp("rope.dimension_count") / head_dim},
+        "linear_conv_kernel_dim": hp("ssm.conv_kernel"), "linear_key_head_dim": hp("ssm.state_size"),
+        "linear_value_head_dim": hp("ssm.state_size"), "linear_num_key_heads": hp("ssm.group_count"),
+        "linear_num_value_heads": hp("ssm.time_step_rank"), "num_experts": hp("expert_count"),
+        "num_experts_per_tok": hp("expert_used_count"), "moe_intermediate_size": hp("expert_feed_forward_length"),
+        "shared_expert_intermediate_size": hp("expert_shared_feed_forward_length"),
+        "full_attention_interval": hp("full_attention_interval", 4),
+    }
+    if isinstance(recurrent, list):
+        d["layer_types"] = ["linear_attention" if r else "full_attention" for r in recurrent[:n_layers]]
+    if kv.get(md.BLOCK_MODE):
+        d.update(mask_token_id=kv.get(md.MASK_TOKEN_ID), block_size=kv.get(md.BLOCK_SIZE, 32),
+                 linear_conv_right_kernel_dim=hp("ssm.conv_right_kernel", hp("ssm.conv_kernel")),
+                 moe_block_coreset_enabled=bool(kv.get(md.CORESET_ENABLED, True)),
+                 moe_block_coreset_top_p=kv.get(md.CORESET_TOP_P, 0.9))
+    return CloverConfig.from_dict(d)

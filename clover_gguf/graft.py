@@ -194,16 +194,19 @@ class GraftResult:
     seconds: float
     peak_rss_mib: float
     size_bytes: int
+    ranking: Any = None  # check_block.Ranking of the readings on the written file (--pick-reading)
 
     def to_json(self) -> dict[str, Any]:
         return {"out": str(self.out), "source": self.source, "added_tensors": self.added_tensors,
                 "bytes_read": self.bytes_read, "seconds": round(self.seconds, 3),
-                "peak_rss_mib": round(self.peak_rss_mib, 1), "size_bytes": self.size_bytes}
+                "peak_rss_mib": round(self.peak_rss_mib, 1), "size_bytes": self.size_bytes,
+                "ranking": None if self.ranking is None else self.ranking.to_json()}
 
     def summary(self) -> str:
-        return (f"wrote {self.out}: {self.added_tensors} block-mode tensors added from {self.source} "
+        text = (f"wrote {self.out}: {self.added_tensors} block-mode tensors added from {self.source} "
                 f"({self.bytes_read / 2**20:.2f} MiB read, {self.seconds:.1f} s, peak RSS {self.peak_rss_mib:.0f} MiB), "
                 f"{self.size_bytes / 2**30:.3f} GiB")
+        return text if self.ranking is None else text + "\n" + self.ranking.format()
 
 
 def _check_same_model(h, cfg: CloverConfig) -> None:
@@ -270,7 +273,10 @@ def read_block_tensors(source, cfg: CloverConfig, refs: dict
 
 
 def graft(src: Path, from_: str, out: Path, revision: str | None = None, force: bool = False, quiet: bool = False,
-          log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr)) -> GraftResult:
+          log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr), pick_reading: bool = False,
+          prompts: Path | None = None) -> GraftResult:
+    """pick_reading: rank every reading of the block tensors on the written file (check_block.rank_readings, on
+    `prompts` or check-block's built-in ones) and stamp the best into it when it holds."""
     from clover_gguf.convert import block_mode_keys, check_layer_kind, right_kernel_from_shapes
     from clover_gguf.export import copy_gguf
     from clover_gguf.gguf_header import check_model, read_header
@@ -278,7 +284,14 @@ def graft(src: Path, from_: str, out: Path, revision: str | None = None, force: 
 
     t0 = time.perf_counter()
     src, out = Path(src), Path(out)
+    if pick_reading and prompts is not None:  # a bad prompts file is refused before any work
+        from clover_gguf.check_block import read_prompts
+
+        read_prompts(prompts)
     if src.is_dir():  # an MLX folder
+        if pick_reading:
+            raise UserError("--pick-reading ranks the readings on a GGUF: graft into a GGUF, or run `clover-gguf "
+                            "check-block --reading all` on the GGUF of this model")
         return graft_folder(src, from_, out, revision=revision, force=force, quiet=quiet, log=log)
     try:
         h = read_header(src, full=True)
@@ -322,9 +335,15 @@ def graft(src: Path, from_: str, out: Path, revision: str | None = None, force: 
         log(f"graft: {len(added)} block-mode tensors read from {source.label} ({source.bytes_read / 2**20:.2f} MiB)")
     copy_gguf(h, src, out, keep=list(h.tensors), drop_keys=set(keys), add_keys=keys, add_tensors=added,
               force=force, quiet=quiet, desc="graft")
+    ranking = None
+    if pick_reading:
+        from clover_gguf.check_block import rank_readings
+        from clover_gguf.metadata import READINGS
+
+        ranking = rank_readings(out, tuple(READINGS), prompts=prompts, write=True)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return GraftResult(out, source.label, len(added), source.bytes_read, time.perf_counter() - t0, rss,
-                       out.stat().st_size)
+                       out.stat().st_size, ranking)
 
 
 # the config.json keys of block mode an MLX folder carries (CloverConfig's names)

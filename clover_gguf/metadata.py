@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Any, Callable
 
+from clover_gguf.errors import UserError
+
 ARCH = "clover_moe"  # general.architecture (upstream's name), and the prefix of every key below
 HF_REPO = "Diffuspace/Clover-35B-A3B-Preview"  # the real checkpoint (graft reads its block tensors from here)
 OLD_ARCH = "clover"  # what clover-gguf wrote before upstream named the architecture: convert again
@@ -22,7 +24,18 @@ BLOCK_MODE = f"{ARCH}.block_mode"  # bool: the file has the Clover block-mode te
 # user with the real weights confirms it with check-block)
 BLOCK_READING = f"{ARCH}.block_reading"
 BLOCK_READING_VERIFIED = f"{ARCH}.block_reading_verified"
-READING = "clover-gguf-1"  # the reading this version implements
+READING = "clover-gguf-1"  # the default reading: a file without BLOCK_READING is read under it
+# Every reading of the block softmax's tensors (bd_softmax_*) this version knows, name -> what it does; each written
+# out exactly in docs/architecture.md 3b and computed by clover_gguf.reference (every reading) and the llama.cpp and
+# MLX backends (the readings they declare: their READINGS). Every name has the same length, so that a file's reading
+# can be restamped in place (gguf_header.restamp_string).
+READINGS = {
+    "clover-gguf-1": "history slot: a logit b_h and no value (a sink); o = o_gdn + c_h * o_sm",
+    "clover-gguf-2": "history slot: a logit b_h whose value is the clean prefix state's readout for the query; "
+                     "o = o_gdn + c_h * o_sm",
+    "clover-gguf-3": "as clover-gguf-2, with c_h mixing: o = (1 - c_h) * o_gdn + c_h * o_sm",
+}
+assert len({len(r) for r in READINGS}) == 1 and READING in READINGS
 # the config.json field with which our own checkpoints (make_tiny, train_tiny) declare the reading they were made
 # under; the real checkpoint has none, so its files say "unverified" until check-block confirms the reading
 READING_FIELD = "clover_gguf_block_reading"
@@ -34,6 +47,14 @@ GENERATION_PREFIX = f"{ARCH}.generation."  # + a Controls field name
 QUANT_RECIPE = f"{ARCH}.quant.recipe"  # the recipe a quantized file was made with
 MASK_TOKEN_ID = "tokenizer.ggml.mask_token_id"
 CHAT_TEMPLATE = "tokenizer.chat_template"
+
+
+def check_reading(name: Any, where: str) -> str:
+    """A reading's name as given (a file's key, an option, a config field) if this version knows it; one line
+    naming the known ones otherwise."""
+    if name not in READINGS:
+        raise UserError(f"{where}: unknown block reading {name!r}: this version knows {', '.join(READINGS)}")
+    return name
 
 
 def hparam(name: str) -> str:

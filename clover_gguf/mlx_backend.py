@@ -33,6 +33,7 @@ import numpy as np
 from clover_gguf.config import CloverConfig
 from clover_gguf.controls import Gather, GraphRows
 from clover_gguf.errors import UserError
+from clover_gguf.metadata import READING
 
 from clover_gguf.graft import BLOCK_RULES, MLX_BLOCK_FILE as BLOCK_FILE
 
@@ -517,6 +518,8 @@ class MlxBackend:
     The committed prefix lives in mlx-lm's caches. Rollback: the KV caches are trimmed to before the latest commit,
     the GDN layers' (conv, delta-rule) states taken back to the copy held from before it (MLX arrays are values:
     holding them costs nothing), and the kept tokens are run again (backend work, not a counted pass)."""
+
+    READINGS = (READING,)  # the readings of the block softmax this backend computes (metadata.READINGS)
 
     def __init__(self, loaded: Loaded, eos_ids: Sequence[int] | None = None, coreset: bool | float | None = None):
         self.loaded, self.model, self.cfg = loaded, loaded.model, loaded.cfg

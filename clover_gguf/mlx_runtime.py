@@ -94,8 +94,8 @@ class MlxRuntime(CloverRuntime):
             raise UserError(f"unknown selection {selection!r}: choose {' or '.join(SELECTIONS)}")
         self.selection = selection
         self.block_mode = self.backend.block_mode
-        self.reading = cfg.extra.get(READING_FIELD) or READING
-        self.reading_verified = cfg.extra.get(READING_FIELD) == READING
+        self.reading = cfg.extra.get(READING_FIELD) or READING  # our checkpoints say the reading they were made under
+        self.reading_verified = READING_FIELD in cfg.extra
         self.context_length = cfg.max_position_embeddings
         gen_path = path / "generation_config.json"
         gen_raw = read_json(gen_path, "generation_config.json") if gen_path.is_file() else {}

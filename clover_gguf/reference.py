@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Collection, Iterable, Iterator, Sequence
@@ -20,6 +21,7 @@ from torch import nn
 
 from clover_gguf.config import CloverConfig
 from clover_gguf.errors import UserError
+from clover_gguf.metadata import READING, READING_FIELD, READINGS, check_reading
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -48,7 +50,12 @@ class PrefixState:
 # ---------------------------------------------------------------------------------------------------------------
 class ReferenceBackend:
     """decoding.Backend over CloverModel (as runtime.LlamaBackend is over llama.cpp). Its PrefixState is immutable, so rollback just returns
-    to the state before the latest commit and re-runs the kept tokens (backend work, not a counted pass)."""
+    to the state before the latest commit and re-runs the kept tokens (backend work, not a counted pass). It runs
+    every reading of the block tensors (the model's `reading`)."""
+
+    READINGS = tuple(READINGS)  # the readings of the block softmax this backend can run
+    # what runtime.CloverRuntime reads and writes of its backend around an answer (LlamaBackend's figures)
+    extra_passes, prefill_seconds, keep_at, reused = 0, 0.0, None, 0
 
     def __init__(self, model: CloverModel, eos_ids: Sequence[int] | None = None,
                  coreset: bool | float | None = None):
@@ -201,9 +208,37 @@ class GatedAttention(nn.Module):
         return self.o_proj(att * torch.sigmoid(gate)), LayerState(k=k, v=v)
 
 
+def block_softmax(reading: str, o_gdn: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  s0: torch.Tensor, logit_scale: torch.Tensor, history_bias: torch.Tensor, history_c: torch.Tensor
+                  ) -> torch.Tensor:
+    """The GDN core output of a block under `reading` (metadata.READINGS; spec 3b writes each out).
+
+    o_gdn: the gated delta rule's output over the block [N, T, Hv, dv]; q, k: L2-normalised, heads repeated to the
+    value heads, no 1/sqrt(dk) [N, T, Hv, dk]; v [N, T, Hv, dv]; s0: the clean prefix state [N, Hv, dk, dv];
+    the three bd_softmax tensors [Hv] as the checkpoint holds them (logit_scale is log tau)."""
+    n, t, hv, dk = q.shape
+    tau = torch.exp(logit_scale)  # [Hv]
+    scores = torch.einsum("nthd,nshd->nhts", q, k) * tau[None, :, None, None]  # [N, Hv, T, T], both directions
+    history = history_bias[None, :, None, None].expand(n, hv, t, 1).to(scores.dtype)  # the history's logit b_h
+    p = torch.cat([scores, history], dim=-1).softmax(-1)  # over [block | history]
+    o_sm = torch.einsum("nhts,nshv->nthv", p[..., :t], v)
+    c = history_c[None, None, :, None]
+    if reading == "clover-gguf-1":  # a sink: the history's share is left out
+        return o_gdn + c * o_sm
+    # the history's value: what the delta rule's output reads from the clean prefix state for q_t
+    v_hist = torch.einsum("nthk,nhkv->nthv", q / math.sqrt(dk), s0)
+    o_sm = o_sm + p[..., t].permute(0, 2, 1)[..., None] * v_hist
+    if reading == "clover-gguf-2":
+        return o_gdn + c * o_sm
+    if reading == "clover-gguf-3":
+        return (1 - c) * o_gdn + c * o_sm
+    raise ValueError(f"unknown block reading {reading!r}")
+
+
 class GatedDeltaNet(nn.Module):
     # the recurrence itself; training swaps in a parallel form of the same function (testing/train_tiny.py)
     delta_rule = staticmethod(gated_delta_rule)
+    reading = READING  # the block softmax's reading (CloverModel.reading sets it on every GDN layer)
 
     def __init__(self, cfg: CloverConfig):
         super().__init__()
@@ -251,13 +286,9 @@ class GatedDeltaNet(nn.Module):
         s0 = st.ssm if st.ssm is not None else x.new_zeros(n, hv, dk, dv)
         o, s = self.delta_rule(q / math.sqrt(dk), k, v, g, beta, s0)  # [N, T, Hv, dv]
 
-        if block:  # block softmax over all block positions, both directions, plus the history's logit (spec 3b)
-            tau = torch.exp(self.bd_softmax_logit_scale)  # [Hv]
-            scores = torch.einsum("nthd,nshd->nhts", q, k) * tau[None, :, None, None]  # [N, Hv, T, T]
-            history = self.bd_softmax_history_bias[None, :, None, None].expand(n, hv, t, 1).to(scores.dtype)
-            p = torch.cat([scores, history], dim=-1).softmax(-1)[..., :t]  # the history's share is left out
-            o_sm = torch.einsum("nhts,nshv->nthv", p, v)
-            o = o + self.bd_softmax_history_c[None, None, :, None] * o_sm
+        if block:
+            o = block_softmax(self.reading, o, q, k, v, s0, self.bd_softmax_logit_scale,
+                              self.bd_softmax_history_bias, self.bd_softmax_history_c)
 
         z = self.in_proj_z(x).reshape(n, t, hv, dv)
         y = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps) * self.norm * F.silu(z)
@@ -339,6 +370,20 @@ class CloverModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = nn.Parameter(torch.zeros(cfg.hidden_size))
         self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(torch.zeros(cfg.vocab_size, cfg.hidden_size))
+        # the block softmax's reading: the one the checkpoint says it was made under, else the default
+        self.reading = check_reading(cfg.extra.get(READING_FIELD, READING), f"config.json {READING_FIELD}")
+
+    @property
+    def reading(self) -> str:
+        return self._reading
+
+    @reading.setter
+    def reading(self, name: str) -> None:
+        """Every GDN layer's block softmax under this reading (metadata.READINGS)."""
+        self._reading = check_reading(name, "the reference model")
+        for layer in self.layers:
+            if not layer.full_attention:
+                layer.linear_attn.reading = name
 
     # ---- state ------------------------------------------------------------------------------------------
     def empty_state(self, batch: int = 1) -> PrefixState:
@@ -471,6 +516,48 @@ class CloverModel(nn.Module):
                     out[p + f"{e}.up_proj.weight"] = u[e]
                     out[p + f"{e}.down_proj.weight"] = d[e]
         return {k: v.contiguous() for k, v in out.items()}
+
+
+def load_gguf(path: str | Path, reading: str | None = None, dtype: torch.dtype = torch.float32) -> CloverModel:
+    """The reference model holding a Clover GGUF's weights (any tensor type gguf-py dequantizes: F32, F16, BF16,
+    Q8_0, the K-quants ...), every converter transform undone (tensor_map.INVERSE), under `reading` (default: the
+    file's BLOCK_READING, else the default reading). What check-block runs a reading on that llama.cpp does not
+    run. The whole model in memory as `dtype`."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    from clover_gguf.gguf_header import config_from_header, read_clover
+    from clover_gguf.metadata import BLOCK_READING
+    from clover_gguf.tensor_map import EXPERT_KINDS, INVERSE, match_rule
+
+    h = read_clover(Path(path))
+    need = sum(math.prod(shape) for shape, _ in h.tensors.values()) * torch.finfo(dtype).bits // 8
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > 0.8 * have:
+        raise UserError(f"the PyTorch reference would hold {Path(path).name} in {need / 2**30:.1f} GiB, more than this "
+                        f"machine's memory allows ({have / 2**30:.1f} GiB): it runs the readings llama.cpp lacks on "
+                        "small models only")
+    cfg = config_from_header(h)
+    model = CloverModel(cfg)
+    stored = {t.name: t for t in GGUFReader(str(path)).tensors}
+
+    def values(name: str) -> np.ndarray:
+        if name not in stored:
+            raise UserError(f"{Path(path).name} lacks tensor {name}")
+        t = stored[name]
+        return np.array(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(h.tensors[name][0])
+
+    tensors: dict[str, torch.Tensor] = {}
+    for hf_name in model.hf_name_map():
+        rule, i = match_rule(hf_name)
+        hf_values = INVERSE[rule.transform](values(rule.gguf.format(i=i)), cfg)
+        tensors[hf_name] = torch.from_numpy(np.ascontiguousarray(hf_values))
+    for i in range(cfg.num_hidden_layers):
+        for kind, gguf_name in EXPERT_KINDS.items():
+            tensors[f"model.layers.{i}.mlp.experts.{kind}_proj"] = torch.from_numpy(values(gguf_name.format(i=i)))
+    model.load_hf_state_dict(tensors)
+    model.reading = reading or h.kv.get(BLOCK_READING) or READING
+    return model.to(dtype)
 
 
 def sanitize(hf_name: str, params: Collection[str]) -> str:

@@ -15,6 +15,7 @@ bench/decode.py measures both.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import re
@@ -63,6 +64,8 @@ class LlamaBackend:
     (SEQ_PROMPT) when its messages were seen before (it starts from their kept state: a regenerated answer, a retried
     or repeated request, from its second time on) or it keeps no turn (a raw prompt), so the same prompt again
     decodes one token; such a pass decodes the rest of the prompt in two parts, the last of one token."""
+
+    READINGS = (md.READING,)  # the readings of the block softmax the patched llama.cpp computes (metadata.READINGS)
 
     def __init__(self, ctx: LlamaContext, mask_token_id: int, eos_ids: Sequence[int], block_size: int,
                  rollback: str = "redecode", selection: str = "graph", keep_prefix: bool = False,
@@ -368,7 +371,7 @@ class CloverRuntime:
         self.path = path
         card = md.GenerationDefaults()
         self.block_mode = bool(meta.get(md.BLOCK_MODE, False))
-        self.reading = meta.get(md.BLOCK_READING)
+        self.reading = meta.get(md.BLOCK_READING) or md.READING  # the file's; absent: the default reading
         self.reading_verified = bool(meta.get(md.BLOCK_READING_VERIFIED, False))
         self.context_length = int(meta.get(md.hparam("context_length"), 4096))
         self.block_size = int(meta.get(md.BLOCK_SIZE, card.block_size))
@@ -464,10 +467,32 @@ class CloverRuntime:
         an AR-only file."""
         return "auto" if self.block_mode and self.mask_token_id is not None else "ar"
 
+    @contextlib.contextmanager
+    def running_on(self, backend, reading: str) -> Iterator[None]:
+        """Answers decoded on another decoding backend under another reading of the block tensors, with this
+        runtime's prompts, controls and stats (check-block runs a reading llama.cpp lacks on the reference so)."""
+        saved = self.backend, self.reading
+        self.backend, self.reading = backend, reading
+        try:
+            yield
+        finally:
+            self.backend, self.reading = saved
+
+    @property
+    def runs_reading(self) -> bool:
+        """Whether this runtime's backend computes the file's reading of the block tensors (its READINGS): block
+        modes need it; AR does not (auto then decodes AR only, diffusion and draft-self are refused)."""
+        return self.reading in self.backend.READINGS
+
     def reading_note(self, mode: str) -> str | None:
         """One line for a block-mode run on a file whose block tensors are read under our reading of their math,
-        not trained under it (the real checkpoint, until check-block confirms the reading); None otherwise."""
-        if mode == "ar" or not self.block_mode or self.reading_verified:
+        not trained under it (the real checkpoint, until check-block confirms the reading), or for auto on a file
+        whose reading this backend does not run (it decodes AR only); None otherwise."""
+        if mode == "ar" or not self.block_mode:
+            return None
+        if not self.runs_reading:
+            return f"note: {unrun_reading(self, 'auto')}" if mode == "auto" else None
+        if self.reading_verified:
             return None
         return (f"note: the block tensors of {self.path.name} are read as clover-gguf's reading "
                 f"{self.reading or '(unknown)'} says, not yet verified for these weights: `clover-gguf check-block "
@@ -520,6 +545,8 @@ class CloverRuntime:
                 raise UserError(no_block_tensors(self.path, mode))
             if self.mask_token_id is None:
                 raise UserError(f"{self.path.name} has no tokenizer.ggml.mask_token_id: block mode is unavailable")
+            if not self.runs_reading and mode != "auto":
+                raise UserError(unrun_reading(self, mode))
             if block_size > self.ctx.n_ubatch:  # one block is one llama.cpp micro-batch (it aborts otherwise)
                 raise UserError(f"block size {block_size} is more than this context's micro-batch of "
                                 f"{self.ctx.n_ubatch} tokens: choose at most {self.ctx.n_ubatch}")
@@ -608,8 +635,8 @@ class CloverRuntime:
         if not len(ids):
             raise UserError("the prompt is empty")
         block_size = int(block_size or self.block_size)
-        if mode == "auto" and self.default_mode == "ar":  # no block tensors: auto's only choice is AR
-            mode = "ar"
+        if mode == "auto" and (self.default_mode == "ar" or not self.runs_reading):
+            mode = "ar"  # no block tensors, or a reading this backend does not run: auto's only choice is AR
         self.check_request(len(ids), max_new_tokens, mode, block_size)
         c = controls or self.controls
         check_sampling(temp, top_p, top_k, threshold, c)
@@ -671,6 +698,20 @@ def no_block_tensors(path: Path, mode: str | None) -> str:
         fix += " (CHECKPOINT: the Clover checkpoint this file was made from, its folder or Hugging Face repository)"
     kind = "an MLX conversion made without them" if folder else "an AR-only file, as the official GGUFs are"
     return f"{name} has no block-mode tensors ({kind}), so {what}: {fix}" + (", or use --mode ar" if mode else "")
+
+
+def unrun_reading(rt: CloverRuntime, mode: str) -> str:
+    """Why `mode` does not draft on a file whose reading of the block tensors rt's backend does not compute: auto
+    decodes AR (the same text), diffusion and draft-self are refused."""
+    known = md.READINGS.get(rt.reading) is not None
+    what = (f"block reading {rt.reading}" if known else
+            f"block reading {rt.reading!r}, which this version does not know")
+    runs = ", ".join(rt.backend.READINGS)
+    head = f"{rt.path.name} is stamped with {what}; this backend runs {runs} only"
+    if mode == "auto":
+        return f"{head}: auto decodes AR (the same text, no drafts)"
+    return (f"{head}, so --mode {mode} cannot run: use --mode ar or auto, or rank the readings with `clover-gguf "
+            f"check-block {rt.path.name} --reading all`")
 
 
 def has_35b_hparams(path: Path) -> bool:

@@ -67,6 +67,39 @@ TRANSFORMS: dict[str, Callable[[np.ndarray, CloverConfig], np.ndarray]] = {
     "v_cols": lambda a, cfg: grouped_to_tiled(a, 1, cfg, cfg.linear_value_head_dim),
 }
 
+def tiled_to_grouped(a: np.ndarray, axis: int, cfg: CloverConfig, head_dim: int) -> np.ndarray:
+    """grouped_to_tiled undone: value heads along `axis` back in HF's grouped order."""
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    if hk == hv:
+        return a
+    axis = axis % a.ndim
+    shape = a.shape
+    a = a.reshape(shape[:axis] + (hv // hk, hk, head_dim) + shape[axis + 1:])
+    return np.ascontiguousarray(np.swapaxes(a, axis, axis + 1)).reshape(shape)
+
+
+def _untile_v_part(a: np.ndarray, cfg: CloverConfig) -> np.ndarray:
+    qk = 2 * cfg.key_dim
+    return np.concatenate([a[:qk], tiled_to_grouped(a[qk:], 0, cfg, cfg.linear_value_head_dim)], axis=0)
+
+
+# Each transform undone, GGUF values (float32) -> the HF tensor's values: how the reference reads a GGUF
+# (reference.load_gguf). Shapes come back as the reference holds them: a conv as [C, K], a per-head vector as [Hv].
+INVERSE: dict[str, Callable[[np.ndarray, CloverConfig], np.ndarray]] = {
+    "copy": lambda a, cfg: a,
+    "plus_one": lambda a, cfg: a - np.float32(1.0),
+    "neg_exp_heads": lambda a, cfg: tiled_to_grouped(np.log(-a.astype(np.float64)).astype(np.float32), 0, cfg, 1),
+    "heads": lambda a, cfg: tiled_to_grouped(a, 0, cfg, 1),
+    "block_heads": lambda a, cfg: tiled_to_grouped(a, 0, cfg, 1),
+    "exp_block_heads": lambda a, cfg: tiled_to_grouped(np.log(a.astype(np.float64)).astype(np.float32), 0, cfg, 1),
+    "conv": lambda a, cfg: _untile_v_part(a, cfg),
+    "qkv_rows": lambda a, cfg: _untile_v_part(a, cfg),
+    "v_rows": lambda a, cfg: tiled_to_grouped(a, 0, cfg, cfg.linear_value_head_dim),
+    "head_rows": lambda a, cfg: tiled_to_grouped(a, 0, cfg, 1),
+    "v_cols": lambda a, cfg: tiled_to_grouped(a, 1, cfg, cfg.linear_value_head_dim),
+}
+assert set(INVERSE) == set(TRANSFORMS)
+
 # the transforms that accept one value for every value head ([] or [1]) besides [Hv]
 BROADCAST_HEADS = {"block_heads", "exp_block_heads"}
 

@@ -38,6 +38,7 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from clover_gguf.metadata import READING, READING_FIELD, READINGS, check_reading
 
 THINK = "<think>\nLet me work it out.\n</think>\n\n"  # the fixed thinking span before every thinking answer
 WORDS = ["apple", "sky", "cat", "dog", "tree", "moon", "fish", "star", "rock", "lamp", "cup", "book", "rain",
@@ -246,6 +247,26 @@ def init_model(cfg, seed: int):
     model = CloverModel(cfg)
     model.load_hf_state_dict(tensors)
     return model
+
+
+BLOCK_SOFTMAX = ("bd_softmax_logit_scale", "bd_softmax_history_bias", "bd_softmax_history_c")
+
+
+def start_from(model, folder: Path) -> None:
+    """Load a checkpoint's weights into `model` (train --init-from), all but the block-softmax tensors, which keep
+    their fresh random values (make_tiny's init table)."""
+    import torch
+
+    from clover_gguf import checkpoint
+
+    if json.loads((folder / "config.json").read_text()).get("vocab_size") != model.cfg.vocab_size:
+        raise SystemExit(f"--init-from {folder}: not a checkpoint of this script's shape and tokenizer")
+    tensors = checkpoint.load_hf_tensors(folder)
+    own = model.hf_state_dict(experts="fused")
+    for name in list(tensors):
+        if name.rsplit(".", 1)[-1] in BLOCK_SOFTMAX:
+            tensors[name] = own[name]
+    model.load_hf_state_dict({k: torch.as_tensor(v) for k, v in tensors.items()})
 
 
 def save_checkpoint(model, out: Path) -> None:
@@ -466,12 +487,21 @@ def prepare(out: Path, seed: int):
 
 def train(out: Path, steps: int, seed: int = 0, resume: bool = False, micro: int = 16, lr: float = 3e-3,
           save_every: int = 100, log_every: int = 20, stop_after: int | None = None,
-          boundary_share: float = 0.2, pool: int = 100_000) -> None:
+          boundary_share: float = 0.2, pool: int = 100_000, reading: str = READING,
+          init_from: Path | None = None) -> None:
+    """reading: the block softmax's reading the model is trained under (metadata.READINGS; its config.json says
+    it). init_from: start from that checkpoint's weights (one this script made: the same tokenizer and shape)
+    instead of random ones, its block-softmax tensors drawn afresh, so that they carry nothing of the reading it
+    was trained under."""
     import torch
 
     tok, special, cfg = prepare(out, seed)
+    cfg.extra[READING_FIELD] = check_reading(reading, "--reading")
     torch.manual_seed(seed)
     model = init_model(cfg, seed)
+    if init_from is not None:
+        start_from(model, Path(init_from))
+    model.reading = reading
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
     start = 0
     state_path = out / "train_state.pt"
@@ -588,6 +618,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="share of micro-batches whose block starts 32 tokens into a long answer")
     ap.add_argument("--stop-after", type=int, default=None, help="stop after this many steps (resume later)")
     ap.add_argument("--pool", type=int, default=100_000, help="training conversations drawn once from the seed")
+    ap.add_argument("--reading", default=READING, choices=list(READINGS),
+                    help="the block softmax's reading to train under (docs/architecture.md 3b)")
+    ap.add_argument("--init-from", type=Path, default=None,
+                    help="start from this checkpoint's weights (its block-softmax tensors drawn afresh)")
     ap.add_argument("--eval-only", action="store_true")
     ap.add_argument("--mode", default="ar", choices=["ar", "diffusion", "draft-self"])
     ap.add_argument("--limit", type=int, default=None)
@@ -604,7 +638,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({**r, "seconds": round(time.time() - t0, 1)}))
         return 0
     train(a.out, a.steps, seed=a.seed, resume=a.resume, micro=a.micro, lr=a.lr, save_every=a.save_every,
-          stop_after=a.stop_after, boundary_share=a.boundary_share, pool=a.pool)
+          stop_after=a.stop_after, boundary_share=a.boundary_share, pool=a.pool, reading=a.reading,
+          init_from=a.init_from)
     return 0
 
 

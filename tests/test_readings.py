@@ -1,0 +1,290 @@
+"""The readings of the block softmax's tensors (metadata.READINGS, docs/architecture.md 3b): each reading's math
+against naive loops, the reading a file carries (convert --reading, the runtime's refusals, restamping a header in
+place), check-block --reading all's ranking on the bundled model and --write / graft --pick-reading, and that a reading
+wrong for the weights still gives AR's greedy text in draft-self (exact)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import clover_gguf
+from clover_gguf import metadata as md
+from clover_gguf.convert import convert
+from clover_gguf.errors import UserError
+from clover_gguf.gguf_header import BOOL, STRING, read_header, restamp
+from clover_gguf.reference import CloverModel, ReferenceBackend, block_softmax, load_gguf
+
+ASSETS = Path(clover_gguf.__file__).parent / "assets"
+BUNDLED = ASSETS / "tiny-clover"
+
+
+def _cli(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "clover_gguf", *map(str, args)], capture_output=True, text=True,
+                          timeout=900)
+
+
+# ---- the math ---------------------------------------------------------------------------------------------------
+def naive_block_softmax(reading, o_gdn, q, k, v, s0, logit_scale, history_bias, history_c):
+    """docs/architecture.md 3b written out with Python loops over sequences, heads, positions and dims."""
+    n_seq, t_len, hv, dk = q.shape
+    dv = v.shape[-1]
+    out = np.zeros(o_gdn.shape)
+    for n in range(n_seq):
+        for h in range(hv):
+            tau, b, c = math.exp(logit_scale[h]), float(history_bias[h]), float(history_c[h])
+            for t in range(t_len):
+                logits = [tau * sum(q[n, t, h, d] * k[n, j, h, d] for d in range(dk)) for j in range(t_len)] + [b]
+                top = max(logits)
+                w = [math.exp(x - top) for x in logits]
+                z = sum(w)
+                o_sm = [sum(w[j] * v[n, j, h, e] for j in range(t_len)) / z for e in range(dv)]
+                if reading != "clover-gguf-1":  # the history's value: the clean state read by q_t / sqrt(dk)
+                    hist = [sum(q[n, t, h, d] * s0[n, h, d, e] for d in range(dk)) / math.sqrt(dk) for e in range(dv)]
+                    o_sm = [o_sm[e] + w[t_len] / z * hist[e] for e in range(dv)]
+                for e in range(dv):
+                    g = o_gdn[n, t, h, e]
+                    out[n, t, h, e] = (1 - c) * g + c * o_sm[e] if reading == "clover-gguf-3" else g + c * o_sm[e]
+    return out
+
+
+@pytest.mark.parametrize("reading", list(md.READINGS))
+def test_each_reading_matches_naive_loops(reading):
+    g = torch.Generator().manual_seed(7)
+    n, t, hv, dk, dv = 2, 5, 3, 4, 3
+
+    def r(*shape, scale=1.0):
+        return torch.randn(*shape, generator=g, dtype=torch.float64) * scale
+
+    unit = torch.nn.functional.normalize
+    q, k = unit(r(n, t, hv, dk), dim=-1), unit(r(n, t, hv, dk), dim=-1)
+    v, o_gdn, s0 = r(n, t, hv, dv), r(n, t, hv, dv), r(n, hv, dk, dv, scale=2.0)
+    ls, hb, hc = r(hv, scale=0.5), r(hv), torch.rand(hv, generator=g, dtype=torch.float64)
+    got = block_softmax(reading, o_gdn, q, k, v, s0, ls, hb, hc).numpy()
+    want = naive_block_softmax(reading, *(x.numpy() for x in (o_gdn, q, k, v, s0, ls, hb, hc)))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
+    # the readings are three different functions of the same inputs
+    others = [block_softmax(x, o_gdn, q, k, v, s0, ls, hb, hc) for x in md.READINGS if x != reading]
+    assert all(float((torch.from_numpy(got) - o).abs().max()) > 1e-3 for o in others)
+
+
+def test_the_readings_table_is_one_length_and_unknown_names_are_refused():
+    assert len({len(x) for x in md.READINGS}) == 1 and md.READING in md.READINGS
+    with pytest.raises(UserError, match="unknown block reading 'clover-gguf-9'.*clover-gguf-1, clover-gguf-2"):
+        md.check_reading("clover-gguf-9", "--reading")
+    model = CloverModel.from_pretrained(BUNDLED)
+    with pytest.raises(UserError, match="unknown block reading"):
+        model.reading = "sink"
+
+
+def test_the_model_runs_its_reading(tiny):
+    """In a whole model: with no prefix the clean state is zero, so clover-gguf-2 is clover-gguf-1 exactly; after
+    a prefix the three readings give three different block passes; a causal pass never depends on the reading."""
+    model = CloverModel.from_pretrained(tiny, dtype=torch.float64)
+    assert model.reading == md.READING  # make_tiny's checkpoints are made under the default reading
+    mask = model.cfg.mask_token_id
+    block, prefix = [mask, 5, mask, 9, mask, mask], [3, 14, 15, 9, 26, 5, 35]
+    got = {}
+    with torch.no_grad():
+        for reading in md.READINGS:
+            model.reading = reading
+            got[reading] = (model.block_logits(None, block), model.block_logits(prefix, block), model(prefix))
+    one, two, three = (got[x] for x in md.READINGS)
+    assert torch.equal(one[0], two[0]) and not torch.equal(one[0], three[0])
+    assert all(float((a[1] - b[1]).abs().max()) > 1e-6 for a, b in ((one, two), (one, three), (two, three)))
+    assert torch.equal(one[2], two[2]) and torch.equal(one[2], three[2])
+
+
+def test_load_gguf_gives_the_checkpoints_model(make_checkpoint, tmp_path):
+    """reference.load_gguf undoes every converter transform: the same weights (to a float32 ulp) and the same
+    block logits as the checkpoint, value heads tiled (Hk < Hv) and untied embeddings included; the file's reading."""
+    ck = make_checkpoint(seed=3)
+    out = tmp_path / "m.gguf"
+    convert(ck, out, outtype="f32", quiet=True, reading="clover-gguf-2")
+    a, b = load_gguf(out), CloverModel.from_pretrained(ck)
+    assert a.cfg.linear_num_key_heads < a.cfg.linear_num_value_heads and a.reading == "clover-gguf-2"
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    assert pa.keys() == pb.keys()
+    for name, p in pb.items():
+        torch.testing.assert_close(pa[name], p, rtol=2e-7, atol=2e-7, msg=name)
+    b.reading = "clover-gguf-2"
+    with torch.no_grad():
+        ids, block = [3, 1, 4, 1, 5], [a.cfg.mask_token_id, 9, a.cfg.mask_token_id]
+        torch.testing.assert_close(a.block_logits(ids, block), b.block_logits(ids, block), rtol=1e-5, atol=1e-5)
+
+
+# ---- the reading a file carries ------------------------------------------------------------------------------------
+def _data_hash(path: Path) -> str:
+    h = read_header(path)
+    with open(path, "rb") as f:
+        f.seek(h.data_offset)
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def test_convert_stamps_the_reading_it_is_told_and_refuses_an_unknown_one(tmp_path):
+    out = tmp_path / "b.gguf"
+    p = _cli("convert", BUNDLED, "-o", out, "--outtype", "f32", "-q", "--reading", "clover-gguf-3")
+    assert p.returncode == 0, p.stderr
+    kv = read_header(out).kv
+    assert kv[md.BLOCK_READING] == "clover-gguf-3" and kv[md.BLOCK_READING_VERIFIED] is False  # made under -1
+    bad = tmp_path / "bad.gguf"
+    p = _cli("convert", BUNDLED, "-o", bad, "--outtype", "f32", "-q", "--reading", "clover-gguf-7")
+    assert p.returncode == 2 and not bad.exists() and not list(tmp_path.glob(".bad*")), p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "unknown block reading 'clover-gguf-7'" in lines[0] and "Traceback" not in p.stderr
+    p = _cli("convert", BUNDLED, "-o", bad, "--arch", "qwen35moe", "--reading", "clover-gguf-2")
+    assert p.returncode == 2 and "--arch qwen35moe writes no block tensors" in p.stderr and not bad.exists()
+
+
+def test_restamp_in_place_and_by_rewriting(bundled_gguf, tmp_path):
+    """Same-size values are written into the header in place (the tensors never move, the size stays); a key that
+    is not there makes a copy renamed over the file; no temporary file is left either way."""
+    f = tmp_path / "m.gguf"
+    shutil.copy(bundled_gguf, f)
+    size, data = f.stat().st_size, _data_hash(f)
+    assert restamp(f, {md.BLOCK_READING: (STRING, "clover-gguf-3"), md.BLOCK_READING_VERIFIED: (BOOL, True)}) \
+        == "in place"
+    h = read_header(f)
+    assert h.kv[md.BLOCK_READING] == "clover-gguf-3" and h.kv[md.BLOCK_READING_VERIFIED] is True
+    assert f.stat().st_size == size and _data_hash(f) == data
+    stamped = (md.BLOCK_READING, md.BLOCK_READING_VERIFIED)
+    assert {k: v for k, v in h.kv.items() if k not in stamped} == \
+        {k: v for k, v in read_header(bundled_gguf).kv.items() if k not in stamped}
+    assert restamp(f, {md.BLOCK_READING: (STRING, "a-longer-reading-name"), "clover_moe.test.note": (STRING, "x")}) \
+        == "rewritten"
+    h = read_header(f)
+    assert h.kv[md.BLOCK_READING] == "a-longer-reading-name" and h.kv["clover_moe.test.note"] == "x"
+    assert list(tmp_path.iterdir()) == [f]
+    with open(f, "rb") as fh:  # the tensors, byte for byte (their offsets moved with the longer header)
+        fh.seek(h.data_offset)
+        assert hashlib.sha256(fh.read()).hexdigest() == data
+
+
+def test_a_reading_llama_cpp_does_not_run_refuses_block_modes_and_auto_decodes_ar(bundled_gguf, tmp_path):
+    f = tmp_path / "r3-stamped.gguf"
+    shutil.copy(bundled_gguf, f)
+    restamp(f, {md.BLOCK_READING: (STRING, "clover-gguf-3")})
+    args = ("-p", "Count from 3 to 9.", "--no-think", "-n", "24")
+    ar = _cli("generate", bundled_gguf, *args, "--mode", "ar")
+    assert ar.returncode == 0, ar.stderr
+    for mode in ("draft-self", "diffusion"):
+        p = _cli("generate", f, *args, "--mode", mode)
+        lines = p.stderr.strip().splitlines()
+        assert p.returncode == 2 and len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
+        assert "clover-gguf-3" in lines[0] and f"--mode {mode} cannot run" in lines[0] and "check-block" in lines[0]
+    for extra in ((), ("--mode", "auto")):  # the default, and auto asked for: AR's text, one note
+        p = _cli("generate", f, *args, *extra, "--stats")
+        assert p.returncode == 0 and p.stdout == ar.stdout, p.stderr
+        assert sum("auto decodes AR" in l for l in p.stderr.splitlines()) == 1, p.stderr
+    p = _cli("generate", f, *args, "--mode", "ar")
+    assert p.stdout == ar.stdout and "auto decodes AR" not in p.stderr
+
+
+# ---- a wrong reading: the same text, only slower ----------------------------------------------------------------
+def test_a_wrong_reading_still_gives_ar_text_in_draft_self_exact(bundled_eval, tmp_path):
+    """Block tensors read under a reading that does not fit them (the bundled model's replaced by random values,
+    under every reading; the reference backend runs them all): draft-self (exact) writes AR's greedy tokens on every
+    prompt; only the accepted share falls."""
+    from tokenizers import Tokenizer
+
+    from clover_gguf.decoding import generate_all
+    from clover_gguf.testing.make_tiny import with_random_block_tensors
+    from clover_gguf.testing.train_tiny import row_conversation
+
+    model = CloverModel.from_pretrained(with_random_block_tensors(BUNDLED, tmp_path / "random"))
+    tok = Tokenizer.from_file(str(BUNDLED / "tokenizer.json"))
+    backend = ReferenceBackend(model)
+    rows = [r for r in bundled_eval if "history" not in r][::40]
+    for reading in md.READINGS:
+        model.reading = reading
+        drafted = kept = 0
+        for row in rows:
+            ids = tok.encode(row_conversation(row).prompt_text()).ids
+            ar, _ = generate_all(backend, ids, mode="ar", max_new_tokens=24)
+            ds, st = generate_all(backend, ids, mode="draft-self", accept="exact", max_new_tokens=24)
+            assert ds == ar, (reading, row["prompt"])
+            drafted, kept = drafted + st.drafted_tokens, kept + st.accepted_tokens
+        print(reading, "accepted", kept, "of", drafted)
+        assert drafted > 0 and kept / drafted < 0.5
+
+
+# ---- check-block --reading all ------------------------------------------------------------------------------------
+def test_check_block_ranks_clover_gguf_1_first_on_the_bundled_model(bundled_gguf):
+    """The bundled model was trained under clover-gguf-1. Its history logits are -10000 (the slot never takes any
+    weight), so clover-gguf-2 is the same function there, and clover-gguf-3 (c_h 0.07-0.55) drafts the same tokens in
+    the same passes: the three tie exactly, and a tie goes to the file's own reading."""
+    p = _cli("check-block", bundled_gguf, "--reading", "all", "-n", "48", "--json")
+    assert p.returncode == 0, p.stderr
+    res = json.loads(p.stdout)
+    print("bundled:", [(r["reading"], r["acceptance"], r["accepted_per_pass"]) for r in res["ranking"]])
+    assert res["winner"] == "clover-gguf-1" and res["verdict"] == "holds" and res["written"] is None
+    assert [r["reading"] for r in res["ranking"]] == list(md.READINGS)
+    assert {r["backend"] for r in res["ranking"]} == {"llama.cpp", "PyTorch reference"}
+    assert all(r["prompts"] == 12 for r in res["ranking"])  # one check-block run per reading
+    one = res["ranking"][0]
+    assert one["acceptance"] >= 0.95 and all((r["accepted"], r["drafted"], r["block_passes"]) ==
+                                             (one["accepted"], one["drafted"], one["block_passes"])
+                                             for r in res["ranking"])
+
+
+def _unverified_checkpoint(tmp_path: Path) -> Path:
+    """The bundled checkpoint without its reading field: what the real checkpoint looks like to us."""
+    ck = tmp_path / "unverified"
+    shutil.copytree(BUNDLED, ck)
+    cfg = json.loads((ck / "config.json").read_text())
+    del cfg[md.READING_FIELD]
+    (ck / "config.json").write_text(json.dumps(cfg))
+    return ck
+
+
+def test_check_block_write_stamps_a_reading_that_holds_in_place(tmp_path, bundled_eval):
+    f = tmp_path / "m.gguf"
+    convert(_unverified_checkpoint(tmp_path), f, outtype="f32", quiet=True)
+    assert read_header(f).kv[md.BLOCK_READING_VERIFIED] is False
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in bundled_eval[:4]))
+    size, data = f.stat().st_size, _data_hash(f)
+    p = _cli("check-block", f, "--reading", "all", "--prompts", prompts, "-n", "32", "--write")
+    assert p.returncode == 0, p.stderr
+    assert f"wrote {md.BLOCK_READING} = clover-gguf-1 into m.gguf (in place)" in p.stdout, p.stdout
+    kv = read_header(f).kv
+    assert kv[md.BLOCK_READING] == "clover-gguf-1" and kv[md.BLOCK_READING_VERIFIED] is True
+    assert f.stat().st_size == size and _data_hash(f) == data and list(tmp_path.glob(".m.gguf*")) == []
+    p = _cli("check-block", f, "--prompts", prompts, "-n", "32", "--write", "--json")
+    assert json.loads(p.stdout)["written"].startswith("nothing written: clover-gguf-1 is the file's reading")
+
+
+def test_graft_pick_reading_ranks_and_stamps_the_file_it_writes(bundled_gguf, tmp_path, bundled_eval):
+    from clover_gguf.export import export_ar
+
+    official = tmp_path / "official.gguf"
+    export_ar(bundled_gguf, official, quiet=True)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in bundled_eval[:3]))
+    out = tmp_path / "grafted.gguf"
+    p = _cli("graft", official, "--from", _unverified_checkpoint(tmp_path), "-o", out, "-q", "--pick-reading",
+             "--prompts", prompts, "--json")
+    assert p.returncode == 0, p.stderr
+    res = json.loads(p.stdout)
+    assert [r["reading"] for r in res["ranking"]["ranking"]][0] == "clover-gguf-1"
+    assert res["ranking"]["written"] == "in place" and len(res["ranking"]["ranking"]) == len(md.READINGS)
+    assert read_header(out).kv[md.BLOCK_READING_VERIFIED] is True
+    bad = tmp_path / "bad.txt"
+    bad.write_text("\n\n")
+    p = _cli("graft", official, "--from", BUNDLED, "-o", tmp_path / "never.gguf", "--pick-reading", "--prompts", bad)
+    assert p.returncode == 2 and "holds no prompt" in p.stderr and not (tmp_path / "never.gguf").exists()
+
+
+def test_check_block_reading_option_is_checked_first(bundled_gguf):
+    p = _cli("check-block", bundled_gguf, "--reading", "sinks")
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and "unknown block reading 'sinks'" in lines[0], p.stderr
