@@ -8,7 +8,8 @@ draft-self on the real model: 82.6%; our trained tiny model: 99%); under a wrong
 and almost nothing is accepted. The answers are the causal path's either way.
 
 `--reading all` (rank_readings) does that once under every reading this version knows (metadata.READINGS) and ranks
-them; a reading llama.cpp does not compute runs on the PyTorch reference holding the file's weights. `--write` stamps
+them; llama.cpp computes every reading (one runtime each, the key overridden); a reading it does not compute would run
+on the PyTorch reference holding the file's weights. `--write` stamps
 the best into the file's header, in place (gguf_header.restamp), when it holds.
 """
 
@@ -230,14 +231,16 @@ def rank_readings(model: Path, readings: Sequence[str] | None = None, prompts: P
                   max_new_tokens: int = 128, n_ctx: int | None = None, offload: Offload | None = None,
                   write: bool = False) -> Ranking:
     """Decode the prompts in draft-self (exact) under each reading (None: the file's own) and rank the readings by
-    the share of drafted tokens the causal path accepts: one check-block run per reading, on one loaded runtime.
-    A reading the runtime's backend (llama.cpp) computes runs there; any other on the PyTorch reference holding the
-    file's weights (reference.load_gguf, loaded once). write: stamp the winner into the file's header
-    (gguf_header.restamp: in place, whole or not at all) when its verdict is "holds"."""
+    the share of drafted tokens the causal path accepts: one check-block run per reading. A reading llama.cpp
+    computes runs there (the file's on the first runtime, another on a runtime of its own, opened after the first
+    is closed, with clover_moe.block_reading overridden); any other on the PyTorch reference holding the file's
+    weights (reference.load_gguf, loaded once). write: stamp the winner into the file's header (gguf_header.restamp:
+    in place, whole or not at all) when its verdict is "holds"."""
     from clover_gguf.runtime import CloverRuntime, no_block_tensors
 
     texts = read_prompts(prompts) if prompts is not None else None
     results = []
+    elsewhere: list[CheckResult] = []  # readings llama.cpp computes, not the file's: each on a runtime of its own
     with CloverRuntime(model, n_ctx=n_ctx, offload=offload) as rt:
         if not rt.block_mode:  # one line and the fix (check-block has no other mode to offer)
             raise UserError(no_block_tensors(rt.path, None))
@@ -251,6 +254,9 @@ def rank_readings(model: Path, readings: Sequence[str] | None = None, prompts: P
         for reading in wanted:
             res = CheckResult(str(model), reading, rt.reading_verified and reading == file_reading,
                               prompt_set=prompt_set)
+            if reading in rt.backend.READINGS and reading != rt.reading:
+                elsewhere.append(res)
+                continue
             if reading in rt.backend.READINGS:
                 _decode(rt, texts, max_new_tokens, res)
             else:
@@ -264,12 +270,18 @@ def rank_readings(model: Path, readings: Sequence[str] | None = None, prompts: P
                     _decode(rt, texts, max_new_tokens, res)
             res.note = general_note(res, Path(model))
             results.append(res)
+        verified = rt.reading_verified
+    for res in elsewhere:
+        with CloverRuntime(model, n_ctx=n_ctx, offload=offload, reading=res.reading) as other:
+            _decode(other, texts, max_new_tokens, res)
+        res.note = general_note(res, Path(model))
+        results.append(res)
     order = {r: i for i, r in enumerate(READINGS)}
     results.sort(key=lambda r: (-r.acceptance, -r.accepted_per_pass, r.reading != file_reading,
                                 order.get(r.reading, len(order))))
     ranking = Ranking(str(model), file_reading, results)
     if write:
-        ranking.written = stamp(Path(model), ranking.winner, file_reading, rt.reading_verified)
+        ranking.written = stamp(Path(model), ranking.winner, file_reading, verified)
     return ranking
 
 

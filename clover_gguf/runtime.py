@@ -65,7 +65,9 @@ class LlamaBackend:
     or repeated request, from its second time on) or it keeps no turn (a raw prompt), so the same prompt again
     decodes one token; such a pass decodes the rest of the prompt in two parts, the last of one token."""
 
-    READINGS = (md.READING,)  # the readings of the block softmax the patched llama.cpp computes (metadata.READINGS)
+    # the readings of the block softmax the patched llama.cpp computes (metadata.READINGS; patches/0005, chosen at load
+    # by clover_moe.block_reading)
+    READINGS = tuple(md.READINGS)
 
     def __init__(self, ctx: LlamaContext, mask_token_id: int, eos_ids: Sequence[int], block_size: int,
                  rollback: str = "redecode", selection: str = "graph", keep_prefix: bool = False,
@@ -351,7 +353,7 @@ class CloverRuntime:
                  n_threads: int | None = None, n_threads_batch: int | None = None, offload: Offload | None = None,
                  block_size: int | None = None, rpc: Sequence[str] = (), selection: str = "graph",
                  keep_prefix: bool = False, slots: int = 1, slot_of: "CloverRuntime | None" = None,
-                 cache_ram: int = 0, keep_prompt: bool = False):
+                 cache_ram: int = 0, keep_prompt: bool = False, reading: str | None = None):
         """block_size: the largest block a request may use (default: the GGUF's); the context keeps logits rows
         for that many tokens and no more (see context_settings). selection: "graph" (default) or "numpy" (SELECTIONS).
         keep_prefix: a prompt can keep the state after its first tokens for the next one (stream_ids' `keep`, chat;
@@ -362,7 +364,8 @@ class CloverRuntime:
         runtime, whose context this one takes the next slot of (the same file, made with the same options). rpc:
         llama.cpp RPC servers (HOST:PORT) that hold the layers (clover_gguf.rpc). cache_ram: bytes of host memory
         for the kept states of conversations a slot moved on from (clover_gguf.state_cache, serve's --cache-ram; with
-        keep_prefix; slot_of runtimes share the first one's)."""
+        keep_prefix; slot_of runtimes share the first one's). reading: decode the block tensors under this reading
+        instead of the file's (metadata.READINGS; a KV override of clover_moe.block_reading: check-block)."""
         from clover_gguf.gguf_header import read_clover
 
         path = Path(gguf)
@@ -371,7 +374,10 @@ class CloverRuntime:
         self.path = path
         card = md.GenerationDefaults()
         self.block_mode = bool(meta.get(md.BLOCK_MODE, False))
-        self.reading = meta.get(md.BLOCK_READING) or md.READING  # the file's; absent: the default reading
+        # the file's (absent: the default reading), checked before llama.cpp, which refuses a name it does not know
+        self.reading = md.check_reading(meta.get(md.BLOCK_READING) or md.READING, f"{path.name}'s {md.BLOCK_READING}")
+        if reading is not None:
+            self.reading = md.check_reading(reading, "--reading")
         self.reading_verified = bool(meta.get(md.BLOCK_READING_VERIFIED, False))
         self.context_length = int(meta.get(md.hparam("context_length"), 4096))
         self.block_size = int(meta.get(md.BLOCK_SIZE, card.block_size))
@@ -381,11 +387,13 @@ class CloverRuntime:
         # compiled once (compiling costs more than a small model's forward pass); check_model refused a bad one
         self._template = compile_chat_template(self.chat_template) if self.chat_template else None
         self.controls = Controls.from_meta(meta.get)
-        overrides: dict[str, bool | float] = {}
+        overrides: dict[str, bool | float | str] = {}
         if coreset is not None:
             overrides[md.CORESET_ENABLED] = coreset
         if coreset_top_p is not None:
             overrides[md.CORESET_TOP_P] = coreset_top_p
+        if reading is not None:
+            overrides[md.BLOCK_READING] = self.reading
         if block_size is not None and not 1 <= block_size <= MAX_BLOCK:
             raise UserError(f"block size {block_size}: it must be 1..{MAX_BLOCK} (one block pass is one llama.cpp "
                             "micro-batch)")
