@@ -1,6 +1,6 @@
 """The host's share of decoding at the 35B's vocabulary (V = 248,320): milliseconds per AR step and per 32-token block
 pass spent outside llama_decode (Python, copies, the controls and the choice), before (the rows' logits copied out,
-the controls and the choice in numpy) and after (the selection in llama.cpp's graph, patches/0005), and AR tokens/s
+the controls and the choice in numpy) and after (the selection in llama.cpp's graph, libclover_sampler), and AR tokens/s
 through `clover-gguf generate` against llama.cpp's own `llama-bench` on the same GGUF.
 
     python bench/host.py [--workdir out/bench-host] [--vocab-size 248320] [--threads 2] [--rounds 5]
@@ -139,7 +139,7 @@ def generate_tps(gguf: Path, threads: int, n: int) -> float:
 
 
 # the same request as `clover-gguf generate` makes (CloverRuntime.generate, its decode tok/s), with the selection
-# chosen: "numpy" is the path before patches/0005, which the command line no longer takes
+# chosen: "numpy" is the path before the selection sampler, which the command line no longer takes
 SELECTION_RUN = """
 import json, sys
 from clover_gguf.runtime import CloverRuntime
