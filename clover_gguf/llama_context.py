@@ -249,7 +249,8 @@ def _load_model(L: Any, path: Path, offload: Offload, overrides: dict | None, ke
 
 
 def _context_params(L: Any, n_ctx: int, n_ubatch: int, n_batch: int | None, n_seq_max: int, n_rs_seq: int,
-                    exact: bool, n_threads: int | None, n_threads_batch: int | None, n_outputs_max: int) -> Any:
+                    exact: bool, n_threads: int | None, n_threads_batch: int | None, n_outputs_max: int,
+                    n_outputs_max_per_seq: int = 0) -> Any:
     cp = L.llama_context_default_params()
     cp.n_ctx = n_ctx = padded_n_ctx(n_ctx)
     cp.n_batch = max(n_batch or n_ctx, n_ubatch)  # tokens one decode call may take: the whole context
@@ -260,7 +261,9 @@ def _context_params(L: Any, n_ctx: int, n_ubatch: int, n_batch: int | None, n_se
     # compute buffer by it (0 = n_batch: on a 248k vocabulary, 512 rows are about 0.5 GB of compute buffer)
     # llama.cpp's output buffer always holds a row per sequence, and it aborts when that is more than n_outputs_max
     cp.n_outputs_max = max(n_outputs_max, n_seq_max) if n_outputs_max else 0
-    cp.n_outputs_max_per_seq = 0  # = n_outputs_max: a block pass's rows all belong to one sequence (backend sampling)
+    # 0 = n_outputs_max: a block pass's rows all belong to one sequence (backend sampling); llama.cpp's own default is
+    # 1, which some of its samplers require (penalties)
+    cp.n_outputs_max_per_seq = n_outputs_max_per_seq
     cp.kv_unified = True  # seq_cp of the KV cache is then metadata only
     # llama.cpp's split: n_threads for one-token calls, n_threads_batch for calls of several tokens
     threads = n_threads or max(1, min(8, os.cpu_count() or 1))
@@ -287,7 +290,8 @@ class LlamaContext:
                  n_seq_max: int = 2,
                  overrides: dict[str, bool | int | float] | None = None, n_rs_seq: int = 0, exact: bool = False,
                  n_threads: int | None = None, n_threads_batch: int | None = None, n_outputs_max: int = 0,
-                 offload: Offload | None = None, rpc: Sequence[str] = (), eval_callback: Any = None):
+                 offload: Offload | None = None, rpc: Sequence[str] = (), eval_callback: Any = None,
+                 n_outputs_max_per_seq: int = 0):
         """eval_callback: llama.cpp's graph eval callback (a GraphProbe's .callback, clover_gguf.graph_probe).
         Several runtimes share one context through clover_gguf.batching (serve's slots)."""
         L = self.L = load_binding()
@@ -301,7 +305,7 @@ class LlamaContext:
             raise UserError(f"llama.cpp could not load {path} (not a Clover GGUF, or the library is not patched)")
         self.model, self._model_keep = handle, keep
         cp = _context_params(L, n_ctx, n_ubatch, n_batch, n_seq_max, n_rs_seq, exact, n_threads or offload.threads,
-                             n_threads_batch, n_outputs_max)
+                             n_threads_batch, n_outputs_max, n_outputs_max_per_seq)
         if eval_callback is not None:
             self._eval_callback = eval_callback  # kept alive for as long as the context may call it
             cp.cb_eval = eval_callback

@@ -75,8 +75,8 @@ def test_greedy_rows_equal_numpy_on_the_raw_rows(big_gguf, n_ids, width):
         block = [int(t) for t in rng.integers(0, V_BIG, 32)]
         raw = ctx.block(block, len(prompt))
         # ids clustered in a few chunks and spread ones; one id in the chunk of each row's largest logit
-        ids = np.unique(np.concatenate([[int(raw[0].argmax())], rng.integers(0, 2000, n_ids // 2),
-                                        rng.integers(0, V_BIG, n_ids)]))[:n_ids].astype(np.int32)
+        pool = [int(raw[0].argmax()), *rng.integers(0, 2000, n_ids // 2), *rng.integers(0, V_BIG, n_ids)]
+        ids = np.array(list(dict.fromkeys(int(t) for t in pool))[:n_ids], dtype=np.int32)
         assert len(ids) == n_ids
         for probs in (True, False):
             g = Gather(ids=ids, n_rows=32, width=width, probs=probs)
@@ -119,12 +119,19 @@ def test_sampled_rows_report_numpy_probabilities(big_gguf):
 
 
 def test_mixed_batch_leaves_llama_samplers_and_raw_logits_as_upstream(small_gguf):
-    """One llama_decode, three sequences: 0 samples with upstream's penalties + greedy in the graph, 1 has no sampler
-    (raw logits), 2 has our sampler. llama_get_logits_ith returns every row raw (as in the same decode without
-    samplers), 0's token is numpy's argmax of the penalised raw row, 2's rows equal numpy on its raw row."""
-    with LlamaContext(small_gguf, n_ctx=256, n_seq_max=3, n_threads=2) as ctx:
-        L, c = ctx.L, ctx.ctx
+    """One llama_decode, three sequences in one ubatch: 0 samples with upstream's penalties + greedy in the graph,
+    1 has no sampler, 2 has our sampler. The raw logits llama.cpp copies out (llama_get_logits: every row of the
+    ubatch, as sequence 1 has no sampler) are bit for bit those of the same decode without samplers: no sampler wrote
+    into llama.cpp's rows. llama_get_logits_ith gives 1 its raw row, and (upstream's rule: a row's sampled logits when
+    its sampler left some) 0 numpy's penalised raw row, whose argmax is 0's token, and 2 our sampler's logits, which
+    equal numpy on 2's raw row."""
+    # one output row per sequence (llama.cpp's default, which its penalties sampler needs in the graph)
+    with LlamaContext(small_gguf, n_ctx=256, n_seq_max=3, n_threads=2, n_outputs_max_per_seq=1) as ctx:
+        L, c, v = ctx.L, ctx.ctx, ctx.n_vocab
+        # prompts of one length: llama.cpp's split_equal then puts the three rows in one ubatch
         prompts = [ctx.tokenize(t) for t in ("Count from 3 to 9.", "What is 34 + 58?", "Reverse: c l o v e r")]
+        k = min(len(p) for p in prompts)
+        prompts = [p[:k] for p in prompts]
         parts = [(p, 0, s) for s, p in enumerate(prompts)]
         n = sum(len(p) for p in prompts)
 
@@ -136,15 +143,20 @@ def test_mixed_batch_leaves_llama_samplers_and_raw_logits_as_upstream(small_gguf
             ctx._run(batch, n, 3)
             return lasts
 
+        def row(ptr, n_values: int = v) -> np.ndarray:
+            return np.ctypeslib.as_array(ptr, shape=(n_values,)).copy()
+
         lasts = run()
-        raw = [np.ctypeslib.as_array(L.llama_get_logits_ith(c, i), shape=(ctx.n_vocab,)).copy() for i in lasts]
+        raw = np.ctypeslib.as_array(L.llama_get_logits(c), shape=(3, v)).copy()
+        for i, j in enumerate(lasts):
+            np.testing.assert_array_equal(row(L.llama_get_logits_ith(c, j)), raw[i])
         ctx.clear()
 
         # sequence 0: penalties on its top token (seen 3 times) and two others, then greedy, all in the graph
         top = int(raw[0].argmax())
         history = [top, top, top, 7, 11]
         chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
-        L.llama_sampler_chain_add(chain, L.llama_sampler_init_penalties(ctx.n_vocab, 64, 3.0, 0.5, 2.0))
+        L.llama_sampler_chain_add(chain, L.llama_sampler_init_penalties(v, 64, 3.0, 0.5, 2.0))
         L.llama_sampler_chain_add(chain, L.llama_sampler_init_greedy())
         for t in history:
             L.llama_sampler_accept(chain, t)
@@ -154,21 +166,24 @@ def test_mixed_batch_leaves_llama_samplers_and_raw_logits_as_upstream(small_gguf
         ctx._select_on(2, g, 1, n)
         try:
             lasts = run()
-            got = [np.ctypeslib.as_array(L.llama_get_logits_ith(c, i), shape=(ctx.n_vocab,)).copy() for i in lasts]
+            got_raw = np.ctypeslib.as_array(L.llama_get_logits(c), shape=(3, v)).copy()
+            ith = [row(L.llama_get_logits_ith(c, lasts[0])), row(L.llama_get_logits_ith(c, lasts[1])),
+                   row(L.llama_get_logits_ith(c, lasts[2]), 32 + 1)]
             token0 = L.llama_get_sampled_token_ith(c, lasts[0])
             rows2 = ctx._graph_rows(lasts[2], 1, g)
         finally:
             L.llama_set_sampler(c, 0, None)
             L.llama_sampler_free(chain)
-        for a, b in zip(got, raw):
-            np.testing.assert_array_equal(a, b)  # raw, for every sequence
+        np.testing.assert_array_equal(got_raw, raw)  # raw, for every sequence
+        np.testing.assert_array_equal(ith[1], raw[1])
         pen = raw[0].astype(np.float64).copy()
         for t in set(history):
-            k = history.count(t)
-            pen[t] = (pen[t] / 3.0 if pen[t] > 0 else pen[t] * 3.0) - k * 0.5 - 2.0
+            pen[t] = (pen[t] / 3.0 if pen[t] > 0 else pen[t] * 3.0) - history.count(t) * 0.5 - 2.0
         assert int(pen.argmax()) != top  # the penalties decided
         assert token0 == int(pen.argmax())
+        np.testing.assert_allclose(ith[0], pen, rtol=1e-6, atol=1e-6)
         _check_greedy(rows2, raw[2][None], ids, 32, True)
+        np.testing.assert_array_equal(ith[2], np.concatenate([rows2.at_ids[0], rows2.rest_logits[0]]))
 
 
 def test_bad_inputs_are_refused_not_read(small_gguf):
