@@ -25,10 +25,6 @@
 
 namespace {
 
-// the greedy path reads the chunks that hold given ids from a small copy when they are few (a third of the chunks
-// or less), else it copies the rows whole; see build_run
-constexpr int64_t AFFECTED_SHARE = 3;
-
 int64_t chunk_of(int64_t n_vocab) {
     if (n_vocab < 1) {
         return 0;
@@ -47,12 +43,10 @@ struct run {
     int64_t       n     = 0;       // rows (slots) of the run
     int64_t       k0    = 0;       // the caller's row index of slot 0
     int64_t       seen  = 0;       // slots handed out so far
-    int64_t       V = 0, c = 0, m = 0, A = 0;
-    bool          affected = false;
+    int64_t       V = 0, c = 0, m = 0;
 
     ggml_tensor * inp_ids  = nullptr; // [W, n] I32
-    ggml_tensor * inp_aff  = nullptr; // [A, n] I32 (affected)
-    ggml_tensor * inp_pos  = nullptr; // [W, n] I32 (affected)
+    ggml_tensor * inp_dead = nullptr; // [m] F32: -inf for a chunk of ids only, else 0 (greedy)
     ggml_tensor * inp_coef = nullptr; // [W, n, 3] F32 (temp > 0)
     ggml_tensor * inp_u    = nullptr; // [1, n] F32 (temp > 0)
 
@@ -101,17 +95,6 @@ ggml_tensor * new_input(ggml_context * ctx, ggml_type type, int64_t ne0, int64_t
     return t;
 }
 
-// per row of x [c, k] (k = chunks x rows): [1, 1, k] largest value, [1, k] I32 its index in the chunk, [1, 1, k] its
-// probability within the chunk (probs)
-void chunk_max(ggml_context * ctx, ggml_tensor * x, bool probs, ggml_tensor ** val, ggml_tensor ** loc,
-               ggml_tensor ** p) {
-    const int64_t c = x->ne[0];
-    const int64_t k = x->ne[1];
-    *loc = ggml_top_k(ctx, x, 1);
-    *val = ggml_get_rows(ctx, ggml_reshape_3d(ctx, x, 1, c, k), *loc);
-    *p   = probs ? ggml_get_rows(ctx, ggml_reshape_3d(ctx, ggml_soft_max(ctx, x), 1, c, k), *loc) : nullptr;
-}
-
 // the computation of n rows [V, n] (contiguous)
 run build_run(const clover_sampler * s, ggml_context * ctx, ggml_tensor * rows) {
     run r;
@@ -122,8 +105,6 @@ run build_run(const clover_sampler * s, ggml_context * ctx, ggml_tensor * rows) 
     r.V = V;
     r.c = chunk_of(V);
     r.m = V / r.c;
-    r.A = std::min<int64_t>(W, r.m);
-    r.affected = s->temp <= 0.0f && r.A * AFFECTED_SHARE <= r.m;
 
     r.inp_ids = new_input(ctx, GGML_TYPE_I32, W, n, 1, "clover_ids");
     r.inp_ids = ggml_reshape_2d(ctx, r.inp_ids, W, n);
@@ -135,42 +116,28 @@ run build_run(const clover_sampler * s, ggml_context * ctx, ggml_tensor * rows) 
     ggml_tensor * ids_f = ggml_cast(ctx, r.inp_ids, GGML_TYPE_F32); // [W, n]: the ids as candidates
 
     if (s->temp <= 0.0f) {
-        const int64_t c = r.c, m = r.m, A = r.A;
-        ggml_tensor * val, * loc, * p;
-        ggml_tensor * minus_inf = ggml_fill(ctx, at, -INFINITY);
-        if (!r.affected) {
-            // a copy of the rows with the ids at -inf
-            ggml_tensor * x = ggml_reshape_3d(ctx, ggml_cont(ctx, rows), 1, V, n);
-            x = ggml_set_rows(ctx, x, minus_inf, r.inp_ids);
-            chunk_max(ctx, ggml_reshape_2d(ctx, x, c, m * n), s->probs, &val, &loc, &p);
-        } else {
-            // every chunk as computed, then the A chunks that may hold ids again from a copy with the ids at -inf
-            chunk_max(ctx, ggml_reshape_2d(ctx, rows, c, m * n), s->probs, &val, &loc, &p);
-            r.inp_aff = ggml_reshape_2d(ctx, new_input(ctx, GGML_TYPE_I32, A, n, 1, "clover_chunks"), A, n);
-            r.inp_pos = ggml_reshape_2d(ctx, new_input(ctx, GGML_TYPE_I32, W, n, 1, "clover_pos"), W, n);
-            ggml_tensor * sub = ggml_get_rows(ctx, ggml_reshape_3d(ctx, rows, c, m, n), r.inp_aff); // [c, A, n]
-            sub = ggml_set_rows(ctx, ggml_reshape_3d(ctx, sub, 1, c * A, n), minus_inf, r.inp_pos);
-            ggml_tensor * sval, * sloc, * sp;
-            chunk_max(ctx, ggml_reshape_2d(ctx, sub, c, A * n), s->probs, &sval, &sloc, &sp);
-            ggml_tensor * sid = ggml_add(ctx, ggml_reshape_2d(ctx, ggml_cast(ctx, sloc, GGML_TYPE_F32), A, n),
-                                         ggml_scale(ctx, ggml_cast(ctx, r.inp_aff, GGML_TYPE_F32), (float) c));
-            // merged below: the chunk ids of these first, as vocabulary ids
-            ggml_tensor * id = ggml_add(ctx, ggml_reshape_2d(ctx, ggml_cast(ctx, loc, GGML_TYPE_F32), m, n),
-                                        ggml_arange(ctx, 0.0f, (float) (m * c), (float) c));
-            id  = ggml_set_rows(ctx, ggml_reshape_3d(ctx, id, 1, m, n), ggml_reshape_3d(ctx, sid, 1, A, n), r.inp_aff);
-            val = ggml_set_rows(ctx, ggml_reshape_3d(ctx, val, 1, m, n), ggml_reshape_3d(ctx, sval, 1, A, n),
-                                r.inp_aff);
-            if (p) {
-                p = ggml_set_rows(ctx, ggml_reshape_3d(ctx, p, 1, m, n), ggml_reshape_3d(ctx, sp, 1, A, n), r.inp_aff);
-            }
-            loc = id; // now the vocabulary ids (F32)
-        }
-        ggml_tensor * id_f = r.affected ? ggml_reshape_2d(ctx, loc, m, n)
-                                        : ggml_add(ctx, ggml_reshape_2d(ctx, ggml_cast(ctx, loc, GGML_TYPE_F32), m, n),
-                                                   ggml_arange(ctx, 0.0f, (float) (m * c), (float) c));
-        r.out_logits = ggml_concat(ctx, at2, ggml_reshape_2d(ctx, val, m, n), 0);
+        // the rows stay as llama.cpp computed them: the ids are left out by a mask that the chunks' softmax adds to
+        // every row (one [c, m] mask for all rows: the ids are the same), and each chunk's largest logit is found
+        // as its largest probability (the softmax is monotonic), its value read from the row
+        const int64_t c = r.c, m = r.m;
+        ggml_tensor * ids0 = ggml_view_2d(ctx, r.inp_ids, W, 1, r.inp_ids->nb[1], 0); // the first row's ids
+        ggml_tensor * mask = ggml_fill(ctx, ggml_new_tensor_3d(ctx, GGML_TYPE_F32, 1, V, 1), 0.0f);
+        mask = ggml_set_rows(ctx, mask, ggml_fill(ctx, ggml_new_tensor_3d(ctx, GGML_TYPE_F32, 1, W, 1), -INFINITY),
+                             ggml_cont(ctx, ids0));
+        ggml_tensor * p = ggml_soft_max_ext(ctx, ggml_reshape_3d(ctx, rows, c, m, n),
+                                            ggml_reshape_3d(ctx, mask, c, m, 1), 1.0f, 0.0f);
+        ggml_tensor * p2  = ggml_reshape_2d(ctx, p, c, m * n);
+        ggml_tensor * loc = ggml_top_k(ctx, p2, 1); // [1, m * n]
+        ggml_tensor * val = ggml_get_rows(ctx, ggml_reshape_3d(ctx, rows, 1, c, m * n), loc);
+        // a chunk made of ids only: -inf (its softmax is undefined; set per decode, r.inp_dead)
+        r.inp_dead = ggml_reshape_1d(ctx, new_input(ctx, GGML_TYPE_F32, m, 1, 1, "clover_dead_chunks"), m);
+        val = ggml_add(ctx, ggml_reshape_2d(ctx, val, m, n), r.inp_dead);
+        ggml_tensor * id_f = ggml_add(ctx, ggml_reshape_2d(ctx, ggml_cast(ctx, loc, GGML_TYPE_F32), m, n),
+                                      ggml_arange(ctx, 0.0f, (float) (m * c), (float) c));
+        r.out_logits = ggml_concat(ctx, at2, val, 0);
         r.out_cand   = ggml_cast(ctx, ggml_concat(ctx, ids_f, id_f, 0), GGML_TYPE_I32);
-        r.out_probs  = p ? ggml_cont(ctx, ggml_reshape_2d(ctx, p, m, n)) : nullptr;
+        r.out_probs  = s->probs ? ggml_cont(ctx, ggml_reshape_2d(ctx, ggml_get_rows(ctx,
+                                       ggml_reshape_3d(ctx, p2, 1, c, m * n), loc), m, n)) : nullptr;
     } else {
         // the corrected row: a copy with each id's logit x -> x * (x > 0 ? c0 : c1) + c2
         r.inp_coef = new_input(ctx, GGML_TYPE_F32, W, n, 3, "clover_coef");
@@ -382,36 +349,20 @@ void cs_backend_set_input(llama_sampler * smpl) {
         }
         ggml_backend_tensor_set(r.inp_ids, s->buf_i.data(), 0, ggml_nbytes(r.inp_ids));
 
-        if (r.affected) {
-            // the chunks that hold ids, in order of first appearance, then chunks without ids (their values
-            // computed again are the same as from the rows: the merge writes them back unchanged)
-            std::vector<int32_t> slot_of(r.m, -1);
-            std::vector<int32_t> chunks;
+        if (r.inp_dead) {
+            std::vector<int32_t> seen(r.m, 0);
+            std::vector<char>    mark(r.V, 0);
             for (int64_t w = 0; w < W; ++w) {
-                const int32_t ch = (int32_t) (ids[w] / r.c);
-                if (slot_of[ch] < 0) {
-                    slot_of[ch] = (int32_t) chunks.size();
-                    chunks.push_back(ch);
+                if (!mark[ids[w]]) {
+                    mark[ids[w]] = 1;
+                    ++seen[ids[w] / r.c];
                 }
             }
-            for (int32_t ch = 0; ch < r.m && (int64_t) chunks.size() < r.A; ++ch) {
-                if (slot_of[ch] < 0) {
-                    chunks.push_back(ch);
-                }
+            s->buf_f.assign(r.m, 0.0f);
+            for (int64_t ch = 0; ch < r.m; ++ch) {
+                s->buf_f[ch] = seen[ch] == r.c ? -INFINITY : 0.0f;
             }
-            s->buf_i.resize(n * r.A);
-            for (int64_t j = 0; j < n; ++j) {
-                std::memcpy(s->buf_i.data() + j * r.A, chunks.data(), r.A * sizeof(int32_t));
-            }
-            ggml_backend_tensor_set(r.inp_aff, s->buf_i.data(), 0, ggml_nbytes(r.inp_aff));
-            s->buf_i.resize(n * W);
-            for (int64_t w = 0; w < W; ++w) {
-                s->buf_i[w] = (int32_t) (slot_of[ids[w] / r.c] * r.c + ids[w] % r.c);
-            }
-            for (int64_t j = 1; j < n; ++j) {
-                std::memcpy(s->buf_i.data() + j * W, s->buf_i.data(), W * sizeof(int32_t));
-            }
-            ggml_backend_tensor_set(r.inp_pos, s->buf_i.data(), 0, ggml_nbytes(r.inp_pos));
+            ggml_backend_tensor_set(r.inp_dead, s->buf_f.data(), 0, ggml_nbytes(r.inp_dead));
         }
         if (r.inp_coef) {
             s->buf_f.assign(3 * n * W, 0.0f);
