@@ -1,6 +1,6 @@
 """The host's share of decoding at the 35B's vocabulary (V = 248,320): milliseconds per AR step and per 32-token block
 pass spent outside llama_decode (Python, copies, the controls and the choice), before (the rows' logits copied out,
-the controls and the choice in numpy) and after (the selection in llama.cpp's graph, patches/0006), and AR tokens/s
+the controls and the choice in numpy) and after (the selection in llama.cpp's graph, libclover_sampler), and AR tokens/s
 through `clover-gguf generate` against llama.cpp's own `llama-bench` on the same GGUF.
 
     python bench/host.py [--workdir out/bench-host] [--vocab-size 248320] [--threads 2] [--rounds 5]
@@ -139,7 +139,7 @@ def generate_tps(gguf: Path, threads: int, n: int) -> float:
 
 
 # the same request as `clover-gguf generate` makes (CloverRuntime.generate, its decode tok/s), with the selection
-# chosen: "numpy" is the path before patches/0006, which the command line no longer takes
+# chosen: "numpy" is the path before the selection sampler, which the command line no longer takes
 SELECTION_RUN = """
 import json, sys
 from clover_gguf.runtime import CloverRuntime
@@ -167,17 +167,16 @@ with CloverRuntime(gguf, n_ctx=n + 256, n_threads=threads) as rt:
     rows = ctx.decode(ids, 0, 0, logits=[False] * (len(ids) - 1) + [True], gather=g)
     L, api, c = ctx.L, ctx._api, ctx.ctx
     tok = (ctypes.c_int32 * 1)()
-    starts = ctx._chunk_starts(rows.rest_ids.shape[1])
-    view = None
+    n_c = rows.rest_ids.shape[1]
     t0 = time.perf_counter()
     t = int(rows.rest_ids[0, int(np.argmax(rows.rest_logits[0]))])
     for i in range(n):
         tok[0] = t
         if L.llama_decode(c, L.llama_batch_get_one(tok, 1)) != 0:
             raise SystemExit("llama_decode failed")
-        f = ctx._rows_view(api.llama_get_sampled_logits_ith(c, 0), 1, np.float32)[0, g.width:g.width + len(starts)]
+        f = ctx._rows_view(api.llama_get_sampled_logits_ith(c, 0), 1, np.float32)[0, g.width:g.width + n_c]
         k = int(np.argmax(f))
-        t = int(ctx._rows_view(api.llama_get_sampled_candidates_ith(c, 0), 1, np.int32)[0, k] + starts[k])
+        t = int(ctx._rows_view(api.llama_get_sampled_candidates_ith(c, 0), 1, np.int32)[0, g.width + k])
     print(json.dumps({"tok_s": n / (time.perf_counter() - t0)}))
 """
 

@@ -7,9 +7,11 @@ before anything reads it (llama_sdist.py). Every patches/*.patch is applied in n
     <cache>/clover-gguf/llama-<hash>/bin/      (libllama, libggml*, llama-server, ggml-rpc-server, ...; rpath $ORIGIN)
     <cache>/clover-gguf/llama-<hash>/clover-build.json
 
-where <hash> covers everything that changes the binary: the source, the bytes of every patch, the backend, the cmake
-options (CUDA architectures included) and the host (CPU features, since the build is native; the compilers and their
-versions). The stamp is written last and the folder renamed into place, so a folder with a matching stamp is always
+where <hash> covers everything that changes the binary: the source, the bytes of every patch, the sources of our
+selection sampler (clover_gguf/csrc: libclover_sampler, built beside libllama against its public headers), the
+backend, the cmake options (CUDA architectures included) and the host (CPU features, since the build is native; the
+compilers and their versions). A change of the sampler alone reuses the llama.cpp binaries of a cached build with the
+same llama.cpp hash and rebuilds only the sampler (seconds). The stamp is written last and the folder renamed into place, so a folder with a matching stamp is always
 complete. docs/build.md explains the choices. Everything here is a plain function; the CLI wires them up.
 """
 
@@ -38,6 +40,7 @@ from clover_gguf.llama_sdist import (
     LLAMA_CPP_PYTHON_VERSION,
     SDIST_SHA256,
     extract_binding_source,
+    extract_llama_headers,
     extract_llama_source,
     fetch_sdist,
 )
@@ -63,9 +66,13 @@ TOOL_TARGETS = (
 DEFAULT_CUDA_ARCHS = "75-virtual;80-virtual;86-real;89-real;90-virtual"
 STAMP_NAME = "clover-build.json"
 # Bump when the way a build is made changes in a way the cmake options do not show (file layout, stamp format).
-RECIPE_VERSION = 3  # 3: llama-bench among the tools
+RECIPE_VERSION = 4  # 3: llama-bench among the tools; 4: the selection sampler library beside libllama
 # Rough size of a CPU build tree (sources + objects + install); checked before starting.
 BUILD_DISK_BYTES = 2 * 2**30
+
+# our selection sampler (clover_gguf/csrc/clover_sampler.h): its sources and the library it builds
+SAMPLER_DIR = Path(__file__).resolve().parent / "csrc"
+SAMPLER_LIB = "clover_sampler"
 
 ENV_CACHE = "CLOVER_GGUF_CACHE_DIR"
 ENV_PATCHES = "CLOVER_GGUF_PATCHES"
@@ -84,6 +91,7 @@ class BuildInfo:
     patch_hash: str | None
     source: str | None  # "sdist:<sha256>"
     cpu: str | None = None  # cpu_key() of the machine it was built for
+    sampler_hash: str | None = None  # sampler_hash() of the sampler sources it was built with
     created: float = 0.0
     cached: bool = False  # True when build_llama found it already built
     seconds: float = 0.0  # wall time of build_llama
@@ -97,6 +105,11 @@ class BuildInfo:
     @property
     def libllama(self) -> Path:
         return self.bin_dir / _shared_lib_name("llama")
+
+    @property
+    def sampler_lib(self) -> Path:
+        """libclover_sampler, beside libllama."""
+        return self.bin_dir / _shared_lib_name(SAMPLER_LIB)
 
     def tool(self, name: str) -> Path:
         return self.bin_dir / _exe(name)
@@ -163,9 +176,30 @@ def patch_hash(patches: Sequence[Path | bytes] | None = None) -> str:
     return h.hexdigest()
 
 
+def sampler_files(folder: Path | None = None) -> list[Path]:
+    """The selection sampler's sources (CMakeLists.txt, *.h, *.cpp), by name."""
+    folder = SAMPLER_DIR if folder is None else Path(folder)
+    return sorted((p for p in folder.iterdir() if p.is_file() and (p.name == "CMakeLists.txt" or
+                                                                    p.suffix in (".h", ".cpp"))),
+                  key=lambda p: p.name)  # fmt: skip
+
+
+def sampler_hash(folder: Path | None = None) -> str:
+    """sha256 over the sampler's sources (names and bytes): part of the build hash and of the stamp."""
+    files = sampler_files(folder)
+    if not files:
+        raise UserError(f"cannot find the selection sampler's sources (looked in {folder or SAMPLER_DIR})")
+    h = hashlib.sha256()
+    for p in files:
+        _feed(h, "name", p.name.encode())
+        _feed(h, "file", p.read_bytes())
+    return h.hexdigest()
+
+
 def build_hash(source_id: str, patches: Sequence[Path | bytes], backend: str, options: Sequence[str],
-               host: dict[str, str]) -> str:  # fmt: skip
-    """sha256 over everything that decides what a build contains (patches: files or their contents, in order)."""
+               host: dict[str, str], sampler: str = "") -> str:  # fmt: skip
+    """sha256 over everything that decides what a build contains (patches: files or their contents, in order;
+    sampler: sampler_hash(), "" for the llama.cpp part alone)."""
     h = hashlib.sha256()
     _feed(h, "recipe", str(RECIPE_VERSION).encode())
     _feed(h, "source", source_id.encode())
@@ -175,6 +209,8 @@ def build_hash(source_id: str, patches: Sequence[Path | bytes], backend: str, op
     for opt in options:
         _feed(h, "option", opt.encode())
     _feed(h, "host", json.dumps(host, sort_keys=True).encode())
+    if sampler:
+        _feed(h, "sampler", sampler.encode())
     return h.hexdigest()
 
 
@@ -441,6 +477,27 @@ def configure_and_build(src: Path, build_dir: Path, backend: str, options: Seque
     return build_dir / "bin"
 
 
+def build_sampler(llama_src: Path, lib_dir: Path, build_dir: Path, log_path: Path, backend: str = "cpu",
+                  quiet: bool = False, sources: Path | None = None) -> Path:  # fmt: skip
+    """Build libclover_sampler (clover_gguf/csrc) against a llama.cpp tree's public headers (llama_src: include/ and
+    ggml/include/ are enough) and the libllama / libggml-base in lib_dir, into lib_dir. Returns the library."""
+    env = dict(os.environ)
+    env.pop("CMAKE_ARGS", None)
+    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+    if not quiet:
+        print(f"building the selection sampler ({backend}) ...", file=sys.stderr)
+    run_logged(["cmake", "-S", str(sources or SAMPLER_DIR), "-B", str(build_dir), *generator,
+                "-DCMAKE_BUILD_TYPE=Release", f"-DLLAMA_SOURCE_DIR={Path(llama_src).resolve()}",
+                f"-DLLAMA_LIB_DIR={Path(lib_dir).resolve()}", f"-DCLOVER_SAMPLER_OUT_DIR={Path(lib_dir).resolve()}"],
+               log_path, "sampler configure", env=env, quiet=quiet)  # fmt: skip
+    run_logged(["cmake", "--build", str(build_dir), "--config", "Release"], log_path, "sampler build", env=env,
+               quiet=quiet)  # fmt: skip
+    lib = Path(lib_dir) / _shared_lib_name(SAMPLER_LIB)
+    if not lib.is_file():
+        raise UserError(f"the selection sampler build finished but did not produce {lib} (full log: {log_path})")
+    return lib
+
+
 def _exe(name: str) -> str:
     return name + (".exe" if sys.platform == "win32" else "")
 
@@ -461,7 +518,8 @@ def stage_install(built_bin: Path, stage: Path) -> Path:
     bin_dir = Path(stage) / "bin"
     bin_dir.parent.mkdir(parents=True, exist_ok=True)
     os.replace(built_bin, bin_dir)
-    names = [_shared_lib_name("llama"), _shared_lib_name("ggml"), *map(_exe, TOOL_TARGETS)]
+    names = [_shared_lib_name("llama"), _shared_lib_name("ggml"), _shared_lib_name(SAMPLER_LIB),
+             *map(_exe, TOOL_TARGETS)]
     missing = [n for n in names if not (bin_dir / n).exists()]
     if missing:
         raise UserError(f"llama.cpp build finished but did not produce: {', '.join(missing)} (in {bin_dir})")
@@ -489,6 +547,7 @@ def _info_from_stamp(prefix: Path, stamp: dict, cached: bool = False, seconds: f
         patch_hash=stamp.get("patch_hash"),
         source=stamp.get("source"),
         cpu=(stamp.get("host") or {}).get("cpu"),
+        sampler_hash=stamp.get("sampler_hash"),
         created=float(stamp.get("created", 0.0)),
         cached=cached,
         seconds=seconds,
@@ -564,12 +623,14 @@ def build_llama(backend: str = "cpu", jobs: int | None = None, prefix: Path | st
     # read the patches once: the hash, the stamp and the applied content must agree even if a file changes meanwhile
     patches = patch_files() if patched else []
     patch_data = [p.read_bytes() for p in patches]
+    sampler = sampler_hash()
     if jobs is not None and jobs < 1:
         raise UserError(f"jobs must be at least 1, got {jobs}")
     jobs = jobs or os.cpu_count() or 1
     root = cache_root()
     source_id = f"sdist:{SDIST_SHA256}"  # the sdist itself is fetched (and verified) only if a build is needed
-    digest = build_hash(source_id, patch_data, backend, options, host)
+    llama_digest = build_hash(source_id, patch_data, backend, options, host)  # the llama.cpp part alone
+    digest = build_hash(source_id, patch_data, backend, options, host, sampler=sampler)
     key = digest[:16]
     final = Path(prefix).expanduser().resolve() if prefix is not None else root / f"llama-{key}"
     remove_stale_work(final.parent, root)
@@ -597,29 +658,47 @@ def build_llama(backend: str = "cpu", jobs: int | None = None, prefix: Path | st
         log_path.parent.mkdir(parents=True, exist_ok=True)
         log_path.write_text(
             f"clover-gguf llama.cpp build {digest}\nsource: {source_id}\nbackend: {backend}\n"
-            f"patches: {', '.join(p.name for p in patches) or '(none)'}\nhost: {json.dumps(host)}\n"
+            f"patches: {', '.join(p.name for p in patches) or '(none)'}\nsampler: {sampler}\n"
+            f"host: {json.dumps(host)}\n"
         )
+        # a cached build of the same llama.cpp (only the sampler differs): its binaries, and the sampler again
+        donor = next((b for b in cached_builds(root) if b.prefix != final and
+                      (read_stamp(b.prefix) or {}).get("llama_hash") == llama_digest), None)  # fmt: skip
         # the work folder sits beside the final one so the last step is a same-file-system rename
         work = Path(tempfile.mkdtemp(prefix=f".work-llama-{key}-", dir=final.parent))
         try:
             src = work / "src"
-            if not quiet:
-                print(f"preparing llama.cpp {LLAMA_CPP_COMMIT} with {len(patches)} patch(es) ...", file=sys.stderr)
-            extract_llama_source(sdist, src)
             snapshot = work / "patches"
             snapshot.mkdir()
             for p, data in zip(patches, patch_data):
                 (snapshot / p.name).write_bytes(data)
-            apply_patches(src, [snapshot / p.name for p in patches])
-            built_bin = configure_and_build(src, work / "build", backend, options, jobs, log_path, quiet=quiet)
+            if donor is not None:
+                if not quiet:
+                    print(f"reusing the llama.cpp binaries of {donor.prefix} (only the sampler changed) ...",
+                          file=sys.stderr)
+                extract_llama_headers(sdist, src)
+                apply_patches(src, [snapshot / p.name for p in patches], include=HEADER_GLOBS)
+                built_bin = work / "build" / "bin"
+                shutil.copytree(donor.bin_dir, built_bin, symlinks=True,
+                                ignore=shutil.ignore_patterns(_shared_lib_name(SAMPLER_LIB)))
+            else:
+                if not quiet:
+                    print(f"preparing llama.cpp {LLAMA_CPP_COMMIT} with {len(patches)} patch(es) ...", file=sys.stderr)
+                extract_llama_source(sdist, src)
+                apply_patches(src, [snapshot / p.name for p in patches])
+                built_bin = configure_and_build(src, work / "build", backend, options, jobs, log_path, quiet=quiet)
+            build_sampler(src, built_bin, work / "sampler-build", log_path, backend, quiet=quiet)
             stage = work / "install"
             stage_install(built_bin, stage)
             shutil.copy2(log_path, stage / "build.log")
             stamp = {
                 "complete": True,
                 "build_hash": digest,
+                "llama_hash": llama_digest,
                 "patch_hash": patch_hash(patch_data),
                 "patches": [p.name for p in patches],
+                "sampler_hash": sampler,
+                "sampler_library": _shared_lib_name(SAMPLER_LIB),
                 "backend": backend,
                 "source": source_id,
                 "llama_cpp_commit": LLAMA_CPP_COMMIT,
@@ -630,6 +709,8 @@ def build_llama(backend: str = "cpu", jobs: int | None = None, prefix: Path | st
                 "created": time.time(),
                 "build_seconds": round(time.monotonic() - t0, 1),
             }
+            if donor is not None:
+                stamp["llama_binaries_from"] = donor.build_hash
             (stage / STAMP_NAME).write_text(json.dumps(stamp, indent=2) + "\n")  # written last
             _move_into_place(stage, final)
         finally:
@@ -638,6 +719,10 @@ def build_llama(backend: str = "cpu", jobs: int | None = None, prefix: Path | st
     if not quiet:
         print(f"llama.cpp installed in {final / 'bin'} ({seconds / 60:.1f} min)", file=sys.stderr)
     return _info_from_stamp(final, read_stamp(final) or {}, cached=False, seconds=seconds)
+
+
+# the public headers of the tree (what the sampler compiles against)
+HEADER_GLOBS = ("include/*", "ggml/include/*")
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -671,7 +756,8 @@ def _requested_backend(backend: str | None) -> tuple[str | None, str]:
 
 def find_library(backend: str | None = None, patched: bool = True) -> BuildInfo | None:
     """The llama.cpp build to run: the folder in $LLAMA_CPP_LIB_PATH if set (None when it holds no libllama), else
-    the newest complete cached build of the current patches (of none with patched=False) made for this CPU, of
+    the newest complete cached build of the current patches (of none with patched=False) and sampler sources made
+    for this CPU, of
     `backend` (else $CLOVER_GGUF_BACKEND; else a GPU build whose GPU is present, else the CPU build, else any).
     BuildInfo.chosen says why."""
     override = os.environ.get(ENV_LIB_PATH)
@@ -682,11 +768,12 @@ def find_library(backend: str | None = None, patched: bool = True) -> BuildInfo 
         return dataclasses.replace(_info_for_lib_dir(lib_dir), chosen=f"{ENV_LIB_PATH} is set")
     try:
         want = patch_hash() if patched else patch_hash([])
+        sampler = sampler_hash()
     except UserError:
         return None
     asked, how = _requested_backend(backend)
     cpu = cpu_key()
-    builds = [b for b in cached_builds() if b.patch_hash == want and b.cpu == cpu]
+    builds = [b for b in cached_builds() if b.patch_hash == want and b.sampler_hash == sampler and b.cpu == cpu]
     if asked is not None:
         pick = next((b for b in builds if b.backend == asked), None)
         return dataclasses.replace(pick, chosen=how) if pick else None
@@ -788,17 +875,24 @@ def doctor(backend: str | None = None) -> dict:
     except UserError as e:
         current = None
         missing.append(str(e))
+    try:
+        current_sampler = sampler_hash()
+    except UserError as e:
+        current_sampler = None
+        missing.append(str(e))
     asked, _ = _requested_backend(backend)
     info = find_library(backend)
     override = os.environ.get(ENV_LIB_PATH)
     cpu = cpu_key()
-    usable = [b for b in cached_builds() if b.patch_hash == current and b.cpu == cpu]
+    usable = [b for b in cached_builds() if b.patch_hash == current and b.sampler_hash == current_sampler
+              and b.cpu == cpu]  # fmt: skip
     if info is None and override:
         missing.append(f"{ENV_LIB_PATH}={override} holds no {_shared_lib_name('llama')}")
     elif info is None:
         others = [b for b in cached_builds() if b not in usable]
         why = sorted({"for another CPU" if b.cpu != cpu else "unpatched" if b.patch_hash == patch_hash([]) else
-                      "of other patches" for b in others})  # fmt: skip
+                      "of other patches" if b.patch_hash != current else "of another sampler"
+                      for b in others})  # fmt: skip
         what = f"no {asked} llama.cpp build" if asked else "no llama.cpp build"
         more = f" (cached: builds {', '.join(why)})" if why else ""
         missing.append(f"{what} of the current patches for this CPU{more}: run `clover-gguf build-llama"
@@ -808,6 +902,9 @@ def doctor(backend: str | None = None) -> dict:
             warnings.append(f"{info.lib_dir} was not built by clover-gguf: its patches cannot be checked")
         elif current is not None and info.patch_hash != current:
             missing.append(f"the library in {info.lib_dir} was built from other patches: run `clover-gguf build-llama`")
+        elif current_sampler is not None and info.sampler_hash != current_sampler:
+            missing.append(f"the selection sampler in {info.lib_dir} was built from other sources: run "
+                           "`clover-gguf build-llama`")
         for tool in TOOL_TARGETS:
             if not info.tool(tool).exists():
                 (missing if info.build_hash else warnings).append(f"{tool} not found in {info.bin_dir}")
@@ -815,6 +912,13 @@ def doctor(backend: str | None = None) -> dict:
             ctypes.CDLL(str(info.libllama))
         except OSError as e:
             missing.append(f"{info.libllama} does not load: {e}")
+        if not info.sampler_lib.is_file():
+            (missing if info.build_hash else warnings).append(f"the selection sampler {info.sampler_lib} is missing")
+        else:
+            try:
+                ctypes.CDLL(str(info.sampler_lib)).clover_sampler_set_inputs  # noqa: B018 - the symbol must exist
+            except (OSError, AttributeError) as e:
+                missing.append(f"the selection sampler {info.sampler_lib} does not load: {e}")
 
     version = binding_version()
     if version is None:
@@ -832,6 +936,9 @@ def doctor(backend: str | None = None) -> dict:
         "patch_hash": info.patch_hash if info else None,
         "current_patch_hash": current,
         "build_hash": info.build_hash if info else None,
+        "sampler_library": str(info.sampler_lib) if info else None,
+        "sampler_hash": info.sampler_hash if info else None,
+        "current_sampler_hash": current_sampler,
         "source": info.source if info else None,
         "binding_version": version,
         "cache_dir": str(cache_root()),

@@ -387,7 +387,7 @@ def doctor(
         typer.echo(json.dumps(d))
     else:
         for key in ("library_path", "bin_dir", "backend", "backend_choice", "cached_backends", "patch_hash",
-                    "binding_version", "cache_dir"):
+                    "sampler_library", "binding_version", "cache_dir"):
             typer.echo(f"{key:<16} {d.get(key)}")
         typer.echo(f"{'mlx':<16} {d['mlx']['summary']}")
         for w in d.get("warnings", []):

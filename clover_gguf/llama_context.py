@@ -6,9 +6,11 @@ to the scratch sequence, switches that to block attention (`llama_set_block_attn
 sequence's state, so emptying the copy drops it), decodes the block there with logits for every block token and drops
 the copy, so the committed sequence never changes.
 
-A decode returns the logits of its rows, or, given a `controls.Gather`, what patches/0006's sampler computed in the
-graph (`controls.GraphRows`): a sequence decoded that way carries the sampler (llama.cpp's backend sampling), and
-llama.cpp then copies no logits at all. Switching a sequence between the two rebuilds llama.cpp's graph.
+A decode returns the logits of its rows, or, given a `controls.Gather`, what our selection sampler computed in the
+graph (`controls.GraphRows`): libclover_sampler (clover_gguf/csrc, built beside libllama by `build-llama`), a backend
+sampler on llama.cpp's public sampler interface. A sequence decoded that way carries the sampler (llama.cpp's backend
+sampling), and llama.cpp then copies no logits for it. Switching a sequence between the two rebuilds llama.cpp's
+graph.
 """
 
 from __future__ import annotations
@@ -81,23 +83,40 @@ def _clover_api(L: Any) -> Any:
         lib.llama_get_memory_breakdown_entries.argtypes = [ctypes.c_void_p, ctypes.POINTER(_MemoryBreakdownEntry),
                                                            ctypes.c_int32]
         lib.llama_get_memory_breakdown_entries.restype = ctypes.c_int32
-        smpl = L.llama_cpp.llama_sampler_p_ctypes
-        lib.llama_sampler_init_clover.argtypes = [ctypes.c_int32, ctypes.c_bool, ctypes.c_float, ctypes.c_int32,
-                                                  ctypes.c_float]
-        lib.llama_sampler_init_clover.restype = smpl
-        lib.llama_sampler_clover_set_rows.argtypes = [smpl, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                                      ctypes.c_int32]
-        lib.llama_sampler_clover_set_rows.restype = None
         # the sampled rows, read after every selecting decode: plain addresses (the binding's wrappers cost more)
         for name, res in (("llama_get_sampled_logits_ith", ctypes.c_void_p),
+                          ("llama_get_sampled_probs_ith", ctypes.c_void_p),
                           ("llama_get_sampled_candidates_ith", ctypes.c_void_p),
                           ("llama_get_sampled_logits_count_ith", ctypes.c_uint32),
+                          ("llama_get_sampled_probs_count_ith", ctypes.c_uint32),
                           ("llama_get_sampled_token_ith", ctypes.c_int32)):
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_int32], res
     except AttributeError:
         raise UserError(f"{lib._name} is not the patched llama.cpp (no llama_set_block_attn): "
                         "run `clover-gguf build-llama`") from None
+    return lib
+
+
+def sampler_library(L: Any) -> ctypes.CDLL:
+    """ctypes handle of libclover_sampler, beside the libllama the binding loaded (clover_gguf/csrc/clover_sampler.h);
+    one clear error when it is missing."""
+    from clover_gguf.build import SAMPLER_LIB, _shared_lib_name
+
+    path = Path(os.environ["LLAMA_CPP_LIB_PATH"]) / _shared_lib_name(SAMPLER_LIB)
+    try:
+        lib = ctypes.CDLL(str(path))
+        smpl = L.llama_cpp.llama_sampler_p_ctypes
+        lib.clover_sampler_init.argtypes = [ctypes.c_int32, ctypes.c_int32, ctypes.c_bool, ctypes.c_float,
+                                            ctypes.c_int32, ctypes.c_float]
+        lib.clover_sampler_init.restype = smpl
+        lib.clover_sampler_set_inputs.argtypes = [smpl, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32,
+                                                  ctypes.c_void_p, ctypes.c_void_p]
+        lib.clover_sampler_set_inputs.restype = ctypes.c_int32
+        lib.clover_sampler_chunk.argtypes = [ctypes.c_int32]
+        lib.clover_sampler_chunk.restype = ctypes.c_int32
+    except (OSError, AttributeError) as e:
+        raise UserError(f"the selection sampler {path} does not load ({e}): run `clover-gguf build-llama`") from None
     return lib
 
 
@@ -237,7 +256,8 @@ def _load_model(L: Any, path: Path, offload: Offload, overrides: dict | None, ke
 
 
 def _context_params(L: Any, n_ctx: int, n_ubatch: int, n_batch: int | None, n_seq_max: int, n_rs_seq: int,
-                    exact: bool, n_threads: int | None, n_threads_batch: int | None, n_outputs_max: int) -> Any:
+                    exact: bool, n_threads: int | None, n_threads_batch: int | None, n_outputs_max: int,
+                    n_outputs_max_per_seq: int = 0) -> Any:
     cp = L.llama_context_default_params()
     cp.n_ctx = n_ctx = padded_n_ctx(n_ctx)
     cp.n_batch = max(n_batch or n_ctx, n_ubatch)  # tokens one decode call may take: the whole context
@@ -248,7 +268,9 @@ def _context_params(L: Any, n_ctx: int, n_ubatch: int, n_batch: int | None, n_se
     # compute buffer by it (0 = n_batch: on a 248k vocabulary, 512 rows are about 0.5 GB of compute buffer)
     # llama.cpp's output buffer always holds a row per sequence, and it aborts when that is more than n_outputs_max
     cp.n_outputs_max = max(n_outputs_max, n_seq_max) if n_outputs_max else 0
-    cp.n_outputs_max_per_seq = 0  # = n_outputs_max: a block pass's rows all belong to one sequence (backend sampling)
+    # 0 = n_outputs_max: a block pass's rows all belong to one sequence (backend sampling); llama.cpp's own default is
+    # 1, which some of its samplers require (penalties)
+    cp.n_outputs_max_per_seq = n_outputs_max_per_seq
     cp.kv_unified = True  # seq_cp of the KV cache is then metadata only
     # llama.cpp's split: n_threads for one-token calls, n_threads_batch for calls of several tokens
     threads = n_threads or max(1, min(8, os.cpu_count() or 1))
@@ -275,7 +297,8 @@ class LlamaContext:
                  n_seq_max: int = 2,
                  overrides: dict[str, bool | int | float] | None = None, n_rs_seq: int = 0, exact: bool = False,
                  n_threads: int | None = None, n_threads_batch: int | None = None, n_outputs_max: int = 0,
-                 offload: Offload | None = None, rpc: Sequence[str] = (), eval_callback: Any = None):
+                 offload: Offload | None = None, rpc: Sequence[str] = (), eval_callback: Any = None,
+                 n_outputs_max_per_seq: int = 0):
         """eval_callback: llama.cpp's graph eval callback (a GraphProbe's .callback, clover_gguf.graph_probe).
         Several runtimes share one context through clover_gguf.batching (serve's slots)."""
         L = self.L = load_binding()
@@ -289,7 +312,7 @@ class LlamaContext:
             raise UserError(f"llama.cpp could not load {path} (not a Clover GGUF, or the library is not patched)")
         self.model, self._model_keep = handle, keep
         cp = _context_params(L, n_ctx, n_ubatch, n_batch, n_seq_max, n_rs_seq, exact, n_threads or offload.threads,
-                             n_threads_batch, n_outputs_max)
+                             n_threads_batch, n_outputs_max, n_outputs_max_per_seq)
         if eval_callback is not None:
             self._eval_callback = eval_callback  # kept alive for as long as the context may call it
             cp.cb_eval = eval_callback
@@ -301,16 +324,18 @@ class LlamaContext:
             self.model = None
             raise ContextError("llama.cpp could not create a context (too little memory for n_ctx?)")
         self._api = _clover_api(L)
+        self._sampler = sampler_library(L)
         self.has_block_attn = bool(self._api.llama_model_has_block_attn(self.model))
         self.vocab = L.llama_model_get_vocab(self.model)
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
+        # the chunks the selection sampler reads the vocabulary in (clover_sampler.h)
+        self.n_chunks = self.n_vocab // max(1, self._sampler.clover_sampler_chunk(self.n_vocab))
         self.n_ctx = L.llama_n_ctx(self.ctx)
         self.n_batch = L.llama_n_batch(self.ctx)  # the most tokens one decode call may take (llama.cpp asserts it)
         self.n_ubatch = L.llama_n_ubatch(self.ctx)  # the most tokens one block pass may take (likewise)
         self.mem = L.llama_get_memory(self.ctx)
         self._batch: _Batch | None = None  # reused by every decode call, grown when a call needs more room
         self._selectors: dict[int, tuple[tuple, Any]] = {}  # seq -> (settings, llama.cpp sampler chain)
-        self._rows_in: tuple = ()  # the arrays the sampler reads during the current decode
         self._views: dict[tuple, np.ndarray] = {}  # numpy views of llama.cpp's sampled-output buffers
 
     # ---- metadata ---------------------------------------------------------------------------------------
@@ -368,7 +393,6 @@ class LlamaContext:
         if gather is not None and n_out:
             if extra:
                 raise ValueError("a decode with a gather holds one sequence (decode_parts: several)")
-            self._rows_in = ()
             self._select_on(seq, gather, n_out, n)
             self._disarm((seq,))
         elif n_out:  # logits wanted: no sequence may carry a sampler (llama.cpp would copy no logits)
@@ -392,8 +416,8 @@ class LlamaContext:
     def decode_parts(self, parts: Sequence[tuple[Sequence[int], int, int, Gather | None]]) -> list[GraphRows | None]:
         """Causal passes of several sequences in one llama_decode (a server's slots: their AR steps and prompt chunks):
         (ids, first position, sequence, gather) each -> per part, with a gather the row of its LAST token as
-        GraphRows, selected in the graph by its own sequence's sampler (patches/0006: each sampler computes and reads
-        its own rows), else None (no row). The sequences must differ. llama.cpp splits the batch into ubatches of
+        GraphRows, selected in the graph by its own sequence's sampler (each sampler computes and reads its own
+        rows), else None (no row). The sequences must differ. llama.cpp splits the batch into ubatches of
         equal tokens per sequence, so one-token steps share one graph and a prompt's other tokens follow."""
         self._check_open()
         seqs = [int(p[2]) for p in parts]
@@ -407,7 +431,6 @@ class LlamaContext:
         batch = self._batch_for(n)
         lasts = batch.put([p[:3] for p in parts]) - 1
         batch.logits[:n] = 0
-        self._rows_in = ()
         for last, (_, _, seq, g) in zip(lasts, parts):
             if g is not None:
                 batch.logits[last] = 1
@@ -417,40 +440,49 @@ class LlamaContext:
         # llama.cpp finds a row by its token's batch index
         return [self._graph_rows(int(last), 1, p[3]) if p[3] is not None else None for last, p in zip(lasts, parts)]
 
-    # ---- selection in the graph (patches/0006) ----------------------------------------------------------
+    # ---- selection in the graph (libclover_sampler) ------------------------------------------------------
     def _disarm(self, seqs: Sequence[int]) -> None:
         """The samplers of sequences outside this decode have no rows in it: each then spends one row of the graph
-        (llama.cpp builds every attached sampler), not as many as it had last time."""
+        (llama.cpp builds every attached sampler, and computes only the active ones), not as many as last time."""
         if len(self._selectors) > len(seqs):
             for seq, (_, chain) in self._selectors.items():
                 if seq not in seqs:
-                    self._api.llama_sampler_clover_set_rows(chain, None, None, None, 0)
+                    self._sampler.clover_sampler_set_inputs(chain, None, 0, 0, None, None)
 
     def _select_on(self, seq: int, g: Gather, n_out: int, n: int) -> None:
-        """Give `seq` the selection sampler for this gather (a new one when its settings changed) and its rows
-        (appended to self._rows_in, which keeps them alive through the decode)."""
+        """Give `seq` the selection sampler for this gather (a new one when its settings changed) and its inputs
+        for this decode (the sampler copies them)."""
         if g.n_rows != n_out:
             raise ValueError(f"a gather for {g.n_rows} rows, the decode has {n_out}")
         if n_out > 1 and n > self.n_ubatch:  # the sampler reads one ubatch's rows
             raise ValueError(f"{n} tokens with {n_out} selected rows: more than one micro-batch ({self.n_ubatch})")
+        ids = np.ascontiguousarray(g.ids, dtype=np.int32)
+        coef = u = None
+        if g.temp > 0:
+            coef = np.ascontiguousarray(g.coef, dtype=np.float32)
+            u = np.ascontiguousarray(g.uniform, dtype=np.float32)
+            if coef.shape != (3, n_out, len(ids)) or u.shape != (n_out,):
+                raise ValueError(f"a sampled gather needs coef [3, {n_out}, {len(ids)}] and uniform [{n_out}], got "
+                                 f"{list(coef.shape)} and {list(u.shape)}")
         key = (g.width, g.probs, g.temp, g.top_k, g.top_p)
         held = self._selectors.get(seq)
         if held is None or held[0] != key:
             L = self.L
+            smpl = self._sampler.clover_sampler_init(self.n_vocab, g.width, g.probs, g.temp, g.top_k, g.top_p)
+            if not smpl:
+                raise ValueError(f"the selection sampler refused its settings {key}")
             chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
-            L.llama_sampler_chain_add(chain, self._api.llama_sampler_init_clover(g.width, g.probs, g.temp, g.top_k,
-                                                                                 g.top_p))
+            L.llama_sampler_chain_add(chain, smpl)
             if not L.llama_set_sampler(self.ctx, seq, chain):
                 L.llama_sampler_free(chain)
                 raise RuntimeError(f"llama.cpp refused the selection sampler on sequence {seq}")
             if held is not None:
                 L.llama_sampler_free(held[1])
             self._selectors[seq] = held = (key, chain)
-        ids = g.padded_ids()
-        coef = g.padded_coef() if g.coef is not None else None
-        u = np.ascontiguousarray(g.uniform, dtype=np.float32) if g.uniform is not None else None
-        self._rows_in = (*self._rows_in, (ids, coef, u))  # the caller keeps what this decode reads
-        self._api.llama_sampler_clover_set_rows(held[1], _address(ids), _address(coef), _address(u), n_out)
+        if self._sampler.clover_sampler_set_inputs(held[1], _address(ids), len(ids), n_out, _address(coef),
+                                                   _address(u)) != 0:
+            raise ValueError(f"the selection sampler refused its inputs: {len(ids)} ids (width {g.width}, each in "
+                             f"[0, {self.n_vocab})), {n_out} rows, uniforms in [0, 1]")
 
     def _select_off(self, seq: int) -> None:
         held = self._selectors.pop(seq, None)
@@ -460,29 +492,30 @@ class LlamaContext:
 
     def _graph_rows(self, first: int, n_out: int, g: Gather) -> GraphRows:
         """The sampler's outputs for the decode's rows, the first at batch index `first` (llama.cpp keeps the rows in
-        batch order, each at a stride of n_vocab)."""
-        api, ctx, v = self._api, self.ctx, self.n_vocab
-        n_f = api.llama_get_sampled_logits_count_ith(ctx, first)
-        f = self._rows_view(api.llama_get_sampled_logits_ith(ctx, first), n_out, np.float32)[:, :n_f].copy()
+        batch order, each at a stride of n_vocab). Layout: clover_gguf/csrc/clover_sampler.h."""
+        api, ctx = self._api, self.ctx
         w = g.width
         if g.temp > 0:
+            n_p = api.llama_get_sampled_probs_count_ith(ctx, first)
+            if n_p != w + 1:
+                raise RuntimeError(f"the selection sampler returned {n_p} probabilities per row for a width of {w}")
+            p = self._rows_view(api.llama_get_sampled_probs_ith(ctx, first), n_out, np.float32)[:, :n_p].copy()
             rows = np.flatnonzero(self._batch.logits[first:self._batch.struct.n_tokens])[:n_out] + first
             tokens = np.fromiter((api.llama_get_sampled_token_ith(ctx, int(i)) for i in rows), dtype=np.int64,
                                  count=n_out)
-            return GraphRows(at_ids=f[:, :w], tokens=tokens, token_probs=f[:, w])
-        n, rest = divmod(n_f - w, 2 if g.probs else 1)  # the vocabulary's chunks (llama.h: llama_sampler_init_clover)
-        if rest or n < 1 or v % n:
-            raise RuntimeError(f"the selection sampler returned {n_f} values per row for a gather of {w}")
-        local = self._rows_view(api.llama_get_sampled_candidates_ith(ctx, first), n_out, np.int32)[:, :n]
-        ids = local + self._chunk_starts(n)  # index in the chunk -> token id
-        return GraphRows(at_ids=f[:, :w], rest_ids=ids, rest_logits=f[:, w:w + n],
-                         rest_probs=f[:, w + n:w + 2 * n] if g.probs else None)
-
-    def _chunk_starts(self, n: int) -> np.ndarray:
-        starts = self._views.get(("chunks", n))
-        if starts is None:
-            starts = self._views[("chunks", n)] = np.arange(n, dtype=np.int64) * (self.n_vocab // n)
-        return starts
+            return GraphRows(at_ids=p[:, :w], tokens=tokens, token_probs=p[:, w])
+        n_f = api.llama_get_sampled_logits_count_ith(ctx, first)
+        n = n_f - w  # the vocabulary's chunks
+        if n != self.n_chunks:
+            raise RuntimeError(f"the selection sampler returned {n_f} logits per row for a width of {w}")
+        f = self._rows_view(api.llama_get_sampled_logits_ith(ctx, first), n_out, np.float32)[:, :n_f].copy()
+        ids = self._rows_view(api.llama_get_sampled_candidates_ith(ctx, first), n_out, np.int32)[:, w:n_f].copy()
+        probs = None
+        if g.probs:
+            if api.llama_get_sampled_probs_count_ith(ctx, first) != n:
+                raise RuntimeError("the selection sampler returned no chunk probabilities")
+            probs = self._rows_view(api.llama_get_sampled_probs_ith(ctx, first), n_out, np.float32)[:, :n].copy()
+        return GraphRows(at_ids=f[:, :w], rest_ids=ids, rest_logits=f[:, w:], rest_probs=probs)
 
     def _rows_view(self, addr: int | None, n_out: int, dtype) -> np.ndarray:
         """[n_out, n_vocab] numpy view of one of llama.cpp's sampled-output buffers (kept per address: making a view

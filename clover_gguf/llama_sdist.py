@@ -128,6 +128,19 @@ def extract_llama_source(sdist: Path, dest: Path) -> Path:
     return dest
 
 
+def extract_llama_headers(sdist: Path, dest: Path) -> Path:
+    """Extract only the public headers of vendor/llama.cpp (include/, ggml/include/) into dest (created; must not
+    exist): what libclover_sampler compiles against. Returns dest."""
+    dest = Path(dest)
+    dest.mkdir(parents=True)
+    with tarfile.open(sdist, "r:gz") as tar:
+        members = _vendor_members(tar, lambda rel: rel.startswith(("include/", "ggml/include/")))
+        if not members:
+            raise UserError(f"{sdist} has no {SDIST_VENDOR_PREFIX}include folder")
+        _safe_extract(tar, members, dest)
+    return dest
+
+
 def _vendor_members(tar: tarfile.TarFile, keep: Callable[[str], bool]) -> list[tarfile.TarInfo]:
     """The members under vendor/llama.cpp/ whose path relative to it `keep` accepts, renamed to that path."""
     members = []

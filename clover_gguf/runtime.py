@@ -49,7 +49,7 @@ DEFAULT_CTX = 8192  # context when none is asked for (capped by the model's)
 ROLLBACKS = ("redecode", "snapshot")
 # where a pass's rows are turned into tokens (docs/runtime.md, "Selection"): in llama.cpp's graph, only token ids and
 # a few numbers per row leaving it (the default); or from the rows' logits copied out, in numpy (the path before
-# patches/0006: every row's whole vocabulary through Python)
+# the selection sampler, libclover_sampler: every row's whole vocabulary through Python)
 SELECTIONS = ("graph", "numpy")
 
 

@@ -93,7 +93,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_others_steps(bundled_g
 
 
 def test_merged_rows_go_to_their_own_sequences(bundled_gguf):
-    """decode_parts: each token's row is its own sequence's, selected by its own sampler (patches/0006): three
+    """decode_parts: each token's row is its own sequence's, selected by its own sampler (libclover_sampler): three
     sequences given different prompts, then one step each in one decode, equal the same steps decoded one at a time
     (and a planted swap of two steps' rows fails this)."""
     rts = _slots(bundled_gguf, 3)

@@ -110,7 +110,23 @@ def fake_source(env, machine, monkeypatch):
     monkeypatch.setattr(llama_sdist, "SDIST_SHA256", digest)
     monkeypatch.setattr(build, "_check_tools", lambda backend, host: None)
     monkeypatch.setattr(build, "_shared_lib_name", lambda base: f"lib{base}.so")
+    env["sampler_calls"] = []
+    monkeypatch.setattr(build, "build_sampler", fake_sampler(env["sampler_calls"]))
     return sdist
+
+
+def fake_sampler(calls: list):
+    """Replacement for build_sampler: records the tree it was given and writes the library."""
+
+    def run(llama_src, lib_dir, build_dir, log_path, backend="cpu", quiet=False, sources=None):
+        calls.append({"headers": (Path(llama_src) / "include" / "llama.h").is_file(),
+                      "whole_tree": (Path(llama_src) / "src" / "a.cpp").exists(),
+                      "lib_dir_has_llama": (Path(lib_dir) / "libllama.so").is_file()})
+        lib = Path(lib_dir) / "libclover_sampler.so"
+        lib.write_bytes(b"fake sampler " + build.sampler_hash().encode())
+        return lib
+
+    return run
 
 
 # ------------------------------------------------------------------------------------------------------------ hashes
@@ -138,6 +154,9 @@ def test_build_hash_stable_and_sensitive(tmp_path, machine):
         assert build.build_hash("sdist:x", [p1, p2], "cpu", opts, {**HOST, key: other}) != h
     assert build.build_hash("sdist:x", [p1, p2], "cpu", opts, {**HOST, "nvcc": "cuda_12.4"}) != h
 
+    assert build.build_hash("sdist:x", [p1, p2], "cpu", opts, HOST, sampler="abc") != h  # the sampler's sources
+    assert build.build_hash("sdist:x", [p1, p2], "cpu", opts, HOST, sampler="abd") != \
+        build.build_hash("sdist:x", [p1, p2], "cpu", opts, HOST, sampler="abc")
     ph = build.patch_hash([p1, p2])
     p2.write_bytes(b"patch twO\n")  # one byte changed
     assert build.build_hash("sdist:x", [p1, p2], "cpu", opts, HOST) != h
@@ -452,6 +471,44 @@ def test_cache_hit_skips_work(env, fake_source, monkeypatch):
     (env["patches"] / "0001-x.patch").write_bytes(git_patch("line 1\nline 2\nline 3\n", "line 1\nAGAIN\nline 3\n"))
     third = build.build_llama("cpu", jobs=1, quiet=True)
     assert calls == ["cpu", "vulkan", "cpu"] and third.prefix != first.prefix
+
+
+@needs_git
+def test_a_sampler_change_rebuilds_only_the_sampler(env, fake_source, monkeypatch):
+    """The sampler's sources are part of the build hash and the stamp: a change makes a new build, which takes the
+    llama.cpp binaries of the cached build with the same llama.cpp hash and builds only the sampler, against the
+    headers (not the whole tree); find_library and doctor then point at it."""
+    src = env["tmp"] / "csrc"
+    shutil.copytree(build.SAMPLER_DIR, src)
+    monkeypatch.setattr(build, "SAMPLER_DIR", src)
+    calls: list = []
+    monkeypatch.setattr(build, "configure_and_build", fake_cmake(calls))
+    first = build.build_llama("cpu", jobs=1, quiet=True)
+    assert calls == ["cpu"] and env["sampler_calls"] == [{"headers": True, "whole_tree": True,
+                                                         "lib_dir_has_llama": True}]
+    stamp = json.loads((first.prefix / build.STAMP_NAME).read_text())
+    assert stamp["sampler_hash"] == build.sampler_hash() and first.sampler_lib.is_file()
+    assert build.find_library().prefix == first.prefix
+
+    (src / "clover_sampler.cpp").write_text((src / "clover_sampler.cpp").read_text() + "\n// changed\n")
+    assert build.find_library() is None  # the cached build holds another sampler
+    assert any("other sampler" in m or "no llama.cpp build" in m for m in build.doctor()["missing"])
+    second = build.build_llama("cpu", jobs=1, quiet=True)
+    assert calls == ["cpu"]  # llama.cpp was not built again
+    assert env["sampler_calls"][1] == {"headers": True, "whole_tree": False, "lib_dir_has_llama": True}
+    assert second.prefix != first.prefix and second.build_hash != first.build_hash
+    stamp2 = json.loads((second.prefix / build.STAMP_NAME).read_text())
+    assert stamp2["sampler_hash"] == build.sampler_hash() != stamp["sampler_hash"]
+    assert stamp2["llama_hash"] == stamp["llama_hash"] and stamp2["llama_binaries_from"] == first.build_hash
+    assert (second.bin_dir / "libllama.so").read_bytes() == b"fake"
+    assert second.sampler_lib.read_bytes().endswith(build.sampler_hash().encode())
+    assert build.find_library().prefix == second.prefix
+    report = build.doctor()
+    assert report["sampler_library"] == str(second.sampler_lib)
+    assert report["sampler_hash"] == report["current_sampler_hash"] == build.sampler_hash()
+    assert not any("sampler" in m and ("missing" in m or "other sources" in m) for m in report["missing"])
+    second.sampler_lib.unlink()
+    assert any("selection sampler" in m and "missing" in m for m in build.doctor()["missing"])
 
 
 def test_interrupted_build_never_looks_complete(env, fake_source, monkeypatch):

@@ -1,6 +1,6 @@
 """The mask token is never chosen: it marks an unresolved block position, so no pass in any mode at any temperature may
 sample, commit or show it (issue 38: `<|mask|>` once appeared in a draft-self answer at --temp 3). controls.Selector's
-`never` gives it -inf on the dense path and in the graph's (patches/0006); decoding passes the backend's mask token.
+`never` gives it -inf on the dense path and in the graph's (libclover_sampler); decoding passes the backend's mask token.
 
 Every test here makes the mask token the likeliest token by far (a bias of +30 on its logit, a processor with the
 sparse form, so the graph path runs it too), so that without the exclusion it would be chosen almost every time."""
@@ -153,7 +153,7 @@ PROMPTS = ["What is 34 + 58?", "Count from 12 to 17.", "Reverse: c l o v e r"]
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("selection", ["graph", "numpy"])
 def test_no_mode_chooses_the_mask_on_the_bundled_model(bundled_runtimes, mode, selection):
-    """llama.cpp's passes, the selection in its graph (sampled by patches/0006's sampler) or in numpy: greedy and
+    """llama.cpp's passes, the selection in its graph (sampled by libclover_sampler) or in numpy: greedy and
     temperatures 1, 3 and 20 with and without top-k / top-p, several seeds, the mask token biased to the top.
     Sampled, the block threshold is 0 (every position filled in one pass): near-uniform rows would otherwise fill
     one position per pass, and the rule does not depend on the threshold."""

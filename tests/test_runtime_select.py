@@ -1,4 +1,4 @@
-"""Selection in llama.cpp's graph (patches/0006, runtime selection "graph") against selection in numpy on the rows'
+"""Selection in llama.cpp's graph (libclover_sampler, runtime selection "graph") against selection in numpy on the rows'
 logits copied out (selection "numpy", the path before it): the same tokens, confidences, accept / reject decisions
 and passes in every mode with the card's controls on; sampled decoding draws from the numpy sampler's distribution."""
 

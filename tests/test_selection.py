@@ -1,6 +1,6 @@
 """Selection in the graph (controls.Selector on GraphRows) against selection on dense logits: the same tokens,
 confidences and accept / reject decisions. The graph is simulated here in numpy, float32 as llama.cpp computes it
-(patches/0006's sampler: the logits at the gathered ids, the K largest of the rest and their softmax probabilities
+(libclover_sampler: the logits at the gathered ids, the K largest of the rest and their softmax probabilities
 there); tests/test_runtime_tiny.py runs the real one."""
 
 from __future__ import annotations

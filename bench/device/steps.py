@@ -150,13 +150,14 @@ def cmd_build(a) -> None:
     with open(tarball, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
-    key = {"sources": h.hexdigest(), "options": options, "targets": list(DEVICE_TARGETS)}
+    key = {"sources": h.hexdigest(), "options": options, "targets": list(DEVICE_TARGETS),
+           "sampler": build.sampler_hash()}
     folder = Path(a.build_dir)
     bin_dir = folder / "build" / "bin"
     old = {}
     with contextlib.suppress(OSError, ValueError):
         old = json.loads((folder / BUILD_STAMP).read_text())
-    if old.get("key") == key and (bin_dir / "libllama.so").exists():
+    if old.get("key") == key and (bin_dir / "libllama.so").exists() and (bin_dir / "libclover_sampler.so").exists():
         print(f"reusing the build in {folder} (same sources, options and targets; built in {old['seconds']:.0f} s)")
         write_section("build", dict(old, reused=True, seconds=0.0))
         print(bin_dir)
@@ -170,6 +171,7 @@ def cmd_build(a) -> None:
     log.write_text("")
     build.configure_and_build(folder / "llama.cpp", folder / "build", a.backend, options, a.jobs, log,
                               targets=DEVICE_TARGETS)
+    build.build_sampler(folder / "llama.cpp", bin_dir, folder / "sampler-build", log, a.backend)  # the runtime loads it
     data = {"key": key, "backend": a.backend, "options": options, "targets": list(DEVICE_TARGETS), "jobs": a.jobs,
             "seconds": round(time.monotonic() - t0, 1)}
     (folder / BUILD_STAMP).write_text(json.dumps(data, indent=1) + "\n")
