@@ -10,7 +10,7 @@ and almost nothing is accepted. The answers are the causal path's either way.
 `--reading all` (rank_readings) does that once under every reading this version knows (metadata.READINGS) and ranks
 them; llama.cpp computes every reading (one runtime each, the key overridden); a reading it does not compute would run
 on the PyTorch reference holding the file's weights. `--write` stamps
-the best into the file's header, in place (gguf_header.restamp), when it holds.
+the best into the file's header, in place (export.restamp), when it holds.
 """
 
 from __future__ import annotations
@@ -234,7 +234,7 @@ def rank_readings(model: Path, readings: Sequence[str] | None = None, prompts: P
     the share of drafted tokens the causal path accepts: one check-block run per reading. A reading llama.cpp
     computes runs there (the file's on the first runtime, another on a runtime of its own, opened after the first
     is closed, with clover_moe.block_reading overridden); any other on the PyTorch reference holding the file's
-    weights (reference.load_gguf, loaded once). write: stamp the winner into the file's header (gguf_header.restamp:
+    weights (reference.load_gguf, loaded once). write: stamp the winner into the file's header (export.restamp:
     in place, whole or not at all) when its verdict is "holds"."""
     from clover_gguf.runtime import CloverRuntime, no_block_tensors
 
@@ -287,7 +287,8 @@ def rank_readings(model: Path, readings: Sequence[str] | None = None, prompts: P
 
 def stamp(model: Path, winner: CheckResult, file_reading: str, verified: bool) -> str:
     """Stamp the winning reading into the file (--write) when it holds -> what was done, for Ranking.written."""
-    from clover_gguf.gguf_header import BOOL, STRING, restamp
+    from clover_gguf.export import restamp
+    from clover_gguf.gguf_header import BOOL, STRING
 
     if winner.verdict != "holds":
         return f"nothing written: no reading holds on these prompts ({file_reading} stays)"

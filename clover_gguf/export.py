@@ -24,7 +24,7 @@ from gguf.constants import GGML_QUANT_SIZES
 from clover_gguf.convert import AR_ARCH, ARCH, ARCHS, UPSTREAM_HPARAMS
 from clover_gguf.errors import UserError
 from clover_gguf.fsutil import atomic_output, check_free_disk, check_output, check_writable_dir
-from clover_gguf.gguf_header import GGUFHeader, read_header, tensor_bytes
+from clover_gguf.gguf_header import GGUFHeader, encode_value, read_header, tensor_bytes
 from clover_gguf.tensor_map import CLOVER_EXTRA_RE
 
 REPEAT_PENALTY_KEY = "general.sampling.penalty_repeat"
@@ -142,3 +142,48 @@ def copy_gguf(h: GGUFHeader, src: Path, out: Path, keep: list[str], rename: dict
                     bar.update(a.nbytes)
         finally:
             w.close()
+
+
+def restamp(path: Path, keys: dict[str, tuple[int, Any]], quiet: bool = True) -> str:
+    """Set these keys (key -> (GGUF type, value); STRING, BOOL, UINT32 or FLOAT32) in a GGUF file, whole or not
+    at all. In place when each key is there with the same type and its new value takes as many bytes (a reading's
+    name for another: metadata.READINGS are all one length): the bytes from the first changed value to the last are
+    written back in one write, then synced, so a reader sees the old header or the new one and the tensors never
+    move. Otherwise the file is copied with the keys set (its tensors byte for byte) and the copy renamed over it.
+    -> "in place" or "rewritten"."""
+    import os
+
+    path = Path(path)
+    h = read_header(path)
+    types = h.types or {}
+    if all(k in h.spans and types.get(k, (None,))[0] == t and
+           len(encode_value(t, v)) == h.spans[k][1] - h.spans[k][0] for k, (t, v) in keys.items()):
+        first = min(h.spans[k][0] for k in keys)
+        last = max(h.spans[k][1] for k in keys)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as e:
+            raise UserError(f"cannot write {path}: {e.strerror or e}") from None
+        try:
+            buf = bytearray(os.pread(fd, last - first, first))
+            for k, (t, v) in keys.items():
+                a, b = h.spans[k]
+                buf[a - first:b - first] = encode_value(t, v)
+            if os.pwrite(fd, bytes(buf), first) != len(buf):
+                raise UserError(f"{path}: the header write was cut short (disk full?)")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return "in place"
+    from clover_gguf.fsutil import temp_name
+
+    full = read_header(path, full=True)
+    tmp = temp_name(path).with_name(temp_name(path).name + "-restamp")
+    try:
+        copy_gguf(full, path, tmp, keep=list(full.tensors), drop_keys=set(keys), add_keys=keys, quiet=quiet,
+                  desc="restamp", arch=full.arch or ARCH)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return "rewritten"

@@ -28,7 +28,7 @@ READING = "clover-gguf-1"  # the default reading: a file without BLOCK_READING i
 # Every reading of the block softmax's tensors (bd_softmax_*) this version knows, name -> what it does; each written
 # out exactly in docs/architecture.md 3b and computed by clover_gguf.reference (every reading) and the llama.cpp and
 # MLX backends (the readings they declare: their READINGS). Every name has the same length, so that a file's reading
-# can be restamped in place (gguf_header.restamp_string).
+# can be restamped in place (export.restamp).
 READINGS = {
     "clover-gguf-1": "history slot: a logit b_h and no value (a sink); o = o_gdn + c_h * o_sm",
     "clover-gguf-2": "history slot: a logit b_h whose value is the clean prefix state's readout for the query; "

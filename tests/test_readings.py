@@ -21,7 +21,8 @@ import clover_gguf
 from clover_gguf import metadata as md
 from clover_gguf.convert import convert
 from clover_gguf.errors import UserError
-from clover_gguf.gguf_header import BOOL, STRING, read_header, restamp
+from clover_gguf.export import restamp
+from clover_gguf.gguf_header import BOOL, STRING, read_header
 from clover_gguf.reference import CloverModel, ReferenceBackend, block_softmax, load_gguf
 
 ASSETS = Path(clover_gguf.__file__).parent / "assets"
