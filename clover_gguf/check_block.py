@@ -254,11 +254,11 @@ def rank_readings(model: Path, readings: Sequence[str] | None = None, prompts: P
         for reading in wanted:
             res = CheckResult(str(model), reading, rt.reading_verified and reading == file_reading,
                               prompt_set=prompt_set)
-            if reading in rt.backend.READINGS and reading != rt.reading:
+            if reading == file_reading and reading in rt.backend.READINGS:
+                _decode(rt, texts, max_new_tokens, res)
+            elif reading in rt.backend.READINGS:
                 elsewhere.append(res)
                 continue
-            if reading in rt.backend.READINGS:
-                _decode(rt, texts, max_new_tokens, res)
             else:
                 if reference is None:
                     from clover_gguf.reference import ReferenceBackend, load_gguf
