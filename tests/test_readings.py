@@ -246,6 +246,35 @@ def test_check_block_ranks_clover_gguf_1_first_on_the_bundled_model(bundled_gguf
                                              for r in res["ranking"])
 
 
+@pytest.fixture(scope="module")
+def reading3_gguf(tmp_path_factory):
+    """The test model trained under clover-gguf-3 (train_tiny.READING3_RUN: the bundled model fine-tuned with its
+    history slot and history_c where the readings disagree), converted to F32: its file says clover-gguf-3."""
+    from clover_gguf.testing import train_tiny
+
+    folder = tmp_path_factory.mktemp("reading3") / "model"
+    train_tiny.train(folder, log=False, **train_tiny.READING3_RUN)
+    out = folder.parent / "reading3.gguf"
+    convert(folder, out, outtype="f32", quiet=True)
+    return out
+
+
+def test_check_block_ranks_clover_gguf_3_first_on_a_model_trained_under_it(reading3_gguf):
+    """check-block --reading all on a model trained under clover-gguf-3: its reading first, by a wide margin (at
+    least 10 points of acceptance over each other reading, and half again as many accepted tokens per block pass;
+    measured: 96.6% and 6.1 per pass against 79.0% and 2.6 for clover-gguf-1 and 41.8% and 1.6 for clover-gguf-2),
+    each reading decoded once on llama.cpp."""
+    assert read_header(reading3_gguf).kv[md.BLOCK_READING] == "clover-gguf-3"
+    p = _cli("check-block", reading3_gguf, "--reading", "all", "-n", "48", "--json")
+    assert p.returncode == 0, p.stderr
+    res = json.loads(p.stdout)
+    print("trained under clover-gguf-3:", [(r["reading"], r["acceptance"]) for r in res["ranking"]])
+    assert res["winner"] == "clover-gguf-3" and res["verdict"] == "holds"
+    best, *others = res["ranking"]
+    assert res["margin"] >= 0.10 and all(best["accepted_per_pass"] >= 1.5 * r["accepted_per_pass"] for r in others)
+    assert {r["backend"] for r in res["ranking"]} == {"llama.cpp"} and all(r["prompts"] == 12 for r in res["ranking"])
+
+
 def _unverified_checkpoint(tmp_path: Path) -> Path:
     """The bundled checkpoint without its reading field: what the real checkpoint looks like to us."""
     ck = tmp_path / "unverified"

@@ -90,6 +90,29 @@ def test_greedy_rows_equal_numpy_on_the_raw_rows(big_gguf, n_ids, width):
         _check_greedy(rows, step, ids, width, True)
 
 
+def test_a_chunk_made_of_ids_only_is_dead_and_the_others_exact(big_gguf):
+    """Ids that cover a whole chunk (and parts of others): that chunk's maximum is -inf (nothing of it is left
+    outside the ids), every other chunk's as numpy finds it."""
+    c = _chunk(V_BIG)
+    rng = np.random.default_rng(5)
+    dead = 7
+    ids = np.array([*range(dead * c, (dead + 1) * c), *rng.integers(0, dead * c, 40)], dtype=np.int32)
+    ids = np.array(list(dict.fromkeys(ids.tolist())), dtype=np.int32)
+    rng.shuffle(ids)  # the chunk's ids not in order among the others
+    with LlamaContext(big_gguf, n_ctx=256, n_threads=2) as ctx:
+        prompt = [int(t) for t in rng.integers(0, 1000, 12)]
+        ctx.decode(prompt, 0, logits=False)
+        block = [int(t) for t in rng.integers(0, V_BIG, 8)]
+        raw = ctx.block(block, len(prompt))
+        rows = ctx.block(block, len(prompt), gather=Gather(ids=ids, n_rows=8, width=1024))
+    want_ids, want_best, _ = _expected_greedy(raw, ids)
+    live = np.arange(V_BIG // c) != dead
+    assert np.all(rows.rest_logits[:, dead] == -np.inf)
+    np.testing.assert_array_equal(rows.rest_logits[:, live], want_best[:, live].astype(np.float32))
+    np.testing.assert_array_equal(rows.rest_ids[:, live], want_ids[:, live])
+    np.testing.assert_array_equal(rows.at_ids[:, :len(ids)], raw[:, ids])
+
+
 def test_sampled_rows_report_numpy_probabilities(big_gguf):
     """temp > 0: the probabilities at the ids and of the drawn token are those of numpy's softmax of the corrected
     row (x -> x * (x > 0 ? c0 : c1) + c2 at the ids); with top_k 1 the draw is the corrected row's most likely

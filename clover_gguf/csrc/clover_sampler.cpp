@@ -350,17 +350,22 @@ void cs_backend_set_input(llama_sampler * smpl) {
         ggml_backend_tensor_set(r.inp_ids, s->buf_i.data(), 0, ggml_nbytes(r.inp_ids));
 
         if (r.inp_dead) {
-            std::vector<int32_t> seen(r.m, 0);
-            std::vector<char>    mark(r.V, 0);
-            for (int64_t w = 0; w < W; ++w) {
-                if (!mark[ids[w]]) {
-                    mark[ids[w]] = 1;
-                    ++seen[ids[w] / r.c];
-                }
-            }
+            // a chunk is dead when every one of its c ids is among the W ids: count the distinct ids per chunk from
+            // the sorted ids (W entries of host work per decode, nothing the size of the vocabulary)
+            std::vector<int32_t> uniq(ids);
+            std::sort(uniq.begin(), uniq.end());
+            uniq.erase(std::unique(uniq.begin(), uniq.end()), uniq.end());
             s->buf_f.assign(r.m, 0.0f);
-            for (int64_t ch = 0; ch < r.m; ++ch) {
-                s->buf_f[ch] = seen[ch] == r.c ? -INFINITY : 0.0f;
+            for (size_t i = 0; i < uniq.size();) {
+                const int64_t ch = uniq[i] / r.c;
+                size_t        j  = i;
+                while (j < uniq.size() && uniq[j] / r.c == ch) {
+                    ++j;
+                }
+                if ((int64_t) (j - i) == r.c) {
+                    s->buf_f[ch] = -INFINITY;
+                }
+                i = j;
             }
             ggml_backend_tensor_set(r.inp_dead, s->buf_f.data(), 0, ggml_nbytes(r.inp_dead));
         }

@@ -1,6 +1,7 @@
 """Train the tiny Clover that the demo and the tests use, on the reference model, on CPU.
 
     python -m clover_gguf.testing.train_tiny OUT [--steps N] [--seed S] [--threads T] [--resume]
+        [--reading NAME] [--init-from DIR] [--history-c C] [--history-bias B]
     python -m clover_gguf.testing.train_tiny OUT --eval-only [--mode ar|diffusion|draft-self] [--limit N]
 
 Synthetic chat tasks with checkable answers (counting, addition, reversing/copying letters, key -> value
@@ -53,6 +54,7 @@ TURN_WEIGHTS = (2, 1, 1)  # conversations of 1, 2 and 3 turns
 NO_THINK_SHARE = 0.3  # answered with enable_thinking=False (the prompt holds the empty thinking span)
 HOLDOUT_MOD = 16  # prompts whose crc32 % HOLDOUT_MOD == 0 are held out (never trained on, in any turn)
 EVAL_ROWS = {"single": 30, "multi": 15, "no-think": 15}  # eval rows per task and row kind
+ASSET_DIR = Path(__file__).resolve().parents[1] / "assets" / "tiny-clover"  # the committed checkpoint
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -267,6 +269,35 @@ def start_from(model, folder: Path) -> None:
         if name.rsplit(".", 1)[-1] in BLOCK_SOFTMAX:
             tensors[name] = own[name]
     model.load_hf_state_dict({k: torch.as_tensor(v) for k, v in tensors.items()})
+
+
+# The test model trained under clover-gguf-3 (tests/test_readings.py; docs/tiny-model.md): the bundled model fine-tuned
+# under that reading, its history slot given the whole block softmax and history_c 3, for 300 steps (about 6 minutes
+# on two cores). The command line: OUT --init-from clover_gguf/assets/tiny-clover --reading clover-gguf-3
+# --history-c 3 --history-bias 20 --steps 300 --seed 1 --lr 1e-3 --pool 20000
+READING3_RUN = dict(steps=300, seed=1, lr=1e-3, pool=20_000, reading="clover-gguf-3", init_from=ASSET_DIR,
+                    history_c=3.0, history_bias=20.0)
+
+
+def set_history(model, history_c: float | None = None, history_bias: float | None = None) -> None:
+    """Every GDN layer's bd_softmax_history_c / _history_bias set to one value (per value head) before training.
+
+    Why: on a model started from make_tiny's draw (or the bundled model) the three readings are nearly one function:
+    the block softmax's readout over the block is some ten times the delta rule's output and the prefix state's
+    readout (the history's value) a tenth of it, and the gated RMSNorm after them keeps only their direction, so
+    the readings differ by little and draft alike (docs/tiny-model.md, "A model trained under clover-gguf-3"). A
+    history bias far above the block's logits gives the history slot the whole softmax (readings 2 and 3 then read
+    the prefix state, reading 1's sink takes it away), and a history_c past 1 gives the delta rule's output the
+    opposite sign under reading 3 ((1 - c) o_gdn) to readings 1 and 2 (+ o_gdn): weights on which the readings
+    disagree, so that check-block has something to find."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if history_c is not None and name.endswith("bd_softmax_history_c"):
+                p.fill_(float(history_c))
+            if history_bias is not None and name.endswith("bd_softmax_history_bias"):
+                p.fill_(float(history_bias))
 
 
 def save_checkpoint(model, out: Path) -> None:
@@ -488,11 +519,12 @@ def prepare(out: Path, seed: int):
 def train(out: Path, steps: int, seed: int = 0, resume: bool = False, micro: int = 16, lr: float = 3e-3,
           save_every: int = 100, log_every: int = 20, stop_after: int | None = None,
           boundary_share: float = 0.2, pool: int = 100_000, reading: str = READING,
-          init_from: Path | None = None) -> None:
+          init_from: Path | None = None, history_c: float | None = None, history_bias: float | None = None,
+          log: bool = True) -> None:
     """reading: the block softmax's reading the model is trained under (metadata.READINGS; its config.json says
     it). init_from: start from that checkpoint's weights (one this script made: the same tokenizer and shape)
     instead of random ones, its block-softmax tensors drawn afresh, so that they carry nothing of the reading it
-    was trained under."""
+    was trained under. history_c, history_bias: their starting values (set_history). log: the loss lines."""
     import torch
 
     tok, special, cfg = prepare(out, seed)
@@ -501,6 +533,7 @@ def train(out: Path, steps: int, seed: int = 0, resume: bool = False, micro: int
     model = init_model(cfg, seed)
     if init_from is not None:
         start_from(model, Path(init_from))
+    set_history(model, history_c, history_bias)
     model.reading = reading
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
     start = 0
@@ -537,7 +570,7 @@ def train(out: Path, steps: int, seed: int = 0, resume: bool = False, micro: int
                 acc["d"] += diff.item() / 2
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
-            if (s + 1) % log_every == 0:
+            if log and (s + 1) % log_every == 0:
                 print(f"step {s + 1} causal {acc['c'] / log_every:.4f} block {acc['d'] / log_every:.4f} "
                       f"lr {lr_at(s):.2e} {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
                 acc = {"c": 0.0, "d": 0.0}
@@ -545,7 +578,8 @@ def train(out: Path, steps: int, seed: int = 0, resume: bool = False, micro: int
                 torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": s + 1}, state_path)
                 save_checkpoint(model, out)
     save_checkpoint(model, out)
-    print(f"trained {end - start} steps in {time.time() - t0:.0f}s", file=sys.stderr)
+    if log:
+        print(f"trained {end - start} steps in {time.time() - t0:.0f}s", file=sys.stderr)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -555,7 +589,6 @@ def load_eval(model_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(model_dir) / "eval.jsonl").read_text().splitlines() if line.strip()]
 
 
-ASSET_DIR = Path(__file__).resolve().parents[1] / "assets" / "tiny-clover"  # the committed checkpoint
 
 
 def load_tiny(model_dir: Path = ASSET_DIR, dtype=None):
@@ -622,6 +655,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="the block softmax's reading to train under (docs/architecture.md 3b)")
     ap.add_argument("--init-from", type=Path, default=None,
                     help="start from this checkpoint's weights (its block-softmax tensors drawn afresh)")
+    ap.add_argument("--history-c", type=float, default=None,
+                    help="start every bd_softmax_history_c at this value (set_history: a model on which the "
+                         "readings disagree)")
+    ap.add_argument("--history-bias", type=float, default=None,
+                    help="start every bd_softmax_history_bias at this value")
     ap.add_argument("--eval-only", action="store_true")
     ap.add_argument("--mode", default="ar", choices=["ar", "diffusion", "draft-self"])
     ap.add_argument("--limit", type=int, default=None)
@@ -639,7 +677,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     train(a.out, a.steps, seed=a.seed, resume=a.resume, micro=a.micro, lr=a.lr, save_every=a.save_every,
           stop_after=a.stop_after, boundary_share=a.boundary_share, pool=a.pool, reading=a.reading,
-          init_from=a.init_from)
+          init_from=a.init_from, history_c=a.history_c, history_bias=a.history_bias)
     return 0
 
 
