@@ -415,7 +415,9 @@ _NO_ID = np.iinfo(np.int32).max
 
 class _PrefixStats:
     """Occurrences of each token in the prefix all rows share (the answer so far), kept up to date as it grows: the
-    prefix is a list that the decoder only appends to (a new list object starts over)."""
+    decoder only appends to the answer. Another list object whose first n tokens are the ones counted (diffusion
+    commits a block with the answer before it, a slice of the answer) goes on from there; any other prefix starts
+    over. (Starting over on every new object rescanned the whole answer twice a block: 0.6 ms a pass at 600 tokens.)"""
 
     def __init__(self, marks: Sequence[int]):
         self.marks = [int(t) for t in marks]  # tokens whose last position is kept (<think>, </think>)
@@ -424,17 +426,22 @@ class _PrefixStats:
 
     def reset(self) -> None:
         self.n = 0
+        self.seen: list[int] = []  # the tokens counted, in order (what another prefix object is compared with)
         self.col: dict[int, int] = {}  # token -> index in ids
         self.ids = np.empty(64, dtype=np.int64)
         self.counts = np.zeros(64, dtype=np.int64)
         self.last = {t: -1 for t in self.marks}
 
     def update(self, prefix: Sequence[int]) -> None:
-        if prefix is not self.src or len(prefix) < self.n:
+        if prefix is not self.src:
+            if len(prefix) < self.n or not isinstance(prefix, list) or prefix[:self.n] != self.seen:
+                self.reset()
             self.src = prefix
+        elif len(prefix) < self.n:
             self.reset()
         for i in range(self.n, len(prefix)):
             t = int(prefix[i])
+            self.seen.append(t)
             j = self.col.get(t)
             if j is None:
                 j = self.col[t] = len(self.col)

@@ -175,3 +175,34 @@ def test_prefix_occurrences_and_spans_follow_a_growing_answer():
             want = [hist.count(int(t)) for t in g.ids]
             assert rows.counts()[i].tolist() == want, (step, i)
         assert rows.spans(THINK, THINK_END, True) == thinking_spans(list(h), THINK, THINK_END, True)
+
+
+@pytest.mark.parametrize("how", ["copies", "a slice, then the answer", "a diverging copy"])
+def test_prefix_counts_carry_over_to_another_list_with_the_same_start(how):
+    """Diffusion commits a block with a slice of the answer as its prefix, then passes the answer itself: the counts
+    go on from the tokens they saw when a new list starts with them (no rescan), and start over when it does not;
+    either way they equal the dense reading of each row's history."""
+    from clover_gguf.controls import _Rows
+
+    rng = np.random.default_rng(4)
+    out: list[int] = []
+    sel = Selector(make_processors(BITING, [EOS], THINK, THINK_END, True), None, [EOS])
+    for step in range(10):
+        out += rng.choice([0, 1, 2, THINK, THINK_END, 5], size=int(rng.integers(1, 4))).tolist()
+        if how == "copies":
+            prefix = list(out)
+        elif how == "a slice, then the answer":
+            prefix = out[:len(out) - 1] if step % 2 else out
+        else:
+            prefix = list(out)
+            if step == 6:  # a different answer of the same length: the counts must start over
+                prefix[0] = 7 if prefix[0] != 7 else 8
+                out = prefix
+        counted = sel.stats.seen  # a reset makes a new list
+        h = Histories(prefix, [1, 2], [0, 2])
+        g = sel.gather(h)
+        rows = _Rows(h, sel.stats, g.ids, g.columns)
+        for i, hist in enumerate(h):
+            assert rows.counts()[i].tolist() == [hist.count(int(t)) for t in g.ids], (how, step, i)
+        started_over = sel.stats.seen is not counted
+        assert started_over == (how == "a diverging copy" and step == 6), (how, step)
