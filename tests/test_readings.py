@@ -259,6 +259,7 @@ def reading3_gguf(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow  # trains the model: about 6 minutes on two cores
 def test_check_block_ranks_clover_gguf_3_first_on_a_model_trained_under_it(reading3_gguf):
     """check-block --reading all on a model trained under clover-gguf-3: its reading first, by a wide margin (at
     least 10 points of acceptance over each other reading, and half again as many accepted tokens per block pass;
