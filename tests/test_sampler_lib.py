@@ -90,7 +90,8 @@ def test_greedy_rows_equal_numpy_on_the_raw_rows(big_gguf, n_ids, width):
         _check_greedy(rows, step, ids, width, True)
 
 
-def test_a_chunk_made_of_ids_only_is_dead_and_the_others_exact(big_gguf):
+@pytest.mark.parametrize("probs", [True, False])  # the masked softmax, or the masked logits ranked directly
+def test_a_chunk_made_of_ids_only_is_dead_and_the_others_exact(big_gguf, probs):
     """Ids that cover a whole chunk (and parts of others): that chunk's maximum is -inf (nothing of it is left
     outside the ids), every other chunk's as numpy finds it."""
     c = _chunk(V_BIG)
@@ -104,7 +105,7 @@ def test_a_chunk_made_of_ids_only_is_dead_and_the_others_exact(big_gguf):
         ctx.decode(prompt, 0, logits=False)
         block = [int(t) for t in rng.integers(0, V_BIG, 8)]
         raw = ctx.block(block, len(prompt))
-        rows = ctx.block(block, len(prompt), gather=Gather(ids=ids, n_rows=8, width=1024))
+        rows = ctx.block(block, len(prompt), gather=Gather(ids=ids, n_rows=8, width=1024, probs=probs))
     want_ids, want_best, _ = _expected_greedy(raw, ids)
     live = np.arange(V_BIG // c) != dead
     assert np.all(rows.rest_logits[:, dead] == -np.inf)

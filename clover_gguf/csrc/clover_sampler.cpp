@@ -116,20 +116,23 @@ run build_run(const clover_sampler * s, ggml_context * ctx, ggml_tensor * rows) 
     ggml_tensor * ids_f = ggml_cast(ctx, r.inp_ids, GGML_TYPE_F32); // [W, n]: the ids as candidates
 
     if (s->temp <= 0.0f) {
-        // the rows stay as llama.cpp computed them: the ids are left out by a mask that the chunks' softmax adds to
-        // every row (one [c, m] mask for all rows: the ids are the same), and each chunk's largest logit is found
-        // as its largest probability (the softmax is monotonic), its value read from the row
+        // the rows stay as llama.cpp computed them: the ids are left out by a mask added to every row (one [c, m]
+        // mask for all rows: the ids are the same), and each chunk's largest logit is found, its value read from the
+        // row. With probs, the mask goes into the chunks' softmax and the largest logit is found as the largest
+        // probability (the softmax is monotonic), whose value is then the output; without, the masked logits are
+        // ranked directly (a softmax is an exp per logit: 8 M of them for a 32-row block at V = 248,320)
         const int64_t c = r.c, m = r.m;
         ggml_tensor * ids0 = ggml_view_2d(ctx, r.inp_ids, W, 1, r.inp_ids->nb[1], 0); // the first row's ids
         ggml_tensor * mask = ggml_fill(ctx, ggml_new_tensor_3d(ctx, GGML_TYPE_F32, 1, V, 1), 0.0f);
         mask = ggml_set_rows(ctx, mask, ggml_fill(ctx, ggml_new_tensor_3d(ctx, GGML_TYPE_F32, 1, W, 1), -INFINITY),
                              ggml_cont(ctx, ids0));
-        ggml_tensor * p = ggml_soft_max_ext(ctx, ggml_reshape_3d(ctx, rows, c, m, n),
-                                            ggml_reshape_3d(ctx, mask, c, m, 1), 1.0f, 0.0f);
+        ggml_tensor * x3    = ggml_reshape_3d(ctx, rows, c, m, n);
+        ggml_tensor * mask3 = ggml_reshape_3d(ctx, mask, c, m, 1);
+        ggml_tensor * p = s->probs ? ggml_soft_max_ext(ctx, x3, mask3, 1.0f, 0.0f) : ggml_add(ctx, x3, mask3);
         ggml_tensor * p2  = ggml_reshape_2d(ctx, p, c, m * n);
         ggml_tensor * loc = ggml_top_k(ctx, p2, 1); // [1, m * n]
         ggml_tensor * val = ggml_get_rows(ctx, ggml_reshape_3d(ctx, rows, 1, c, m * n), loc);
-        // a chunk made of ids only: -inf (its softmax is undefined; set per decode, r.inp_dead)
+        // a chunk made of ids only: -inf (nothing of it is left to rank; set per decode, r.inp_dead)
         r.inp_dead = ggml_reshape_1d(ctx, new_input(ctx, GGML_TYPE_F32, m, 1, 1, "clover_dead_chunks"), m);
         val = ggml_add(ctx, ggml_reshape_2d(ctx, val, m, n), r.inp_dead);
         ggml_tensor * id_f = ggml_add(ctx, ggml_reshape_2d(ctx, ggml_cast(ctx, loc, GGML_TYPE_F32), m, n),
