@@ -425,7 +425,6 @@ class _PrefixStats:
         self.reset()
 
     def reset(self) -> None:
-        self.n = 0
         self.seen: list[int] = []  # the tokens counted, in order (what another prefix object is compared with)
         self.col: dict[int, int] = {}  # token -> index in ids
         self.ids = np.empty(64, dtype=np.int64)
@@ -433,13 +432,12 @@ class _PrefixStats:
         self.last = {t: -1 for t in self.marks}
 
     def update(self, prefix: Sequence[int]) -> None:
-        if prefix is not self.src:
-            if len(prefix) < self.n or not isinstance(prefix, list) or prefix[:self.n] != self.seen:
-                self.reset()
-            self.src = prefix
-        elif len(prefix) < self.n:
+        n = len(self.seen)
+        if len(prefix) < n or (prefix is not self.src and (not isinstance(prefix, list) or prefix[:n] != self.seen)):
             self.reset()
-        for i in range(self.n, len(prefix)):
+            n = 0
+        self.src = prefix
+        for i in range(n, len(prefix)):
             t = int(prefix[i])
             self.seen.append(t)
             j = self.col.get(t)
@@ -453,7 +451,6 @@ class _PrefixStats:
             self.counts[j] += 1
             if t in self.last:
                 self.last[t] = i
-        self.n = len(prefix)
 
 
 class _Columns:

@@ -285,7 +285,7 @@ def set_history(model, history_c: float | None = None, history_bias: float | Non
     Why: on a model started from make_tiny's draw (or the bundled model) the three readings are nearly one function:
     the block softmax's readout over the block is some ten times the delta rule's output and the prefix state's
     readout (the history's value) a tenth of it, and the gated RMSNorm after them keeps only their direction, so
-    the readings differ by little and draft alike (docs/tiny-model.md, "A model trained under clover-gguf-3"). A
+    the readings differ by little and draft alike (docs/tiny-model.md, "Readings"). A
     history bias far above the block's logits gives the history slot the whole softmax (readings 2 and 3 then read
     the prefix state, reading 1's sink takes it away), and a history_c past 1 gives the delta rule's output the
     opposite sign under reading 3 ((1 - c) o_gdn) to readings 1 and 2 (+ o_gdn): weights on which the readings
@@ -587,8 +587,6 @@ def train(out: Path, steps: int, seed: int = 0, resume: bool = False, micro: int
 # ---------------------------------------------------------------------------------------------------------------
 def load_eval(model_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(model_dir) / "eval.jsonl").read_text().splitlines() if line.strip()]
-
-
 
 
 def load_tiny(model_dir: Path = ASSET_DIR, dtype=None):
