@@ -76,7 +76,11 @@ class PassCosts:
             raise ValueError(f"unknown pass kind {kind!r}")
         if rows < 1 or not math.isfinite(seconds) or seconds < 0:
             return
-        self.buckets.setdefault((kind, int(rows)), _Average()).add(float(seconds))
+        key = (kind, int(rows))
+        avg = self.buckets.get(key)
+        if avg is None:
+            avg = self.buckets[key] = _Average()
+        avg.add(float(seconds))
 
     def warm(self, kind: str) -> bool:
         """A pass of this kind was timed at least twice at some row count (the first is a cold one)."""

@@ -149,6 +149,7 @@ class _LengthPenalty:
 
     def __init__(self, c: Controls, end_ids: Sequence[int]):
         self.c, self.ends = c, np.asarray(sorted(set(end_ids)), dtype=np.int64)
+        self.end_list = self.ends.tolist()  # what _Rows.cols takes (python ints: no numpy scalar per lookup)
 
     def _amounts(self, lengths: Sequence[int]) -> list[float]:
         c = self.c
@@ -161,10 +162,13 @@ class _LengthPenalty:
         return self.ends.tolist()
 
     def at(self, rows: "_Rows", logits: np.ndarray) -> np.ndarray:
-        return _raise_rows(logits, rows.cols(self.ends), self._amounts(rows.lengths()))
+        if rows.longest() < self.c.length_penalty_start:  # no row reaches the start: nothing to add (the usual case)
+            return logits
+        amounts = self._amounts(rows.lengths())
+        return _raise_rows(logits, rows.cols(self.end_list), amounts) if any(amounts) else logits
 
     def coef(self, rows: "_Rows") -> tuple[None, None, np.ndarray]:
-        return None, None, _raise_rows(rows.zeros(), rows.cols(self.ends), self._amounts(rows.lengths()))
+        return None, None, _raise_rows(rows.zeros(), rows.cols(self.end_list), self._amounts(rows.lengths()))
 
 
 class _ThinkEndBias:
@@ -189,7 +193,10 @@ class _ThinkEndBias:
         return rows.spans(self.think_id, self.think_end_id, self.at_start)
 
     def at(self, rows: "_Rows", logits: np.ndarray) -> np.ndarray:
-        return _raise_rows(logits, rows.cols([self.think_end_id]), self._amounts(self._spans(rows)))
+        if rows.longest() < self.c.think_end_bias_start:  # a span is at most its history: none reaches the start
+            return logits
+        amounts = self._amounts(self._spans(rows))
+        return _raise_rows(logits, rows.cols([self.think_end_id]), amounts) if any(amounts) else logits
 
     def coef(self, rows: "_Rows") -> tuple[None, None, np.ndarray]:
         return None, None, _raise_rows(rows.zeros(), rows.cols([self.think_end_id]), self._amounts(self._spans(rows)))
@@ -413,6 +420,14 @@ GATHER_WIDTHS = (32, 128, 512, 2048, 8192, 32768, 131072)
 _NO_ID = np.iinfo(np.int32).max
 
 
+def gather_width(n: int) -> int:
+    """The graph's gather width for n ids: the first of GATHER_WIDTHS that holds them (n itself past the last)."""
+    for w in GATHER_WIDTHS:
+        if w >= n:
+            return w
+    return n
+
+
 class _PrefixStats:
     """Occurrences of each token in the prefix all rows share (the answer so far), kept up to date as it grows: the
     decoder only appends to the answer. Another list object whose first n tokens are the ones counted (diffusion
@@ -465,6 +480,11 @@ class _Columns:
         j = self.prefix_col.get(token) if self.n_prefix else None
         return self.others[token] if j is None else j
 
+    def of(self, tokens: Sequence[int]) -> list[int]:
+        """[self[t] for t in tokens], without a method call per token."""
+        pre, others = (self.prefix_col if self.n_prefix else {}), self.others
+        return [pre[t] if t in pre else others[t] for t in map(int, tokens)]
+
     def __contains__(self, token: int) -> bool:
         return (self.n_prefix and token in self.prefix_col) or token in self.others
 
@@ -477,8 +497,10 @@ class _Rows:
         self.h, self.stats, self.ids, self.col = h, stats, ids, col
         self._counts: np.ndarray | None = None
 
-    def cols(self, ids) -> list[int]:
-        return [self.col[int(t)] for t in np.atleast_1d(ids)]
+    def cols(self, ids: Sequence[int]) -> list[int]:
+        """The columns of a list of python ints (the processors' fixed ids)."""
+        col = self.col
+        return [col[t] for t in ids]
 
     def zeros(self) -> np.ndarray:
         return np.zeros((len(self.h), len(self.ids)), dtype=np.float32)
@@ -486,6 +508,10 @@ class _Rows:
     def lengths(self) -> list[int]:
         n = len(self.h.prefix)
         return [n + k for k in self.h.lens]
+
+    def longest(self) -> int:
+        """The longest history's length (max of lengths())."""
+        return len(self.h.prefix) + max(self.h.lens, default=0)
 
     def counts(self) -> np.ndarray:
         """[T, W] int64: occurrences of each gathered id in each row's history."""
@@ -495,10 +521,10 @@ class _Rows:
             n_prefix = self.col.n_prefix  # the prefix's ids come first in the gather list (Selector.gather)
             if n_prefix:
                 counts[:, :n_prefix] = st.counts[:n_prefix]
-            lens = np.asarray(self.h.lens)
-            n_tail = int(lens.max(initial=0))
+            n_tail = max(self.h.lens, default=0)
             if n_tail:
-                tail_cols = np.asarray([self.col[int(t)] for t in self.h.tail[:n_tail]])
+                lens = np.asarray(self.h.lens)
+                tail_cols = np.asarray(self.col.of(self.h.tail[:n_tail]))
                 r, j = np.nonzero(np.arange(n_tail)[None, :] < lens[:, None])
                 np.add.at(counts, (r, tail_cols[j]), 1)
             self._counts = counts
@@ -529,6 +555,7 @@ class Selector:
         self.end_ids = sorted({int(t) for t in end_ids})
         # ids no row may choose (the mask token); a negative id (a file without one) is no id
         self.never = np.asarray(sorted({int(t) for t in never if t is not None and int(t) >= 0}), dtype=np.int64)
+        self.never_list = self.never.tolist()  # what _Rows.cols takes
         self.sampling = self.sampler if isinstance(self.sampler, Sampling) else None
         # the graph can select when every processor has the sparse form and the sampler is one of ours
         self.in_graph = (all(hasattr(p, "at") for p in self.processors) and
@@ -575,7 +602,7 @@ class Selector:
         ids = np.empty(n_prefix + len(others), dtype=np.int32)
         ids[:n_prefix] = st.ids[:n_prefix]
         ids[n_prefix:] = others
-        width = next((w for w in GATHER_WIDTHS if w >= len(ids)), len(ids))
+        width = gather_width(len(ids))
         g = Gather(ids, len(h), width, probs=probs)
         g.columns = _Columns(st.col, n_prefix, others)
         if self.sampling is not None:
@@ -596,7 +623,7 @@ class Selector:
         out = np.asarray(logits, dtype=np.float64)
         for p in self.processors:
             out = np.asarray(p.at(rows, out), dtype=np.float64)
-        return self._exclude(out, logits, rows.cols(self.never))
+        return self._exclude(out, logits, rows.cols(self.never_list))
 
     def coef(self, h: Histories, g: Gather) -> np.ndarray:
         """[3, T, W] float32: the processors as x -> x * (c0 if x > 0 else c1) + c2 at the gathered ids (the sampled
@@ -610,7 +637,7 @@ class Selector:
                 out[0], out[1] = c0, c1
             out[2] += c2
         if self.never.size:
-            out[2][:, rows.cols(self.never)] = -np.inf  # x * scale - inf: never drawn, probability 0
+            out[2][:, rows.cols(self.never_list)] = -np.inf  # x * scale - inf: never drawn, probability 0
         return out
 
     def choose(self, h: Sequence[Sequence[int]], rows: np.ndarray | GraphRows, gather: Gather | None = None
@@ -639,12 +666,11 @@ class Selector:
         tokens = np.where(take_g, g_id, rest_id)
         if not gather.probs:
             return _SparseChoice(tokens, np.full(len(tokens), np.nan), col, at, None)
-        chosen = np.where(take_g, g_l, rest_l_best)
-        # log of the rest's softmax total: per chunk, its maximum over that one's probability in the chunk
-        with np.errstate(divide="ignore", invalid="ignore"):
-            chunk_lse = np.where(np.isneginf(rest_l), -np.inf, rest_l - np.log(rows.rest_probs.astype(np.float64)))
-        m = np.maximum(at.max(-1), chunk_lse.max(-1))  # [T]
-        with np.errstate(over="ignore"):
-            total = np.exp(at - m[:, None]).sum(-1) + np.exp(chunk_lse - m[:, None]).sum(-1)
-        log_total = m + np.log(total)
-        return _SparseChoice(tokens, np.exp(chosen - log_total), col, at, log_total)
+        m = np.where(take_g, g_l, rest_l_best)  # [T] the chosen logit: the row's largest
+        # the row's softmax total relative to exp(m): the gathered ids' terms, and per chunk of the rest its sum,
+        # which is its largest term over that term's probability in the chunk (a dead chunk, all -inf: no term; a
+        # chunk's sum is at most c times its largest, so no overflow)
+        e = np.exp(rest_l - m[:, None])
+        np.divide(e, rows.rest_probs, out=e, where=e > 0)
+        total = np.exp(at - m[:, None]).sum(-1) + e.sum(-1)
+        return _SparseChoice(tokens, 1.0 / total, col, at, m + np.log(total))

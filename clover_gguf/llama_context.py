@@ -337,6 +337,8 @@ class LlamaContext:
         self._batch: _Batch | None = None  # reused by every decode call, grown when a call needs more room
         self._selectors: dict[int, tuple[tuple, Any]] = {}  # seq -> (settings, llama.cpp sampler chain)
         self._views: dict[tuple, np.ndarray] = {}  # numpy views of llama.cpp's sampled-output buffers
+        self._pieces: dict[tuple[int, bool], bytes] = {}  # token_to_piece's, per (token, special)
+        self._sizes_checked: set[tuple[int, bool]] = set()  # (width, probs) whose row sizes _graph_rows checked
 
     # ---- metadata ---------------------------------------------------------------------------------------
     def meta(self, key: str) -> str | None:
@@ -504,16 +506,21 @@ class LlamaContext:
             tokens = np.fromiter((api.llama_get_sampled_token_ith(ctx, int(i)) for i in rows), dtype=np.int64,
                                  count=n_out)
             return GraphRows(at_ids=p[:, :w], tokens=tokens, token_probs=p[:, w])
-        n_f = api.llama_get_sampled_logits_count_ith(ctx, first)
-        n = n_f - w  # the vocabulary's chunks
-        if n != self.n_chunks:
-            raise RuntimeError(f"the selection sampler returned {n_f} logits per row for a width of {w}")
+        n = self.n_chunks
+        n_f = w + n
+        key = (w, g.probs)
+        if key not in self._sizes_checked:  # the library's row layout, checked once per setting (two calls a pass)
+            if api.llama_get_sampled_logits_count_ith(ctx, first) != n_f:
+                raise RuntimeError(f"the selection sampler returned "
+                                   f"{api.llama_get_sampled_logits_count_ith(ctx, first)} logits per row for a "
+                                   f"width of {w}, not {n_f}")
+            if g.probs and api.llama_get_sampled_probs_count_ith(ctx, first) != n:
+                raise RuntimeError("the selection sampler returned no chunk probabilities")
+            self._sizes_checked.add(key)
         f = self._rows_view(api.llama_get_sampled_logits_ith(ctx, first), n_out, np.float32)[:, :n_f].copy()
         ids = self._rows_view(api.llama_get_sampled_candidates_ith(ctx, first), n_out, np.int32)[:, w:n_f].copy()
         probs = None
         if g.probs:
-            if api.llama_get_sampled_probs_count_ith(ctx, first) != n:
-                raise RuntimeError("the selection sampler returned no chunk probabilities")
             probs = self._rows_view(api.llama_get_sampled_probs_ith(ctx, first), n_out, np.float32)[:, :n].copy()
         return GraphRows(at_ids=f[:, :w], rest_ids=ids, rest_logits=f[:, w:], rest_probs=probs)
 
@@ -603,10 +610,21 @@ class LlamaContext:
         return list(buf[:n])
 
     def token_to_piece(self, token: int, special: bool = False) -> bytes:
-        self._check_open()
-        buf = ctypes.create_string_buffer(256)
-        n = self.L.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
-        return buf.raw[:n] if n >= 0 else b""
+        """The token's text (bytes: a piece may hold part of a UTF-8 character). Kept per token once read: the
+        vocabulary does not change, and a ctypes call per token is a tenth of the host's time per AR step."""
+        key = (int(token), bool(special))
+        piece = self._pieces.get(key)
+        if piece is None:
+            self._check_open()
+            size = 256
+            while True:
+                buf = ctypes.create_string_buffer(size)
+                n = self.L.llama_token_to_piece(self.vocab, key[0], buf, size, 0, key[1])
+                if n >= 0:
+                    break
+                size = -n  # llama.cpp: the piece needs -n bytes
+            piece = self._pieces[key] = buf.raw[:n]
+        return piece
 
     def close(self) -> None:
         if getattr(self, "ctx", None):
