@@ -176,3 +176,41 @@ def test_thinking_renderer_dims_or_hides():
         assert "<think>" not in s and "</think>" not in s and s.endswith("The answer")
         assert s.replace(DIM, "").replace(RESET, "") == ("planning\nThe answer" if show else "The answer")
         assert (DIM in s) == (show and color)
+
+
+def test_token_pieces_are_llamas_and_a_long_piece_is_read_whole(tiny_gguf):
+    """token_to_piece keeps each token's text once read: the kept text is what llama.cpp writes for every token, and
+    a piece longer than the first buffer (llama.cpp answers -n, the bytes it needs) is read whole, not as b""."""
+    import ctypes
+    from types import SimpleNamespace
+
+    with CloverRuntime(tiny_gguf, n_ctx=256) as rt:
+        ctx = rt.ctx
+        L = ctx.L
+
+        def direct(t: int) -> bytes:
+            buf = ctypes.create_string_buffer(1024)
+            n = L.llama_token_to_piece(ctx.vocab, t, buf, len(buf), 0, True)
+            assert n >= 0
+            return buf.raw[:n]
+
+        for t in range(ctx.n_vocab):
+            assert ctx.token_to_piece(t, special=True) == direct(t)
+        assert ctx.token_to_piece(7, special=True) is ctx.token_to_piece(7, special=True)  # kept, not read again
+        long_piece = b"x" * 300
+        calls = []
+
+        def piece(vocab, token, buf, size, lstrip, special):  # llama.cpp's contract for a piece that does not fit
+            calls.append(size)
+            if size < len(long_piece):
+                return -len(long_piece)
+            ctypes.memmove(buf, long_piece, len(long_piece))
+            return len(long_piece)
+
+        ctx.L = SimpleNamespace(**{k: getattr(L, k) for k in dir(L) if not k.startswith("__")})
+        ctx.L.llama_token_to_piece = piece
+        try:
+            assert ctx.token_to_piece(ctx.n_vocab - 1, special=False) == long_piece
+            assert calls == [256, 300]
+        finally:
+            ctx.L = L
