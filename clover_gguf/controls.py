@@ -149,7 +149,6 @@ class _LengthPenalty:
 
     def __init__(self, c: Controls, end_ids: Sequence[int]):
         self.c, self.ends = c, np.asarray(sorted(set(end_ids)), dtype=np.int64)
-        self.end_list = self.ends.tolist()  # what _Rows.cols takes (python ints: no numpy scalar per lookup)
 
     def _amounts(self, lengths: Sequence[int]) -> list[float]:
         c = self.c
@@ -164,11 +163,10 @@ class _LengthPenalty:
     def at(self, rows: "_Rows", logits: np.ndarray) -> np.ndarray:
         if rows.longest() < self.c.length_penalty_start:  # no row reaches the start: nothing to add (the usual case)
             return logits
-        amounts = self._amounts(rows.lengths())
-        return _raise_rows(logits, rows.cols(self.end_list), amounts) if any(amounts) else logits
+        return _raise_rows(logits, rows.cols(self.ends), self._amounts(rows.lengths()))
 
     def coef(self, rows: "_Rows") -> tuple[None, None, np.ndarray]:
-        return None, None, _raise_rows(rows.zeros(), rows.cols(self.end_list), self._amounts(rows.lengths()))
+        return None, None, _raise_rows(rows.zeros(), rows.cols(self.ends), self._amounts(rows.lengths()))
 
 
 class _ThinkEndBias:
@@ -195,8 +193,7 @@ class _ThinkEndBias:
     def at(self, rows: "_Rows", logits: np.ndarray) -> np.ndarray:
         if rows.longest() < self.c.think_end_bias_start:  # a span is at most its history: none reaches the start
             return logits
-        amounts = self._amounts(self._spans(rows))
-        return _raise_rows(logits, rows.cols([self.think_end_id]), amounts) if any(amounts) else logits
+        return _raise_rows(logits, rows.cols([self.think_end_id]), self._amounts(self._spans(rows)))
 
     def coef(self, rows: "_Rows") -> tuple[None, None, np.ndarray]:
         return None, None, _raise_rows(rows.zeros(), rows.cols([self.think_end_id]), self._amounts(self._spans(rows)))
@@ -498,9 +495,7 @@ class _Rows:
         self._counts: np.ndarray | None = None
 
     def cols(self, ids: Sequence[int]) -> list[int]:
-        """The columns of a list of python ints (the processors' fixed ids)."""
-        col = self.col
-        return [col[t] for t in ids]
+        return self.col.of(ids)
 
     def zeros(self) -> np.ndarray:
         return np.zeros((len(self.h), len(self.ids)), dtype=np.float32)
@@ -555,7 +550,6 @@ class Selector:
         self.end_ids = sorted({int(t) for t in end_ids})
         # ids no row may choose (the mask token); a negative id (a file without one) is no id
         self.never = np.asarray(sorted({int(t) for t in never if t is not None and int(t) >= 0}), dtype=np.int64)
-        self.never_list = self.never.tolist()  # what _Rows.cols takes
         self.sampling = self.sampler if isinstance(self.sampler, Sampling) else None
         # the graph can select when every processor has the sparse form and the sampler is one of ours
         self.in_graph = (all(hasattr(p, "at") for p in self.processors) and
@@ -623,7 +617,7 @@ class Selector:
         out = np.asarray(logits, dtype=np.float64)
         for p in self.processors:
             out = np.asarray(p.at(rows, out), dtype=np.float64)
-        return self._exclude(out, logits, rows.cols(self.never_list))
+        return self._exclude(out, logits, rows.cols(self.never))
 
     def coef(self, h: Histories, g: Gather) -> np.ndarray:
         """[3, T, W] float32: the processors as x -> x * (c0 if x > 0 else c1) + c2 at the gathered ids (the sampled
@@ -637,7 +631,7 @@ class Selector:
                 out[0], out[1] = c0, c1
             out[2] += c2
         if self.never.size:
-            out[2][:, rows.cols(self.never_list)] = -np.inf  # x * scale - inf: never drawn, probability 0
+            out[2][:, rows.cols(self.never)] = -np.inf  # x * scale - inf: never drawn, probability 0
         return out
 
     def choose(self, h: Sequence[Sequence[int]], rows: np.ndarray | GraphRows, gather: Gather | None = None

@@ -510,10 +510,9 @@ class LlamaContext:
         n_f = w + n
         key = (w, g.probs)
         if key not in self._sizes_checked:  # the library's row layout, checked once per setting (two calls a pass)
-            if api.llama_get_sampled_logits_count_ith(ctx, first) != n_f:
-                raise RuntimeError(f"the selection sampler returned "
-                                   f"{api.llama_get_sampled_logits_count_ith(ctx, first)} logits per row for a "
-                                   f"width of {w}, not {n_f}")
+            got = api.llama_get_sampled_logits_count_ith(ctx, first)
+            if got != n_f:
+                raise RuntimeError(f"the selection sampler returned {got} logits per row for a width of {w}, not {n_f}")
             if g.probs and api.llama_get_sampled_probs_count_ith(ctx, first) != n:
                 raise RuntimeError("the selection sampler returned no chunk probabilities")
             self._sizes_checked.add(key)
