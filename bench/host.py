@@ -151,7 +151,7 @@ print(json.dumps(a.stats.to_json()))
 
 
 # the ceiling of any Python driver with the selection in the graph: llama_decode on a one-token batch and the greedy
-# choice from the graph's per-chunk maxima, nothing else (no controls, no stats, no text): what is left of the gap
+# choice the graph made, nothing else (no controls, no stats, no text): what is left of the gap
 # to llama-bench here is llama.cpp's (the selection's ops in the graph against llama-bench's logits copy)
 FLOOR_RUN = """
 import ctypes, json, sys, time
@@ -167,16 +167,14 @@ with CloverRuntime(gguf, n_ctx=n + 256, n_threads=threads) as rt:
     rows = ctx.decode(ids, 0, 0, logits=[False] * (len(ids) - 1) + [True], gather=g)
     L, api, c = ctx.L, ctx._api, ctx.ctx
     tok = (ctypes.c_int32 * 1)()
-    n_c = rows.rest_ids.shape[1]
+    last = g.width + rows.rest_ids.shape[1]  # the candidates' last entry: the choice
     t0 = time.perf_counter()
-    t = int(rows.rest_ids[0, int(np.argmax(rows.rest_logits[0]))])
+    t = int(rows.tokens[0])
     for i in range(n):
         tok[0] = t
         if L.llama_decode(c, L.llama_batch_get_one(tok, 1)) != 0:
             raise SystemExit("llama_decode failed")
-        f = ctx._rows_view(api.llama_get_sampled_logits_ith(c, 0), 1, np.float32)[0, g.width:g.width + n_c]
-        k = int(np.argmax(f))
-        t = int(ctx._rows_view(api.llama_get_sampled_candidates_ith(c, 0), 1, np.int32)[0, g.width + k])
+        t = int(ctx._rows_view(api.llama_get_sampled_candidates_ith(c, 0), 1, np.int32)[0, last])
     print(json.dumps({"tok_s": n / (time.perf_counter() - t0)}))
 """
 

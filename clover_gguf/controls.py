@@ -18,14 +18,15 @@ All apply under sampling and greedy alike. Values come from the GGUF (`clover_mo
 Selection (`Selector`): a pass's rows -> the chosen tokens and their confidences (`Choice`), from either
 - dense logits [T, V] (any backend: the processors, then the sampler, in numpy), or
 - what llama.cpp's graph computed (`GraphRows`, runtime.LlamaBackend): the controls change the logits of a few ids
-  per row only (the tokens of the row's history, the end tokens, </think>), so the graph returns each row's logits
-  at those ids (`Gather`) and the largest logits of the rest of the row with their softmax probabilities there; the
-  processors' sparse form (`at`) then gives exactly what the dense path gives (docs/runtime.md, "Selection in
-  llama.cpp's graph"). With temperature the graph samples itself, the controls given to it as per-id coefficients.
+  per row only (the tokens of the row's history, the end tokens, </think>): their sparse form (`coef`) is per-id
+  coefficients, x -> x * (c0 if x > 0 else c1) + c2, that the graph applies at those ids (`Gather`); it returns the
+  corrected logits there, the largest logits of the rest of the row with their softmax probabilities, and (greedy)
+  the row's choice, or (temperature) its draw: the token is chosen in the graph, the host reads back a few hundred
+  numbers (docs/runtime.md, "Selection in llama.cpp's graph").
 Never chosen (`Selector(never=...)`, the decoders pass the mask token): ids whose logit is -inf in every row after
 the processors, on both paths: dense, one column set per row; in the graph, the ids are always gathered (so the rest
-of the row leaves them out) and get -inf on the host (greedy) or as their added coefficient (sampled). No pass, mode
-or temperature can sample, commit or show them, and the confidences are the softmax without them.
+of the row leaves them out) and get -inf as their added coefficient. No pass, mode or temperature can sample, commit
+or show them, and the confidences are the softmax without them.
 """
 
 from __future__ import annotations
@@ -129,19 +130,23 @@ class _Penalties:
     def touches(self) -> Sequence[int]:
         return ()
 
-    def at(self, rows: "_Rows", logits: np.ndarray) -> np.ndarray:
-        return self._apply(logits, rows.counts())
-
-    def coef(self, rows: "_Rows") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """x -> x * (c0 if x > 0 else c1) + c2 at the rows' ids: what _apply does, as coefficients (the graph's form;
-        x * (1 / r) and one float32 subtraction instead of x / r and a float64 one: at most an ulp apart)."""
-        c, counts = self.c, rows.counts()
-        seen = counts > 0
+    def coef(self, rows: "_Rows", out: np.ndarray) -> None:
+        """x -> x * (c0 if x > 0 else c1) + c2 at the rows' ids, into out [3, T, W] (the identity there before): what
+        _apply does, as coefficients (the graph's form; x * (1 / r) and one float32 subtraction instead of x / r and a
+        float64 one: at most an ulp apart)."""
+        c = self.c
         r = np.float32(c.repetition_penalty)
-        c0 = np.where(seen, np.float32(1.0) / r, np.float32(1.0)).astype(np.float32)
-        c1 = np.where(seen, r, np.float32(1.0)).astype(np.float32)
-        c2 = np.where(seen, -(c.frequency_penalty * counts + c.presence_penalty), 0.0).astype(np.float32)
-        return c0, c1, c2
+        n = rows.col.n_prefix
+        if not rows.tail_len():  # the usual AR step: the seen ids are the prefix's, the first n columns
+            out[0, :, :n] = np.float32(1.0) / r
+            out[1, :, :n] = r
+            out[2, :, :n] -= c.frequency_penalty * rows.stats.counts[:n] + c.presence_penalty
+            return
+        counts = rows.counts()
+        seen = counts > 0
+        np.copyto(out[0], np.float32(1.0) / r, where=seen)
+        np.copyto(out[1], r, where=seen)
+        np.subtract(out[2], c.frequency_penalty * counts + c.presence_penalty, out=out[2], where=seen)
 
 
 class _LengthPenalty:
@@ -160,13 +165,9 @@ class _LengthPenalty:
     def touches(self) -> Sequence[int]:
         return self.ends.tolist()
 
-    def at(self, rows: "_Rows", logits: np.ndarray) -> np.ndarray:
-        if rows.longest() < self.c.length_penalty_start:  # no row reaches the start: nothing to add (the usual case)
-            return logits
-        return _raise_rows(logits, rows.cols(self.ends), self._amounts(rows.lengths()))
-
-    def coef(self, rows: "_Rows") -> tuple[None, None, np.ndarray]:
-        return None, None, _raise_rows(rows.zeros(), rows.cols(self.ends), self._amounts(rows.lengths()))
+    def coef(self, rows: "_Rows", out: np.ndarray) -> None:
+        if rows.longest() >= self.c.length_penalty_start:  # else no row reaches the start (the usual case)
+            _raise_rows(out[2], rows.cols(self.ends), self._amounts(rows.lengths()), out=out[2])
 
 
 class _ThinkEndBias:
@@ -190,20 +191,18 @@ class _ThinkEndBias:
     def _spans(self, rows: "_Rows") -> list[int | None]:
         return rows.spans(self.think_id, self.think_end_id, self.at_start)
 
-    def at(self, rows: "_Rows", logits: np.ndarray) -> np.ndarray:
-        if rows.longest() < self.c.think_end_bias_start:  # a span is at most its history: none reaches the start
-            return logits
-        return _raise_rows(logits, rows.cols([self.think_end_id]), self._amounts(self._spans(rows)))
-
-    def coef(self, rows: "_Rows") -> tuple[None, None, np.ndarray]:
-        return None, None, _raise_rows(rows.zeros(), rows.cols([self.think_end_id]), self._amounts(self._spans(rows)))
+    def coef(self, rows: "_Rows", out: np.ndarray) -> None:
+        if rows.longest() >= self.c.think_end_bias_start:  # else none reaches the start (a span is at most its history)
+            _raise_rows(out[2], rows.cols([self.think_end_id]), self._amounts(self._spans(rows)), out=out[2])
 
 
-def _raise_rows(logits: np.ndarray, ids, amounts: Sequence[float]) -> np.ndarray:
-    """Row i of logits with amounts[i] added at `ids`; rows with nothing to add are left as they are."""
+def _raise_rows(logits: np.ndarray, ids, amounts: Sequence[float], out: np.ndarray | None = None) -> np.ndarray:
+    """Row i of logits with amounts[i] added at `ids`, in `out` (a float32 copy when None); rows with nothing to add
+    are left as they are."""
     if not any(amounts):
         return logits
-    out = logits.astype(np.float32, copy=True)
+    if out is None:
+        out = logits.astype(np.float32, copy=True)
     for i, a in enumerate(amounts):
         if a:
             out[i, ids] += a
@@ -366,9 +365,10 @@ class _SparseChoice(Choice):
 @dataclass
 class Gather:
     """The per-row inputs of a pass whose selection runs in the graph: the ids whose logits are taken out of every
-    row (the same list for all rows), and with temperature the per-id coefficients [3, T, W] and one uniform per
-    row. `width` is the graph's gather width (a few sizes, so that the graph is rebuilt rarely); `probs` False when
-    the pass needs tokens only (an AR step, an exact verification), which spares the graph a softmax per row."""
+    row (the same list for all rows), the processors as per-id coefficients [3, T, W] (None: none) and with
+    temperature one uniform per row. `width` is the graph's gather width (a few sizes, so that the graph is rebuilt
+    rarely); `probs` False when the pass needs tokens only (an AR step, an exact verification), which spares the graph
+    a softmax per row."""
 
     ids: np.ndarray  # [W] int32, distinct
     n_rows: int
@@ -399,9 +399,10 @@ class Gather:
 @dataclass
 class GraphRows:
     """What the graph returns for T rows after a pass with a Gather (LlamaContext.decode):
-    greedy: `at_ids` [T, W] the row's logits at the gathered ids; the rest of the row read in n chunks of the
-    vocabulary: `rest_ids` / `rest_logits` [T, n] each chunk's largest logit and its id, `rest_probs` [T, n] (with
-    Gather.probs) that logit's probability within its chunk's softmax;
+    greedy: `at_ids` [T, W] the row's processed logits at the gathered ids (Gather.coef applied); the rest of the row
+    read in n chunks of the vocabulary: `rest_ids` / `rest_logits` [T, n] each chunk's largest logit and its id,
+    `rest_probs` [T, n] (with Gather.probs) that logit's probability within its chunk's softmax; `tokens` [T] the
+    row's choice, the largest of those logits (the lowest id among equal ones), `token_logits` [T] its logit;
     sampled: `tokens` [T] the draws, `token_probs` [T] their probabilities, `at_ids` [T, W] the probabilities at
     the gathered ids (softmax of the processed row at temperature 1)."""
 
@@ -410,11 +411,11 @@ class GraphRows:
     rest_logits: np.ndarray | None = None
     rest_probs: np.ndarray | None = None
     tokens: np.ndarray | None = None
+    token_logits: np.ndarray | None = None
     token_probs: np.ndarray | None = None
 
 
 GATHER_WIDTHS = (32, 128, 512, 2048, 8192, 32768, 131072)
-_NO_ID = np.iinfo(np.int32).max
 
 
 def gather_width(n: int) -> int:
@@ -497,8 +498,9 @@ class _Rows:
     def cols(self, ids: Sequence[int]) -> list[int]:
         return self.col.of(ids)
 
-    def zeros(self) -> np.ndarray:
-        return np.zeros((len(self.h), len(self.ids)), dtype=np.float32)
+    def tail_len(self) -> int:
+        """The longest row's tokens past the shared prefix."""
+        return max(self.h.lens, default=0)
 
     def lengths(self) -> list[int]:
         n = len(self.h.prefix)
@@ -506,7 +508,7 @@ class _Rows:
 
     def longest(self) -> int:
         """The longest history's length (max of lengths())."""
-        return len(self.h.prefix) + max(self.h.lens, default=0)
+        return len(self.h.prefix) + self.tail_len()
 
     def counts(self) -> np.ndarray:
         """[T, W] int64: occurrences of each gathered id in each row's history."""
@@ -516,7 +518,7 @@ class _Rows:
             n_prefix = self.col.n_prefix  # the prefix's ids come first in the gather list (Selector.gather)
             if n_prefix:
                 counts[:, :n_prefix] = st.counts[:n_prefix]
-            n_tail = max(self.h.lens, default=0)
+            n_tail = self.tail_len()
             if n_tail:
                 lens = np.asarray(self.h.lens)
                 tail_cols = np.asarray(self.col.of(self.h.tail[:n_tail]))
@@ -530,7 +532,7 @@ class _Rows:
         n, last = len(self.h.prefix), self.stats.last
         o, e = last.get(think_id, -1) if think_id is not None else -1, last[think_end_id]
         by_len = [(o, e)]
-        for k, t in enumerate(self.h.tail[:max(self.h.lens, default=0)]):
+        for k, t in enumerate(self.h.tail[:self.tail_len()]):
             if t == think_id:
                 o = n + k
             elif t == think_end_id:
@@ -552,11 +554,12 @@ class Selector:
         self.never = np.asarray(sorted({int(t) for t in never if t is not None and int(t) >= 0}), dtype=np.int64)
         self.sampling = self.sampler if isinstance(self.sampler, Sampling) else None
         # the graph can select when every processor has the sparse form and the sampler is one of ours
-        self.in_graph = (all(hasattr(p, "at") for p in self.processors) and
+        self.in_graph = (all(hasattr(p, "coef") for p in self.processors) and
                          (self.sampler is greedy or self.sampling is not None))
         marks = [t for p in self.processors if isinstance(p, _ThinkEndBias) for t in (p.think_id, p.think_end_id)
                  if t is not None]
         self.stats = _PrefixStats(marks)
+        self._identity: dict[tuple[int, int, int], np.ndarray] = {}  # coef's starting point, per shape
         self.history = any(getattr(p, "history", False) for p in self.processors)
         # what every gather holds besides the histories: the ids the processors touch, the end tokens
         self.fixed_ids = list(dict.fromkeys([int(t) for p in self.processors if hasattr(p, "touches")
@@ -599,10 +602,10 @@ class Selector:
         width = gather_width(len(ids))
         g = Gather(ids, len(h), width, probs=probs)
         g.columns = _Columns(st.col, n_prefix, others)
+        g.coef = self.coef(h, g)
         if self.sampling is not None:
             s = self.sampling
             g.temp, g.top_k, g.top_p = s.temp, s.top_k, s.top_p
-            g.coef = self.coef(h, g)
             g.uniform = s.uniforms(len(h))
         return g
 
@@ -610,28 +613,22 @@ class Selector:
         self.stats.update(h.prefix)
         return _Rows(h, self.stats, g.ids, g.columns)
 
-    def process_at(self, h: Histories, g: Gather, logits: np.ndarray) -> np.ndarray:
-        """The processed logits [T, W] at the gathered ids, from the raw ones there: what `process` gives in those
-        columns, the `never` ids at -inf (as choose_dense)."""
-        rows = self._rows(h, g)
-        out = np.asarray(logits, dtype=np.float64)
-        for p in self.processors:
-            out = np.asarray(p.at(rows, out), dtype=np.float64)
-        return self._exclude(out, logits, rows.cols(self.never))
-
     def coef(self, h: Histories, g: Gather) -> np.ndarray:
-        """[3, T, W] float32: the processors as x -> x * (c0 if x > 0 else c1) + c2 at the gathered ids (the sampled
-        graph's form; only the penalties scale, and they come first, the rest add)."""
+        """[3, T, W] float32: the processors as x -> x * (c0 if x > 0 else c1) + c2 at the gathered ids (the graph's
+        form; only the penalties scale, and they come first, the rest add; the `never` ids get -inf)."""
         rows = self._rows(h, g)
-        out = np.zeros((3, len(h), len(g.ids)), dtype=np.float32)
-        out[:2] = 1.0
+        shape = (3, len(h), len(g.ids))
+        identity = self._identity.get(shape)
+        if identity is None:
+            if len(self._identity) > 64:
+                self._identity.clear()
+            identity = self._identity[shape] = np.zeros(shape, dtype=np.float32)
+            identity[:2] = 1.0
+        out = identity.copy()
         for p in self.processors:
-            c0, c1, c2 = p.coef(rows)
-            if c0 is not None:
-                out[0], out[1] = c0, c1
-            out[2] += c2
+            p.coef(rows, out)
         if self.never.size:
-            out[2][:, rows.cols(self.never)] = -np.inf  # x * scale - inf: never drawn, probability 0
+            out[2][:, rows.cols(self.never)] = -np.inf  # x * scale - inf: never chosen, probability 0
         return out
 
     def choose(self, h: Sequence[Sequence[int]], rows: np.ndarray | GraphRows, gather: Gather | None = None
@@ -639,32 +636,22 @@ class Selector:
         """The pass's rows -> Choice: dense logits [T, V], or the graph's GraphRows for the Gather it ran with."""
         if not isinstance(rows, GraphRows):
             return self.choose_dense(h, rows)
-        ids, col = gather.ids, gather.columns
-        w = len(ids)
-        if rows.tokens is not None:  # sampled in the graph
+        col, w = gather.columns, len(gather.ids)
+        if rows.token_probs is not None:  # sampled in the graph
             return _SparseChoice(rows.tokens, rows.token_probs, col, rows.at_ids[:, :w].astype(np.float64), None,
                                  probs=True)
         if self.sampler is not greedy:
             raise ValueError("graph rows without a draw need the greedy sampler")
-        at = self.process_at(h, gather, rows.at_ids[:, :w])  # [T, W] float64
-        t = np.arange(len(at))
-        # the rest of the row: its largest logit, from the chunks' maxima (chunks hold consecutive ids: the first
-        # chunk holding the maximum holds the lowest of the ids that reach it, bar ties inside one chunk)
-        rest_l = rows.rest_logits.astype(np.float64)
-        best = np.argmax(rest_l, axis=-1)
-        rest_id, rest_l_best = rows.rest_ids[t, best].astype(np.int64), rest_l[t, best]
-        # the gathered ids: the best by processed logit, the lowest id among equal ones
-        g_l = at.max(-1)
-        g_id = np.where(at == g_l[:, None], ids, _NO_ID).min(-1).astype(np.int64)
-        take_g = (g_l > rest_l_best) | ((g_l == rest_l_best) & (g_id < rest_id))
-        tokens = np.where(take_g, g_id, rest_id)
+        # chosen in the graph: the largest processed logit of the row, the lowest id among equal ones
+        at = rows.at_ids[:, :w].astype(np.float64)  # [T, W] processed
+        tokens = rows.tokens
         if not gather.probs:
             return _SparseChoice(tokens, np.full(len(tokens), np.nan), col, at, None)
-        m = np.where(take_g, g_l, rest_l_best)  # [T] the chosen logit: the row's largest
+        m = rows.token_logits.astype(np.float64)[:, None]  # [T, 1] the chosen logit: the row's largest
         # the row's softmax total relative to exp(m): the gathered ids' terms, and per chunk of the rest its sum,
         # which is its largest term over that term's probability in the chunk (a dead chunk, all -inf: no term; a
         # chunk's sum is at most c times its largest, so no overflow)
-        e = np.exp(rest_l - m[:, None])
+        e = np.exp(rows.rest_logits - m)
         np.divide(e, rows.rest_probs, out=e, where=e > 0)
-        total = np.exp(at - m[:, None]).sum(-1) + e.sum(-1)
-        return _SparseChoice(tokens, 1.0 / total, col, at, m + np.log(total))
+        total = np.exp(at - m).sum(-1) + e.sum(-1)
+        return _SparseChoice(tokens, 1.0 / total, col, at, m[:, 0] + np.log(total))

@@ -460,12 +460,14 @@ class LlamaContext:
             raise ValueError(f"{n} tokens with {n_out} selected rows: more than one micro-batch ({self.n_ubatch})")
         ids = np.ascontiguousarray(g.ids, dtype=np.int32)
         coef = u = None
-        if g.temp > 0:
+        if g.coef is not None:
             coef = np.ascontiguousarray(g.coef, dtype=np.float32)
-            u = np.ascontiguousarray(g.uniform, dtype=np.float32)
-            if coef.shape != (3, n_out, len(ids)) or u.shape != (n_out,):
-                raise ValueError(f"a sampled gather needs coef [3, {n_out}, {len(ids)}] and uniform [{n_out}], got "
-                                 f"{list(coef.shape)} and {list(u.shape)}")
+            if coef.shape != (3, n_out, len(ids)):
+                raise ValueError(f"a gather's coef must be [3, {n_out}, {len(ids)}], got {list(coef.shape)}")
+        if g.temp > 0:
+            u = None if g.uniform is None else np.ascontiguousarray(g.uniform, dtype=np.float32)
+            if coef is None or u is None or u.shape != (n_out,):
+                raise ValueError(f"a sampled gather needs coef [3, {n_out}, {len(ids)}] and uniform [{n_out}]")
         key = (g.width, g.probs, g.temp, g.top_k, g.top_p)
         held = self._selectors.get(seq)
         if held is None or held[0] != key:
@@ -507,7 +509,7 @@ class LlamaContext:
                                  count=n_out)
             return GraphRows(at_ids=p[:, :w], tokens=tokens, token_probs=p[:, w])
         n = self.n_chunks
-        n_f = w + n
+        n_f = w + n + 1  # [at the ids | chunk maxima | the choice]
         key = (w, g.probs)
         if key not in self._sizes_checked:  # the library's row layout, checked once per setting (two calls a pass)
             got = api.llama_get_sampled_logits_count_ith(ctx, first)
@@ -521,7 +523,8 @@ class LlamaContext:
         probs = None
         if g.probs:
             probs = self._rows_view(api.llama_get_sampled_probs_ith(ctx, first), n_out, np.float32)[:, :n].copy()
-        return GraphRows(at_ids=f[:, :w], rest_ids=ids, rest_logits=f[:, w:], rest_probs=probs)
+        return GraphRows(at_ids=f[:, :w], rest_ids=ids[:, :n], rest_logits=f[:, w:w + n], rest_probs=probs,
+                         tokens=ids[:, n], token_logits=f[:, w + n])
 
     def _rows_view(self, addr: int | None, n_out: int, dtype) -> np.ndarray:
         """[n_out, n_vocab] numpy view of one of llama.cpp's sampled-output buffers (kept per address: making a view

@@ -473,27 +473,38 @@ def _chunks(n_vocab: int) -> int:
 
 
 def _rows(logits, gather: Gather) -> GraphRows:
-    """Rows [T, V] of logits (MLX) -> the greedy GraphRows controls.Selector.choose reads: the logits at the gathered
-    ids, and for the rest of each row (the gathered ids left out) each chunk's largest logit, its id (the lowest on
-    ties) and, with gather.probs, its probability within the chunk's softmax. Only these leave MLX."""
+    """Rows [T, V] of logits (MLX) -> the greedy GraphRows controls.Selector.choose reads, as libclover_sampler
+    computes them in llama.cpp's graph: the processed logits at the gathered ids (gather.coef applied), for the rest
+    of each row (the gathered ids left out) each chunk's largest logit, its id (the lowest on ties) and, with
+    gather.probs, its probability within the chunk's softmax; and the row's choice, the largest of those (the lowest
+    id among equal ones). Only these leave MLX."""
     if gather.temp > 0:
         raise ValueError("the MLX backend selects greedily in MLX; sampling runs on numpy logits")
     t, v = logits.shape
     logits = logits.astype(mx.float32)
     ids = mx.array(np.asarray(gather.ids, dtype=np.int32))
     at = mx.take(logits, ids, axis=1)  # [T, W]
+    if gather.coef is not None:
+        c = mx.array(np.asarray(gather.coef, dtype=np.float32))  # [3, T, W]
+        at = at * mx.where(at > 0, c[0], c[1]) + c[2]
     gathered = mx.zeros((v,), dtype=mx.bool_)
     gathered[ids] = True
     n = _chunks(v)
     rest = mx.where(gathered, -mx.inf, logits).reshape(t, n, v // n)
     best = mx.max(rest, axis=-1)  # [T, n]
     arg = mx.argmax(rest, axis=-1).astype(mx.int64) + mx.arange(n, dtype=mx.int64) * (v // n)
-    outs = [at, best, arg]
+    values = mx.concatenate([at, best], axis=1)  # [T, W + n]
+    cand = mx.concatenate([mx.broadcast_to(ids.astype(mx.int64)[None], at.shape), arg], axis=1)
+    top = mx.max(values, axis=-1, keepdims=True)
+    pick = mx.argmax(mx.where(values == top, (1 << 24) - cand, 0), axis=-1)  # the lowest id among the largest
+    token = mx.take_along_axis(cand, pick[:, None], axis=1)[:, 0]
+    outs = [at, best, arg, token, top[:, 0]]
     if gather.probs:
         outs.append(1.0 / mx.sum(mx.exp(rest - best[..., None]), axis=-1))
     mx.eval(outs)
-    at_, best_, arg_, *p = (np.array(o) for o in outs)
-    return GraphRows(at_ids=at_, rest_ids=arg_, rest_logits=best_, rest_probs=p[0] if p else None)
+    at_, best_, arg_, token_, top_, *p = (np.array(o) for o in outs)
+    return GraphRows(at_ids=at_, rest_ids=arg_, rest_logits=best_, rest_probs=p[0] if p else None, tokens=token_,
+                     token_logits=top_)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -123,7 +123,7 @@ def test_rows_for_tokens_only_hold_what_rows_with_probabilities_hold(runtimes):
         g = sel.gather(h, probs=probs)
         rows[probs] = b.block_rows(block, masked, g)
         choices[probs] = sel.choose(h, rows[probs], g)
-    for field in ("at_ids", "rest_ids", "rest_logits"):
+    for field in ("at_ids", "rest_ids", "rest_logits", "tokens", "token_logits"):
         np.testing.assert_array_equal(getattr(rows[False], field), getattr(rows[True], field))
     assert rows[False].rest_probs is None and rows[True].rest_probs.shape == rows[True].rest_logits.shape
     assert rows[True].rest_ids.shape[1] * (rows[True].rest_ids[0, 1] - rows[True].rest_ids[0, 0] if

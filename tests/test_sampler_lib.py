@@ -52,22 +52,46 @@ def _expected_greedy(raw: np.ndarray, ids: np.ndarray):
     return loc + np.arange(v // c) * c, best, p
 
 
-def _check_greedy(rows, raw, ids, width, probs):
+def _corrected(raw: np.ndarray, ids: np.ndarray, coef: np.ndarray | None) -> np.ndarray:
+    """numpy, float32: each row with x -> x * (x > 0 ? c0 : c1) + c2 at the ids."""
+    z = raw.astype(np.float32).copy()
+    if coef is not None:
+        x = z[:, ids]
+        z[:, ids] = x * np.where(x > 0, coef[0], coef[1]) + coef[2]
+    return z
+
+
+def _check_greedy(rows, raw, ids, width, probs, coef=None):
     want_ids, want_best, want_p = _expected_greedy(raw, ids)
-    np.testing.assert_array_equal(rows.at_ids[:, :len(ids)], raw[:, ids])
-    np.testing.assert_array_equal(rows.at_ids[:, len(ids):width], np.repeat(raw[:, ids[:1]], width - len(ids), 1))
+    z = _corrected(raw, ids, coef)
+    np.testing.assert_array_equal(rows.at_ids[:, :len(ids)], z[:, ids])
+    np.testing.assert_array_equal(rows.at_ids[:, len(ids):width], np.repeat(z[:, ids[:1]], width - len(ids), 1))
     np.testing.assert_array_equal(rows.rest_logits, want_best.astype(np.float32))
     np.testing.assert_array_equal(rows.rest_ids, want_ids)  # no ties in random float32 logits
     if probs:
         np.testing.assert_allclose(rows.rest_probs, want_p, rtol=2e-5)
     else:
         assert rows.rest_probs is None
+    # the choice: the corrected row's largest logit (np.argmax: the lowest id among equal ones)
+    np.testing.assert_array_equal(rows.tokens, z.argmax(-1))
+    np.testing.assert_array_equal(rows.token_logits, z.max(-1))
+
+
+def _coef(rng, n_rows: int, n_ids: int, never: int = 1) -> np.ndarray:
+    """Coefficients that decide: penalties on most ids, a large boost on id 0 of odd rows (so the choice is a gathered
+    id in some rows and the rest's in others), -inf on id `never`."""
+    coef = np.stack([rng.uniform(0.2, 0.9, (n_rows, n_ids)), rng.uniform(1.1, 3.0, (n_rows, n_ids)),
+                     rng.uniform(-3, 1, (n_rows, n_ids))]).astype(np.float32)
+    coef[2, 1::2, 0] = 40.0
+    coef[2, :, never] = -np.inf
+    return coef
 
 
 @pytest.mark.parametrize("n_ids, width", [(5, 32), (32, 32), (300, 512)])  # a few chunks; all of them
 def test_greedy_rows_equal_numpy_on_the_raw_rows(big_gguf, n_ids, width):
-    """A block pass (32 rows) and an AR step (1 row) at V = 248,320: the logits at the ids and the chunk maxima with
-    the ids left out, exactly; the chunk probabilities to float32 precision."""
+    """A block pass (32 rows) and an AR step (1 row) at V = 248,320: the logits at the ids corrected by the
+    coefficients (none, and ones that decide) and the chunk maxima with the ids left out, exactly; the chunk
+    probabilities to float32 precision; the choice equal to numpy's argmax of the corrected row."""
     rng = np.random.default_rng(n_ids)
     with LlamaContext(big_gguf, n_ctx=256, n_threads=2) as ctx:
         prompt = [int(t) for t in rng.integers(0, 1000, 12)]
@@ -78,16 +102,47 @@ def test_greedy_rows_equal_numpy_on_the_raw_rows(big_gguf, n_ids, width):
         pool = [int(raw[0].argmax()), *rng.integers(0, 2000, n_ids // 2), *rng.integers(0, V_BIG, n_ids)]
         ids = np.array(list(dict.fromkeys(int(t) for t in pool))[:n_ids], dtype=np.int32)
         assert len(ids) == n_ids
+        coef = _coef(rng, 32, n_ids)
+        decided = 0
         for probs in (True, False):
-            g = Gather(ids=ids, n_rows=32, width=width, probs=probs)
-            rows = ctx.block(block, len(prompt), gather=g)
-            _check_greedy(rows, raw, ids, width, probs)
+            for cf in (None, coef):
+                g = Gather(ids=ids, n_rows=32, width=width, probs=probs, coef=cf)
+                rows = ctx.block(block, len(prompt), gather=g)
+                _check_greedy(rows, raw, ids, width, probs, cf)
+                decided += cf is not None and bool(np.isin(rows.tokens, ids).any() and
+                                                   not np.isin(rows.tokens, ids).all())
+        assert decided == 2  # with the coefficients some rows chose a gathered id, others the rest's
         # an AR step: one row, raw and then selected, each after the same prompt
         step = ctx.decode([block[0]], len(prompt))
         ctx.clear()
         ctx.decode(prompt, 0, logits=False)
-        rows = ctx.decode([block[0]], len(prompt), gather=Gather(ids=ids, n_rows=1, width=width, probs=True))
-        _check_greedy(rows, step, ids, width, True)
+        rows = ctx.decode([block[0]], len(prompt), gather=Gather(ids=ids, n_rows=1, width=width, probs=True,
+                                                                 coef=coef[:, 1:2]))
+        _check_greedy(rows, step, ids, width, True, coef[:, 1:2])
+        assert rows.tokens[0] == ids[0]  # the boost decided
+
+
+def test_greedy_ties_go_to_the_lowest_id_whichever_side_it_is_on(big_gguf):
+    """Exact ties made with the coefficients (c0 = c1 = 0: the corrected logit is c2 itself): between two gathered
+    ids (the higher listed first), and between a gathered id and the largest logit of the rest, one lower, one
+    higher than it. The choice is the lowest id in each row, and its logit the tied value."""
+    rng = np.random.default_rng(11)
+    with LlamaContext(big_gguf, n_ctx=256, n_threads=2) as ctx:
+        prompt = [int(t) for t in rng.integers(0, 1000, 12)]
+        ctx.decode(prompt, 0, logits=False)
+        block = [int(t) for t in rng.integers(0, V_BIG, 3)]
+        raw = ctx.block(block, len(prompt))
+        top = raw.argmax(-1)
+        assert 1000 < top.min() and top.max() < V_BIG - 1000
+        ids = np.array([top[0] + 7, top[0] + 3, top[1] - 5, top[2] + 5], dtype=np.int32)
+        coef = np.zeros((3, 3, 4), dtype=np.float32)
+        coef[2] = -np.inf
+        coef[2, 0, :2] = 100.0  # row 0: two gathered ids tie above the rest
+        coef[2, 1, 2] = raw[1, top[1]]  # row 1: a gathered id below the rest's best ties with it
+        coef[2, 2, 3] = raw[2, top[2]]  # row 2: one above it
+        rows = ctx.block(block, len(prompt), gather=Gather(ids=ids, n_rows=3, width=32, probs=True, coef=coef))
+    assert rows.tokens.tolist() == [top[0] + 3, top[1] - 5, top[2]]
+    np.testing.assert_array_equal(rows.token_logits, [100.0, raw[1, top[1]], raw[2, top[2]]])
 
 
 @pytest.mark.parametrize("probs", [True, False])  # the masked softmax, or the masked logits ranked directly
@@ -192,7 +247,7 @@ def test_mixed_batch_leaves_llama_samplers_and_raw_logits_as_upstream(small_gguf
             lasts = run()
             got_raw = np.ctypeslib.as_array(L.llama_get_logits(c), shape=(3, v)).copy()
             ith = [row(L.llama_get_logits_ith(c, lasts[0])), row(L.llama_get_logits_ith(c, lasts[1])),
-                   row(L.llama_get_logits_ith(c, lasts[2]), 32 + 1)]
+                   row(L.llama_get_logits_ith(c, lasts[2]), 32 + 1 + 1)]
             token0 = L.llama_get_sampled_token_ith(c, lasts[0])
             rows2 = ctx._graph_rows(lasts[2], 1, g)
         finally:
@@ -207,7 +262,8 @@ def test_mixed_batch_leaves_llama_samplers_and_raw_logits_as_upstream(small_gguf
         assert token0 == int(pen.argmax())
         np.testing.assert_allclose(ith[0], pen, rtol=1e-6, atol=1e-6)
         _check_greedy(rows2, raw[2][None], ids, 32, True)
-        np.testing.assert_array_equal(ith[2], np.concatenate([rows2.at_ids[0], rows2.rest_logits[0]]))
+        np.testing.assert_array_equal(ith[2], np.concatenate([rows2.at_ids[0], rows2.rest_logits[0],
+                                                             rows2.token_logits[:1]]))
 
 
 def test_bad_inputs_are_refused_not_read(small_gguf):
@@ -236,6 +292,10 @@ def test_bad_inputs_are_refused_not_read(small_gguf):
         assert put([0, 1, 2, 3, 4], 1) == -1  # more than the width
         assert put([], 1) == -1 and put([0], -1) == -1
         assert put([0], 1, coef=False) == -1  # temp > 0 needs the coefficients
+        assert not lib.clover_sampler_init((1 << 24) + 1, 32, True, 0.0, 0, 1.0)  # ids beyond float32's integers
+        g0 = lib.clover_sampler_init(v, 4, True, 0.0, 0, 1.0)
+        assert lib.clover_sampler_set_inputs(g0, (ctypes.c_int32 * 1)(0), 1, 1, None, None) == 0  # greedy: none
+        ctx.L.llama_sampler_free(g0)
         assert put([0], 1, u=1.5) == -1 and put([0], 1, u=float("nan")) == -1
         assert lib.clover_sampler_set_inputs(s, None, 0, 0, None, None) == 0  # no rows in the next decode
         greedy = ctx.L.llama_sampler_init_greedy()

@@ -1,7 +1,8 @@
 """Selection in the graph (controls.Selector on GraphRows) against selection on dense logits: the same tokens,
 confidences and accept / reject decisions. The graph is simulated here in numpy, float32 as llama.cpp computes it
-(libclover_sampler: the logits at the gathered ids, the K largest of the rest and their softmax probabilities
-there); tests/test_runtime_tiny.py runs the real one."""
+(libclover_sampler: the processed logits at the gathered ids, each chunk's largest of the rest and its softmax
+probability there, the row's choice); tests/test_sampler_lib.py checks the real one against numpy,
+tests/test_runtime_tiny.py decodes with it."""
 
 from __future__ import annotations
 
@@ -40,6 +41,9 @@ class GraphSim(Float32):
         t = np.arange(len(x))[:, None]
         ids = gather.padded_ids()  # [T, width]
         at = x[t, ids]
+        if gather.coef is not None:  # the processors' coefficients, in float32 as the graph applies them
+            c = gather.padded_coef()
+            at = at * np.where(at > 0, c[0], c[1]) + c[2]
         m = x.copy()
         m[t, ids] = -np.inf
         c = self.chunk
@@ -51,8 +55,13 @@ class GraphSim(Float32):
         with np.errstate(invalid="ignore"):
             e = np.exp(mc - best[..., None], dtype=np.float32)
             p = (1.0 / e.sum(-1, dtype=np.float32)).astype(np.float32)  # the chunk maximum's probability there
-        return GraphRows(at_ids=at, rest_ids=local + np.arange(mc.shape[1]) * c, rest_logits=best,
-                         rest_probs=p if gather.probs else None)
+        rest_ids = local + np.arange(mc.shape[1]) * c
+        # the choice: the largest of both sides, the lowest id among equal ones
+        values, cand = np.concatenate([at, best], 1), np.concatenate([ids, rest_ids], 1)
+        top = values.max(-1)
+        tokens = np.where(values == top[:, None], cand, np.iinfo(np.int64).max).min(-1)
+        return GraphRows(at_ids=at, rest_ids=rest_ids, rest_logits=best, rest_probs=p if gather.probs else None,
+                         tokens=tokens, token_logits=top)
 
     def prefill_rows(self, ids, gather):
         logits = self.prefill(ids)

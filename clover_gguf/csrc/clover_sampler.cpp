@@ -115,6 +115,17 @@ run build_run(const clover_sampler * s, ggml_context * ctx, ggml_tensor * rows) 
     ggml_tensor * at2 = ggml_reshape_2d(ctx, at, W, n);
     ggml_tensor * ids_f = ggml_cast(ctx, r.inp_ids, GGML_TYPE_F32); // [W, n]: the ids as candidates
 
+    // each id's logit x, corrected: x * (x > 0 ? c0 : c1) + c2 (the processors' coefficients, per row and id)
+    r.inp_coef = new_input(ctx, GGML_TYPE_F32, W, n, 3, "clover_coef");
+    auto coef = [&](int q) {
+        return ggml_view_2d(ctx, r.inp_coef, W, n, r.inp_coef->nb[1], q * r.inp_coef->nb[2]);
+    };
+    ggml_tensor * pos   = ggml_step(ctx, at2);
+    ggml_tensor * neg   = ggml_scale_bias(ctx, pos, -1.0f, 1.0f);
+    ggml_tensor * scale = ggml_add(ctx, ggml_mul(ctx, pos, coef(0)), ggml_mul(ctx, neg, coef(1)));
+    ggml_tensor * put   = ggml_add(ctx, ggml_mul(ctx, at2, scale), coef(2)); // [W, n]
+    ggml_set_name(put, "clover_at_ids_corrected");
+
     if (s->temp <= 0.0f) {
         // the rows stay as llama.cpp computed them: the ids are left out by a mask added to every row (one [c, m]
         // mask for all rows: the ids are the same), and each chunk's largest logit is found, its value read from the
@@ -137,20 +148,26 @@ run build_run(const clover_sampler * s, ggml_context * ctx, ggml_tensor * rows) 
         val = ggml_add(ctx, ggml_reshape_2d(ctx, val, m, n), r.inp_dead);
         ggml_tensor * id_f = ggml_add(ctx, ggml_reshape_2d(ctx, ggml_cast(ctx, loc, GGML_TYPE_F32), m, n),
                                       ggml_arange(ctx, 0.0f, (float) (m * c), (float) c));
-        r.out_logits = ggml_concat(ctx, at2, val, 0);
-        r.out_cand   = ggml_cast(ctx, ggml_concat(ctx, ids_f, id_f, 0), GGML_TYPE_I32);
+
+        // the choice: the largest of [corrected ids | chunk maxima], the lowest id among equal ones. Ranked by
+        // key = (value == max) * (2^24 - id), which has no ties (the ids are distinct; a padded slot repeats its
+        // id and value), so the answer does not depend on how a backend's top_k orders equal entries
+        ggml_tensor * all  = ggml_concat(ctx, put, val, 0);   // [W + m, n]
+        ggml_tensor * cand = ggml_concat(ctx, ids_f, id_f, 0); // [W + m, n] F32: exact below 2^24
+        ggml_tensor * all3 = ggml_reshape_3d(ctx, all, 1, W + m, n);
+        ggml_tensor * top  = ggml_get_rows(ctx, all3, ggml_top_k(ctx, all, 1));        // [1, 1, n]
+        ggml_tensor * mx   = ggml_reshape_2d(ctx, top, 1, n);
+        ggml_tensor * tie  = ggml_scale_bias(ctx, ggml_step(ctx, ggml_scale(ctx, ggml_sub(ctx, all, mx), -1.0f)),
+                                              -1.0f, 1.0f); // 1 where all >= max
+        ggml_tensor * key  = ggml_mul(ctx, tie, ggml_scale_bias(ctx, cand, -1.0f, (float) (1 << 24)));
+        ggml_tensor * tok  = ggml_get_rows(ctx, ggml_reshape_3d(ctx, cand, 1, W + m, n), ggml_top_k(ctx, key, 1));
+        ggml_set_name(tok, "clover_token");
+        r.out_logits = ggml_concat(ctx, all, mx, 0);
+        r.out_cand   = ggml_cast(ctx, ggml_concat(ctx, cand, ggml_reshape_2d(ctx, tok, 1, n), 0), GGML_TYPE_I32);
         r.out_probs  = s->probs ? ggml_cont(ctx, ggml_reshape_2d(ctx, ggml_get_rows(ctx,
                                        ggml_reshape_3d(ctx, p2, 1, c, m * n), loc), m, n)) : nullptr;
     } else {
-        // the corrected row: a copy with each id's logit x -> x * (x > 0 ? c0 : c1) + c2
-        r.inp_coef = new_input(ctx, GGML_TYPE_F32, W, n, 3, "clover_coef");
-        auto coef = [&](int q) {
-            return ggml_view_2d(ctx, r.inp_coef, W, n, r.inp_coef->nb[1], q * r.inp_coef->nb[2]);
-        };
-        ggml_tensor * pos   = ggml_step(ctx, at2);
-        ggml_tensor * neg   = ggml_scale_bias(ctx, pos, -1.0f, 1.0f);
-        ggml_tensor * scale = ggml_add(ctx, ggml_mul(ctx, pos, coef(0)), ggml_mul(ctx, neg, coef(1)));
-        ggml_tensor * put   = ggml_add(ctx, ggml_mul(ctx, at2, scale), coef(2));
+        // the corrected row: a copy with the corrected logits written back at the ids
         ggml_tensor * x = ggml_reshape_3d(ctx, ggml_cont(ctx, rows), 1, V, n);
         x = ggml_set_rows(ctx, x, ggml_reshape_3d(ctx, put, 1, W, n), r.inp_ids);
         ggml_tensor * z0 = ggml_reshape_2d(ctx, x, V, n);
@@ -373,12 +390,14 @@ void cs_backend_set_input(llama_sampler * smpl) {
             ggml_backend_tensor_set(r.inp_dead, s->buf_f.data(), 0, ggml_nbytes(r.inp_dead));
         }
         if (r.inp_coef) {
+            // the coefficients of the announced rows, padded with the first id's; identity where none were given
             s->buf_f.assign(3 * n * W, 0.0f);
+            const bool given = !s->coef.empty();
             for (int q = 0; q < 3; ++q) {
                 for (int64_t j = 0; j < n; ++j) {
                     float *       dst = s->buf_f.data() + (q * n + j) * W;
                     const int64_t k   = r.k0 + j;
-                    if (k < s->n_rows && n_ids > 0) {
+                    if (given && k < s->n_rows && n_ids > 0) {
                         const float * src = s->coef.data() + (q * s->n_rows + k) * n_ids;
                         for (int64_t w = 0; w < W; ++w) {
                             dst[w] = src[w < n_ids ? w : 0];
@@ -432,7 +451,9 @@ extern "C" {
 
 llama_sampler * clover_sampler_init(int32_t n_vocab, int32_t width, bool probs, float temp, int32_t top_k,
                                     float top_p) {
-    if (n_vocab < 1 || width < 1 || top_k < 0 || !std::isfinite(temp) || !(top_p > 0.0f && top_p <= 1.0f)) {
+    // ids travel through the graph as float32 (the greedy choice ranks them): exact below 2^24
+    if (n_vocab < 1 || n_vocab > (1 << 24) || width < 1 || top_k < 0 || !std::isfinite(temp) ||
+        !(top_p > 0.0f && top_p <= 1.0f)) {
         return nullptr;
     }
     auto * s = new (std::nothrow) clover_sampler();
@@ -478,11 +499,14 @@ int32_t clover_sampler_set_inputs(llama_sampler * smpl, const int32_t * ids, int
     }
     s->ids.assign(ids, ids + n_ids);
     s->n_rows = n_rows;
-    if (sampled) {
+    if (coef != nullptr && n_rows > 0) {
         s->coef.assign(coef, coef + (size_t) 3 * n_rows * n_ids);
-        s->uniform.assign(uniform, uniform + n_rows);
     } else {
         s->coef.clear();
+    }
+    if (sampled) {
+        s->uniform.assign(uniform, uniform + n_rows);
+    } else {
         s->uniform.clear();
     }
     return 0;
