@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]  # the project: the kit's copy on the
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from graph_reuse import measure as measure_reuse  # noqa: E402  (block and causal passes in a row or alternating)
 from measure import PassLog  # noqa: E402  (the benches' one pass counter)
 
 SKIP_RC = 3  # "not possible here": run.sh records the step as skipped, with the last line printed as the reason
@@ -480,22 +481,9 @@ def cmd_block_checks(a) -> None:
         blocks = [rng.integers(0, vocab, 32).tolist() for _ in range(a.passes)]
         reuse = {}
         for kind in ("causal", "block", "alternating"):
-            r.clear()
-            r.decode(prefix, 0, 0, logits=False)
-            n_past, times = len(prefix), {"causal": [], "block": []}
-            before = r.L.llama_perf_context(r.ctx).n_reused
-            for i in range(a.passes):
-                if kind == "causal" or (kind == "alternating" and i % 2 == 0):
-                    t = time.perf_counter()
-                    r.decode([int(rng.integers(0, vocab))], n_past, 0)
-                    times["causal"].append(time.perf_counter() - t)
-                    n_past += 1
-                else:
-                    t = time.perf_counter()
-                    r.block(blocks[i], n_past)
-                    times["block"].append(time.perf_counter() - t)
-            reuse[kind] = {"passes": a.passes, "graphs_reused": r.L.llama_perf_context(r.ctx).n_reused - before,
-                           **{f"{k}_ms": round(1000 * statistics.median(v), 3) for k, v in times.items() if v}}
+            row = measure_reuse(r, kind, a.passes, prefix, blocks, rng)
+            reuse[kind] = {"passes": a.passes, "graphs_reused": row["reused"],
+                           **{k: round(v, 3) for k, v in row.items() if k.endswith("_ms")}}
             print(f"{kind:<12} {reuse[kind]}")
     finally:
         r.close()
