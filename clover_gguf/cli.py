@@ -12,7 +12,7 @@ from typing import Optional
 
 import typer
 
-from clover_gguf.decoding import ACCEPT_MODES, DEFAULT_END_RULE, END_RULES, MODES
+from clover_gguf.decoding import ACCEPT_MODES, DEFAULT_END_RULE, DRAFT_THRESHOLD, END_RULES, MODES
 from clover_gguf.errors import UserError
 from clover_gguf.runtime import ROLLBACKS
 from clover_gguf.state_cache import DEFAULT_CACHE_RAM_MIB
@@ -422,7 +422,9 @@ def generate(
                                         "tensors), ar, diffusion (block decoding) or draft-self"),
     max_new_tokens: int = typer.Option(512, "--max-new-tokens", "-n", min=1),
     block_size: Optional[int] = typer.Option(None, "--block-size", min=1, help="default: the GGUF's (32)"),
-    threshold: Optional[float] = typer.Option(None, "--threshold", min=0.0, max=1.0, help="default: the GGUF's"),
+    threshold: Optional[float] = typer.Option(None, "--threshold", min=0.0, max=1.0,
+                                             help="block fill confidence; default: the GGUF's (diffusion), "
+                                                  f"{DRAFT_THRESHOLD} for drafts verified exactly (docs/runtime.md)"),
     accept: Accept = typer.Option(Accept.exact, "--accept", help="draft-self acceptance rule"),
     temp: float = typer.Option(0.0, "--temp", min=0.0, help="0 = greedy"),
     top_p: float = typer.Option(1.0, "--top-p", min=0.0, max=1.0),

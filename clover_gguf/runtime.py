@@ -664,7 +664,8 @@ class CloverRuntime:
                                        block_size=block_size, threshold=self.threshold if threshold is None else threshold,
                                        accept=accept, sampler=sampler, logits_processors=procs, stats=stats,
                                        end_rule=end_rule, costs=self.pass_costs, policy=policy,
-                                       clock=getattr(self.ctx, "cost_clock", time.perf_counter)):
+                                       clock=getattr(self.ctx, "cost_clock", time.perf_counter),
+                                       draft_threshold=decoding.DRAFT_THRESHOLD if threshold is None else None):
             now = time.perf_counter()
             if chunk.tokens and stats.time_to_first_token_s is None:
                 stats.time_to_first_token_s = now - t0

@@ -228,3 +228,18 @@ def test_an_answer_cut_inside_an_ar_run_still_reports_its_rate():
     _, st = generate_all(be, PROMPT, mode="auto", max_new_tokens=5, block_size=B, policy=pol, clock=clock)
     assert st.ar_steps == 4 and st.drafts == 0
     assert st.measured_tokens_per_s and st.predicted_tokens_per_s
+
+
+def test_a_cold_first_draft_carried_to_the_next_answer_is_replaced_not_averaged():
+    """A process's first draft is a cold one (47 ms against 5 ms on the bundled model): the answer after it replaces
+    that figure with its own first draft, as the answer that measured it would have; figures measured twice or more
+    carry over warm and average."""
+    cold = AutoPolicy(PassCosts(), B)
+    cold.observe_draft(B, B - 1, B - 1, 1, 50.0, probe=True)
+    nxt = AutoPolicy(PassCosts(), B, prior=cold)
+    nxt.observe_draft(B, B - 1, B - 1, 1, 5.0, probe=True)
+    assert nxt.seconds.value == 5.0  # not 27.5
+    nxt.observe_draft(B, B - 1, B - 1, 1, 5.0, probe=False)  # a second warm draft: nxt's figures are warm now
+    warm = AutoPolicy(PassCosts(), B, prior=nxt)
+    warm.observe_draft(B, B - 1, B - 1, 1, 7.0, probe=False)
+    assert warm.seconds.value == pytest.approx(6.0)  # DRAFT_DECAY 0.5 over the carried 5.0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from clover_gguf.auto import AutoPolicy, PassCosts
 from clover_gguf.controls import Controls, make_processors
 from clover_gguf.decoding import Backend, generate, generate_all
 
@@ -183,6 +184,39 @@ def test_draft_self_threshold_rejects_a_low_probability_causal_match():
     assert thr[0].tokens == [5, 6]  # 7 needed causal probability >= 0.95
     assert ("rollback", 4) in be.calls
     assert [t for c in thr for t in c.tokens] == [5, 6, 7, 8, 9]
+
+
+@pytest.mark.parametrize("mode", ["draft-self", "auto"])
+def test_exact_drafts_fill_at_the_draft_threshold_and_the_text_stays_the_causal_ones(mode):
+    """draft_threshold replaces the fill threshold of exactly verified drafts: block rows at 0.7 fill a draft in one
+    pass at 0.5 and one position a pass at the card's 0.95; the same text either way. With accept="threshold" the
+    one threshold stays (it is also the acceptance's)."""
+    causal = [5, 6, 7, 8, 9, 1, 2, 3, 4, 5, 6, 7]
+    be_c = lambda: FakeBackend(lambda c: dist(causal[len(c) - len(PROMPT)] if len(c) - len(PROMPT) < len(causal)
+                                               else EOS, 0.99),
+                               lambda prefix, blk, k: np.stack([dist(causal[len(prefix) - len(PROMPT) + j]
+                                                                     if len(prefix) - len(PROMPT) + j < len(causal)
+                                                                     else EOS, 0.7) for j in range(len(blk))]))
+    runs = {}
+    for dt in (None, 0.5):
+        be = be_c()
+        policy = None
+        if mode == "auto":  # drafts known to pay: every block a draft
+            policy = AutoPolicy(PassCosts(), B)
+            policy.ar_step.add(1.0)
+            policy.costs.observe("block", B, 1e-6)
+            policy.costs.observe("causal", B, 1e-6)
+            policy.drafts_seen = 2
+        toks, st = generate_all(be, PROMPT, mode=mode, max_new_tokens=len(causal), block_size=B, threshold=0.95,
+                                draft_threshold=dt, policy=policy)
+        runs[dt] = (toks, st)
+    assert runs[None][0] == runs[0.5][0] == causal
+    assert runs[0.5][1].block_passes == runs[0.5][1].drafts  # one pass a draft
+    assert runs[None][1].block_passes >= 2 * runs[None][1].drafts  # 0.95: one position a pass
+    be = be_c()
+    _, st = generate_all(be, PROMPT, mode="draft-self", max_new_tokens=len(causal), block_size=B, threshold=0.95,
+                         draft_threshold=0.5, accept="threshold")
+    assert st.block_passes >= 2 * st.drafts
 
 
 def test_draft_self_accepted_end_token_ends_the_answer_and_is_not_kept():

@@ -214,3 +214,27 @@ def test_token_pieces_are_llamas_and_a_long_piece_is_read_whole(tiny_gguf):
             assert calls == [256, 300]
         finally:
             ctx.L = L
+
+
+def test_drafts_fill_at_the_draft_threshold_unless_a_threshold_is_given(bundled_gguf, bundled_eval):
+    """The runtime's draft-self and auto (exact) draft at decoding.DRAFT_THRESHOLD when no threshold is given, and at
+    the given one otherwise: on the bundled model fewer block passes per draft than at the card's 0.95, the same text
+    (the causal pass decides every token), and diffusion unchanged (the card's threshold fills its answer)."""
+    from clover_gguf.decoding import DRAFT_THRESHOLD
+
+    assert DRAFT_THRESHOLD < 0.95
+    with CloverRuntime(bundled_gguf, n_ctx=512, n_threads=2) as rt:
+        assert rt.threshold == pytest.approx(0.95)  # the card's, from the GGUF (f32)
+        passes = {None: [0, 0], 0.95: [0, 0]}
+        for row in bundled_eval[::40][:8]:
+            ar = rt.generate(row["prompt"], mode="ar", max_new_tokens=48).raw
+            for thr in passes:
+                a = rt.generate(row["prompt"], mode="draft-self", max_new_tokens=48, threshold=thr)
+                assert a.raw == ar
+                passes[thr][0] += a.stats.block_passes
+                passes[thr][1] += a.stats.drafts
+            diff = [rt.generate(row["prompt"], mode="diffusion", max_new_tokens=48, threshold=thr).raw
+                    for thr in (None, 0.95)]
+            assert diff[0] == diff[1]
+    per_draft = {thr: p / d for thr, (p, d) in passes.items()}
+    assert per_draft[None] < per_draft[0.95], per_draft
