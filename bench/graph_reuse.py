@@ -1,6 +1,7 @@
 """Graph reuse when block and causal passes alternate (draft-self's pattern), against each kind in a row.
 
-    python bench/graph_reuse.py [--gguf FILE] [--passes 200] [--rounds 2] [--threads 2] [--workdir out/bench-graph-reuse]
+    python bench/graph_reuse.py [--gguf FILE] [--passes 200] [--rounds 2] [--threads 2]
+        [--workdir out/bench-graph-reuse]
 
 On one context (the bundled model converted to F32 unless --gguf names another file): a 64-token prefix, then
 `passes` one-token causal steps in a row, `passes` 32-token block passes in a row (on a scratch copy of the prefix,
@@ -19,14 +20,15 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from clover_gguf.convert import convert  # noqa: E402
-from clover_gguf.llama_context import LlamaContext  # noqa: E402
+if TYPE_CHECKING:  # measure() is imported by bench/device/steps.py: the project's modules load where they are used
+    from clover_gguf.llama_context import LlamaContext
 
 BUNDLED = ROOT / "clover_gguf" / "assets" / "tiny-clover"
 
@@ -61,6 +63,9 @@ def main() -> None:
     a = ap.parse_args()
     if a.passes < 2 or a.rounds < 1:
         ap.error("--passes must be at least 2 and --rounds at least 1")
+    from clover_gguf.convert import convert
+    from clover_gguf.llama_context import LlamaContext
+
     gguf = a.gguf
     if gguf is None:
         a.workdir.mkdir(parents=True, exist_ok=True)

@@ -256,15 +256,15 @@ def _first_end(block: list[int], resolved: list[bool], eos: frozenset[int]) -> i
 #   "tail"   the card's rule, and once an end token is resolved, the masked positions after it are filled with end
 #            tokens in the same pass.
 END_RULES = ("prefix", "plain", "strict", "tail")
-# The fill threshold of a draft that a causal pass verifies exactly (draft-self with accept="exact", auto's drafts), where
-# the caller sets none (runtime: no --threshold): the draft only proposes and the causal pass decides every token, so a
-# lower bar than the card's 0.95 (a diffusion rule: there the filled token is the answer) leaves the text as it is and
-# spares the block passes that only lift a position from, say, 0.7 to 0.95. Bundled model, 39 held-out prompts x 2:
+DEFAULT_END_RULE = "prefix"
+END_THRESHOLD = 0.999
+# The fill threshold of a draft that a causal pass verifies exactly (draft-self with accept="exact", auto's drafts),
+# where the caller sets none (runtime: no --threshold): the draft only proposes and the causal pass decides every token,
+# so a lower bar than the card's 0.95 (a diffusion rule: there the filled token is the answer) leaves the text as it is
+# and spares the block passes that only lift a position from, say, 0.7 to 0.95. Bundled model, 39 held-out prompts x 2:
 # the same 17.9 tokens accepted per draft at 0.95 and at 0.5, in 1.52 and 1.02 block passes a draft (docs/runtime.md,
 # "Draft threshold").
 DRAFT_THRESHOLD = 0.5
-DEFAULT_END_RULE = "prefix"
-END_THRESHOLD = 0.999
 
 
 def _end_rule_fill(end_rule: str, is_end: np.ndarray, conf: np.ndarray, threshold: float) -> list[int]:
@@ -361,10 +361,11 @@ def generate(backend: Backend, prompt_ids: Sequence[int], mode: str = "diffusion
     resolved by block passes (resolve_block); a finished block is committed by one causal pass; an end token ends
     the answer. "draft-self": block passes draft, one causal pass verifies (see _draft_self).
     threshold: the confidence a block position must exceed to be filled in a pass (and, with accept="threshold",
-    the causal probability a draft token needs to be kept). draft_threshold: the fill threshold of drafts verified
-    exactly (draft-self and auto with accept="exact"; e.g. DRAFT_THRESHOLD), in place of `threshold` there. "auto": per block, AR steps or a draft-self block,
+    the causal probability a draft token needs to be kept). "auto": per block, AR steps or a draft-self block,
     whichever the measured pass costs and this answer's acceptance say is faster (clover_gguf.auto; `accept` as in
     draft-self, so greedy auto is AR's text). The backend is reset first.
+    draft_threshold: the fill threshold of drafts verified exactly (draft-self and auto with accept="exact"; e.g.
+    DRAFT_THRESHOLD), in place of `threshold` there.
     stats: the object to count into (a caller's subclass with more fields, e.g. runtime.RunStats); by default a
     new GenerationStats. The chunks carry it.
     end_rule: how block passes resolve end tokens (END_RULES; "plain" is the card's rule).

@@ -144,8 +144,8 @@ def test_logits_processors_run_before_sampling_and_confidence():
     assert blocks[1][0] == MASK  # with 4 banned, position 0 is no longer confident
 
 
-def _draft_backend(draft, causal_answer, causal_p=0.99):
-    """Block passes propose `draft` (all confident); the causal model says `causal_answer` then eos."""
+def _draft_backend(draft, causal_answer, causal_p=0.99, block_p=0.99):
+    """Block passes propose `draft` at confidence `block_p`; the causal model says `causal_answer` then eos."""
     def causal(ctx):
         i = len(ctx) - len(PROMPT)
         seq = causal_answer + [EOS] * 50
@@ -153,7 +153,7 @@ def _draft_backend(draft, causal_answer, causal_p=0.99):
     def block(prefix, blk, k):
         i0 = len(prefix) - len(PROMPT)
         seq = draft + [EOS] * 50
-        return np.stack([dist(seq[i0 + j], 0.99) for j in range(len(blk))])
+        return np.stack([dist(seq[i0 + j], block_p) for j in range(len(blk))])
     return FakeBackend(causal, block)
 
 
@@ -192,14 +192,9 @@ def test_exact_drafts_fill_at_the_draft_threshold_and_the_text_stays_the_causal_
     pass at 0.5 and one position a pass at the card's 0.95; the same text either way. With accept="threshold" the
     one threshold stays (it is also the acceptance's)."""
     causal = [5, 6, 7, 8, 9, 1, 2, 3, 4, 5, 6, 7]
-    be_c = lambda: FakeBackend(lambda c: dist(causal[len(c) - len(PROMPT)] if len(c) - len(PROMPT) < len(causal)
-                                               else EOS, 0.99),
-                               lambda prefix, blk, k: np.stack([dist(causal[len(prefix) - len(PROMPT) + j]
-                                                                     if len(prefix) - len(PROMPT) + j < len(causal)
-                                                                     else EOS, 0.7) for j in range(len(blk))]))
     runs = {}
     for dt in (None, 0.5):
-        be = be_c()
+        be = _draft_backend(causal, causal, block_p=0.7)
         policy = None
         if mode == "auto":  # drafts known to pay: every block a draft
             policy = AutoPolicy(PassCosts(), B)
@@ -213,7 +208,7 @@ def test_exact_drafts_fill_at_the_draft_threshold_and_the_text_stays_the_causal_
     assert runs[None][0] == runs[0.5][0] == causal
     assert runs[0.5][1].block_passes == runs[0.5][1].drafts  # one pass a draft
     assert runs[None][1].block_passes >= 2 * runs[None][1].drafts  # 0.95: one position a pass
-    be = be_c()
+    be = _draft_backend(causal, causal, block_p=0.7)
     _, st = generate_all(be, PROMPT, mode="draft-self", max_new_tokens=len(causal), block_size=B, threshold=0.95,
                          draft_threshold=0.5, accept="threshold")
     assert st.block_passes >= 2 * st.drafts

@@ -27,7 +27,6 @@ ROOT = Path(__file__).resolve().parents[2]  # the project: the kit's copy on the
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from graph_reuse import measure as measure_reuse  # noqa: E402  (block and causal passes in a row or alternating)
 from measure import PassLog  # noqa: E402  (the benches' one pass counter)
 
 SKIP_RC = 3  # "not possible here": run.sh records the step as skipped, with the last line printed as the reason
@@ -465,6 +464,8 @@ def cmd_block_checks(a) -> None:
     the same blocks (F32 matmuls use TF32 on CUDA, GPU argsort is not stable): the share of (layer, token) whose top-k
     expert sets are equal."""
     import numpy as np
+
+    from graph_reuse import measure as measure_reuse  # the one reuse loop (bench/graph_reuse.py)
 
     from clover_gguf.graph_probe import GraphProbe
     from clover_gguf.llama_context import LlamaContext
