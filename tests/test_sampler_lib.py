@@ -309,3 +309,36 @@ def test_bad_inputs_are_refused_not_read(small_gguf):
         with pytest.raises(ValueError, match="refused its inputs"):
             ctx.decode(ids, 0, logits=[False] * (len(ids) - 1) + [True],
                        gather=Gather(ids=np.array([v + 5], dtype=np.int32), n_rows=1, width=32))
+
+
+def test_a_block_pass_selects_its_rows_in_one_computation_as_a_causal_pass_does(bundled_gguf):
+    """The sampler computes all of a sequence's rows at once when it knows how many there are (one "run": one
+    `clover_token` tensor for all rows). Block graphs are built with a clone of it (patch 0006), which must hold the
+    decode's row count when the graph is built, not the count of the pass before: else every row of a 32-token block
+    is a computation of its own (about 1,800 more graph nodes on the bundled model: a block pass cost 1.5x a causal
+    pass of as many rows on a 2-core CPU). Counted when the block graph is first built and when it is reused, beside a
+    causal pass of many rows (one run per attached sampler: the block sequence's, idle there, is built on a dummy row,
+    as build_sampling does for every sampler outside a decode); the rows still equal numpy's on the block's raw
+    logits."""
+    from clover_gguf.graph_probe import GraphProbe
+
+    probe = GraphProbe(r"clover_token", read_data=False)
+    with LlamaContext(bundled_gguf, n_ctx=256, n_seq_max=3, n_threads=2, eval_callback=probe.callback) as ctx:
+        prompt = ctx.tokenize("Count from 3 to 9.")
+        ctx.decode(prompt, 0, logits=False)
+        mask = int(ctx.meta("tokenizer.ggml.mask_token_id"))
+        block = [mask] * 32
+        ids = np.array([3, 5, 8], dtype=np.int32)
+        raw = ctx.block(block, len(prompt))  # the raw rows, no sampler attached
+        counts = []
+        for _ in range(2):  # built, then reused
+            probe.clear()
+            rows = ctx.block(block, len(prompt), gather=Gather(ids=ids, n_rows=32, width=32, probs=True))
+            counts.append(len(probe.records))
+            _check_greedy(rows, raw, ids, 32, True)
+        probe.clear()
+        ctx.decode(block[:18], len(prompt), gather=Gather(ids=ids, n_rows=18, width=32, probs=False))
+        counts.append(len(probe.records))
+        assert probe.error is None
+        assert sorted(ctx._selectors) == [0, 1]
+        assert counts == [1, 1, 2]
