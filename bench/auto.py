@@ -12,7 +12,8 @@ from one prompt to the next as they do in chat and serve):
 Prompts: the bundled model's held-out eval rows (never trained on), spread over its tasks; for (c) the same texts.
 Greedy, the card's controls on. For each model: tok/s of every mode over the same prompts (whole requests, the
 prompt pass included), auto against the faster of ar and draft-self, auto's choices (AR steps, drafts, block passes,
-accepted tokens per draft, predicted against measured tok/s), and whether auto's text equals ar's on every prompt.
+accepted tokens per draft, predicted against measured tok/s), whether auto's text equals ar's on every prompt, and
+what a draft costs in AR steps in model passes alone (each runtime's measured pass costs).
 No asserts on timings: the figures are printed, ratios beside them.
 """
 
@@ -38,7 +39,7 @@ MODES = ("ar", "draft-self", "diffusion", "auto")
 def bench_model(label: str, gguf: Path, prompts: list[str], max_new: int, rounds: int, threads: int,
                 ctx: int) -> dict:
     runtimes = {m: CloverRuntime(gguf, n_ctx=ctx, n_threads=threads, n_threads_batch=threads) for m in MODES}
-    rows = {m: dict(tokens=0, seconds=0.0, ar_steps=0, drafts=0, block_passes=0, accepted=0, passes=0,
+    rows = {m: dict(tokens=0, seconds=0.0, ar_steps=0, drafts=0, block_passes=0, accepted=0, drafted=0, passes=0,
                     predicted_s=0.0, measured_s=0.0) for m in MODES}
     texts: dict[str, list[str]] = {m: [] for m in MODES}
     try:
@@ -57,11 +58,13 @@ def bench_model(label: str, gguf: Path, prompts: list[str], max_new: int, rounds
                     row["drafts"] += st.drafts
                     row["block_passes"] += st.block_passes
                     row["accepted"] += st.accepted_tokens
+                    row["drafted"] += st.drafted_tokens
                     if st.predicted_tokens_per_s and st.measured_tokens_per_s:
                         row["predicted_s"] += st.generated_tokens / st.predicted_tokens_per_s
                         row["measured_s"] += st.generated_tokens / st.measured_tokens_per_s
                     if r == 0:
                         texts[m].append(a.raw)
+        passes_of_a_draft = draft_in_passes(rows, {m: rt.pass_costs for m, rt in runtimes.items()})
     finally:
         for rt in runtimes.values():
             rt.close()
@@ -82,12 +85,41 @@ def bench_model(label: str, gguf: Path, prompts: list[str], max_new: int, rounds
           f"{au['drafts']} drafts in {au['block_passes']} block passes, {per_draft:.1f} accepted per draft; "
           f"predicted {pred or 0:.1f} against measured {meas or 0:.1f} tok/s over its moves; "
           f"text equal to ar's on {same} of {len(prompts)} prompts")
+    if passes_of_a_draft:
+        c = passes_of_a_draft
+        print(f"draft-self's passes: a draft ({c['block_passes']:.2f} block passes of {c['block_rows']} rows at "
+              f"{c['block_ms']:.2f} ms, a verification of {c['verify_rows']} rows at {c['verify_ms']:.2f} ms) costs "
+              f"{c['draft_in_steps']:.1f} AR steps ({c['step_ms']:.3f} ms, a step timed as a pass) and yields "
+              f"{c['accepted']:.1f} tokens: {c['x_ar_passes']:.2f}x ar on the passes alone (the host work between "
+              f"passes not counted)")
     return {"model": label, "tok_s": {m: round(r["tok_s"], 2) for m, r in rows.items()},
             "auto_x_best": round(au["tok_s"] / best, 4), "auto_x_ar": round(au["tok_s"] / rows["ar"]["tok_s"], 4),
             "draft_self_x_ar": round(rows["draft-self"]["tok_s"] / rows["ar"]["tok_s"], 4),
             "ar_steps": au["ar_steps"], "drafts": au["drafts"], "block_passes": au["block_passes"],
             "accepted_per_draft": round(per_draft, 3), "predicted_tok_s": pred, "measured_tok_s": meas,
-            "same_text_as_ar": f"{same}/{len(prompts)}"}
+            "same_text_as_ar": f"{same}/{len(prompts)}", "draft_self_passes": passes_of_a_draft}
+
+
+def draft_in_passes(rows: dict, costs: dict) -> dict | None:
+    """What a draft costs against AR steps in model passes alone, from the pass costs each mode's runtime measured
+    (auto.PassCosts: a pass timed with its selection, without the host work between passes): its block passes and
+    its verification against the AR steps that would have written its accepted tokens. None without drafts or AR
+    steps."""
+    ds = rows["draft-self"]
+    step = costs["ar"].predict("causal", 1)
+    blocks = [(a.n, r) for (k, r), a in costs["draft-self"].buckets.items() if k == "block"]
+    if not ds["drafts"] or not rows["ar"]["ar_steps"] or step is None or not blocks:
+        return None
+    block_rows = max(blocks)[1]  # the block size: the row count most block passes had
+    verify_rows = round(ds["drafted"] / ds["drafts"])
+    block_s = costs["draft-self"].predict("block", block_rows)
+    verify_s = costs["draft-self"].predict("causal", verify_rows)
+    passes = ds["block_passes"] / ds["drafts"]
+    accepted = ds["accepted"] / ds["drafts"]
+    draft_s = passes * block_s + verify_s
+    return {"step_ms": step * 1e3, "block_rows": block_rows, "block_ms": block_s * 1e3, "block_passes": passes,
+            "verify_rows": verify_rows, "verify_ms": verify_s * 1e3, "accepted": accepted,
+            "draft_in_steps": draft_s / step, "x_ar_passes": accepted * step / draft_s}
 
 
 def main() -> None:

@@ -10,7 +10,10 @@
 // sequences') starts a new run, so the result is right for any row layout and fast for the usual one (a sequence's
 // rows consecutive in its ubatch). A layout it does not recognise (no view of a padded 2-D tensor) gets a run of
 // its own row. Per-decode inputs (ids, coefficients, uniforms) are the sampler's own state, set with
-// clover_sampler_set_inputs, copied into the graph's input tensors by backend_set_input.
+// clover_sampler_set_inputs, copied into the graph's input tensors by backend_set_input. A sampler set to no rows
+// (its sequence outside the next decode) builds nothing: build_sampling would have it build a computation on a
+// dummy row that is never computed, and every graph rebuilt beside it (an answer's prompt pass, a verification)
+// paid for building and allocating it.
 
 #include "clover_sampler.h"
 
@@ -313,6 +316,9 @@ void cs_backend_apply(llama_sampler * smpl, ggml_context * ctx, ggml_cgraph *, l
     if (row == nullptr || data->candidates != nullptr || row->type != GGML_TYPE_F32) {
         return; // not the first in its chain (llama.h): leave the data as it is
     }
+    if (s->n_rows == 0) {
+        return; // no rows announced: a sequence outside the decode (the row stays as llama.cpp computed it)
+    }
     const int64_t k = s->k_next++; // the caller's row index of this call
 
     ggml_tensor * base  = nullptr;
@@ -325,10 +331,9 @@ void cs_backend_apply(llama_sampler * smpl, ggml_context * ctx, ggml_cgraph *, l
         run fresh;
         if (found) {
             // from this row to the last the caller announced; past those (a graph built for another decode: the
-            // scheduler's reserve) to the end of the tensor; one row when none was announced (a sequence outside
-            // the decode: build_sampling builds its sampler on row 0 but does not compute it)
+            // scheduler's reserve) to the end of the tensor
             const int64_t left = base->ne[1] - i_row;
-            const int64_t n    = k < s->n_rows ? std::min<int64_t>(s->n_rows - k, left) : s->n_rows == 0 ? 1 : left;
+            const int64_t n    = k < s->n_rows ? std::min<int64_t>(s->n_rows - k, left) : left;
             ggml_tensor * rows = ggml_view_2d(ctx, base, base->ne[0], n, base->nb[1], i_row * base->nb[1]);
             fresh = build_run(s, ctx, rows);
         } else {
