@@ -1,4 +1,4 @@
-"""`auto` against ar, draft-self and diffusion, modes interleaved prompt by prompt, in one run.
+"""`auto` against ar, draft-self and diffusion, modes interleaved prompt by prompt (a seeded random order each), in one run.
 
     python bench/auto.py [--workdir out/bench-auto] [--prompts 39] [--rounds 2] [--slice PATH.gguf] [--json]
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 import time
 from pathlib import Path
@@ -42,12 +43,17 @@ def bench_model(label: str, gguf: Path, prompts: list[str], max_new: int, rounds
     rows = {m: dict(tokens=0, seconds=0.0, ar_steps=0, drafts=0, block_passes=0, accepted=0, drafted=0, passes=0,
                     predicted_s=0.0, measured_s=0.0) for m in MODES}
     texts: dict[str, list[str]] = {m: [] for m in MODES}
+    rng = random.Random(0)
     try:
         for m in MODES:  # warm-up (a fresh process's first calls cost more than a pass)
             runtimes[m].generate(prompts[0], mode=m, max_new_tokens=8)
         for r in range(rounds):
-            for i, p in enumerate(prompts):
-                for m in MODES[i % len(MODES):] + MODES[:i % len(MODES)]:  # no mode always runs after another
+            for p in prompts:
+                # a seeded shuffle per prompt: a rotation of one order kept each mode behind the same one (auto always
+                # ran right after diffusion's block passes, whose memory traffic the next answer pays for)
+                order = list(MODES)
+                rng.shuffle(order)
+                for m in order:
                     t0 = time.perf_counter()
                     a = runtimes[m].generate(p, mode=m, max_new_tokens=max_new)
                     row, st = rows[m], a.stats
