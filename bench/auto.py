@@ -1,4 +1,4 @@
-"""`auto` against ar, draft-self and diffusion, modes interleaved prompt by prompt (a seeded random order each), in one run.
+"""`auto` against ar, draft-self and diffusion, modes interleaved prompt by prompt (seeded order), in one run.
 
     python bench/auto.py [--workdir out/bench-auto] [--prompts 39] [--rounds 2] [--slice PATH.gguf] [--json]
 
