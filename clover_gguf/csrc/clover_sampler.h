@@ -45,10 +45,9 @@ CLOVER_SAMPLER_API struct llama_sampler * clover_sampler_init(
 // into the graph. smpl: the sampler or a chain whose first sampler it is. ids[n_ids]: token ids in [0, n_vocab),
 // 1 <= n_ids <= width (n_ids may be 0 when n_rows is 0); n_rows: the output rows of the sampler's sequence in the
 // next decode, in batch order (they must lie in one ubatch), 0 for a sequence outside it (the sampler then builds
-// nothing into the graph); coef[3 * n_rows * n_ids] (c0 for every row and id,
-// then c1, then c2), NULL for none (greedy only); with temp > 0 also uniform[n_rows]. Returns 0, or -1 (and keeps
-// the previous inputs) for a sampler that is not ours, an id out of range, a bad count, missing arrays or a uniform
-// outside [0, 1].
+// nothing into the graph); coef[3 * n_rows * n_ids] (c0 for every row and id, then c1, then c2), NULL for none
+// (greedy only); with temp > 0 also uniform[n_rows]. Returns 0, or -1 (and keeps the previous inputs) for a sampler
+// that is not ours, an id out of range, a bad count, missing arrays or a uniform outside [0, 1].
 CLOVER_SAMPLER_API int32_t clover_sampler_set_inputs(
         struct llama_sampler * smpl, const int32_t * ids, int32_t n_ids, int32_t n_rows,
         const float * coef, const float * uniform);
