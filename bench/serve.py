@@ -171,7 +171,7 @@ def second_turn(base: str, n_words: int, n_slots: int) -> dict:
 
 def start_clover(gguf: Path, parallel: int, args, offload) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    code = ("import sys; from clover_gguf.server import serve; "
+    code = ("import sys; from clover_gguf.serve import serve; "
             f"from clover_gguf.offload import Offload; "
             f"serve({str(gguf)!r}, port={port}, parallel={parallel}, ctx={args.ctx}, "
             f"n_threads={args.threads}, offload=Offload(**{asdict(offload)!r}), log_level='warning')")

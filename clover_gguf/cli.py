@@ -532,7 +532,7 @@ def serve(
     """An OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics, /slots.
     It prints the address it listens on once the model is loaded."""
     from clover_gguf.mlx_runtime import model_backend, open_runtime
-    from clover_gguf.server import serve as run
+    from clover_gguf.serve import serve as run
 
     if api_key is None and os.environ.get("CLOVER_GGUF_API_KEY") is not None:
         api_key = os.environ["CLOVER_GGUF_API_KEY"]  # click skips an empty variable: set but empty is refused

@@ -134,9 +134,9 @@ class MlxRuntime(CloverRuntime):
         return None if note is None else note.replace(f"`clover-gguf check-block {self.path.name}`",
                                                       "`clover-gguf check-block` on its GGUF")
 
-    def stream_ids(self, ids: Sequence[int], temp: float = 0.0, **kw):
+    def stream_pieces(self, ids: Sequence[int], temp: float = 0.0, **kw):
         self.backend.select_in_graph = self.selection == "graph" and temp == 0.0  # MLX's rows are greedy's
-        return super().stream_ids(ids, temp=temp, **kw)
+        return super().stream_pieces(ids, temp=temp, **kw)
 
     def prompt_and_keep(self, messages: Sequence[dict[str, str]], think: bool = True) -> tuple[list[int], int | None]:
         return self.prompt_ids(messages, think=think), None  # no prefix reuse here

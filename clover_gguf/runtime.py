@@ -335,6 +335,17 @@ class RunStats(decoding.GenerationStats):
 
 
 @dataclass
+class Piece:
+    """What stream_pieces yields as an answer resolves: the new text (whole UTF-8 characters: a character split
+    across tokens comes with the piece that completes it), the tokens resolved since the previous piece, and the
+    running stats (the same object every time; final with the last piece)."""
+
+    text: str
+    stats: RunStats
+    tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
 class Answer:
     text: str  # the answer, thinking removed
     thinking: str
@@ -630,16 +641,22 @@ class CloverRuntime:
         """stream_ids on the prompt of these chat messages (or of one user message)."""
         return self.stream_ids(self.prompt_ids(messages, think=think), **kw)
 
-    def stream_ids(self, ids: Sequence[int], mode: str = "auto", max_new_tokens: int = 512,
-                   block_size: int | None = None, threshold: float | None = None, accept: str = "exact",
-                   temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-                   controls: Controls | None = None, end_rule: str = decoding.DEFAULT_END_RULE,
-                   keep: int | None = None) -> Iterator[tuple[str, RunStats]]:
-        """Yield (new raw text, running stats) as tokens are accepted after the prompt `ids`; the last item carries
-        the final stats. The text is what the model wrote, <think> tags included: thinking.ThinkSplitter with
-        thinking_at_start(ids) splits it. end_rule: how block passes resolve end tokens (decoding.END_RULES;
-        "plain" is the card's rule). keep: keep the state after the prompt's first `keep` tokens for a later prompt
-        that starts with them (a runtime made with keep_prefix; prompt_and_keep gives the position for chat)."""
+    def stream_ids(self, ids: Sequence[int], **kw) -> Iterator[tuple[str, RunStats]]:
+        """stream_pieces as (new raw text, running stats) pairs: what chat, generate and the benches read."""
+        for piece in self.stream_pieces(ids, **kw):
+            yield piece.text, piece.stats
+
+    def stream_pieces(self, ids: Sequence[int], mode: str = "auto", max_new_tokens: int = 512,
+                      block_size: int | None = None, threshold: float | None = None, accept: str = "exact",
+                      temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                      controls: Controls | None = None, end_rule: str = decoding.DEFAULT_END_RULE,
+                      keep: int | None = None) -> Iterator[Piece]:
+        """Yield a Piece (new raw text, the tokens it came from, running stats) as tokens are accepted after the
+        prompt `ids`; the last one carries the final stats. The text is what the model wrote, <think> tags included:
+        thinking.ThinkSplitter with thinking_at_start(ids) splits it. end_rule: how block passes resolve end tokens
+        (decoding.END_RULES; "plain" is the card's rule). keep: keep the state after the prompt's first `keep`
+        tokens for a later prompt that starts with them (a runtime made with keep_prefix; prompt_and_keep gives the
+        position for chat)."""
         if not len(ids):
             raise UserError("the prompt is empty")
         block_size = int(block_size or self.block_size)
@@ -673,9 +690,9 @@ class CloverRuntime:
             stats.reused_tokens = self.backend.reused
             pending += b"".join(self.ctx.token_to_piece(t, special=True) for t in chunk.tokens)
             text, pending = _utf8_prefix(pending)
-            yield text, stats
+            yield Piece(text, stats, list(chunk.tokens))
         if pending:
-            yield pending.decode("utf-8", "replace"), stats
+            yield Piece(pending.decode("utf-8", "replace"), stats, [])
 
     def generate(self, messages: Sequence[dict[str, str]] | str, think: bool = True, **kw) -> Answer:
         ids = self.prompt_ids(messages, think=think)

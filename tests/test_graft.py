@@ -101,7 +101,7 @@ def test_official_style_file_runs_ar_in_chat_serve_and_fit(official):
 
     from fastapi.testclient import TestClient
 
-    from clover_gguf.server import create_app
+    from clover_gguf.serve import create_app
 
     with TestClient(create_app(official)) as http:
         r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "What is 7 + 8?"}],

@@ -1625,7 +1625,7 @@ def test_a_stop_string_that_is_not_utf8_is_a_400():
     """A lone surrogate in a stop string ("\\ud800" in the JSON) can never match any output: 400, as for the prompt
     (docs/serve.md). Also in the table of tests/test_hostile_serve.py, through a running server."""
     pytest.importorskip("fastapi")
-    from clover_gguf.server import APIError, _models, plan_from
+    from clover_gguf.serve.schema import APIError, _models, plan_from
 
     chat, completion = _models()
     for stop in ("\ud800", ["ok", "a\udfffb"]):
@@ -1640,7 +1640,7 @@ def test_the_key_middleware_takes_no_empty_or_non_ascii_key():
     """create_app and serve check the key first (above, through the CLI); the middleware itself never runs with a key
     that would let everyone in or that clients send as different bytes."""
     from clover_gguf.errors import UserError
-    from clover_gguf.server import RequireKey
+    from clover_gguf.serve.auth import RequireKey
 
     for key in ("", "cl\u00e9", " key"):
         with pytest.raises(UserError):

@@ -304,7 +304,7 @@ def test_more_slots_than_llama_cpp_holds_sequences_for_is_one_line(bundled_gguf)
     """--parallel N needs five sequences a slot (main, block scratch, backup, kept prefix, kept prompt) and llama.cpp
     holds at most 256 in a context: 52 slots are refused with one line, before a context is made."""
     from clover_gguf.errors import UserError
-    from clover_gguf.server import load_runtimes
+    from clover_gguf.serve import load_runtimes
 
     with pytest.raises(UserError, match=r"a slot uses 5 sequences .* at most 51 slots"):
         load_runtimes(bundled_gguf, 52, 256, None, None)

@@ -394,7 +394,7 @@ def test_commands_that_do_not_run_mlx_never_import_it_and_a_missing_mlx_is_one_l
             "for args in (['generate', '--help'], ['serve', '--help'], ['mlx-convert', '--help']):\n"
             "    try: main(args)\n"
             "    except SystemExit: pass\n"
-            "import clover_gguf.runtime, clover_gguf.server, clover_gguf.chat, clover_gguf.graft\n"
+            "import clover_gguf.runtime, clover_gguf.serve, clover_gguf.chat, clover_gguf.graft\n"
             "import clover_gguf.mlx_runtime\n"
             "assert not [m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm')], 'mlx imported'\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -417,7 +417,7 @@ def test_chat_and_serve_run_an_mlx_folder(converted):
 
     from clover_gguf.chat import ChatSession
     from clover_gguf.mlx_runtime import MlxRuntime
-    from clover_gguf.server import create_app
+    from clover_gguf.serve import create_app
 
     rt = MlxRuntime(converted["f32"])
     out = io.StringIO()

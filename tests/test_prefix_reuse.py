@@ -100,7 +100,7 @@ def test_the_server_continues_a_conversation_from_the_slots_kept_state(bundled_g
     many prompt tokens (OpenAI's prompt_tokens_details.cached_tokens), and the answer is the full prefill's."""
     from fastapi.testclient import TestClient
 
-    from clover_gguf.server import create_app
+    from clover_gguf.serve import create_app
 
     first = [{"role": "user", "content": "What is 7 + 8?"}]
     with TestClient(create_app(bundled_gguf, mode="ar", parallel=1, ctx=1024)) as http:
@@ -120,7 +120,7 @@ def test_a_conversations_next_request_goes_to_the_slot_that_holds_it(bundled_ggu
     next request still gets that slot (FIFO alone would give it the other one) and continues from its state."""
     from fastapi.testclient import TestClient
 
-    from clover_gguf.server import create_app
+    from clover_gguf.serve import create_app
 
     first = [{"role": "user", "content": "What is 7 + 8?"}]
     with TestClient(create_app(bundled_gguf, mode="ar", parallel=2, ctx=1024)) as http:
@@ -139,7 +139,7 @@ def test_the_same_question_again_goes_to_the_slot_that_holds_it(bundled_gguf, mo
     decoded); the answer is the first time's, in every mode."""
     from fastapi.testclient import TestClient
 
-    from clover_gguf.server import create_app
+    from clover_gguf.serve import create_app
 
     q = [{"role": "user", "content": "What is 7 + 8?"}]
     with TestClient(create_app(bundled_gguf, mode="ar", parallel=2, ctx=1024,
@@ -157,7 +157,7 @@ def test_a_new_conversation_takes_a_slot_whose_state_is_spare():
     holds nothing goes before any."""
     import asyncio
 
-    from clover_gguf.server import _FreeSlots
+    from clover_gguf.serve.slots import _FreeSlots
 
     class Slot:
         def __init__(self, name, served):
@@ -185,7 +185,7 @@ def test_a_conversation_continues_from_the_state_cache_on_any_slot(bundled_gguf,
     when prefilled whole; without it (0) it is prefilled whole."""
     from fastapi.testclient import TestClient
 
-    from clover_gguf.server import create_app
+    from clover_gguf.serve import create_app
 
     first = [{"role": "user", "content": "What is 7 + 8?"}]
     others = [[{"role": "user", "content": f"Reverse: {w}"}] for w in ("c l o v e r", "g g u f")[:parallel]]

@@ -23,8 +23,8 @@ import clover_gguf  # noqa: E402
 from clover_gguf.controls import Controls  # noqa: E402
 from clover_gguf.convert import convert  # noqa: E402
 from clover_gguf.errors import UserError  # noqa: E402
-from clover_gguf.runtime import RunStats  # noqa: E402
-from clover_gguf.server import create_app  # noqa: E402
+from clover_gguf.runtime import Piece, RunStats  # noqa: E402
+from clover_gguf.serve import create_app  # noqa: E402
 from clover_gguf.thinking import split_thinking  # noqa: E402
 
 ASSET = Path(clover_gguf.__file__).parent / "assets" / "tiny-clover"
@@ -333,14 +333,14 @@ class SlowRuntime:
     def check_request(self, n_prompt, max_new_tokens, mode, block_size):
         pass
 
-    def stream_ids(self, ids, max_new_tokens=1, mode="ar", **kw):
+    def stream_pieces(self, ids, max_new_tokens=1, mode="ar", **kw):
         stats = RunStats(mode=mode, prompt_tokens=len(ids))
         for i in range(max_new_tokens):
             time.sleep(0.01)
             self.produced += 1
             stats.generated_tokens = i + 1
             stats.finish_reason = "length" if i + 1 == max_new_tokens else None
-            yield self.words[i % len(self.words)], stats
+            yield Piece(self.words[i % len(self.words)], stats, [i])
 
     def close(self):
         pass
@@ -481,7 +481,7 @@ def test_a_whole_answer_is_posted_to_the_event_loop_once():
     is free (Job.finish, after Pool's give_back), so that the client's next request finds its slot free."""
     import asyncio
 
-    from clover_gguf.server import Job
+    from clover_gguf.serve.slots import Job
 
     loop = asyncio.new_event_loop()
     try:
@@ -508,7 +508,7 @@ def test_the_answer_ends_after_its_slot_is_free():
     import threading
 
     from clover_gguf.errors import UserError
-    from clover_gguf.server import Plan, Pool
+    from clover_gguf.serve.slots import Plan, Pool
 
     go = threading.Event()
 

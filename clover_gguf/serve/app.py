@@ -1,0 +1,465 @@
+"""`clover-gguf serve`'s HTTP app: an OpenAI-compatible server on a Clover GGUF (or MLX folder), decoding with auto (the
+default), draft-self, diffusion or AR.
+
+Endpoints (docs/serve.md has the fields): POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
+GET /health, GET /metrics, GET /slots. Built on FastAPI (Starlette) and served by uvicorn. The model work runs on
+the slots' worker threads (clover_gguf.serve.slots); the request bodies and errors are OpenAI's
+(clover_gguf.serve.schema); the API key is checked first (clover_gguf.serve.auth).
+"""
+
+# no `from __future__ import annotations`: FastAPI reads the route signatures, whose types are local to create_app
+import asyncio
+import contextlib
+import errno
+import json
+import logging
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable
+
+from clover_gguf.decoding import MODES
+from clover_gguf.errors import UserError
+from clover_gguf.serve.auth import RequireKey, check_api_key, is_loopback
+from clover_gguf.serve.schema import APIError, _models, error_body, plan_from
+from clover_gguf.serve.slots import ClientGone, Job, Plan, Pool
+
+try:  # the serve extra; FastAPI injects the request into parameters annotated with this type
+    from starlette.requests import Request
+except ImportError:  # importing this module needs no extra; create_app and serve say what is missing
+    Request = Any
+
+log = logging.getLogger("clover_gguf.serve")
+
+POLL_S = 0.25  # how often a waiting request checks whether its client is still there
+
+
+@dataclass
+class ServerState:
+    """What the routes share: the slot pool and the settings the server was started with."""
+
+    pool: Pool
+    name: str  # the model id the API reports
+    default_mode: str
+    created: int
+    first: Any  # one runtime, for /v1/models' metadata
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.clover
+
+
+# ---- errors in OpenAI's shape --------------------------------------------------------------------------------
+async def _on_api_error(request: Request, exc: APIError) -> Any:
+    from starlette.responses import JSONResponse
+
+    headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+    return JSONResponse(error_body(exc.message, exc.type, exc.param, exc.code), status_code=exc.status,
+                        headers=headers)
+
+
+async def _on_invalid_request(request: Request, exc: Any) -> Any:
+    """pydantic's validation errors: a body that is not a JSON object is a 400, fields that fail are a 422."""
+    from starlette.responses import JSONResponse
+
+    errors = exc.errors()
+    bad_json = [e for e in errors if e.get("type") == "json_invalid"
+                or (tuple(e.get("loc", ())) == ("body",) and e.get("type") in ("model_attributes_type", "missing"))]
+    if bad_json:
+        e = bad_json[0]
+        why = (e.get("ctx") or {}).get("error") or e.get("msg", "")
+        return JSONResponse(error_body(f"the body must be a JSON object: {why}", "invalid_request_error"),
+                            status_code=400)
+    parts = []
+    for e in errors:
+        loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+        parts.append(f"{loc or 'body'}: {e.get('msg')}")
+    first_param = ".".join(str(x) for x in errors[0].get("loc", ()) if x != "body") if errors else None
+    body = error_body("invalid request: " + "; ".join(parts), "invalid_request_error", first_param or None)
+    body["detail"] = [{k: v for k, v in e.items() if k in ("loc", "msg", "type")} for e in errors]
+    return JSONResponse(body, status_code=422)
+
+
+async def _on_http_error(request: Request, exc: Any) -> Any:
+    """Starlette's own errors (404 unknown path, 405 wrong method, 400 a body that is not UTF-8 JSON), in OpenAI's
+    shape."""
+    from starlette.responses import JSONResponse
+
+    if exc.status_code == 404:
+        message, code = f"no such endpoint: {request.method} {request.url.path}", "not_found"
+    elif exc.status_code == 405:
+        message, code = f"{request.method} is not allowed on {request.url.path}", "method_not_allowed"
+    elif exc.status_code == 400:
+        message, code = "the body must be a JSON object in UTF-8", None
+    else:
+        message, code = str(exc.detail), None
+    return JSONResponse(error_body(message, "invalid_request_error", code=code), status_code=exc.status_code,
+                        headers=getattr(exc, "headers", None))
+
+
+# ---- one request, from its fields to its response ------------------------------------------------------------
+class Watch:
+    """Awaits things for one request, giving up (ClientGone) once its client has disconnected; checks at least
+    every POLL_S, also while events keep arriving. A result that arrives after giving up goes to `orphan`
+    (so an acquired slot is handed back, never lost)."""
+
+    def __init__(self, request: Request):
+        self.request = request
+        self.checked = time.monotonic()
+
+    async def gone(self) -> bool:
+        self.checked = time.monotonic()
+        return await self.request.is_disconnected()
+
+    async def __call__(self, aw, orphan: Callable[[Any], None] | None = None) -> Any:
+        task = asyncio.ensure_future(aw)
+        try:
+            while True:
+                left = max(0.0, POLL_S - (time.monotonic() - self.checked))
+                done, _ = await asyncio.wait({task}, timeout=left)
+                if time.monotonic() - self.checked >= POLL_S and await self.gone():
+                    raise ClientGone()
+                if done:
+                    return task.result()
+        except BaseException:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+            if orphan is not None and task.done() and not task.cancelled() and task.exception() is None:
+                orphan(task.result())
+            raise
+
+def precheck(rt: Any, plan: Plan) -> None:
+    """What can be refused without tokenizing, before the request takes a slot: a prompt whose least possible
+    token count (CloverRuntime.least_prompt_tokens) with the tokens asked for (1 when unsaid) is past the context,
+    and the request's mode and block size (check_request). The worker then checks the real count. Reads only what
+    every slot shares (the template, the sizes), so it runs beside the slots' work."""
+    if not hasattr(rt, "least_prompt_tokens"):  # a test's stand-in runtime
+        return
+    least = rt.least_prompt_tokens(plan.messages, plan.prompt, plan.think)
+    block_size = int(plan.block_size or rt.block_size)
+    rt.check_request(least, plan.max_tokens or 1, plan.mode, block_size, at_least=True)
+
+
+async def _start(pool: Pool, watch: Watch, plan: Plan) -> tuple[Job, int]:
+    """Wait for a slot, start the decode, wait until the request passed its checks -> (job, prompt tokens).
+    Raises APIError for a refused request, ClientGone if the client left while waiting."""
+    rt = await watch(pool.acquire(plan.messages), orphan=pool.release)
+    job = pool.start(rt, plan)
+    try:
+        ev = await watch(job.events.get())
+    except BaseException:
+        job.cancel()
+        raise
+    if ev[0] == "error":
+        raise APIError(ev[1], ev[2], "invalid_request_error" if ev[1] < 500 else "server_error")
+    return job, ev[1]
+
+
+def _client_gone() -> Any:
+    from starlette.responses import JSONResponse
+
+    return JSONResponse(error_body("client disconnected", "client_gone"), status_code=499)
+
+
+async def _respond(request: Request, req: Any, chat: bool) -> Any:
+    """Run one completion request: wait for a slot, decode, answer as one JSON body or as server-sent events."""
+    from starlette.background import BackgroundTask
+    from starlette.responses import JSONResponse, StreamingResponse
+
+    state = _state(request)
+    plan = plan_from(req, chat, state.default_mode)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    watch = Watch(request)
+    try:
+        # off the event loop (a template over 100,000 messages takes a moment), and before any slot is taken
+        await watch(asyncio.to_thread(precheck, state.first, plan))
+    except UserError as e:
+        raise APIError(400, str(e)) from None
+    except ClientGone:
+        return _client_gone()
+    try:
+        job, _ = await _start(state.pool, watch, plan)
+    except ClientGone:
+        return _client_gone()
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+    now = int(time.time())
+    if req.stream:
+        agen = _sse(job, rid, now, state.name, chat, include_usage)
+        return StreamingResponse(agen, media_type="text/event-stream", background=BackgroundTask(job.cancel),
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    reasoning, content = [], []
+    try:
+        while True:
+            ev = await watch(job.events.get())
+            if ev[0] == "delta":
+                reasoning.append(ev[1])
+                content.append(ev[2])
+            elif ev[0] == "done":
+                break
+            else:
+                raise APIError(ev[1], ev[2], "server_error")
+    except ClientGone:
+        job.cancel()
+        return _client_gone()
+    except BaseException:
+        job.cancel()
+        raise
+    _, finish, stats, usage = ev
+    if chat:
+        msg = {"role": "assistant", "content": "".join(content), "reasoning_content": "".join(reasoning)}
+        choice = {"index": 0, "message": msg, "logprobs": None, "finish_reason": finish}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": "".join(content), "logprobs": None, "finish_reason": finish}
+        obj = "text_completion"
+    body = {"id": rid, "object": obj, "created": now, "model": state.name, "choices": [choice], "usage": usage,
+            "clover_stats": stats}
+    return JSONResponse(body, headers={"X-Clover-Stats": json.dumps(stats, separators=(",", ":"))})
+
+
+async def _sse(job: Job, rid: str, now: int, name: str, chat: bool, include_usage: bool) -> AsyncIterator[str]:
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(delta: dict | None, finish: str | None = None, **extra) -> str:
+        if chat:
+            choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None,
+                                                 "finish_reason": finish}]
+        else:
+            choices = [] if delta is None else [{"index": 0, "text": delta.get("content", ""), "logprobs": None,
+                                                 "finish_reason": finish}]
+        body = {"id": rid, "object": obj, "created": now, "model": name, "choices": choices, **extra}
+        return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+    try:
+        if chat:
+            yield chunk({"role": "assistant", "content": ""})
+        while True:
+            ev = await job.events.get()
+            if ev[0] == "delta":
+                if ev[1] and chat:
+                    yield chunk({"reasoning_content": ev[1]})
+                if ev[2]:
+                    yield chunk({"content": ev[2]})
+            elif ev[0] == "done":
+                _, finish, stats, usage = ev
+                if include_usage:
+                    yield chunk({}, finish, clover_stats=stats)
+                    yield chunk(None, usage=usage)
+                else:
+                    yield chunk({}, finish, usage=usage, clover_stats=stats)
+                break
+            else:
+                err = error_body(ev[2], "server_error" if ev[1] >= 500 else "invalid_request_error")
+                yield f"data: {json.dumps(err)}\n\n"
+                break
+        yield "data: [DONE]\n\n"
+    finally:
+        job.cancel()  # a no-op after "done"; on a disconnect the worker stops at its next chunk
+
+
+# ---- routes ----------------------------------------------------------------------------------------------------
+async def _health(request: Request) -> dict:
+    state = _state(request)
+    return {"status": "ok", "model": state.name, "slots_total": len(state.pool.runtimes),
+            "slots_idle": state.pool.idle, "requests_waiting": state.pool.waiting}
+
+
+async def _metrics(request: Request):
+    from starlette.responses import PlainTextResponse
+
+    pool = _state(request).pool
+    return PlainTextResponse(pool.metrics.text(pool), media_type="text/plain; version=0.0.4")
+
+
+async def _slots(request: Request) -> list[dict]:
+    """Each slot: idle or busy (with its request's mode), and the conversation it holds the state of."""
+    pool = _state(request).pool
+    out = []
+    for i, rt in enumerate(pool.runtimes):
+        backend = getattr(rt, "backend", None)
+        prefix, prompt = getattr(backend, "prefix", None) or [], getattr(backend, "prompt_kept", None) or []
+        out.append({"id": i, "state": "busy" if i in pool.busy else "idle", "mode": pool.busy.get(i),
+                    "kept_prefix_tokens": len(prefix), "kept_prompt_tokens": len(prompt),
+                    "kept_messages": len(getattr(rt, "served", None) or [])})
+    return out
+
+
+async def _list_models(request: Request) -> dict:
+    state = _state(request)
+    first = state.first
+    meta = getattr(first, "meta", {}) or {}
+    return {"object": "list", "data": [{
+        "id": state.name, "object": "model", "created": state.created, "owned_by": "clover-gguf",
+        "meta": {"context_length": min(getattr(first, "context_length", 0) or 0, getattr(first, "n_ctx", 0) or 0),
+                 "block_mode": bool(getattr(first, "block_mode", False)), "default_mode": state.default_mode,
+                 "block_size": getattr(first, "block_size", None), "parallel": len(state.pool.runtimes),
+                 "architecture": meta.get("general.architecture")}}]}
+
+
+def load_runtimes(model: str | Path | Callable[[], Any], parallel: int, ctx: int | None, model_id: str | None,
+                  runtime_kwargs: dict[str, Any] | None) -> tuple[list[Any], str]:
+    """-> (`parallel` runtimes, the model id): from a GGUF path, or from a factory returning a CloverRuntime-like
+    object. All or nothing: a failure closes the ones already loaded."""
+    if callable(model) and not isinstance(model, (str, Path)):
+        factory = model
+        name = model_id or "clover"
+    else:
+        from clover_gguf.runtime import CloverRuntime
+
+        from clover_gguf.state_cache import DEFAULT_CACHE_RAM_MIB
+
+        path = Path(model)
+        kw = {"cache_ram": DEFAULT_CACHE_RAM_MIB * 2**20, **(runtime_kwargs or {})}
+
+        def factory(first: Any = None) -> Any:
+            # one llama.cpp context for all slots, each on its own sequences, their passes batched step by step
+            # (clover_gguf.batching); each keeps its last conversation's state (docs/runtime.md, "Prefix reuse")
+            if first is None:
+                return CloverRuntime(path, n_ctx=ctx, keep_prefix=True, keep_prompt=True, slots=parallel, **kw)
+            return CloverRuntime(path, n_ctx=ctx, keep_prefix=True, keep_prompt=True, slot_of=first, **kw)
+
+        name = model_id or path.stem
+    runtimes: list[Any] = []
+    try:
+        for _ in range(parallel):
+            runtimes.append(factory(runtimes[0]) if runtimes and factory is not model else factory())
+            if len(runtimes) == 1 and parallel > 1 and hasattr(getattr(runtimes[0], "ctx", None),
+                                                               "memory_breakdown"):
+                from clover_gguf.fit import check_slots
+                from clover_gguf.llama_context import gpu_devices
+
+                # the one context holds every slot: refused before anything is written into it
+                check_slots(parallel, runtimes[0].ctx.memory_breakdown(), devices=gpu_devices())
+    except BaseException:
+        for rt in runtimes:
+            rt.close()
+        raise
+    return runtimes, name
+
+
+def create_app(model: str | Path | Callable[[], Any], mode: str | None = None, api_key: str | None = None,
+               parallel: int = 1, ctx: int | None = None, model_id: str | None = None,
+               runtime_kwargs: dict[str, Any] | None = None):
+    """-> a FastAPI (ASGI) app serving `model`: a GGUF path, or a factory returning a CloverRuntime-like object
+    (called `parallel` times). The runtimes are loaded here, so a bad model fails before any socket is opened.
+    runtime_kwargs go to CloverRuntime (rollback, exact, n_threads, offload, ...)."""
+    from fastapi import FastAPI
+    from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException
+
+    ChatRequest, CompletionRequest = _models()
+    if mode is not None and mode not in MODES:
+        raise UserError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
+    if parallel < 1:
+        raise UserError("--parallel must be at least 1")
+    if ctx is not None and ctx < 16:
+        raise UserError("--ctx must be at least 16")
+    if api_key is not None:
+        check_api_key(api_key)
+    runtimes, name = load_runtimes(model, parallel, ctx, model_id, runtime_kwargs)
+    first = runtimes[0]
+    mode = mode or getattr(first, "default_mode", "auto")  # ar for an AR-only file
+    if mode != "ar" and not getattr(first, "block_mode", True):
+        for rt in runtimes:
+            rt.close()
+        from clover_gguf.runtime import no_block_tensors
+
+        raise UserError(no_block_tensors(first.path, mode))
+    if hasattr(first, "reading_note") and (note := first.reading_note(mode)):
+        log.warning("%s", note)
+    pool = Pool(runtimes)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        pool.close()
+
+    app = FastAPI(title="clover-gguf", lifespan=lifespan, docs_url=None, redoc_url=None)  # /openapi.json: keyed
+    app.state.clover = ServerState(pool=pool, name=name, default_mode=mode, created=int(time.time()),
+                                   first=runtimes[0])
+    app.state.pool = pool
+    app.add_exception_handler(APIError, _on_api_error)
+    app.add_exception_handler(RequestValidationError, _on_invalid_request)
+    app.add_exception_handler(HTTPException, _on_http_error)
+    if api_key is not None:
+        app.add_middleware(RequireKey, api_key=api_key)
+    app.add_api_route("/health", _health, methods=["GET"])
+    app.add_api_route("/v1/models", _list_models, methods=["GET"])
+    app.add_api_route("/metrics", _metrics, methods=["GET"])  # behind the API key, like everything but /health
+    app.add_api_route("/slots", _slots, methods=["GET"])
+
+    # FastAPI reads the body's type from the signature, so these two stay here, where the request models are
+    async def chat_completions(req: ChatRequest, request: Request):
+        return await _respond(request, req, chat=True)
+
+    async def completions(req: CompletionRequest, request: Request):
+        return await _respond(request, req, chat=False)
+
+    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.add_api_route("/v1/completions", completions, methods=["POST"])
+    return app
+
+
+def serve(model: str | Path, host: str = "127.0.0.1", port: int = 8080, mode: str | None = None,
+          ctx: int | None = None, parallel: int = 1, api_key: str | None = None, model_id: str | None = None,
+          log_level: str = "info", **runtime_kwargs) -> None:
+    """Load the model and serve it with uvicorn until interrupted."""
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn
+    except ImportError:
+        raise UserError("serving needs FastAPI and uvicorn: `pip install fastapi uvicorn` (in a checkout of clover-gguf: "
+                        "`pip install '.[serve]'`; `make demo` installs them)") from None
+    if not 0 <= port <= 65535:
+        raise UserError(f"port {port} is out of range")
+    if api_key is not None:
+        check_api_key(api_key)  # before anything loads or binds
+    if not is_loopback(host) and api_key is None:
+        log.warning("serving on %s without --api-key: anyone who can reach this address can use the model", host)
+    sock = bind(host, port)  # before the model loads: a port in use is one line, not a minute later
+    try:
+        app = create_app(model, mode=mode, api_key=api_key, parallel=parallel, ctx=ctx, model_id=model_id,
+                         runtime_kwargs=runtime_kwargs)
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+        url = listen_url(host, sock)
+
+        class Server(uvicorn.Server):  # uvicorn names no address for sockets it is given: say it once it serves
+            async def startup(self, sockets=None):
+                await super().startup(sockets=sockets)
+                if self.started:
+                    logging.getLogger("uvicorn.error").info(
+                        "listening on %s (OpenAI base URL %s/v1; Ctrl-C to stop)", url, url)
+
+        Server(config).run(sockets=[sock])
+    finally:
+        sock.close()
+
+
+def listen_url(host: str, sock: socket.socket) -> str:
+    """http://HOST:PORT for a listening socket bound for `host` (its real port: --port 0 picks one)."""
+    name = host.strip("[]") or "0.0.0.0"
+    return f"http://{f'[{name}]' if ':' in name else name}:{sock.getsockname()[1]}"
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port (UserError, one line, when the address is taken or not ours)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host.strip("[]") or None, port,
+                                                             type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise UserError(f"cannot serve on host {host!r}: {e.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # not SO_REUSEPORT: a taken port stays taken
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        why = "is already in use" if e.errno == errno.EADDRINUSE else f"cannot be opened ({e.strerror})"
+        raise UserError(f"{host}:{port} {why}") from None
+    sock.set_inheritable(True)
+    return sock

@@ -1,0 +1,308 @@
+"""The model work of `serve`, on worker threads: a request's Plan, the Job that carries its events to the event loop,
+the slots (runtimes) and the FIFO of requests waiting for one.
+
+The app holds `parallel` CloverRuntimes ("slots") on one llama.cpp context. A request waits in a FIFO queue for a free
+slot, and its whole decode runs on one worker thread with that slot to itself, so requests never share decoding
+state. The worker hands the slot back only when it has stopped touching the runtime, also when the client went away:
+a disconnect sets a cancel flag that the worker checks between chunks. Text processing (reasoning split, stop
+strings) happens on the worker too, so the decode stops right where a stop string appears and the stats describe
+exactly the work done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import contextlib
+import dataclasses
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from clover_gguf.batching import Cancelled
+from clover_gguf.errors import UserError
+from clover_gguf.serve.metrics import Metrics
+from clover_gguf.thinking import ThinkSplitter
+
+log = logging.getLogger("clover_gguf.serve")
+
+
+@dataclass
+class Plan:
+    """One request, as the worker runs it."""
+
+    prompt: str | None = None  # raw prompt (completions) ...
+    messages: list[dict[str, str]] | None = None  # ... or chat messages, rendered with the GGUF's template
+    mode: str = "auto"
+    max_tokens: int | None = None  # None: as many as the context allows
+    block_size: int | None = None
+    threshold: float | None = None
+    accept: str = "exact"
+    temp: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    think: bool = True
+    stop: list[str] = field(default_factory=list)
+    controls: dict[str, float] = field(default_factory=dict)  # overrides of the GGUF's generation controls
+    stream: bool = True  # False: the answer is read whole at its end (the worker then posts its text once)
+
+
+class ClientGone(Exception):
+    """The client disconnected while its request waited."""
+
+
+class Job:
+    """One request on one slot. The worker thread emits events into an asyncio queue:
+    ("started", prompt_tokens), ("delta", reasoning, content), ("done", finish_reason, stats, usage),
+    ("error", http_status, message). `cancel()` (any thread) makes the worker stop at the next chunk."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, stream: bool = True):
+        self.loop = loop
+        self.events: asyncio.Queue = asyncio.Queue()
+        self._cancel = threading.Event()
+        self.stream = stream
+        self._held: tuple[str, str] | None = None  # not streamed: the text so far, posted with the next other event
+        self._last: list[tuple] = []  # the answer's last events, posted once its slot is free again (finish())
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def emit(self, *event: Any) -> None:
+        if event[0] == "delta" and not self.stream:  # one event loop wake-up per answer, not one per token
+            r, c = self._held or ("", "")
+            self._held = (r + event[1], c + event[2])
+            return
+        held = [("delta", *self._held)] if self._held is not None else []
+        self._held = None
+        if event[0] in ("done", "error"):
+            # the end reaches the client after the slot is free (Pool.start): a client's next request, sent the moment
+            # it reads this answer, then finds the slot that holds its conversation free
+            self._last += [*held, event]
+            return
+        for e in (*held, event):
+            self._post(e)
+
+    def finish(self) -> None:
+        """On the event loop, once the slot is free: post the answer's last events."""
+        last, self._last = self._last, []
+        for e in last:
+            self.events.put_nowait(e)
+
+    def _post(self, event: tuple) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the loop is closed (server shutting down): nobody is listening
+            pass
+
+
+def _run_job(rt: Any, job: Job, plan: Plan, metrics: Metrics | None = None) -> None:
+    """The worker: everything that touches the runtime happens here, on one thread, with the slot held."""
+    try:
+        finish, stats = _decode(rt, job, plan)
+        if metrics is not None:
+            metrics.record(plan.mode, finish, stats)
+    except UserError as e:
+        if metrics is not None:
+            metrics.record(plan.mode, "refused")
+        job.emit("error", 400, str(e))
+    except Cancelled as e:  # the client went away during a long prompt (nobody reads this answer)
+        if metrics is not None:
+            metrics.record(plan.mode, "cancelled")
+        job.emit("error", 400, str(e))
+    except Exception as e:  # a bug or a llama.cpp failure: the request fails, the server keeps serving
+        log.exception("request failed")
+        if metrics is not None:
+            metrics.record(plan.mode, "error")
+        job.emit("error", 500, f"internal error: {type(e).__name__}: {e}")
+
+
+def _decode(rt: Any, job: Job, plan: Plan) -> tuple[str, dict]:
+    """-> (finish reason, the stats as JSON)."""
+    keep = None  # a chat request keeps the state after its messages for the conversation's next request (this slot)
+    if plan.messages is not None and getattr(rt, "keeps_prefix", False):
+        ids, keep = rt.prompt_and_keep(plan.messages, think=plan.think)
+    elif plan.messages is not None:
+        ids = rt.prompt_ids(plan.messages, think=plan.think)
+    else:
+        ids = rt.raw_prompt_ids(plan.prompt or "")
+    if not ids:
+        raise UserError("the prompt is empty")
+    block_size = int(plan.block_size or rt.block_size)
+    limit = min(rt.context_length, rt.n_ctx)
+    room = block_size - 1 if plan.mode != "ar" else 0
+    max_new = plan.max_tokens if plan.max_tokens is not None else max(1, limit - len(ids) - room)
+    rt.check_request(len(ids), max_new, plan.mode, block_size)
+    job.emit("started", len(ids))
+
+    # chat: thinking and answer split by the one rule (clover_gguf.thinking); completions: the raw text
+    parser = ThinkSplitter(rt.thinking_at_start(ids), stop=plan.stop, tags=plan.messages is not None)
+    controls = dataclasses.replace(rt.controls, **plan.controls) if plan.controls else None
+    gen = rt.stream_pieces(ids, mode=plan.mode, max_new_tokens=max_new, block_size=block_size, threshold=plan.threshold,
+                           accept=plan.accept, temp=plan.temp, top_p=plan.top_p, top_k=plan.top_k, seed=plan.seed,
+                           controls=controls, **({"keep": keep} if keep is not None else {}))
+    stats = None
+    finish = "cancelled"
+    try:
+        for piece in gen:
+            stats = piece.stats
+            if job.cancelled:
+                break
+            r, c = parser.feed(piece.text)
+            if r or c:
+                job.emit("delta", r, c)
+            if parser.stopped:
+                finish = "stop"
+                break
+        else:
+            finish = "length" if stats is not None and stats.finish_reason == "length" else "stop"
+            r, c = parser.close()
+            if r or c:
+                job.emit("delta", r, c)
+    finally:
+        gen.close()
+    st = stats.to_json() if stats is not None else {"mode": plan.mode, "prompt_tokens": len(ids),
+                                                   "generated_tokens": 0}
+    if parser.matched is not None:
+        st["stop_string"] = parser.matched
+    n_gen = int(st.get("generated_tokens", 0))
+    usage = {"prompt_tokens": len(ids), "completion_tokens": n_gen, "total_tokens": len(ids) + n_gen,
+             # OpenAI's field for prompt tokens served from a cache: here, continued from the slot's kept state
+             "prompt_tokens_details": {"cached_tokens": int(st.get("reused_tokens", 0) or 0)}}
+    if keep is not None:  # this slot now holds the state after these messages (_FreeSlots steers their sequel here)
+        rt.served = list(plan.messages)
+    job.emit("done", finish, st, usage)
+    return finish, st
+
+
+class _FreeSlots:
+    """The free runtimes, and the requests waiting for one in FIFO order. A request takes the free slot that holds
+    the state of its conversation (the longest `served` conversation its messages extend); else a free slot whose
+    state is spare (none, or a conversation another slot holds too), so that no conversation loses its only kept
+    state while a spare one can go; else the one free the longest."""
+
+    def __init__(self, runtimes: list[Any]):
+        self.all = list(runtimes)
+        self.items: collections.deque = collections.deque(runtimes)
+        self.waiters: collections.deque = collections.deque()  # futures of waiting requests
+
+    def qsize(self) -> int:
+        return len(self.items)
+
+    def put_nowait(self, rt: Any) -> None:
+        while self.waiters:
+            fut = self.waiters.popleft()
+            if not fut.done():  # a waiter that gave up (client gone) was cancelled
+                fut.set_result(rt)
+                return
+        self.items.append(rt)
+
+    async def get(self, messages: list | None = None) -> Any:
+        self.waiters = collections.deque(f for f in self.waiters if not f.done())  # those that gave up
+        if self.items and not self.waiters:
+            best = max(self.items, key=lambda rt: (_continues(getattr(rt, "served", None), messages), self._spare(rt)))
+            self.items.remove(best)
+            return best
+        fut = asyncio.get_running_loop().create_future()
+        self.waiters.append(fut)
+        return await fut
+
+    def _spare(self, rt: Any) -> bool:
+        """Taking `rt` for another conversation loses no kept state."""
+        served = getattr(rt, "served", None)
+        return not served or any(o is not rt and getattr(o, "served", None) == served for o in self.all)
+
+
+def _continues(served: list | None, messages: list | None) -> int:
+    """How many messages of `messages` a slot that last served `served` holds the state of (0: none). The same
+    messages again count too (a regenerated answer, a repeated question): the state kept is the one before the
+    generation prompt, which every request renders after its messages."""
+    if not served or not messages or len(served) > len(messages) or messages[:len(served)] != served:
+        return 0
+    return len(served)
+
+
+class Pool:
+    """`parallel` runtimes, each used by one request at a time; requests queue FIFO for a free one (the one holding
+    their conversation when it is free)."""
+
+    def __init__(self, runtimes: list[Any]):
+        self.runtimes = runtimes
+        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=len(runtimes),
+                                                              thread_name_prefix="clover-slot")
+        self._free: _FreeSlots | None = None
+        self.waiting = 0
+        self.jobs: set[Job] = set()
+        self.metrics = Metrics()
+        self.busy: dict[int, str] = {}  # slot index -> the mode of the request it serves
+
+    def _queue(self) -> _FreeSlots:
+        if self._free is None:
+            self._free = _FreeSlots(self.runtimes)
+        return self._free
+
+    @property
+    def idle(self) -> int:
+        return self._queue().qsize()
+
+    def release(self, rt: Any) -> None:
+        self._queue().put_nowait(rt)
+
+    async def acquire(self, messages: list | None = None) -> Any:
+        self.waiting += 1
+        try:
+            return await self._queue().get(messages)
+        finally:
+            self.waiting -= 1
+
+    def start(self, rt: Any, plan: Plan) -> Job:
+        """Run `plan` on `rt` (acquired) on a worker; the slot comes back when the worker is done with it."""
+        loop = asyncio.get_running_loop()
+        job = Job(loop, stream=plan.stream)
+        free = self._queue()
+        self.jobs.add(job)
+
+        slot = next(i for i, r in enumerate(self.runtimes) if r is rt)
+        self.busy[slot] = plan.mode
+
+        # a slot of the shared context: the scheduler's steps wait for this slot's passes while it serves, and a long
+        # prompt stops between chunks when the client goes away
+        serving = getattr(getattr(rt, "ctx", None), "serving", None)
+
+        def work() -> None:
+            try:
+                with serving(lambda: job.cancelled) if serving else contextlib.nullcontext():
+                    _run_job(rt, job, plan, self.metrics)
+            finally:
+                def give_back() -> None:
+                    self.jobs.discard(job)
+                    self.busy.pop(slot, None)
+                    free.put_nowait(rt)
+                    job.finish()
+
+                try:
+                    loop.call_soon_threadsafe(give_back)
+                except RuntimeError:
+                    pass
+
+        try:
+            self.executor.submit(work)
+        except BaseException:
+            self.jobs.discard(job)
+            free.put_nowait(rt)
+            raise
+        return job
+
+    def close(self) -> None:
+        for job in list(self.jobs):
+            job.cancel()
+        self.executor.shutdown(wait=True)
+        for rt in self.runtimes:
+            with contextlib.suppress(Exception):
+                rt.close()
