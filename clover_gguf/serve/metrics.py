@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from clover_gguf.serve.slots import Pool
+from typing import Any
 
 
 class Metrics:
@@ -46,8 +43,9 @@ class Metrics:
                 if rate:
                     self.totals[(field, mode)] += (stats or {}).get("generated_tokens", 0) / rate
 
-    def text(self, pool: "Pool") -> str:
-        """The Prometheus text exposition format (version 0.0.4)."""
+    def text(self, pool: Any) -> str:
+        """The Prometheus text exposition format (version 0.0.4); pool: the serve.slots.Pool whose slots and queue
+        are reported too."""
         with self.lock:
             requests, totals = dict(self.requests), dict(self.totals)
         out = ["# HELP clover_requests_total Finished requests, by mode and finish reason.",
