@@ -317,10 +317,10 @@ def quantize(
     if as_json:
         typer.echo(json.dumps({"out": str(res.out), "size_bytes": res.size_bytes, "seconds": round(res.seconds, 3),
                                "type": res.plan.ftype, "recipe": res.plan.recipe.name,
-                               "tensors_by_type": {k: v[0] for k, v in res.plan.by_type().items()}}))
+                               "tensors_by_type": {k: v[0] for k, v in res.plan.by_type().items()},
+                               "fallbacks": res.plan.fallbacks()}))
     else:
-        typer.echo(f"wrote {res.out}: {res.plan.ftype} ({res.plan.recipe.name}), {res.size_bytes / 2**30:.3f} GiB "
-                   f"in {res.seconds:.1f} s")
+        typer.echo(res.summary())
 
 
 @app.command()

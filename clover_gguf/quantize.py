@@ -74,6 +74,12 @@ class TensorPlan:
     src_type: QT
     type: QT
     bytes: int
+    wanted: QT | None = None  # the type llama.cpp chose before falling back to `type` (None: no fallback)
+
+
+# what a K-quant's fallback type costs, and why it happens: llama.cpp quantizes a row in blocks, and a row whose length
+# is not a multiple of the type's block (256 values for the K-quants) takes the fallback type (llama-quant.cpp,
+# tensor_type_fallback: Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, Q2_K/Q3_K -> Q4_0, IQ4_XS and the IQ types -> IQ4_NL)
 
 
 @dataclass
@@ -102,14 +108,31 @@ class QuantPlan:
             out[t.type.name] = (n + 1, b + t.bytes)
         return out
 
+    def fallbacks(self) -> list[str]:
+        """One line per (wanted, fallback) pair: how many tensors llama.cpp could not give the type it chose, what
+        they got, and why (their row lengths against the type's block)."""
+        groups: dict[tuple[QT, QT], list[TensorPlan]] = {}
+        for t in self.tensors:
+            if t.wanted is not None and t.wanted != t.type:
+                groups.setdefault((t.wanted, t.type), []).append(t)
+        lines = []
+        for (wanted, got), ts in sorted(groups.items(), key=lambda kv: -len(kv[1])):
+            rows = sorted({t.shape[-1] for t in ts})
+            block = _block_size(wanted)
+            lengths = " or ".join(str(r) for r in rows) if len(rows) <= 3 else f"{rows[0]} to {rows[-1]}"
+            lines.append(f"{len(ts)} tensor{'s' if len(ts) != 1 else ''} at {got.name} instead of {wanted.name}: "
+                         f"rows of {lengths} values are not a multiple of {block} ({wanted.name}'s block)")
+        return lines
+
     def to_json(self) -> dict:
         return {"type": self.ftype, "recipe": self.recipe.name, "recipe_file": self.recipe.source,
                 "source": self.source, "size_bytes": self.size_bytes, "size_gib": round(self.size_gib, 4),
                 "official_gib": OFFICIAL_GIB.get(self.ftype) if self.shape_35b else None,
                 "community_gib": COMMUNITY_GIB.get(self.ftype) if self.shape_35b else None,
-                "notes": self.notes,
+                "notes": self.notes, "fallbacks": self.fallbacks(),
                 "tensors": [{"name": t.name, "type": t.type.name, "bytes": t.bytes, "shape": list(t.shape),
-                             "src_type": t.src_type.name} for t in self.tensors]}
+                             "src_type": t.src_type.name, **({"wanted": t.wanted.name} if t.wanted else {})}
+                            for t in self.tensors]}
 
     def format(self) -> str:
         lines = [f"{'tensor':<44} {'src':<6} {'type':<7} {'shape':<22} {'MiB':>10}"]
@@ -128,8 +151,15 @@ class QuantPlan:
             o = OFFICIAL_GIB[self.ftype]
             lines.append(f"  official  {self.ftype} of Clover-35B-A3B: {o:.2f} GiB "
                          f"(ours {100 * (self.size_gib / o - 1):+.2f}%)")
+        lines += [f"fallback: {f}" for f in self.fallbacks()]
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+
+def _block_size(qt: QT) -> int:
+    from gguf.constants import GGML_QUANT_SIZES
+
+    return GGML_QUANT_SIZES[qt][0]
 
 
 # ---- llama.cpp's log ------------------------------------------------------------------------------------------
@@ -137,6 +167,10 @@ HEAD_RE = re.compile(r"\[\s*(\d+)/\s*(\d+)\]\s+(\S+)\s+-\s+\[[^\]]*\],\s+type\s*
 CONVERT_RE = re.compile(r"converting to (\w+)")
 SIZE_RE = re.compile(r"size\s*=\s*([\d.]+) MiB(?:\s*->\s*([\d.]+) MiB)?(?:\s*\((\w+)\))?")
 FAIL_RE = re.compile(r"failed to quantize: (.*)")
+# llama-quant.cpp's tensor_type_fallback: "warning: NAME - ncols N not divisible by B (required for type T) [(WARNING:
+# must use F16 due to unusual shape) ]-> falling back to F"
+FALLBACK_RE = re.compile(r"warning:\s+(\S+)\s+-\s+ncols\s+\d+\s+not divisible by\s+\d+\s+\(required for type\s+(\w+)\)"
+                         r".*->\s*falling back to\s+(\w+)")
 
 
 def _qt(ggml_name: str) -> QT:
@@ -154,6 +188,7 @@ class LogParser:
         self.target: QT | None = None
         self.lines: list[str] = []  # warnings and errors, for error messages
         self.failure: str | None = None
+        self.fallbacks: dict[str, str] = {}  # tensor -> the type llama.cpp chose before falling back
 
     def feed(self, level: int, text: str) -> None:
         if self.echo:
@@ -164,6 +199,8 @@ class LogParser:
             self._line(line, level)
 
     def _line(self, line: str, level: int) -> None:
+        if m := FALLBACK_RE.search(line):
+            self.fallbacks[m[1]] = _qt(m[2]).name
         if m := HEAD_RE.search(line):
             self.current, self.target = m[3], None
             line = line[m.end():]
@@ -186,6 +223,7 @@ class _Run:
     types: dict[str, QT | None]  # name -> target type reported by llama.cpp (None: kept)
     log: LogParser
     kvs: list[tuple[str, str | int]]
+    fallbacks: dict[str, str] = field(default_factory=dict)  # name -> the type llama.cpp wanted (LogParser)
 
 
 def _binding() -> Any:
@@ -313,7 +351,7 @@ def _run_llama(src: Path, dst: Path | None, recipe: Recipe, names: list[str], dr
     if rc != 0:
         why = parser.failure or (parser.lines[-1] if parser.lines else "unknown error")
         raise UserError(f"llama.cpp could not quantize {src}" + (f" to {dst.name}" if dst else "") + f": {why}")
-    return _Run(types, parser, kvs)
+    return _Run(types, parser, kvs, parser.fallbacks)
 
 
 def _make_plan(h: GGUFHeader, recipe: Recipe, run: _Run, source: str) -> QuantPlan:
@@ -322,20 +360,29 @@ def _make_plan(h: GGUFHeader, recipe: Recipe, run: _Run, source: str) -> QuantPl
         raise RuntimeError(f"llama.cpp's log did not report {len(missing)} tensor(s), e.g. {missing[0]}")
     tensors = []
     for name, (shape, src_type) in h.tensors.items():
-        qt = run.types[name] or src_type
-        tensors.append(TensorPlan(name, shape, src_type, qt, tensor_bytes(qt, shape)))
+        target = run.types[name]
+        qt = src_type if target is None else target  # not `or`: QT.F32 is 0, and a conversion to F32 is one
+        wanted = QT[run.fallbacks[name]] if name in run.fallbacks else None
+        tensors.append(TensorPlan(name, shape, src_type, qt, tensor_bytes(qt, shape), wanted))
     notes = []
-    # a rule llama.cpp did not apply (a tensor it never quantizes, kept in its source type) is worth saying
+    # a rule llama.cpp did not apply (a tensor it never quantizes, kept in its source type) is worth saying: one line
+    # per rule and outcome, with the count (a fallback is said by QuantPlan.fallbacks, with its reason)
     claimed: set[str] = set()
+    missed: dict[tuple[str, QT, QT, bool], list[str]] = {}
     for pattern, qtype in recipe.overrides(h.names):
         rx = re.compile(pattern)
         for t in tensors:
             if t.name in claimed or not rx.search(t.name):
                 continue
             claimed.add(t.name)
-            if t.type != qtype:
-                notes.append(f"rule {pattern!r} -> {qtype.name}: {t.name} is {t.type.name} "
-                             f"(llama.cpp {'never quantizes it' if t.type == t.src_type else 'fell back'})")
+            if t.type != qtype and t.wanted is None:
+                missed.setdefault((pattern, qtype, t.type, t.type == t.src_type), []).append(t.name)
+    for (pattern, qtype, got, kept), names in missed.items():
+        n, them = len(names), "them" if len(names) != 1 else "it"
+        how = (f"kept at {got.name} as in the input (llama.cpp never quantizes {them})" if kept
+               else f"made {got.name} by llama.cpp")
+        notes.append(f"rule {pattern!r} -> {qtype.name}: {n} tensor{'s' if n != 1 else ''} {how}: {names[0]}"
+                     + (f" and {n - 1} more" if n > 1 else ""))
     # the input's header as it is (not padded: llama.cpp pads once, after the keys it adds)
     header = h.header_bytes + _added_kv_bytes(h, run.kvs) - _trailing_dim_bytes(h)
     return QuantPlan(recipe.ftype, recipe, tensors, header, h.alignment, _dedupe(notes), source)
@@ -442,6 +489,15 @@ class QuantizeResult:
     size_bytes: int
     seconds: float
 
+    def summary(self) -> str:
+        """What `quantize` prints: the file, its types by tensor count, and each fallback with its reason (a model
+        whose widths are not multiples of 256 holds no K-quant: the name of the mixture alone would not say so)."""
+        by_type = sorted(self.plan.by_type().items(), key=lambda kv: -kv[1][0])
+        lines = [f"wrote {self.out}: {self.plan.ftype} ({self.plan.recipe.name}), {self.size_bytes / 2**30:.3f} GiB in "
+                 f"{self.seconds:.1f} s; tensors: " + ", ".join(f"{n} {name}" for name, (n, _) in by_type)]
+        lines += [f"fallback: {f}" for f in self.plan.fallbacks()]
+        return "\n".join(lines)
+
 
 def quantize(src: Path, out: Path, type_name: str, recipe_file: Path | None = None, imatrix: Path | None = None,
              threads: int | None = None, force: bool = False, quiet: bool = False,
@@ -534,7 +590,7 @@ def _run_in_worker(spec: dict[str, Any], on_tensor: Callable[[str, QT | None], N
             raise UserError(f"llama.cpp stopped while quantizing {spec['src']} ({how})"
                             + (f": {tail[-1]}" if tail else ""))
     types = {n: None if t is None else QT[t] for n, t in done["types"].items()}
-    return _Run(types, LogParser(lambda n, t: None), [tuple(kv) for kv in done["kvs"]])
+    return _Run(types, LogParser(lambda n, t: None), [tuple(kv) for kv in done["kvs"]], done.get("fallbacks", {}))
 
 
 def _worker() -> None:
@@ -562,7 +618,7 @@ def _worker() -> None:
         emit({"error": str(e).replace(dst.name, spec["out"])})
         return
     emit({"done": {"types": {n: None if t is None else t.name for n, t in run.types.items()},
-                   "kvs": [list(kv) for kv in run.kvs]}})
+                   "kvs": [list(kv) for kv in run.kvs], "fallbacks": run.fallbacks}})
 
 
 # ---- imatrix ---------------------------------------------------------------------------------------------------
