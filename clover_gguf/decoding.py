@@ -218,6 +218,18 @@ class GenerationStats:
         return self.generated_tokens / self.forward_passes if self.forward_passes else 0.0
 
     @property
+    def decode_passes(self) -> int:
+        """The passes after the prompt's: every mode starts with one prompt pass (prefill, counted once however
+        llama.cpp splits it), which writes no token of its own in the block modes and only the first in AR."""
+        return max(self.forward_passes - 1, 0)
+
+    @property
+    def tokens_per_decode_pass(self) -> float:
+        """Tokens per pass after the prompt's: AR's is 1.00 (its first token comes with the prompt's pass, its last
+        pass finds the end token), a block mode's says what its blocks and drafts wrote."""
+        return self.generated_tokens / self.decode_passes if self.decode_passes else 0.0
+
+    @property
     def acceptance_rate(self) -> float | None:
         return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else None
 

@@ -302,9 +302,13 @@ class RunStats(decoding.GenerationStats):
     reused_tokens: int = 0  # prompt tokens continued from a kept prefix instead of decoded (chat)
 
     def to_json(self) -> dict[str, Any]:
-        """Every field and the two rates, as the JSON outputs (--json, the server's clover_stats) carry them."""
+        """Every field and the rates, as the JSON outputs (--json, the server's clover_stats) carry them. Fields are
+        only ever added (other code and clients read them): predicted_tokens_per_s and measured_tokens_per_s are
+        auto's and null in the other modes (docs/serve.md lists every field)."""
         d = asdict(self)
         d["tokens_per_pass"] = round(self.tokens_per_pass, 4)
+        d["decode_passes"] = self.decode_passes
+        d["tokens_per_decode_pass"] = round(self.tokens_per_decode_pass, 4)
         d["acceptance_rate"] = None if self.acceptance_rate is None else round(self.acceptance_rate, 4)
         d["accepted_per_draft"] = None if self.accepted_per_draft is None else round(self.accepted_per_draft, 4)
         for k in ("predicted_tokens_per_s", "measured_tokens_per_s"):
@@ -312,26 +316,36 @@ class RunStats(decoding.GenerationStats):
         return d
 
     def summary(self) -> str:
-        """One line for a person (generate --stats, chat): tokens, passes, tokens/pass, tok/s, acceptance."""
-        parts = [f"{self.generated_tokens} tokens", f"{self.forward_passes} passes",
-                 f"{self.tokens_per_pass:.2f} tokens/pass", f"{self.tokens_per_s:.1f} tok/s"]
-        if self.mode == "auto":  # what it chose, and how its prediction held
-            parts.append(f"{self.ar_steps} AR steps, {self.drafts} drafts in {self.block_passes} block passes")
-            if self.accepted_per_draft is not None:
-                parts.append(f"{self.accepted_per_draft:.1f} tokens accepted per draft")
+        """One line for a person (generate --stats, chat): one speed (tokens a second after the prompt's pass, as
+        llama.cpp's "eval" rate), tokens per pass after the prompt's, what auto chose, the block tokens accepted."""
+        parts = [f"{_count(self.generated_tokens, 'token')} in {self.seconds:.2f} s, "
+                 f"{self.decode_tokens_per_s:.1f} tok/s after the prompt ({self.prompt_seconds:.2f} s)",
+                 f"{self.tokens_per_decode_pass:.2f} tokens/pass over "
+                 f"{_count(self.decode_passes, 'pass', 'passes')} after the prompt's"]
+        if self.mode == "auto":  # what it chose, and how its prediction held (a ratio: one speed per line)
+            chose = f"{_count(self.ar_steps, 'AR step')} and {_count(self.drafts, 'draft')}"
+            if self.drafts:
+                chose += f" in {_count(self.block_passes, 'block pass', 'block passes')}"
+                if self.accepted_per_draft is not None:
+                    chose += f", {self.accepted_per_draft:.1f} tokens accepted per draft"
+            parts.append(chose)
             if self.predicted_tokens_per_s and self.measured_tokens_per_s:
-                parts.append(f"predicted {self.predicted_tokens_per_s:.1f} against measured "
-                             f"{self.measured_tokens_per_s:.1f} tok/s")
+                parts.append(f"its moves ran at {self.measured_tokens_per_s / self.predicted_tokens_per_s:.2f}x "
+                             "the speed it predicted")
         elif self.acceptance_rate is not None:  # every block-mode run: the check of the block reading
             parts.append(f"{self.acceptance_rate:.0%} of block tokens accepted by the causal path")
         elif self.mode != "ar":  # the answer ended inside its first block: no causal pass checked one
             parts.append("ended inside its first block (no block for the causal path to check)")
-        parts.append(f"{self.seconds:.2f} s")
         if self.reused_tokens:
             parts.append(f"{self.reused_tokens} of {self.prompt_tokens} prompt tokens reused")
         if self.finish_reason == "length":
             parts.append("cut at the token limit")
-        return f"{self.mode}: " + ", ".join(parts)
+        return f"{self.mode}: " + "; ".join(parts)
+
+
+def _count(n: int, one: str, many: str | None = None) -> str:
+    """'1 draft', '2 drafts', '0 drafts' (many: the plural where it is not one + 's')."""
+    return f"{n} {one if n == 1 else many or one + 's'}"
 
 
 @dataclass

@@ -44,6 +44,56 @@ def _cli(*args, cwd: Path | None = None, timeout: int = 300, stdin: str | None =
 
 
 # =================================================================================================================
+# 5. the stats a person reads
+# =================================================================================================================
+def _stats(**kw):
+    from clover_gguf.runtime import RunStats
+
+    base = dict(mode="ar", prompt_tokens=25, generated_tokens=28, forward_passes=29, ar_steps=28, seconds=4.16,
+                prompt_seconds=1.67, tokens_per_s=6.7, decode_tokens_per_s=11.3, finish_reason="stop")
+    return RunStats(**{**base, **kw})
+
+
+def test_the_stats_line_has_one_speed_and_counts_passes_after_the_prompt():
+    """One tok/s figure per line (issue 55: '136.0 tok/s ... predicted 672.2 against measured 175.9'); tokens per
+    pass over the passes after the prompt's, computed here from the counts (AR: 28 tokens in 28 decode passes is 1.00,
+    where the old line said 0.97 counting the prompt's); auto's prediction as a ratio; singular and plural right."""
+    ar = _stats().summary()
+    assert ar.count("tok/s") == 1 and "11.3 tok/s after the prompt" in ar, ar
+    assert f"{28 / (29 - 1):.2f} tokens/pass over 28 passes after the prompt's" in ar, ar
+    auto = _stats(mode="auto", generated_tokens=93, forward_passes=12, ar_steps=7, drafts=1, block_passes=1,
+                  drafted_tokens=31, accepted_tokens=30, predicted_tokens_per_s=672.2, measured_tokens_per_s=175.9,
+                  tokens_per_s=136.0, decode_tokens_per_s=170.0).summary()
+    assert auto.count("tok/s") == 1, auto
+    assert "7 AR steps and 1 draft in 1 block pass" in auto and "1 drafts" not in auto, auto
+    assert f"{175.9 / 672.2:.2f}x the speed it predicted" in auto, auto
+    assert f"{93 / 11:.2f} tokens/pass over 11 passes after the prompt's" in auto, auto
+    two = _stats(mode="auto", ar_steps=1, drafts=2, block_passes=3, accepted_tokens=20, drafted_tokens=22).summary()
+    assert "1 AR step and 2 drafts in 3 block passes" in two, two
+    one = _stats(mode="diffusion", generated_tokens=1, forward_passes=2, ar_steps=0).summary()
+    assert "1 token in" in one and "over 1 pass after" in one, one
+
+
+def test_stats_json_only_grows():
+    """The JSON stats (--json, clover_stats) keep every field they had (other code and clients read them) and add
+    the per-decode-pass figures; docs/serve.md lists every field, and says when the auto fields are null."""
+    d = _stats().to_json()
+    before = {"mode", "prompt_tokens", "generated_tokens", "forward_passes", "block_passes", "drafted_tokens",
+              "accepted_tokens", "drafts", "ar_steps", "predicted_tokens_per_s", "measured_tokens_per_s",
+              "finish_reason", "time_to_first_token_s", "tokens_per_s", "decode_tokens_per_s", "prompt_seconds",
+              "seconds", "peak_memory_mib", "rollback_passes", "reused_tokens", "tokens_per_pass", "acceptance_rate",
+              "accepted_per_draft"}
+    assert before <= set(d)
+    assert d["decode_passes"] == 28 and d["tokens_per_decode_pass"] == 1.0 and d["tokens_per_pass"] == round(28 / 29, 4)
+    doc = (ROOT / "docs" / "serve.md").read_text()
+    para = doc[doc.index("The decoding stats are in the extra field `clover_stats`"):]
+    para = para[:para.index("\n\n")]
+    missing = [k for k in d if f"`{k}`" not in para]
+    assert not missing, missing
+    assert re.search(r"`predicted_tokens_per_s`.*null", para, re.S)
+
+
+# =================================================================================================================
 # 7. quantize: what fell back, and why
 # =================================================================================================================
 def test_quantize_says_what_fell_back_and_the_plan_matches_the_file(tmp_path, bundled_gguf):

@@ -150,7 +150,7 @@ def test_chat_session_commands(tiny_gguf):
     text = out.getvalue()
     assert "(mode: ar)" in text and "(conversation cleared)" in text and "(modes:" in text
     line = f"({s.last.summary()})"
-    assert line.startswith("(ar: ") and " tokens/pass, " in line and " tok/s" in line
+    assert line.startswith("(ar: ") and " tokens/pass over " in line and line.count(" tok/s") == 1
     assert text.count(line) == 2  # after the answer, and for /stats: the one summary line, no JSON
     assert "{" not in text
     assert s.messages == []
