@@ -1,8 +1,9 @@
 """`clover-gguf chat`: a terminal chat on a Clover GGUF with the GGUF's chat template.
 
 Text streams as tokens are accepted (in the block modes a block appears as it resolves); thinking is shown dimmed
-or hidden. Commands: /reset, /mode auto|ar|diffusion|draft-self, /stats, /quit. Ctrl-C stops the current answer and
-keeps the program; Ctrl-D or /quit leaves.
+(between `<think>` and `</think>` lines when the output is not a terminal) or hidden. Commands: /reset,
+/mode auto|ar|diffusion|draft-self, /stats, /quit. Ctrl-C stops the current answer and keeps the program; Ctrl-D or
+/quit leaves.
 
 Ctrl-C is the chat's own (`loop` installs a SIGINT handler): at the prompt it drops the line being typed (a
 KeyboardInterrupt raised there and only there); at any other moment it asks the answer under way to stop at its
@@ -23,29 +24,42 @@ from clover_gguf.decoding import MODES
 from clover_gguf.errors import UserError
 from clover_gguf.offload import Offload
 from clover_gguf.runtime import CloverRuntime, RunStats
-from clover_gguf.thinking import ThinkSplitter
+from clover_gguf.thinking import CLOSE_TAG, OPEN_TAG, ThinkSplitter
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"
 
 
 class ThinkingRenderer:
-    """Prints the (thinking, answer) pieces of a ThinkSplitter: thinking dimmed (tty) or dropped (hidden), then a
-    newline and the answer. The tags never show: the splitter removed them."""
+    """Prints the (thinking, answer) pieces of a ThinkSplitter: thinking dimmed (a terminal), between `<think>` and
+    `</think>` lines (piped: no dimming to tell it apart, so the model's own tags do, as `generate` prints them and
+    thinking.split_thinking splits them), or dropped (hidden); then a newline and the answer."""
 
     def __init__(self, out: TextIO, show_thinking: bool, color: bool):
         self.out, self.show, self.color = out, show_thinking, color
         self.thought = False  # some thinking was printed, so the answer starts on a new line
+        self.open = False  # piped: a <think> line was written and its </think> not yet
 
     def write(self, thinking: str, answer: str) -> None:
         if thinking and self.show:
-            self.out.write(f"{DIM}{thinking}{RESET}" if self.color else thinking)
+            if self.color:
+                self.out.write(f"{DIM}{thinking}{RESET}")
+            else:
+                self.out.write(thinking if self.open else f"{OPEN_TAG}\n{thinking}")
+                self.open = True
             self.thought = True
         if answer:
             if self.thought:
-                self.out.write("\n")
-                self.thought = False
+                self.out.write(f"\n{CLOSE_TAG}\n\n" if self.open else "\n")
+                self.thought = self.open = False
             self.out.write(answer)
         self.out.flush()
+
+    def finish(self) -> None:
+        """The answer is over: close a thinking span that no answer closed."""
+        if self.open:
+            self.out.write(f"\n{CLOSE_TAG}")
+            self.out.flush()
+            self.open = False
 
 
 class ChatSession:
@@ -88,8 +102,10 @@ class ChatSession:
             self.rt.forget_prefix()
             self.say("(conversation cleared)")
         elif cmd == "/mode":
-            if arg.strip() not in MODES:
+            if not arg.strip():
                 self.say(f"(modes: {', '.join(MODES)}; now {self.mode})")
+            elif arg.strip() not in MODES:
+                self.say(f"(unknown mode {arg.strip()!r}: the modes are {', '.join(MODES)}; still {self.mode})")
             else:
                 self.mode = arg.strip()
                 self.say(f"(mode: {self.mode})")
@@ -134,12 +150,13 @@ class ChatSession:
             self.messages.pop()
             self.say(f"error: {e}")
             return
-        if stopped:
+        if stopped:  # nothing after the Ctrl-C but this line (a thinking span stays open, as the model left it)
             self.say("\n(stopped)")
         else:
             thinking, said = split.close()
             answer.append(said)
             view.write(thinking, said)
+            view.finish()
             self.say()
         if self.last is not None:
             self.say(self.stats_line())

@@ -94,6 +94,49 @@ def test_stats_json_only_grows():
 
 
 # =================================================================================================================
+# 6. chat
+# =================================================================================================================
+@pytest.mark.slow
+def test_chat_names_an_unknown_mode_and_pipes_thinking_apart(bundled_gguf):
+    """`/mode bogus` says the mode is unknown (and what the modes are); on a pipe the thinking comes between
+    <think> and </think> lines, so splitting the output as generate's is split gives the runtime's own thinking and
+    answer for the same question."""
+    from clover_gguf.chat import ChatSession
+    from clover_gguf.runtime import CloverRuntime
+    from clover_gguf.thinking import split_thinking
+
+    out = io.StringIO()
+    s = ChatSession(bundled_gguf, mode="ar", max_new_tokens=64, out=out,
+                    inp=io.StringIO("/mode bogus\nWhat is 34 + 58?\n"))
+    s.loop()
+    text = out.getvalue()
+    assert "(unknown mode 'bogus'" in text and "still ar" in text, text
+    turn = text[text.index("> ", text.index("still ar")) + 2:]
+    turn = turn[:turn.index("\n(ar: ")]
+    with CloverRuntime(bundled_gguf) as rt:
+        ans = rt.generate([{"role": "user", "content": "What is 34 + 58?"}], mode="ar", max_new_tokens=64)
+    assert ans.thinking and ans.text
+    assert turn.startswith("<think>\n") and "\n</think>\n\n" in turn, turn
+    thinking, answer = split_thinking(turn)
+    assert (thinking, answer) == (ans.thinking, ans.text), turn
+
+
+def test_thinking_renderer_tags_piped_thinking_and_closes_it():
+    from clover_gguf.chat import ThinkingRenderer
+    from clover_gguf.thinking import ThinkSplitter
+
+    for pieces, want in ((["<think>\nplan", "ning</think>\n\nThe", " answer"], "<think>\nplanning\n</think>\n\nThe answer"),
+                         (["<think>\nonly thinking"], "<think>\nonly thinking\n</think>")):
+        out = io.StringIO()
+        r, split = ThinkingRenderer(out, True, False), ThinkSplitter(False)
+        for piece in pieces:
+            r.write(*split.feed(piece))
+        r.write(*split.close())
+        r.finish()
+        assert out.getvalue() == want
+
+
+# =================================================================================================================
 # 7. quantize: what fell back, and why
 # =================================================================================================================
 def test_quantize_says_what_fell_back_and_the_plan_matches_the_file(tmp_path, bundled_gguf):

@@ -148,7 +148,7 @@ def test_chat_session_commands(tiny_gguf):
     s = ChatSession(tiny_gguf, max_new_tokens=6, out=out, inp=inp)
     s.loop()
     text = out.getvalue()
-    assert "(mode: ar)" in text and "(conversation cleared)" in text and "(modes:" in text
+    assert "(mode: ar)" in text and "(conversation cleared)" in text and "(unknown mode 'nonsense'" in text
     line = f"({s.last.summary()})"
     assert line.startswith("(ar: ") and " tokens/pass over " in line and line.count(" tok/s") == 1
     assert text.count(line) == 2  # after the answer, and for /stats: the one summary line, no JSON
