@@ -182,3 +182,35 @@ def test_plan_of_the_35b_has_one_line_per_rule_outcome():
     assert not [t for t in plan["tensors"] if t["type"] == "BF16"]
 
 
+# =================================================================================================================
+# 8. /metrics counts refusals
+# =================================================================================================================
+def test_metrics_count_refused_requests(bundled_gguf):
+    """400s and 422s on the completion endpoints, refused before a slot (a body that is not JSON, a field of the
+    wrong type, n > 1, a prompt over the context, a block mode the file lacks is not it here), count under
+    clover_requests_total{finish="refused"}; an answered request under its finish; nothing twice."""
+    pytest.importorskip("fastapi")
+    from starlette.testclient import TestClient
+
+    from clover_gguf.serve import create_app
+
+    app = create_app(bundled_gguf, ctx=256)
+    msgs = [{"role": "user", "content": "What is 34 + 58?"}]
+    with TestClient(app) as c:
+        assert c.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
+                      ).status_code == 400
+        assert c.post("/v1/chat/completions", json={"messages": msgs, "temperature": "hot"}).status_code == 422
+        assert c.post("/v1/chat/completions", json={"messages": msgs, "n": 2, "mode": "ar"}).status_code == 400
+        assert c.post("/v1/completions", json={"prompt": "x " * 2000, "max_tokens": 8}).status_code == 400
+        assert c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 100000}).status_code == 400
+        ok = c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 16, "mode": "ar"})
+        assert ok.status_code == 200, ok.text
+        assert c.get("/v1/nothing").status_code == 404  # not a completion request: not counted
+        text = c.get("/metrics").text
+    counts = {(m, f): int(n) for m, f, n in re.findall(r'clover_requests_total\{mode="([^"]+)",finish="([^"]+)"\} (\d+)',
+                                                       text)}
+    assert sum(n for (m, f), n in counts.items() if f == "refused") == 5, counts
+    assert counts.get(("ar", "refused")) == 1 and counts.get(("auto", "refused")) == 4, counts
+    assert sum(n for (m, f), n in counts.items() if f != "refused") == 1, counts
+
+

@@ -52,6 +52,18 @@ def _state(request: Request) -> ServerState:
 
 
 # ---- errors in OpenAI's shape --------------------------------------------------------------------------------
+COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
+
+
+def _count_refused(request: Request, mode: Any = None) -> None:
+    """/metrics' clover_requests_total{finish="refused"} for a completion request refused before it reached a slot
+    (a body that fails validation, a field the server refuses, a prompt over the context); the worker counts the ones
+    refused on a slot. Under the request's mode, or the server's default where it named none the server knows."""
+    state = getattr(request.app.state, "clover", None)
+    if state is not None and request.url.path in COMPLETION_PATHS:
+        state.pool.metrics.record(mode if mode in MODES else state.default_mode, "refused")
+
+
 async def _on_api_error(request: Request, exc: APIError) -> Any:
     from starlette.responses import JSONResponse
 
@@ -65,6 +77,8 @@ async def _on_invalid_request(request: Request, exc: Any) -> Any:
     from starlette.responses import JSONResponse
 
     errors = exc.errors()
+    body = getattr(exc, "body", None)
+    _count_refused(request, body.get("mode") if isinstance(body, dict) else None)
     bad_json = [e for e in errors if e.get("type") == "json_invalid"
                 or (tuple(e.get("loc", ())) == ("body",) and e.get("type") in ("model_attributes_type", "missing"))]
     if bad_json:
@@ -93,6 +107,7 @@ async def _on_http_error(request: Request, exc: Any) -> Any:
         message, code = f"{request.method} is not allowed on {request.url.path}", "method_not_allowed"
     elif exc.status_code == 400:
         message, code = "the body must be a JSON object in UTF-8", None
+        _count_refused(request)
     else:
         message, code = str(exc.detail), None
     return JSONResponse(error_body(message, "invalid_request_error", code=code), status_code=exc.status_code,
@@ -171,13 +186,18 @@ async def _respond(request: Request, req: Any, chat: bool) -> Any:
     from starlette.responses import JSONResponse, StreamingResponse
 
     state = _state(request)
-    plan = plan_from(req, chat, state.default_mode)
+    try:
+        plan = plan_from(req, chat, state.default_mode)
+    except APIError:
+        _count_refused(request, getattr(req, "mode", None))
+        raise
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     watch = Watch(request)
     try:
         # off the event loop (a template over 100,000 messages takes a moment), and before any slot is taken
         await watch(asyncio.to_thread(precheck, state.first, plan))
     except UserError as e:
+        _count_refused(request, plan.mode)
         raise APIError(400, str(e)) from None
     except ClientGone:
         return _client_gone()
