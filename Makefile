@@ -15,7 +15,7 @@ CLI_NOTE := the README writes it clover-gguf
 endif
 DEMO_DIR ?= out/demo
 
-.PHONY: venv test test-fast demo llama clean
+.PHONY: venv test test-fast demo llama mlx clean
 
 # setuptools tells every editable install "Please be careful with folders in your working directory...": a note for
 # its own users that reads like a warning to ours; this filter drops that one note (the build backend inherits it)
@@ -65,6 +65,12 @@ demo: $(CORE_ENV) llama
 		$(PY) -m clover_gguf generate $(DEMO_DIR)/tiny-clover-q8_0.gguf -p "$$p" --mode $$mode --stats || exit 1; \
 	done; done
 	@echo '== done. Run the commands of the README (Use) as $(CLI) ($(CLI_NOTE)).'
+
+# Clover on Apple's MLX (docs/mac.md): the mlx extra into the same environment, the checkout kept editable (a plain
+# `pip install '.[mlx]'` would replace the editable install with a copy of today's files)
+mlx: $(CORE_ENV)
+	$(EDITABLE) $(PY) -m pip install -q -e '.[serve,mlx]'
+	$(PY) -m clover_gguf doctor | grep '^mlx'
 
 clean:
 	rm -rf out .pytest_cache

@@ -37,7 +37,9 @@ from clover_gguf.metadata import READING
 
 from clover_gguf.graft import BLOCK_RULES, MLX_BLOCK_FILE as BLOCK_FILE
 
-INSTALL_HINT = "pip install 'clover-gguf[mlx]'"
+# the one install line, wherever MLX is named (doctor, the errors, docs/mac.md, README): from the checkout, keeping the
+# editable install (clover-gguf is not on PyPI; `pip install '.[mlx]'` would replace it with a copy)
+INSTALL_HINT = "make mlx (in the checkout; without make: pip install -e '.[mlx]')"
 # the four block tensors' short names (tensor_map's rules), found by layer in HF-named (normalised) tensors
 BLOCK_NAMES = tuple(r.hf.rsplit(".", 1)[1] for r in BLOCK_RULES)
 _BLOCK_RE = re.compile(r"^model\.layers\.(\d+)\.linear_attn\.(" + "|".join(BLOCK_NAMES) + r")$")
@@ -48,8 +50,8 @@ try:  # the one place that imports MLX; everything below needs it
     from mlx_lm.models import qwen3_5_moe
     from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 except ImportError as _e:  # pragma: no cover - exercised by tests in a separate process
-    raise UserError(f"MLX is not installed ({_e.name or _e}): {INSTALL_HINT} (MLX runs on Apple silicon, and on "
-                    "Linux on the CPU with mlx[cpu])") from None
+    raise UserError(f"MLX is not installed ({_e.name or _e}): {INSTALL_HINT}. MLX runs on Apple silicon, and on "
+                    "Linux on the CPU (mlx[cpu], which the extra brings)") from None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -289,13 +291,31 @@ class ConvertResult:
     block_tensors: int
     size_bytes: int
     seconds: float
+    # what "4-bit" costs: each group of q_group_size weights also stores a scale and a bias (in the weights' dtype),
+    # so a quantized weight takes bits + 2 x scale bits / group size; mlx-lm's "bits per weight" (printed as it
+    # quantizes) is every stored bit over every parameter: the 8-bit routers and the unquantized norms included
+    scale_bits: int | None = None
+    bits_per_weight: float | None = None
+
+    @property
+    def bits_per_quantized_weight(self) -> float | None:
+        if not (self.bits and self.group_size and self.scale_bits):
+            return None
+        return self.bits + 2 * self.scale_bits / self.group_size
 
     def to_json(self) -> dict[str, Any]:
+        bpq, bpw = self.bits_per_quantized_weight, self.bits_per_weight
         return {"out": str(self.out), "q_bits": self.bits, "q_group_size": self.group_size,
-                "block_tensors": self.block_tensors, "size_bytes": self.size_bytes, "seconds": round(self.seconds, 3)}
+                "block_tensors": self.block_tensors, "size_bytes": self.size_bytes, "seconds": round(self.seconds, 3),
+                "bits_per_quantized_weight": None if bpq is None else round(bpq, 4),
+                "bits_per_weight": None if bpw is None else round(bpw, 3)}
 
     def summary(self) -> str:
         q = f"{self.bits}-bit, groups of {self.group_size}" if self.bits else "not quantized"
+        if self.bits_per_quantized_weight is not None and self.bits_per_weight is not None:
+            q += (f" ({self.bits_per_quantized_weight:g} bits per quantized weight: each group adds a "
+                  f"{self.scale_bits}-bit scale and bias; {self.bits_per_weight:.3f} bits per weight over the whole "
+                  "model, as mlx-lm counts it: routers at 8 bits, norms unquantized)")
         blk = (f"{self.block_tensors} block tensors kept unquantized" if self.block_tensors
                else "no block tensors (AR only)")
         return f"wrote {self.out}: MLX folder, {q}, {blk}, {self.size_bytes / 2**30:.3f} GiB in {self.seconds:.1f} s"
@@ -350,12 +370,20 @@ def convert(src: str | Path, out: str | Path, q_bits: int | None = None, q_group
         raise UserError(f"{out} exists: pass --force to replace it")
     if out.exists() and not out.is_dir():
         raise UserError(f"{out} exists and is not a folder")
-    with contextlib.redirect_stdout(sys.stderr):  # mlx-lm prints its bits per weight
+    with contextlib.redirect_stdout(sys.stderr):  # mlx-lm prints its bits per weight (the summary says it again)
         loaded = load(src, dtype=dtype, quantize=(q_bits, q_group_size) if q_bits else None)
+    scale_bits = bpw = None
+    if q_bits:  # before writing: save_model gives the model's arrays away
+        from mlx_lm.utils import compute_bits_per_weight
+
+        bpw = float(compute_bits_per_weight(loaded.model))
+        scales = next((m.scales for _, m in loaded.model.named_modules() if hasattr(m, "scales")), None)
+        scale_bits = None if scales is None else scales.dtype.size * 8
     with atomic_folder(out) as tmp:
         n = write_folder(loaded, tmp, src)
     size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
-    return ConvertResult(out, q_bits, q_group_size if q_bits else None, n, size, time.perf_counter() - t0)
+    return ConvertResult(out, q_bits, q_group_size if q_bits else None, n, size, time.perf_counter() - t0,
+                         scale_bits=scale_bits, bits_per_weight=bpw)
 
 
 # ---------------------------------------------------------------------------------------------------------------

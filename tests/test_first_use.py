@@ -44,6 +44,60 @@ def _cli(*args, cwd: Path | None = None, timeout: int = 300, stdin: str | None =
 
 
 # =================================================================================================================
+# 4. MLX: one install line; what "4-bit" costs
+# =================================================================================================================
+def test_one_mlx_install_line_everywhere():
+    """The install line doctor and the errors give is `make mlx` (pip install -e from the checkout without make);
+    docs/mac.md and the README say the same; nothing names the package as if it were on PyPI; `make mlx` keeps the
+    editable install."""
+    src = (ROOT / "clover_gguf" / "mlx_backend.py").read_text()
+    hint = re.search(r'^INSTALL_HINT = "(.*)"$', src, re.M)[1]
+    assert "make mlx" in hint and "pip install -e '.[mlx]'" in hint
+    for path in [*DOCS, *sorted((ROOT / "clover_gguf").rglob("*.py")), ROOT / "Makefile"]:
+        assert "clover-gguf[mlx]" not in path.read_text(), path
+    assert "make mlx" in (ROOT / "docs" / "mac.md").read_text() and "make mlx" in (ROOT / "README.md").read_text()
+    assert "pip install -e '.[mlx]'" in (ROOT / "docs" / "mac.md").read_text()
+    make = subprocess.run(["make", "-n", "-B", "mlx"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert make.returncode == 0, make.stderr
+    installs = [ln for ln in make.stdout.splitlines() if "pip install" in ln and "mlx" in ln]
+    assert installs and all(" -e " in ln for ln in installs), make.stdout
+
+
+def test_mlx_convert_says_the_bits_per_weight_it_wrote(tmp_path):
+    """mlx-convert's "4-bit" comes with what it costs: bits per quantized weight (4 + a scale and a bias per group)
+    and bits per weight over the model, both recomputed here from the safetensors it wrote (every stored byte over
+    every parameter, a packed uint32 holding 32 / bits weights), and said in the summary line."""
+    pytest.importorskip("mlx.core")
+    from safetensors.numpy import load_file
+
+    out = tmp_path / "mlx4"
+    p = _cli("mlx-convert", BUNDLED, "-o", out, "--q-bits", "4", "--json")
+    assert p.returncode == 0, p.stderr
+    res = json.loads(p.stdout)
+    arrays = {}
+    for f in sorted(out.glob("model*.safetensors")):
+        arrays.update(load_file(f))
+    bits = json.loads((out / "config.json").read_text())["quantization"]
+    stored = sum(a.nbytes for a in arrays.values()) * 8
+    params = 0
+    for name, a in arrays.items():
+        if name.endswith((".scales", ".biases")) and name.rsplit(".", 1)[0] + ".weight" in arrays:
+            continue  # a quantized weight's group data: counted in its bytes, not as parameters
+        base = name.rsplit(".", 1)[0]
+        if name.endswith(".weight") and base + ".scales" in arrays:
+            layer_bits = (bits.get(base) or {}).get("bits", bits["bits"]) if isinstance(bits.get(base), dict) \
+                else bits["bits"]
+            params += a.size * 32 // layer_bits
+        else:
+            params += a.size
+    assert res["bits_per_weight"] == pytest.approx(stored / params, abs=1e-3)
+    scales = next(a for n, a in arrays.items() if n.endswith(".scales"))
+    assert res["bits_per_quantized_weight"] == 4 + 2 * scales.dtype.itemsize * 8 / 64
+    line = _cli("mlx-convert", BUNDLED, "-o", tmp_path / "again", "--q-bits", "4").stdout
+    assert f"{res['bits_per_weight']:.3f} bits per weight" in line and "bits per quantized weight" in line, line
+
+
+# =================================================================================================================
 # 5. the stats a person reads
 # =================================================================================================================
 def _stats(**kw):
