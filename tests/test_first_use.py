@@ -268,3 +268,18 @@ def test_metrics_count_refused_requests(bundled_gguf):
     assert sum(n for (m, f), n in counts.items() if f != "refused") == 1, counts
 
 
+# =================================================================================================================
+# 9. the client of docs/serve.md's first example
+# =================================================================================================================
+def test_the_serve_extra_installs_the_client_of_the_docs_example():
+    """docs/serve.md's first Python example imports `openai`: the serve extra (what `make demo` installs) holds it,
+    pinned as the test extra pins it."""
+    doc = (ROOT / "docs" / "serve.md").read_text()
+    example = doc[doc.index("```python\n") + 10:]
+    example = example[:example.index("```")]
+    imported = set(re.findall(r"^(?:from|import) (\w+)", example, re.M))
+    assert imported == {"openai"}, imported
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    pin = lambda reqs, name: next((r for r in reqs if re.match(rf"{name}\b", r)), None)  # noqa: E731
+    assert pin(extras["serve"], "openai") is not None and pin(extras["serve"], "openai") == pin(extras["test"], "openai")
+    assert "make demo" in doc[:doc.index("```python")] and "openai" in doc[:doc.index("```python")]
