@@ -298,6 +298,7 @@ class FitResult:
     llama_fit: str | None = None
     measured: dict[str, int] | None = None
     pass_costs: dict[str, dict[str, float]] | None = None  # --measure: ms per pass by kind and rows (auto.PassCosts)
+    ctx_asked: int | None = None  # a --ctx above the model's context (planned for the model's): the plan line says so
 
     def to_json(self) -> dict:
         out = {"fits": self.fits, "gpu_layers": self.gpu_layers, "n_cpu_moe": self.n_cpu_moe, "ctx": self.ctx,
@@ -323,7 +324,8 @@ class FitResult:
                  f"mode     {self.mode}" + (f", rollback {self.rollback}" if self.mode in ("draft-self", "auto") else "")
                  + (f", {self.parallel} slots" if self.parallel > 1 else "")]
         verdict = "fits" if self.fits else "does NOT fit"
-        lines.append(f"plan     {verdict}: context {self.ctx}, {self._placement()}")
+        capped = f" (the model's most: --ctx {self.ctx_asked} is above it)" if self.ctx_asked else ""
+        lines.append(f"plan     {verdict}: context {self.ctx}{capped}, {self._placement()}")
         lines.append("")
         meas = self.measured
         head = f"  {'part (MiB)':<16} {'predicted':>12}" + (f" {'measured':>12} {'pred/meas':>10}" if meas else "")
@@ -340,7 +342,8 @@ class FitResult:
         lines.append(f"device   {_gib(self.device_bytes)} GiB, {_gib(left_dev)} GiB left" if left_dev is not None
                      else "device   none")
         lines.append(f"host     {_gib(self.host_bytes)} GiB, {_gib(host_room)} GiB left")
-        lines += [f"note     {n}" for n in self.notes]
+        said = f"--ctx {self.ctx_asked} is above" if self.ctx_asked else None  # the plan line said it
+        lines += [f"note     {n}" for n in self.notes if not (said and n.startswith(said))]
         if self.llama_fit is not None:
             lines.append(f"llama.cpp's own fit (llama-fit-params): {self.llama_fit}")
         if self.pass_costs is not None:
@@ -417,6 +420,9 @@ def _largest_ctx(predict: Predictor, budget: Budget, hi: int, ngl: int, k: int) 
     return _round_ctx(best)
 
 
+CTX_NOTE = "--ctx {ctx} is above the model's {most}: planned for {most}"  # JSON's note; the text's plan line says it
+
+
 def plan(model: Model, budget: Budget, setup: Setup, ctx: int | None, dry: Any, gpu_here: bool) -> FitResult:
     """The placement and context for `budget`: with --ctx, the least offload that holds it; without, the largest
     context up to the model's that fits as it is, or, if that is below the runtime's default context, the least
@@ -425,7 +431,7 @@ def plan(model: Model, budget: Budget, setup: Setup, ctx: int | None, dry: Any, 
     s = model.shape
     notes = []
     if ctx is not None and ctx > s.context_length:
-        notes.append(f"--ctx {ctx} is above the model's {s.context_length}: planned for {s.context_length}")
+        notes.append(CTX_NOTE.format(ctx=ctx, most=s.context_length))
     target = min(ctx or s.context_length, s.context_length)
     floor = min(ctx or _default_ctx(), s.context_length)
     predictor = Predictor(model, setup, None)  # type: ignore[arg-type]
@@ -462,7 +468,8 @@ def plan(model: Model, budget: Budget, setup: Setup, ctx: int | None, dry: Any, 
         notes.append("no GPU here: compute buffers sized by this machine's CPU backend running the same graph")
     return FitResult(fits, model.label, setup.mode, setup.parallel, setup.rollback,
                      s.n_layer + 1 if ngl == ALL else ngl, k, pred.ctx, s.n_layer, pred.parts, pred.device_bytes,
-                     pred.host_bytes, budget, _command(model, setup, pred.ctx, ngl, k, budget.vram is not None), notes)
+                     pred.host_bytes, budget, _command(model, setup, pred.ctx, ngl, k, budget.vram is not None), notes,
+                     ctx_asked=ctx if ctx is not None and ctx > s.context_length else None)
 
 
 def _default_ctx() -> int:

@@ -44,6 +44,143 @@ def _cli(*args, cwd: Path | None = None, timeout: int = 300, stdin: str | None =
 
 
 # =================================================================================================================
+# 3. the README's Use section, as typed
+# =================================================================================================================
+def use_lines(readme: str) -> list[tuple[str, str]]:
+    """The README's Use block -> (command, its comment) for each command line (continuations joined)."""
+    start = readme.index("## Use")
+    block = readme[readme.index("```sh\n", start) + 6:]
+    block = block[:block.index("```\n")]
+    out, pending = [], ""
+    for raw in block.splitlines():
+        line = pending + raw
+        if line.rstrip().endswith("\\"):
+            pending = line.rstrip()[:-1] + " "
+            continue
+        pending = ""
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        command, comment = _split_comment(line)
+        out.append((command.strip(), comment))
+    return out
+
+
+def _split_comment(line: str) -> tuple[str, str]:
+    quote = None
+    for i, ch in enumerate(line):
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "#" and (i == 0 or line[i - 1].isspace()):
+            return line[:i], line[i + 1:].strip()
+    return line, ""
+
+
+def _free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def _run_use_line(command: str, cwd: Path, env: dict) -> subprocess.CompletedProcess:
+    """One Use line in bash, `clover-gguf` being this tree's CLI in this interpreter. chat gets a question and then
+    the end of input (Ctrl-D); serve runs until it says where it listens, answers /health, and gets a Ctrl-C."""
+    prelude = f'clover-gguf() {{ {shlex.quote(sys.executable)} -m clover_gguf "$@"; }}\n'
+    if " serve " in f" {command} ":
+        import httpx
+
+        port = _free_port()  # 8080 may be another program's on a shared machine: the one thing changed
+        p = subprocess.Popen(["bash", "-c", prelude + command + f" --port {port}"], cwd=cwd, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        lines, deadline = [], time.monotonic() + 300
+        try:
+            for line in p.stdout:
+                lines.append(line)
+                if "listening on http://" in line or time.monotonic() > deadline:
+                    break
+            health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=30).json()
+            assert health["status"] == "ok", health
+            os.killpg(p.pid, signal.SIGINT)
+            rest, _ = p.communicate(timeout=60)
+        finally:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        out = "".join(lines) + rest
+        # Ctrl-C is how a server stops: the CLI's exit code for it (130), once uvicorn has shut down cleanly
+        rc = 0 if p.returncode == 130 and "Finished server process" in out else p.returncode
+        return subprocess.CompletedProcess(command, rc, out, "")
+    stdin = "What is 34 + 58?\n" if command.startswith("clover-gguf chat ") else None
+    return subprocess.run(["bash", "-c", prelude + command], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=600, input=stdin)
+
+
+def check_use_section(readme: str, workdir: Path) -> dict[str, subprocess.CompletedProcess]:
+    """Run every Use line of `readme` that does not say `# needs ...`, in order, in `workdir` (the checkout's
+    clover_gguf folder linked in, as after `make demo`); each must exit 0 (serve: stop cleanly on Ctrl-C)."""
+    (workdir / "clover_gguf").symlink_to(ROOT / "clover_gguf")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    lines = use_lines(readme)
+    skipped = [command for command, comment in lines if comment.startswith("needs ")]
+    for command, comment in lines:
+        if comment.startswith("needs "):
+            assert re.match(r"needs [\w' -]+: \S", comment), f"say what it needs and what to put: {command}"
+    assert 1 <= len(skipped) <= 4, skipped  # the 35B's chat line and the RPC pair: the rest runs here
+    results = {}
+    for command, comment in lines:
+        if command in skipped:
+            continue
+        p = _run_use_line(command, workdir, env)
+        assert p.returncode == 0, f"{command}\nexit code {p.returncode}\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}"
+        assert "Traceback" not in p.stdout + p.stderr, command
+        results[command] = p
+    return results
+
+
+@pytest.mark.slow
+def test_the_readme_use_section_runs_as_typed_on_the_bundled_model(tmp_path):
+    """After `make demo` (llama.cpp built, the checkout's folder), every Use line runs as typed, in order; the lines
+    that cannot run here say what they need. Also what the lines print that issue 55 asked for: quantize's
+    fallbacks, fit's plain word that --ctx 32768 became the tiny model's 4096, one speed in --stats."""
+    runs = check_use_section((ROOT / "README.md").read_text(), tmp_path)
+    by_start = lambda prefix: next(p for c, p in runs.items() if c.startswith(prefix))  # noqa: E731
+    assert "fallback: " in by_start("clover-gguf quantize clover-bf16.gguf clover-q4_k_m.gguf").stdout
+    fit = by_start("clover-gguf fit clover-q4_k_m.gguf").stdout
+    assert re.search(r"^plan .*context 4096 \(the model's most: --ctx 32768 is above it\)", fit, re.M), fit
+    stats = by_start("clover-gguf generate clover-q4_k_m.gguf -p \"What is 34 + 58?\" --stats").stderr
+    assert stats.count("tok/s") == 1, stats
+    json.loads(by_start("clover-gguf generate clover-q4_k_m.gguf -p \"Count from").stdout)
+    assert "listening on http://127.0.0.1:" in by_start("clover-gguf serve").stdout
+    assert (tmp_path / "clover-iq4_xs.gguf").is_file() and (tmp_path / "clover-grafted.gguf").is_file()
+
+
+def test_fit_says_plainly_that_the_context_was_capped(bundled_gguf):
+    """fit --ctx above the model's context says so on its plan line, not only in --json's notes (issue 55)."""
+    p = _cli("fit", bundled_gguf, "--ctx", "32768")
+    assert p.returncode == 0, p.stderr
+    plan = next(ln for ln in p.stdout.splitlines() if ln.startswith("plan "))
+    assert "context 4096 (the model's most: --ctx 32768 is above it)" in plan, p.stdout
+    assert p.stdout.count("32768") == 1  # said once
+    j = json.loads(_cli("fit", bundled_gguf, "--ctx", "32768", "--json").stdout)
+    assert j["ctx"] == 4096 and any("32768" in n for n in j["notes"])
+
+
+def test_the_calibration_text_the_readme_names_is_enough_for_imatrix(bundled_gguf):
+    """clover_gguf/data/calibration.txt (the Use section's imatrix text) holds at least the 2 x 512 tokens llama-imatrix
+    needs, in the bundled model's tokenizer and, by its word count, in the 35B's 248k-token one; and it is packaged."""
+    from clover_gguf.quantize import count_tokens
+
+    text = (ROOT / "clover_gguf" / "data" / "calibration.txt").read_bytes()
+    assert count_tokens(bundled_gguf, text) >= 2 * 512
+    assert len(text.decode().split()) >= 1200  # a large vocabulary's 1.3 tokens or more a word: past 2 x 512
+    pkg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["clover_gguf"]
+    assert "data/*.txt" in pkg
+
+
+# =================================================================================================================
 # 4. MLX: one install line; what "4-bit" costs
 # =================================================================================================================
 def test_one_mlx_install_line_everywhere():
