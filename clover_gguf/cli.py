@@ -483,7 +483,7 @@ def generate(
 @offload_options
 def chat(
     model: Path = typer.Argument(..., help="a Clover GGUF"),
-    mode: Optional[Mode] = typer.Option(None, "--mode", help="default: auto (ar for an AR-only file)"),
+    mode: Optional[Mode] = typer.Option(None, "--mode", help="default: auto; ar for an AR-only file"),
     max_new_tokens: int = typer.Option(1024, "--max-new-tokens", "-n", min=1),
     think: bool = typer.Option(True, "--think/--no-think"),
     show_thinking: bool = typer.Option(True, "--show-thinking/--hide-thinking",
@@ -516,8 +516,8 @@ def serve(
     model: Path = typer.Argument(..., help="a Clover GGUF"),
     host: str = typer.Option("127.0.0.1", "--host", help="bind address (loopback by default)"),
     port: int = typer.Option(8080, "--port", min=0, max=65535),
-    mode: Optional[Mode] = typer.Option(None, "--mode", help="default mode (auto; ar for an AR-only file); a "
-                                        "request may set its own `mode`"),
+    mode: Optional[Mode] = typer.Option(None, "--mode", help="the mode of requests that name none (default: auto; "
+                                        "ar for an AR-only file); a request may set its own `mode`"),
     ctx: Optional[int] = typer.Option(None, "--ctx", min=16, help="context per slot (default: min(8192, model's))"),
     parallel: int = typer.Option(1, "--parallel", min=1, help="slots serving requests at once, on one context, their passes batched step by step"),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="CLOVER_GGUF_API_KEY",
@@ -560,7 +560,7 @@ def fit(
     unified: Optional[bool] = typer.Option(None, "--unified/--discrete", help="the GPU shares host memory "
                                            "(Apple silicon; default: as llama.cpp reports the GPU, else discrete)"),
     ctx: Optional[int] = typer.Option(None, "--ctx", help="the context you want (default: the largest that fits)"),
-    mode: Optional[Mode] = typer.Option(None, "--mode", help="default: auto (ar for an AR-only file)"),
+    mode: Optional[Mode] = typer.Option(None, "--mode", help="default: auto; ar for an AR-only file"),
     parallel: int = typer.Option(1, "--parallel", min=1, help="server slots (one context for all: their cells and sequences)"),
     rollback: Rollback = typer.Option(Rollback.redecode, "--rollback", help="draft-self rollback strategy"),
     mmap: bool = typer.Option(True, "--mmap/--no-mmap", help="as the run would load the file"),

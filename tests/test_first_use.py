@@ -44,6 +44,218 @@ def _cli(*args, cwd: Path | None = None, timeout: int = 300, stdin: str | None =
 
 
 # =================================================================================================================
+# 1. the docs against the CLI
+# =================================================================================================================
+def _commands() -> dict:
+    """name -> typer's click command, as `clover-gguf` builds them."""
+    import typer
+
+    from clover_gguf.cli import app
+
+    return dict(typer.main.get_command(app).commands)
+
+
+def _param(cmd, opt: str):
+    return next((p for p in cmd.params if opt in getattr(p, "opts", ()) or opt in getattr(p, "secondary_opts", ())),
+                None)
+
+
+def _help_default(help_text: str | None) -> str | None:
+    """What the help says the default is: the text after 'default:' up to a ';' or the ')' that closes it."""
+    if not help_text or not (m := re.search(r"\bdefault:\s*", help_text)):
+        return None
+    out, depth = [], 0
+    for ch in help_text[m.end():]:
+        if ch == "(":
+            depth += 1
+        elif ch == ")":
+            if depth == 0:
+                break
+            depth -= 1
+        elif ch == ";" and depth == 0:
+            break
+        out.append(ch)
+    return "".join(out).strip()
+
+
+def cli_default(param) -> str:
+    """The default a person should read for this parameter: its value; for a flag pair the flag that is on; for a
+    plain flag on/off; where the value is None (decided at run time), what the help says, else 'none'."""
+    d = param.default
+    if callable(d):
+        d = d()
+    if isinstance(d, Enum):
+        d = d.value
+    if getattr(param, "is_flag", False) and getattr(param, "secondary_opts", None):
+        return param.opts[0] if d else param.secondary_opts[0]
+    if getattr(param, "is_flag", False):
+        return "on" if d else "off"
+    if d is None:
+        return _help_default(getattr(param, "help", None)) or "none"
+    return str(d)
+
+
+def _norm(s: str) -> str:
+    s = s.replace("`", "").replace("\\|", "|").lower()
+    s = re.sub(r"\bthe\s+", "", s)
+    return re.sub(r"\s+", "", s)
+
+
+def _choices(param) -> list[str] | None:
+    """The values of an option typed by an Enum (typer's choices), else None."""
+    ann = getattr(getattr(param, "type_descriptor", None), "annotation", None)
+    return [e.value for e in ann] if isinstance(ann, type) and issubclass(ann, Enum) else None
+
+
+def _tables(text: str) -> list[tuple[int, list[str], list[list[str]]]]:
+    """Markdown tables -> (line index of the header, header cells, rows of cells)."""
+    lines, out, i = text.splitlines(), [], 0
+    while i < len(lines):
+        if lines[i].startswith("|") and i + 1 < len(lines) and re.match(r"^\|[-| :]+\|$", lines[i + 1]):
+            head = _cells(lines[i])
+            rows, j = [], i + 2
+            while j < len(lines) and lines[j].startswith("|"):
+                rows.append(_cells(lines[j]))
+                j += 1
+            out.append((i, head, rows))
+            i = j
+        else:
+            i += 1
+    return out
+
+
+def _cells(line: str) -> list[str]:
+    return [c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+
+
+def _option_tables():
+    """Every table of options with a default column in the README and docs/, with the commands its marker names."""
+    found = []
+    for path in DOCS:
+        text = path.read_text()
+        lines = text.splitlines()
+        for at, head, rows in _tables(text):
+            if not head or head[0].lower() != "option" or not any(h.lower() == "default" for h in head):
+                continue
+            above = [ln for ln in lines[max(0, at - 3):at] if ln.strip()]
+            m = re.match(r"<!-- cli: ([\w\- ]+) -->", above[-1]) if above else None
+            found.append((path, at + 1, m[1].split() if m else None, head, rows))
+    return found
+
+
+def test_every_option_table_says_which_commands_it_lists():
+    tables = _option_tables()
+    assert len(tables) >= 2, "docs/serve.md's and docs/hardware.md's options tables"
+    for path, line, names, _, _ in tables:
+        assert names, f"{path.name}:{line}: an options table needs a <!-- cli: COMMAND ... --> line above it"
+        assert set(names) <= set(_commands()), (path.name, line, names)
+
+
+@pytest.mark.parametrize("path,line,names,head,rows", _option_tables(),
+                         ids=lambda v: v.name if isinstance(v, Path) else None)
+def test_options_tables_match_the_cli(path, line, names, head, rows):
+    """Each row's options exist on every command the table lists, its default is the CLI's, and where the CLI has a
+    fixed set of choices the row names every one (issue 55: serve's --mode said draft-self and three modes)."""
+    commands = _commands()
+    dcol = [h.lower() for h in head].index("default")
+    for cells in rows:
+        opts = re.findall(r"(?<![\w-])(--?[a-z][a-z0-9-]*)", cells[0])
+        opts = [o for o in opts if o.startswith("-")]
+        if not opts:
+            continue  # MODEL: an argument
+        shown = cells[dcol]
+        first = shown[:-len(", ...")] if shown.endswith(", ...") else shown  # several options: the first one's
+        for name in names:
+            cmd = commands[name]
+            for opt in opts:
+                assert _param(cmd, opt) is not None, f"{path.name}:{line}: {name} has no {opt}"
+            param = _param(cmd, opts[0])
+            want = cli_default(param)
+            assert _norm(first) == _norm(want), \
+                f"{path.name}:{line}: {name} {opts[0]} defaults to {want!r}, the table says {shown!r}"
+            if choices := _choices(param):
+                named = set(re.findall(r"`([^`]+)`", " ".join(cells)))
+                assert set(choices) <= named, \
+                    f"{path.name}:{line}: {name} {opts[0]} takes {choices}, the row names {sorted(named)}"
+
+
+def _code_lines():
+    """(file, line number, text, command) for the lines of ```sh and bare ``` blocks: a `clover-gguf CMD` line sets
+    the command, and the comment lines right after it keep it."""
+    for path in DOCS:
+        in_fence, in_code, cmd = False, False, None
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if line.startswith("```"):
+                in_fence, cmd = not in_fence, None
+                in_code = in_fence and line.strip()[3:] in ("", "sh", "bash")
+                continue
+            if not in_code:
+                continue
+            stripped = line.strip()
+            if m := re.match(r"clover-gguf ([a-z][\w-]*)", stripped):
+                cmd = m[1]
+            elif not stripped.startswith("#"):
+                cmd = None
+            if cmd is not None:
+                yield path, n, line, cmd
+
+
+def test_defaults_and_choices_said_in_code_comments_match_the_cli():
+    """`--opt ... (default X)`, `defaults: --opt X, ...` and `--opt a|b|c` in the README's and docs' command lines and
+    their comments (mac.md's --q-bits / --q-group-size, the README's serve and build-llama lines) are the CLI's."""
+    commands, checked = _commands(), 0
+    for path, n, line, name in _code_lines():
+        cmd = commands.get(name)
+        if cmd is None:
+            continue
+        where = f"{path.name}:{n}"
+        for opt, value in re.findall(r"(--[a-z][a-z0-9-]*)(?: [^\s,(]+)? \(default:? ([^)]*)\)", line):
+            if (p := _param(cmd, opt)) is not None:
+                assert _norm(value) == _norm(cli_default(p)), f"{where}: {name} {opt}: {value!r}"
+                checked += 1
+        if m := re.search(r"defaults: (.*?)(?:;|$)", line):
+            for opt, value in re.findall(r"(--[a-z][a-z0-9-]*) ([^\s,;]+)", m[1]):
+                p = _param(cmd, opt)
+                assert p is not None, f"{where}: {name} has no {opt}"
+                assert _norm(value) == _norm(cli_default(p)), f"{where}: {name} {opt} defaults to {cli_default(p)}"
+                checked += 1
+        for opt, values in re.findall(r"(--[a-z][a-z0-9-]*)[ =]([\w.-]+(?:\|[\w.-]+)+)", line):
+            p = _param(cmd, opt)
+            if p is not None and (choices := _choices(p)):
+                assert set(values.split("|")) == set(choices), f"{where}: {name} {opt} takes {choices}: {values}"
+                checked += 1
+    assert checked >= 8, checked
+
+
+def test_the_default_mode_the_docs_name_is_the_runtimes(bundled_gguf):
+    """'X by default', 'default: X' and '`X`, the default' about a decoding mode, anywhere in the README and docs,
+    name the mode a block-capable file runs when none is asked for (issue 55: mac.md said draft-self)."""
+    from clover_gguf.decoding import MODES
+    from clover_gguf.runtime import CloverRuntime
+
+    with CloverRuntime(bundled_gguf, n_ctx=256) as rt:
+        default = rt.default_mode
+    assert default == "auto"
+    modes = "|".join(re.escape(m) for m in MODES)
+    pattern = re.compile(rf"`?\b({modes})\b`? by default|default(?: mode)?: `?({modes})\b|`({modes})`, the default")
+    seen = 0
+    for path in DOCS:
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            for m in pattern.finditer(line):
+                said = next(g for g in m.groups() if g)
+                assert said == default, f"{path.name}:{n}: {line.strip()}"
+                seen += 1
+    assert seen >= 2
+
+
+def test_serve_docs_say_what_tools_do_today():
+    """docs/serve.md's fields table says, in its own row, that `tools` are not acted on yet (issue 55 item 1)."""
+    doc = (ROOT / "docs" / "serve.md").read_text()
+    row = next((ln for ln in doc.splitlines() if ln.startswith("| `tools`")), None)
+    assert row is not None and "ignored" in row and "tool_calls" in row, row
+
+
+# =================================================================================================================
 # 3. the README's Use section, as typed
 # =================================================================================================================
 def use_lines(readme: str) -> list[tuple[str, str]]:
