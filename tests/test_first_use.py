@@ -256,6 +256,51 @@ def test_serve_docs_say_what_tools_do_today():
 
 
 # =================================================================================================================
+# 2. the README's times
+# =================================================================================================================
+def _first_use():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("first_use", ROOT / "bench" / "first_use.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_readme_times_are_the_scripts_record():
+    """The README's table of times is what bench/first_use.py renders from bench/first_use.json (no figure typed by
+    hand), every row has its date, machine and load, and no other sentence in the README states a time for
+    `make demo` or `make test` (issue 55: "16-17 CPU-minutes" and "1 min 19 s" against 11.9 and 9 s)."""
+    fu = _first_use()
+    readme = (ROOT / "README.md").read_text()
+    rows = fu.load_record()
+    assert fu.readme_table(readme) == fu.render(rows), "run `python bench/first_use.py --readme`"
+    assert {r["run"] for r in rows} >= {"demo-fresh-home", "demo-again", "test"}
+    for r in rows:
+        assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", r["date"]) and r["machine"] and r["wall_s"] > 0, r
+        assert "load" in r and r["source"], r
+    outside = readme.replace(fu.readme_table(readme), "")
+    assert not re.search(r"\d+\s*(?:min|CPU-minutes|CPU-seconds)\b", outside), \
+        re.search(r".*\d+\s*(?:min|CPU-minutes|CPU-seconds)\b.*", outside)[0]
+
+
+def test_first_use_times_a_command_and_its_children(tmp_path):
+    """bench/first_use.py's timer counts the CPU of the processes a command starts and waits for (make's children):
+    a shell that runs a busy Python child for a fixed amount of work shows at least that child's own CPU time."""
+    fu = _first_use()
+    child = tmp_path / "child.py"
+    child.write_text("import resource, time\nx = 0\nfor i in range(3_000_000):\n    x += i * i\n"
+                     "r = resource.getrusage(resource.RUSAGE_SELF)\nprint('own', r.ru_utime + r.ru_stime)\n")
+    log = tmp_path / "log"
+    res = fu.timed(["sh", "-c", f"{sys.executable} {child}; echo 'llama.cpp (cpu) built in 12 s'"], tmp_path,
+                   dict(os.environ), log)
+    own = float(re.search(r"own ([\d.]+)", log.read_text())[1])
+    assert res["exit_code"] == 0 and res["build_s"] == 12
+    assert res["cpu_s"] >= round(own, 1) - 0.1, (res, own)
+    assert res["load"] is None or res["load"]["max"] >= res["load"]["start"] >= 0
+
+
+# =================================================================================================================
 # 3. the README's Use section, as typed
 # =================================================================================================================
 def use_lines(readme: str) -> list[tuple[str, str]]:
