@@ -128,8 +128,9 @@ class _Passes:
     Choice. Each pass but the prompt's is timed into `costs` (when given)."""
 
     def __init__(self, backend: Backend, selector: Selector, costs: PassCosts | None = None,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, observe: Callable[[dict], None] | None = None):
         self.b, self.sel = backend, selector
+        self.observe = observe  # generate's observer of the passes (see generate), or None
         self.graph = (selector.in_graph and isinstance(backend, GraphBackend) and
                       getattr(backend, "select_in_graph", True))
         self.costs, self.clock = costs, clock
@@ -355,6 +356,10 @@ def resolve_block(backend: Backend, block: list[int], resolved: list[bool], gene
             for m, i in enumerate(masked):
                 if first is not None and i > first and not resolved[i]:
                     block[i], resolved[i] = choice.best_of(m, ends), True
+        if passes.observe is not None:
+            filled = [i for i in masked if resolved[i]]
+            passes.observe({"type": "pass", "filled": filled, "tokens": [block[i] for i in filled],
+                            "masked": [i for i in masked if not resolved[i]]})
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -365,8 +370,8 @@ def generate(backend: Backend, prompt_ids: Sequence[int], mode: str = "diffusion
              sampler: Sampler | None = None, logits_processors: Sequence[Processor] = (),
              stats: GenerationStats | None = None, end_rule: str = DEFAULT_END_RULE,
              costs: PassCosts | None = None, policy: AutoPolicy | None = None,
-             clock: Callable[[], float] = time.perf_counter, draft_threshold: float | None = None
-             ) -> Iterator[Chunk]:
+             clock: Callable[[], float] = time.perf_counter, draft_threshold: float | None = None,
+             observe: Callable[[dict], None] | None = None) -> Iterator[Chunk]:
     """Decode an answer after `prompt_ids`, yielding Chunks as tokens resolve; the last one has finished=True.
 
     mode "ar": one causal pass per token. "diffusion": blocks of `block_size` positions start all-mask and are
@@ -378,6 +383,13 @@ def generate(backend: Backend, prompt_ids: Sequence[int], mode: str = "diffusion
     draft-self, so greedy auto is AR's text). The backend is reset first.
     draft_threshold: the fill threshold of drafts verified exactly (draft-self and auto with accept="exact"; e.g.
     DRAFT_THRESHOLD), in place of `threshold` there.
+    observe: called with a plain dict as the answer's passes go (serve's block view; None costs nothing). Positions
+    are a block's, 0-based: {"type": "block", "kind": "diffusion"|"draft", "size", "start" (answer tokens before it),
+    "known", "tokens"} (a draft knows its position 0, the pending causal token); {"type": "pass", "filled", "tokens",
+    "masked"} (a block pass: the positions it filled, their tokens, those still masked); {"type": "verify", "drafted",
+    "accepted", "cut", "ended", "next"} (a draft's causal pass: positions before `cut` kept, `next` the causal token
+    at `cut`, None when an accepted end token ended the answer); {"type": "commit", "size", "agreed"} (diffusion's
+    commit pass); {"type": "ar", "token"} (one AR step, committing the answer's last token).
     stats: the object to count into (a caller's subclass with more fields, e.g. runtime.RunStats); by default a
     new GenerationStats. The chunks carry it.
     end_rule: how block passes resolve end tokens (END_RULES; "plain" is the card's rule).
@@ -401,7 +413,7 @@ def generate(backend: Backend, prompt_ids: Sequence[int], mode: str = "diffusion
         if policy is None:
             policy = AutoPolicy(costs if costs is not None else PassCosts(), block_size)
         costs = policy.costs
-    passes = _Passes(backend, _selector(backend, logits_processors, sampler), costs, clock)  # one per answer
+    passes = _Passes(backend, _selector(backend, logits_processors, sampler), costs, clock, observe)  # per answer
     # a draft's fill threshold (with accept="threshold" the one threshold is also the acceptance's: kept as given)
     fill = threshold if draft_threshold is None or accept != "exact" else draft_threshold
     if mode == "auto":
@@ -459,6 +471,8 @@ def _ar_step(passes: _Passes, out: list[int], stats: GenerationStats) -> int:
     choice = passes.commit([out[-1]], Histories(out))  # out holds the token: the history of the next one
     stats.forward_passes += 1
     stats.ar_steps += 1
+    if passes.observe is not None:
+        passes.observe({"type": "ar", "token": out[-1]})
     return int(choice.tokens[0])
 
 
@@ -468,6 +482,9 @@ def _diffusion(passes: _Passes, prompt_ids, max_new, block_size, threshold, stat
     stats.forward_passes += 1
     while True:
         block, resolved = [backend.mask_token_id] * block_size, [False] * block_size
+        if passes.observe is not None:
+            passes.observe({"type": "block", "kind": "diffusion", "size": block_size, "start": len(out), "known": [],
+                            "tokens": []})
         n = resolve_block(backend, block, resolved, out, threshold, passes, stats=stats, end_rule=end_rule)
         ended = block[n - 1] in backend.eos_ids
         body = block[:n - 1] if ended else block
@@ -485,8 +502,10 @@ def _diffusion(passes: _Passes, prompt_ids, max_new, block_size, threshold, stat
         target = passes.commit(block, Histories(out[:start], block, range(1, len(block) + 1))).tokens
         stats.forward_passes += 1
         stats.drafted_tokens += len(block) - 1
-        stats.accepted_tokens += next((i for i in range(len(block) - 1) if block[i + 1] != int(target[i])),
-                                      len(block) - 1)
+        agreed = next((i for i in range(len(block) - 1) if block[i + 1] != int(target[i])), len(block) - 1)
+        stats.accepted_tokens += agreed
+        if passes.observe is not None:
+            passes.observe({"type": "commit", "size": len(block), "agreed": agreed})
 
 
 @dataclass
@@ -510,6 +529,9 @@ def _draft_block(passes: _Passes, out: list[int], pending: int, block_size: int,
     eos = backend.eos_ids
     block = [pending] + [backend.mask_token_id] * (block_size - 1)  # [B]
     resolved = [True] + [False] * (block_size - 1)
+    if passes.observe is not None:
+        passes.observe({"type": "block", "kind": "draft", "size": block_size, "start": len(out), "known": [0],
+                        "tokens": [pending]})
     before = stats.block_passes
     d = resolve_block(backend, block, resolved, out, threshold, passes, stats=stats, end_rule=end_rule,
                       max_passes=max_passes)
@@ -532,6 +554,9 @@ def _draft_block(passes: _Passes, out: list[int], pending: int, block_size: int,
     stats.drafted_tokens += d - 1
     stats.accepted_tokens += n_ok
     stats.drafts += 1
+    if passes.observe is not None:
+        passes.observe({"type": "verify", "drafted": d - 1, "accepted": n_ok, "cut": keep, "ended": ended,
+                        "next": None if ended else int(target[keep - 1])})
     return _Draft(draft[:keep], int(target[keep - 1]), d - 1, n_ok, stats.block_passes - before)
 
 

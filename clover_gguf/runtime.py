@@ -23,7 +23,7 @@ import resource
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -664,13 +664,14 @@ class CloverRuntime:
                       block_size: int | None = None, threshold: float | None = None, accept: str = "exact",
                       temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                       controls: Controls | None = None, end_rule: str = decoding.DEFAULT_END_RULE,
-                      keep: int | None = None) -> Iterator[Piece]:
+                      keep: int | None = None, observe: Callable[[dict], None] | None = None) -> Iterator[Piece]:
         """Yield a Piece (new raw text, the tokens it came from, running stats) as tokens are accepted after the
         prompt `ids`; the last one carries the final stats. The text is what the model wrote, <think> tags included:
         thinking.ThinkSplitter with thinking_at_start(ids) splits it. end_rule: how block passes resolve end tokens
         (decoding.END_RULES; "plain" is the card's rule). keep: keep the state after the prompt's first `keep`
         tokens for a later prompt that starts with them (a runtime made with keep_prefix; prompt_and_keep gives the
-        position for chat)."""
+        position for chat). observe: decoding.generate's observer of the passes, its events given the text of their
+        tokens (`texts`, `next_text`) and the positions of end tokens (`ends`) (serve's block view)."""
         if not len(ids):
             raise UserError("the prompt is empty")
         block_size = int(block_size or self.block_size)
@@ -696,7 +697,8 @@ class CloverRuntime:
                                        accept=accept, sampler=sampler, logits_processors=procs, stats=stats,
                                        end_rule=end_rule, costs=self.pass_costs, policy=policy,
                                        clock=getattr(self.ctx, "cost_clock", time.perf_counter),
-                                       draft_threshold=decoding.DRAFT_THRESHOLD if threshold is None else None):
+                                       draft_threshold=decoding.DRAFT_THRESHOLD if threshold is None else None,
+                                       observe=None if observe is None else self._with_text(observe)):
             now = time.perf_counter()
             if chunk.tokens and stats.time_to_first_token_s is None:
                 stats.time_to_first_token_s = now - t0
@@ -707,6 +709,24 @@ class CloverRuntime:
             yield Piece(text, stats, list(chunk.tokens))
         if pending:
             yield Piece(pending.decode("utf-8", "replace"), stats, [])
+
+    def _with_text(self, observe: Callable[[dict], None]) -> Callable[[dict], None]:
+        """An observer of decoding.generate's events that adds their tokens' text (the bytes of each token alone: a
+        character split across tokens shows as U+FFFD) and the positions of end tokens, then calls `observe`."""
+        def text(t: int) -> str:
+            return self.ctx.token_to_piece(t, special=True).decode("utf-8", "replace")
+
+        def with_text(ev: dict) -> None:
+            if ev.get("tokens"):
+                ev["texts"] = [text(t) for t in ev["tokens"]]
+                ends = [i for i, t in zip(ev.get("filled", ev.get("known", ())), ev["tokens"]) if t in self.eos_ids]
+                if ends:
+                    ev["ends"] = ends
+            if ev.get("next") is not None:
+                ev["next_text"] = text(ev["next"])
+            observe(ev)
+
+        return with_text
 
     def generate(self, messages: Sequence[dict[str, str]] | str, think: bool = True, **kw) -> Answer:
         ids = self.prompt_ids(messages, think=think)
