@@ -671,7 +671,7 @@ class CloverRuntime:
         (decoding.END_RULES; "plain" is the card's rule). keep: keep the state after the prompt's first `keep`
         tokens for a later prompt that starts with them (a runtime made with keep_prefix; prompt_and_keep gives the
         position for chat). observe: decoding.generate's observer of the passes, its events given the text of their
-        tokens (`texts`, `next_text`) and the positions of end tokens (`ends`) (serve's block view)."""
+        tokens (`texts`, `next_text`, `text`) and the positions of end tokens (`ends`) (serve's block view)."""
         if not len(ids):
             raise UserError("the prompt is empty")
         block_size = int(block_size or self.block_size)
@@ -724,6 +724,8 @@ class CloverRuntime:
                     ev["ends"] = ends
             if ev.get("next") is not None:
                 ev["next_text"] = text(ev["next"])
+            if "token" in ev:
+                ev["text"] = text(ev["token"])
             observe(ev)
 
         return with_text

@@ -21,10 +21,12 @@ class Replay:
 
     def __init__(self, eos: frozenset[int]):
         self.eos, self.answer, self.block, self.counts = eos, [], None, {}
+        self.texts: dict[int, str] = {}  # token -> its text, where the events say (serve's)
 
     def __call__(self, ev: dict) -> None:
         ev = json.loads(json.dumps(ev))  # plain data: survives JSON unchanged
         kind = ev["type"]
+        self.texts.update(zip(ev.get("tokens", []), ev.get("texts", [])))
         self.counts[kind] = self.counts.get(kind, 0) + 1
         if kind == "block":
             assert self.block is None or self.block["kind"] == "diffusion" and None not in self.block["slots"]
@@ -53,8 +55,9 @@ class Replay:
             assert self.block["kind"] == "diffusion" and None not in self.block["slots"]
             self.answer += self.block["slots"]
             self.block = None
-        elif kind == "ar":
-            self.answer.append(ev["token"])
+        elif kind == "ar":  # the decoder's one step, or serve's run of them
+            self.answer += ev["tokens"] if "tokens" in ev else [ev["token"]]
+            self.counts["ar"] += ev.get("steps", 1) - 1
         else:
             raise AssertionError(f"unknown event {ev}")
 
@@ -118,3 +121,107 @@ def test_events_are_plain_data_and_none_is_the_default():
     assert events and all(json.loads(json.dumps(e)) == e for e in events)
     assert {e["type"] for e in events} <= {"block", "pass", "verify", "commit", "ar"}
     assert inspect.signature(generate).parameters["observe"].default is None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Through the API: `clover_blocks: true` on a streamed request (docs/serve.md)
+# ---------------------------------------------------------------------------------------------------------------
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+from clover_gguf.serve import create_app  # noqa: E402
+from clover_gguf.thinking import split_thinking  # noqa: E402
+from test_server import KEY, TIMEOUT, _Server  # noqa: E402
+
+QUESTION = "What is 34 + 58?"
+
+
+@pytest.fixture(scope="module")
+def server(bundled_gguf):
+    s = _Server(create_app(bundled_gguf, mode="auto", api_key=KEY, parallel=1, ctx=512,
+                           runtime_kwargs={"exact": True}))
+    yield s
+    s.stop()
+
+
+def _stream(server, body: dict, path: str = "/v1/chat/completions") -> list[dict]:
+    """-> the stream's chunks (JSON), read raw."""
+    with httpx.stream("POST", server.base + path, json=body, timeout=TIMEOUT,
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+        assert r.status_code == 200, r.read()
+        lines = [x[6:] for x in r.iter_lines() if x]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(x) for x in lines[:-1]]
+
+
+def _chat(mode: str, **extra) -> dict:
+    return {"messages": [{"role": "user", "content": QUESTION}], "mode": mode, **extra}
+
+
+@pytest.mark.parametrize("mode", ["diffusion", "draft-self", "auto", "ar"])
+def test_the_stream_carries_each_pass_and_they_give_the_answer(server, mode):
+    whole = httpx.post(server.base + "/v1/chat/completions", json=_chat(mode), timeout=TIMEOUT,
+                       headers={"Authorization": f"Bearer {KEY}"}).json()
+    chunks = _stream(server, _chat(mode, stream=True, clover_blocks=True))
+    replay = Replay(frozenset(server.app.state.pool.runtimes[0].eos_ids))
+    reasoning, content = "", ""
+    for c in chunks:
+        for ev in c.get("clover_blocks", []):
+            replay(ev)
+        if c["choices"]:
+            delta = c["choices"][0]["delta"]
+            reasoning += delta.get("reasoning_content") or ""
+            content += delta.get("content") or ""
+            if "clover_blocks" in c:  # an empty delta: a client that reads only the text sees nothing
+                assert delta == {} and c["choices"][0]["finish_reason"] is None
+    stats = chunks[-1]["clover_stats"]
+    msg = whole["choices"][0]["message"]
+    assert (reasoning, content) == (msg["reasoning_content"], msg["content"])  # the field changes no text
+    # the answer rebuilt from the events alone, token by token and as text, is the one streamed
+    tokens = replay.close()
+    assert len(tokens) == stats["generated_tokens"]
+    raw = "".join(replay.texts[t] for t in tokens)
+    assert split_thinking(raw, True) == (msg["reasoning_content"], msg["content"])
+    assert replay.counts.get("pass", 0) == stats["block_passes"]
+    assert replay.counts.get("verify", 0) == stats["drafts"]
+    assert replay.counts.get("ar", 0) == stats["ar_steps"]
+    if mode in ("diffusion", "draft-self"):
+        assert stats["block_passes"] >= 1
+
+
+def test_without_the_field_the_stream_is_unchanged(server):
+    chunks = _stream(server, _chat("draft-self", stream=True))
+    assert not any("clover_blocks" in c for c in chunks)
+    assert all(c["choices"] == [] or c["choices"][0]["delta"] or c["choices"][0]["finish_reason"] for c in chunks)
+
+
+def test_the_openai_client_reads_a_stream_with_the_field(server):
+    client = openai.OpenAI(base_url=server.base + "/v1", api_key=KEY, timeout=TIMEOUT, max_retries=0)
+    plain = client.chat.completions.create(model="x", messages=[{"role": "user", "content": QUESTION}],
+                                           extra_body={"mode": "diffusion"})
+    chunks = list(client.chat.completions.create(model="x", messages=[{"role": "user", "content": QUESTION}],
+                                                 stream=True, extra_body={"mode": "diffusion", "clover_blocks": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == plain.choices[0].message.content
+    events = [e for c in chunks for e in (c.model_extra or {}).get("clover_blocks", [])]
+    assert [e["type"] for e in events][:2] == ["block", "pass"]
+
+
+def test_raw_completions_carry_the_field_too(server):
+    prompt = f"<|im_start|>user\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n"
+    chunks = _stream(server, {"prompt": prompt, "mode": "draft-self", "stream": True, "clover_blocks": True},
+                     "/v1/completions")
+    events = [e for c in chunks for e in c.get("clover_blocks", [])]
+    assert {"block", "pass", "verify"} <= {e["type"] for e in events}
+    assert all(c["object"] == "text_completion" for c in chunks)
+
+
+def test_the_field_is_refused_where_it_cannot_apply(server):
+    r = httpx.post(server.base + "/v1/chat/completions", json=_chat("draft-self", clover_blocks=True),
+                   timeout=TIMEOUT, headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "clover_blocks"
+    assert "stream" in r.json()["error"]["message"]
+    r = httpx.post(server.base + "/v1/chat/completions", json=_chat("draft-self", stream=True, clover_blocks="maybe"),
+                   timeout=TIMEOUT, headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 422
+    assert server.wait_idle()["slots_idle"] == 1

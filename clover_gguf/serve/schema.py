@@ -54,6 +54,7 @@ def _models():
         block_size: int | None = Field(None, ge=1, le=256)
         threshold: float | None = Field(None, ge=0.0, le=1.0)
         accept: Literal[ACCEPT_MODES] | None = None
+        clover_blocks: bool = False  # the block view: each pass's state in the stream (docs/serve.md)
 
     class ChatRequest(Common):
         messages: list[Message] = Field(..., min_length=1)
@@ -102,7 +103,10 @@ def plan_from(req: Any, chat: bool, default_mode: str) -> Plan:
     p = Plan(mode=req.mode or default_mode, block_size=req.block_size, threshold=req.threshold,
              accept=req.accept or "exact", temp=req.temperature or 0.0,
              top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, seed=req.seed, stop=stop,
-             controls=controls, max_tokens=req.max_tokens, stream=bool(req.stream))
+             controls=controls, max_tokens=req.max_tokens, stream=bool(req.stream), blocks=req.clover_blocks)
+    if p.blocks and not p.stream:
+        raise APIError(400, "clover_blocks needs stream: true (the passes come as events of the stream)",
+                       param="clover_blocks")
     if chat:
         msgs = []
         for i, m in enumerate(req.messages):

@@ -48,16 +48,46 @@ class Plan:
     stop: list[str] = field(default_factory=list)
     controls: dict[str, float] = field(default_factory=dict)  # overrides of the GGUF's generation controls
     stream: bool = True  # False: the answer is read whole at its end (the worker then posts its text once)
+    blocks: bool = False  # clover_blocks: the decoder's pass events go to the stream (BlockEvents)
 
 
 class ClientGone(Exception):
     """The client disconnected while its request waited."""
 
 
+AR_RUN = 32  # AR steps summed into one block-view event at most (a block's worth: the strip grows as AR answers go)
+
+
+class BlockEvents:
+    """The block view of one job (clover_blocks): decoding.generate's pass events, posted to the stream as they
+    happen; AR steps are summed into one {"type": "ar", "steps", "tokens", "texts"} event per run of them (closed by
+    the next other event, by AR_RUN steps, or by the answer's end: flush)."""
+
+    def __init__(self, job: "Job"):
+        self.job, self.ar = job, []
+
+    def __call__(self, ev: dict) -> None:
+        if ev["type"] == "ar":
+            self.ar.append(ev)
+            if len(self.ar) >= AR_RUN:
+                self.flush()
+            return
+        self.flush()
+        self.job.emit("blocks", ev)
+
+    def flush(self) -> None:
+        if self.ar:
+            run = {"type": "ar", "steps": len(self.ar), "tokens": [e["token"] for e in self.ar]}
+            if all("text" in e for e in self.ar):
+                run["texts"] = [e["text"] for e in self.ar]
+            self.job.emit("blocks", run)
+            self.ar = []
+
+
 class Job:
     """One request on one slot. The worker thread emits events into an asyncio queue:
-    ("started", prompt_tokens), ("delta", reasoning, content), ("done", finish_reason, stats, usage),
-    ("error", http_status, message). `cancel()` (any thread) makes the worker stop at the next chunk."""
+    ("started", prompt_tokens), ("delta", reasoning, content), ("blocks", pass event) (clover_blocks),
+    ("done", finish_reason, stats, usage), ("error", http_status, message). `cancel()` (any thread) makes the worker stop at the next chunk."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, stream: bool = True):
         self.loop = loop
@@ -144,9 +174,13 @@ def _decode(rt: Any, job: Job, plan: Plan) -> tuple[str, dict]:
     # chat: thinking and answer split by the one rule (clover_gguf.thinking); completions: the raw text
     parser = ThinkSplitter(rt.thinking_at_start(ids), stop=plan.stop, tags=plan.messages is not None)
     controls = dataclasses.replace(rt.controls, **plan.controls) if plan.controls else None
+    extra = {"keep": keep} if keep is not None else {}
+    blocks = BlockEvents(job) if plan.blocks else None
+    if blocks is not None:
+        extra["observe"] = blocks
     gen = rt.stream_pieces(ids, mode=plan.mode, max_new_tokens=max_new, block_size=block_size, threshold=plan.threshold,
                            accept=plan.accept, temp=plan.temp, top_p=plan.top_p, top_k=plan.top_k, seed=plan.seed,
-                           controls=controls, **({"keep": keep} if keep is not None else {}))
+                           controls=controls, **extra)
     stats = None
     finish = "cancelled"
     try:
@@ -167,6 +201,8 @@ def _decode(rt: Any, job: Job, plan: Plan) -> tuple[str, dict]:
                 job.emit("delta", r, c)
     finally:
         gen.close()
+    if blocks is not None:
+        blocks.flush()
     st = stats.to_json() if stats is not None else {"mode": plan.mode, "prompt_tokens": len(ids),
                                                    "generated_tokens": 0}
     if parser.matched is not None:
