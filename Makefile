@@ -15,7 +15,7 @@ CLI_NOTE := the README writes it clover-gguf
 endif
 DEMO_DIR ?= out/demo
 
-.PHONY: venv test test-fast demo llama mlx clean
+.PHONY: venv test test-fast demo llama mlx browser screenshots clean
 
 # setuptools tells every editable install "Please be careful with folders in your working directory...": a note for
 # its own users that reads like a warning to ours; this filter drops that one note (the build backend inherits it)
@@ -42,11 +42,26 @@ $(VENV)/.test: $(VENV)/.core
 venv: $(VENV)/.test
 
 # Every test, the slow ones included (`make test-fast`: pytest -m "not slow"; times in the README).
-test: $(TEST_ENV) llama
+test: $(TEST_ENV) llama browser
 	$(PY) -m pytest -q
 
-test-fast: $(TEST_ENV) llama
+test-fast: $(TEST_ENV) llama browser
 	$(PY) -m pytest -q -m "not slow"
+
+# The chat page's tests (tests/test_chat_page.py) drive Debian's headless Chromium through its chromedriver: installed
+# from apt where missing (as root, or through sudo), never downloaded from anywhere else. CLOVER_GGUF_CHROMEDRIVER and
+# CLOVER_GGUF_CHROMIUM name other ones (another system's), which this leaves alone.
+CHROMEDRIVER := $(or $(CLOVER_GGUF_CHROMEDRIVER),/usr/bin/chromedriver)
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+browser:
+	@test -x $(CHROMEDRIVER) || { \
+		echo "installing Debian's chromium and chromium-driver (apt) for the chat page's tests"; \
+		$(SUDO) apt-get update -q && \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver; }
+
+# The pictures of the chat page in docs/ (and the README), made by the tests' browser
+screenshots: $(TEST_ENV) llama browser
+	CLOVER_GGUF_SCREENSHOTS=docs $(PY) -m pytest -q tests/test_chat_page.py -k screenshots
 
 # Not --quiet: the first build takes minutes and prints its progress (a line per tenth when not on a terminal).
 BACKEND ?= cpu

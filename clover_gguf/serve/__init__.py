@@ -5,6 +5,7 @@
   slots    the model work on worker threads: Plan, Job, the slot pool and its FIFO
   metrics  the Prometheus counters of /metrics
   auth     the API key and loopback hosts
+  page     the chat page at / (its files are static/: plain HTML, CSS and JavaScript, no build step)
 """
 
 from clover_gguf.serve.app import create_app, load_runtimes, serve

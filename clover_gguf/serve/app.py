@@ -2,9 +2,10 @@
 default), draft-self, diffusion or AR.
 
 Endpoints (docs/serve.md has the fields): POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
-GET /health, GET /metrics, GET /slots. Built on FastAPI (Starlette) and served by uvicorn. The model work runs on
-the slots' worker threads (clover_gguf.serve.slots); the request bodies and errors are OpenAI's
-(clover_gguf.serve.schema); the API key is checked first (clover_gguf.serve.auth).
+GET /health, GET /metrics, GET /slots, and the chat page at GET / (clover_gguf.serve.page). Built on FastAPI
+(Starlette) and served by uvicorn. The model work runs on the slots' worker threads (clover_gguf.serve.slots); the
+request bodies and errors are OpenAI's (clover_gguf.serve.schema); the API key is checked first
+(clover_gguf.serve.auth).
 """
 
 # no `from __future__ import annotations`: FastAPI reads the route signatures, whose types are local to create_app
@@ -23,6 +24,7 @@ from typing import Any, AsyncIterator, Callable
 from clover_gguf.decoding import MODES
 from clover_gguf.errors import UserError
 from clover_gguf.serve.auth import RequireKey, check_api_key, is_loopback
+from clover_gguf.serve.page import add_page_routes
 from clover_gguf.serve.schema import APIError, _models, error_body, plan_from
 from clover_gguf.serve.slots import ClientGone, Job, Plan, Pool
 
@@ -413,6 +415,7 @@ def create_app(model: str | Path | Callable[[], Any], mode: str | None = None, a
     app.add_api_route("/v1/models", _list_models, methods=["GET"])
     app.add_api_route("/metrics", _metrics, methods=["GET"])  # behind the API key, like everything but /health
     app.add_api_route("/slots", _slots, methods=["GET"])
+    add_page_routes(app)  # the chat page at /
 
     # FastAPI reads the body's type from the signature, so these two stay here, where the request models are
     async def chat_completions(req: ChatRequest, request: Request):

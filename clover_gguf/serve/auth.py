@@ -7,6 +7,7 @@ import ipaddress
 from typing import Any
 
 from clover_gguf.errors import UserError
+from clover_gguf.serve.page import PAGE_PATHS
 from clover_gguf.serve.schema import error_body
 
 
@@ -33,10 +34,11 @@ def check_api_key(key: str) -> str:
 
 
 class RequireKey:
-    """ASGI middleware: with an API key set, every path but /health (the API, /openapi.json) needs it. It runs
-    before routing and before the body is read, so a request without the key learns nothing else (401 first)."""
+    """ASGI middleware: with an API key set, every path but /health and the chat page's files (the API,
+    /openapi.json) needs it. It runs before routing and before the body is read, so a request without the key learns
+    nothing else (401 first). The page holds nothing of the server's; it asks for the key before it calls the API."""
 
-    OPEN = frozenset({"/health"})
+    OPEN = frozenset({"/health"}) | PAGE_PATHS
 
     def __init__(self, app: Any, api_key: str):
         self.app, self.key = app, check_api_key(api_key).encode("ascii")

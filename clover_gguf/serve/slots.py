@@ -87,7 +87,8 @@ class BlockEvents:
 class Job:
     """One request on one slot. The worker thread emits events into an asyncio queue:
     ("started", prompt_tokens), ("delta", reasoning, content), ("blocks", pass event) (clover_blocks),
-    ("done", finish_reason, stats, usage), ("error", http_status, message). `cancel()` (any thread) makes the worker stop at the next chunk."""
+    ("done", finish_reason, stats, usage), ("error", http_status, message). `cancel()` (any thread) makes the worker
+    stop at the next chunk."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, stream: bool = True):
         self.loop = loop
