@@ -190,6 +190,41 @@ def test_the_stream_carries_each_pass_and_they_give_the_answer(server, mode):
         assert stats["block_passes"] >= 1
 
 
+def test_passes_go_out_live_when_slow_and_with_the_text_when_fast():
+    """serve.slots.BlockEvents on a clock the test moves: a pass FRAME_S after the last post goes out at once, faster
+    ones wait for the next text (flush); AR steps are summed per run, AR_RUN at most."""
+    from clover_gguf.serve.slots import AR_RUN, FRAME_S, BlockEvents
+
+    class Job:
+        posted: list = []
+
+        def emit(self, kind, events):
+            assert kind == "blocks"
+            self.posted.append(events)
+
+    now = [0.0]
+    job = Job()
+    view = BlockEvents(job, clock=lambda: now[0])
+    view({"type": "block"})
+    view({"type": "pass"})
+    assert job.posted == []  # within a frame of the start: held
+    now[0] += FRAME_S
+    view({"type": "pass"})  # a slow pass: out at once, with what was held
+    assert [[e["type"] for e in p] for p in job.posted] == [["block", "pass", "pass"]]
+    view({"type": "verify"})
+    view.flush()  # the worker's, before the text of the piece
+    assert [e["type"] for e in job.posted[-1]] == ["verify"]
+    for i in range(AR_RUN + 3):
+        view({"type": "ar", "token": i, "text": str(i)})
+    view.flush()  # a full run goes out with the text; the open one waits for the run's end
+    assert job.posted[-1] == [{"type": "ar", "steps": AR_RUN, "tokens": list(range(AR_RUN)),
+                               "texts": [str(i) for i in range(AR_RUN)]}]
+    view.flush(end=True)
+    rest = range(AR_RUN, AR_RUN + 3)
+    assert job.posted[-1] == [{"type": "ar", "steps": 3, "tokens": list(rest), "texts": [str(i) for i in rest]}]
+    assert len(job.posted) == 4
+
+
 def test_without_the_field_the_stream_is_unchanged(server):
     chunks = _stream(server, _chat("draft-self", stream=True))
     assert not any("clover_blocks" in c for c in chunks)

@@ -266,8 +266,8 @@ async def _sse(job: Job, rid: str, now: int, name: str, chat: bool, include_usag
                     yield chunk({"reasoning_content": ev[1]})
                 if ev[2]:
                     yield chunk({"content": ev[2]})
-            elif ev[0] == "blocks":  # the block view (clover_blocks): a chunk with an empty delta per pass event
-                yield chunk({}, clover_blocks=[ev[1]])
+            elif ev[0] == "blocks":  # the block view (clover_blocks): its events in a chunk with an empty delta
+                yield chunk({}, clover_blocks=ev[1])
             elif ev[0] == "done":
                 _, finish, stats, usage = ev
                 if include_usage:

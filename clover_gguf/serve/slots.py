@@ -18,8 +18,9 @@ import contextlib
 import dataclasses
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from clover_gguf.batching import Cancelled
 from clover_gguf.errors import UserError
@@ -56,37 +57,52 @@ class ClientGone(Exception):
 
 
 AR_RUN = 32  # AR steps summed into one block-view event at most (a block's worth: the strip grows as AR answers go)
+FRAME_S = 0.02  # block-view events go out at once when the last went out this long ago (a browser draws every 16 ms)
 
 
 class BlockEvents:
-    """The block view of one job (clover_blocks): decoding.generate's pass events, posted to the stream as they
-    happen; AR steps are summed into one {"type": "ar", "steps", "tokens", "texts"} event per run of them (closed by
-    the next other event, by AR_RUN steps, or by the answer's end: flush)."""
+    """The block view of one job (clover_blocks): decoding.generate's pass events for the stream, as ("blocks",
+    [events]). A pass goes out as it happens when the previous post is FRAME_S old (the 35B's passes take longer:
+    each is seen live), else with the next text the worker sends (flush), so that a small model's millisecond passes
+    cost one chunk per piece of text, not one per pass. AR steps are summed into one {"type": "ar", "steps",
+    "tokens", "texts"} event per run of them (closed by the next other event, by AR_RUN steps, or by the end)."""
 
-    def __init__(self, job: "Job"):
-        self.job, self.ar = job, []
+    def __init__(self, job: "Job", clock: Callable[[], float] = time.monotonic):
+        self.job, self.clock, self.ar, self.pending = job, clock, [], []
+        self.posted = clock()
 
     def __call__(self, ev: dict) -> None:
         if ev["type"] == "ar":
             self.ar.append(ev)
             if len(self.ar) >= AR_RUN:
-                self.flush()
-            return
-        self.flush()
-        self.job.emit("blocks", ev)
+                self._close_run()
+        else:
+            self._close_run()
+            self.pending.append(ev)
+        if self.pending and self.clock() - self.posted >= FRAME_S:
+            self.flush()
 
-    def flush(self) -> None:
+    def _close_run(self) -> None:
         if self.ar:
             run = {"type": "ar", "steps": len(self.ar), "tokens": [e["token"] for e in self.ar]}
             if all("text" in e for e in self.ar):
                 run["texts"] = [e["text"] for e in self.ar]
-            self.job.emit("blocks", run)
+            self.pending.append(run)
             self.ar = []
+
+    def flush(self, end: bool = False) -> None:
+        """Post what is pending (end: the answer is over, its last AR run too)."""
+        if end:
+            self._close_run()
+        if self.pending:
+            self.job.emit("blocks", self.pending)
+            self.pending = []
+        self.posted = self.clock()
 
 
 class Job:
     """One request on one slot. The worker thread emits events into an asyncio queue:
-    ("started", prompt_tokens), ("delta", reasoning, content), ("blocks", pass event) (clover_blocks),
+    ("started", prompt_tokens), ("delta", reasoning, content), ("blocks", [pass events]) (clover_blocks),
     ("done", finish_reason, stats, usage), ("error", http_status, message). `cancel()` (any thread) makes the worker
     stop at the next chunk."""
 
@@ -187,6 +203,8 @@ def _decode(rt: Any, job: Job, plan: Plan) -> tuple[str, dict]:
     try:
         for piece in gen:
             stats = piece.stats
+            if blocks is not None:  # this piece's passes before its text
+                blocks.flush()
             if job.cancelled:
                 break
             r, c = parser.feed(piece.text)
@@ -203,7 +221,7 @@ def _decode(rt: Any, job: Job, plan: Plan) -> tuple[str, dict]:
     finally:
         gen.close()
     if blocks is not None:
-        blocks.flush()
+        blocks.flush(end=True)
     st = stats.to_json() if stats is not None else {"mode": plan.mode, "prompt_tokens": len(ids),
                                                    "generated_tokens": 0}
     if parser.matched is not None:
