@@ -355,6 +355,13 @@
       add(seconds(st.seconds || 0), "time to first token " + fmt(st.time_to_first_token_s, 2) + " s");
     }
     parts.forEach((p) => out.appendChild(p));
+    if (m.content) {
+      const copy = el("button", "text-btn copy-answer", "Copy");
+      copy.type = "button";
+      copy.title = "Copy the answer (Markdown)";
+      copy.addEventListener("click", () => CloverMarkdown.copy(m.content, copy));
+      out.appendChild(copy);
+    }
   }
 
   // ---- the block view ------------------------------------------------------------------------------------------

@@ -295,5 +295,5 @@
     root.replaceChildren(frag);
   }
 
-  global.CloverMarkdown = { render };
+  global.CloverMarkdown = { render, copy: copyText };
 })(window);
