@@ -392,13 +392,13 @@ def test_screenshots(browser, bundled_gguf):
     s = _Server(create_app(lambda: PacedRuntime(rt, 0.6), mode="diffusion", parallel=1, model_id="tiny-clover"))
     try:
         # 16-position blocks: the first holds the thinking, the second fills over several passes
-        open_page(browser, s.base, settings={"block_size": 16}, width=1100, height=720)
+        open_page(browser, s.base, settings={"block_size": 16}, width=1000, height=600)
         ask(browser, "Count from 0 to 6.")
-        WebDriverWait(browser, WAIT).until(lambda d: passes(d) >= 4)
+        WebDriverWait(browser, WAIT).until(lambda d: passes(d) >= 5)
         assert find(browser, "thinking").get_attribute("open") is None
         browser.save_screenshot(str(out / "chat-page.png"))
         answered(browser)
-        assert _png_size(out / "chat-page.png") == (1100, 720)
+        assert _png_size(out / "chat-page.png") == (1000, 600)
 
         open_page(browser, s.base, width=375, height=740)
         s.app.state.pool.runtimes[0].delay = 0
