@@ -432,6 +432,15 @@ def test_chat_and_serve_run_an_mlx_folder(converted):
         assert r.status_code == 200, r.text
         assert "34 + 58 = 92" in r.json()["choices"][0]["message"]["content"]
         assert http.get("/v1/models").json()["data"][0]["meta"]["block_mode"] is True
+        # the chat page and its block view (clover_blocks) on MLX too
+        assert http.get("/").status_code == 200
+        body = {"max_tokens": 48, "stream": True, "clover_blocks": True,
+                "messages": [{"role": "user", "content": "What is 34 + 58?"}]}
+        with http.stream("POST", "/v1/chat/completions", json=body) as s:
+            chunks = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: {")]
+        events = [e for c in chunks for e in c.get("clover_blocks", [])]
+        assert {"block", "pass", "verify"} <= {e["type"] for e in events}
+        assert sum(e["type"] == "pass" for e in events) == chunks[-1]["clover_stats"]["block_passes"]
 
 
 def test_a_bad_folder_is_one_line(tmp_path, capsys):
