@@ -530,8 +530,9 @@ def serve(
     engine: Engine = typer.Option(Engine.auto, "--backend", help=ENGINE_HELP),
     offload=None,
 ) -> None:
-    """An OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics, /slots.
-    It prints the address it listens on once the model is loaded."""
+    """An OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics, /slots,
+    and a chat page at / (open the address in a browser). It prints the address it listens on once the model is
+    loaded."""
     from clover_gguf.mlx_runtime import model_backend, open_runtime
     from clover_gguf.serve import serve as run
 

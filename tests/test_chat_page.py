@@ -341,6 +341,7 @@ def test_the_page_is_served_without_the_key_and_builds_no_html_from_strings():
     try:
         page = httpx.get(s.base + "/", timeout=10)
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        assert httpx.head(s.base + "/", timeout=10).status_code == 200
         assert "script-src 'self'" in page.headers["content-security-policy"]
         for path in ("/static/app.js", "/static/markdown.js", "/static/style.css", "/static/icon.svg"):
             assert path in page.text and httpx.get(s.base + path, timeout=10).status_code == 200

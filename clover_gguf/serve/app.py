@@ -458,6 +458,7 @@ def serve(model: str | Path, host: str = "127.0.0.1", port: int = 8080, mode: st
                 if self.started:
                     logging.getLogger("uvicorn.error").info(
                         "listening on %s (OpenAI base URL %s/v1; Ctrl-C to stop)", url, url)
+                    logging.getLogger("uvicorn.error").info("chat page: %s/ (open it in a browser)", url)
 
         Server(config).run(sockets=[sock])
     finally:

@@ -43,4 +43,4 @@ def _handler(body: bytes, media: str):
 def add_page_routes(app) -> None:
     """GET / and the page's files, read once when the app is made."""
     for path, (name, media) in PAGE_FILES.items():
-        app.add_api_route(path, _handler(read(name), media), methods=["GET"], include_in_schema=False)
+        app.add_api_route(path, _handler(read(name), media), methods=["GET", "HEAD"], include_in_schema=False)
