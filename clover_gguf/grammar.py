@@ -1,0 +1,247 @@
+"""Constrained output: the grammars serve forces (response_format's JSON, tool_choice's calls) compiled by llguidance,
+and the Constraint the decoders follow (clover_gguf.constraint).
+
+The engine is llguidance (bench/grammar.py measured it against xgrammar at V = 248,320: docs/serve.md, "Constrained
+output"). A grammar is written in llguidance's Lark dialect (its `%json` inlines a JSON schema):
+- first a thinking span when thinking is on (THINKING): "open" (the prompt opened `<think>`: any text up to the
+  first `</think>`), "optional" (a `<think>...</think>` span may come first) or "none"; then at most 4 whitespace
+  characters;
+- then the rule `body`: JSON matching a schema (json_value: written compactly, with json.dumps' separators ", " and
+  ": " and no other whitespace, so a model cannot wander off into whitespace), or tool calls
+  (clover_gguf.serve.tools.calls_rules, which uses json_value for the parameters a schema types as JSON).
+After the body only the model's end tokens are allowed; they are allowed exactly where the grammar is complete.
+
+The model's vocabulary (Vocabulary.of): every token's bytes as the runtime spells them; control tokens are marked
+as llguidance expects (a 0xFF byte before their text: never text, so no grammar allows them) and the rows past the
+tokenizer are empty (never allowed); the think tokens are text (`</think>` closes a thinking span however the model
+spells it). An Engine compiles each grammar once (the same tools and schema come back on every turn of an agent's
+conversation) and gives each request a fresh Constraint on it.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import json
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from clover_gguf.constraint import allowed, mask_of
+
+THINKING = ("open", "optional", "none")
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+# JSON as json.dumps writes it (and as the chat template renders arguments): ", " and ": ", no other whitespace
+JSON_STYLE = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
+CACHE = 64  # compiled grammars kept per engine
+CONTROL = b"\xff"  # llguidance's mark of a special token
+
+
+class GrammarError(ValueError):
+    """A schema or grammar the engine cannot compile; the message is the engine's reason."""
+
+
+def _llguidance():
+    try:
+        import llguidance
+        import llguidance.numpy  # noqa: F401
+    except ImportError:
+        raise GrammarError("constrained output needs llguidance: `pip install llguidance==1.9.1` (in a checkout of "
+                           "clover-gguf: `pip install '.[serve]'`)") from None
+    return llguidance
+
+
+# ---- grammars: Lark text -----------------------------------------------------------------------------------------
+def literal(text: str) -> str:
+    """A Lark string literal for `text` (the dialect reads JSON's escapes)."""
+    return json.dumps(text, ensure_ascii=True)
+
+
+def json_value(schema: Any) -> str:
+    """A Lark expression for one JSON value matching `schema` (None: any JSON object, response_format's
+    json_object), in the compact style; a schema's own x-guidance is replaced. Schema errors show when compiled."""
+    if schema is None:
+        schema = {"type": "object"}
+    if schema is True or schema == {}:
+        schema = {"type": ["object", "array", "string", "number", "integer", "boolean", "null"]}
+    if not isinstance(schema, dict):
+        raise GrammarError("a JSON schema must be an object")
+    return "%json " + json.dumps({**{k: v for k, v in schema.items() if k != "x-guidance"},
+                                  "x-guidance": JSON_STYLE}, ensure_ascii=True)
+
+
+def source(body_rules: str, thinking: str) -> str:
+    """The whole grammar: the thinking span `thinking` says (THINKING), at most 4 whitespace characters, then the rule
+    `body` of `body_rules`."""
+    if thinking not in THINKING:
+        raise ValueError(f"thinking: one of {THINKING}")
+    start = {"open": "start: think_text gap body",
+             "optional": f"start: ({literal(THINK_OPEN)} think_text)? gap body",
+             "none": "start: gap body"}[thinking]
+    think = f"think_text[lazy]: /(?s:.*){_regex_literal(THINK_CLOSE)}/\n" if thinking != "none" else ""
+    return f"%llguidance {{}}\n{start}\ngap: /[ \\t\\r\\n]{{0,4}}/\n{think}{body_rules}"
+
+
+def _regex_literal(text: str) -> str:
+    """`text` inside a Lark /regex/ (its metacharacters and the slash escaped)."""
+    return "".join("\\" + c if c in "\\/.^$|?*+()[]{}" else c for c in text)
+
+
+# ---- the model's vocabulary ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Vocabulary:
+    """Every token's bytes as llguidance reads them (CONTROL + text for control tokens, b"" for rows that are no
+    token), the model's end tokens, and the model's tokenizer (text -> ids, no special tokens read)."""
+
+    tokens: list[bytes]
+    eos_ids: tuple[int, ...]
+    tokenize: Callable[[str], list[int]]
+
+    @property
+    def n_vocab(self) -> int:
+        return len(self.tokens)
+
+    @classmethod
+    def of(cls, rt: Any) -> "Vocabulary":
+        """From a runtime (CloverRuntime, MlxRuntime): its context's pieces over ctx.n_vocab rows. A token that is
+        empty when rendered as text but not as a special token is a control token, unless it is a think token."""
+        ctx = rt.ctx
+        text_specials = {t for t in (getattr(rt, "think_id", None), getattr(rt, "think_end_id", None))
+                         if t is not None}
+        piece = _piece_reader(ctx)
+        tokens = []
+        for t in range(int(ctx.n_vocab)):
+            b = piece(t, False)
+            if not b:
+                special = piece(t, True)
+                b = special if t in text_specials else CONTROL + special if special else b""
+            tokens.append(b)
+        return cls(tokens, tuple(int(e) for e in rt.eos_ids), lambda text: list(ctx.tokenize(text, special=False)))
+
+
+def _piece_reader(ctx: Any):
+    """(token, special) -> bytes, straight from llama.cpp where the context is one (its token_to_piece keeps every
+    piece it reads: 248,320 entries a decode never needs), else the context's own token_to_piece."""
+    L, vocab = getattr(ctx, "L", None), getattr(ctx, "vocab", None)
+    if L is None or vocab is None or not hasattr(L, "llama_token_to_piece"):
+        return lambda t, special: ctx.token_to_piece(t, special=special)
+    buf = ctypes.create_string_buffer(256)
+
+    def piece(t: int, special: bool) -> bytes:
+        nonlocal buf
+        n = L.llama_token_to_piece(vocab, t, buf, len(buf), 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = L.llama_token_to_piece(vocab, t, buf, len(buf), 0, special)
+        return buf.raw[:n]
+
+    return piece
+
+
+# ---- the engine and its constraints ----------------------------------------------------------------------------
+class Engine:
+    """llguidance over one model's vocabulary: compiles grammars (the most recent CACHE kept), makes Constraints.
+    Thread-safe: the slots' workers share it."""
+
+    def __init__(self, vocab: Vocabulary):
+        llg = _llguidance()
+        self.llg = llg
+        self.vocab = vocab
+        self.words = -(-vocab.n_vocab // 32)
+        tokenize = vocab.tokenize
+
+        class Tokenizer:  # what llguidance's TokenizerWrapper reads
+            eos_token_id = vocab.eos_ids[0] if vocab.eos_ids else 0
+            bos_token_id = None
+            tokens = vocab.tokens
+            special_token_ids = [t for t, b in enumerate(vocab.tokens) if b.startswith(CONTROL)]
+
+            def __call__(self, text: bytes) -> list[int]:
+                return tokenize(text.decode("utf-8", "replace"))
+
+        self.tokenizer = llg.LLTokenizer(llg.TokenizerWrapper(Tokenizer()), n_vocab=vocab.n_vocab,
+                                         eos_token=list(vocab.eos_ids) or None)
+        self.eos = frozenset(vocab.eos_ids)
+        self.eos_mask = mask_of(vocab.eos_ids, vocab.n_vocab)
+        self._compiled: collections.OrderedDict[str, Any] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def compile(self, grammar: str) -> Any:
+        """A matcher at the start of `grammar` (kept: copies of it serve the requests); GrammarError with the
+        engine's reason when it cannot be compiled."""
+        with self._lock:
+            hit = self._compiled.get(grammar)
+            if hit is not None:
+                self._compiled.move_to_end(grammar)
+                return hit
+        m = self.llg.LLMatcher(self.tokenizer, self.llg.LLMatcher.grammar_from_lark(grammar), log_level=0)
+        if m.is_error():
+            raise GrammarError(f"the grammar cannot be compiled: {m.get_error()}")
+        with self._lock:
+            self._compiled[grammar] = m
+            while len(self._compiled) > CACHE:
+                self._compiled.popitem(last=False)
+        return m
+
+    def constraint(self, grammar: str) -> "GrammarConstraint":
+        return GrammarConstraint(self, self.compile(grammar).deep_copy())
+
+
+class GrammarConstraint:
+    """clover_gguf.constraint.Constraint on an llguidance matcher: one answer's state in one grammar. Rolls back any
+    number of tokens it took (a rejected draft of any block size)."""
+
+    def __init__(self, engine: Engine, matcher: Any):
+        self.engine = engine
+        self.matcher = matcher
+        self._bitmask = np.zeros((1, engine.words), dtype=np.int32)
+        self._taken = 0  # tokens accepted: the mask below belongs to this state when _mask_at equals it
+        self._mask_at: int | None = None
+        self._mask = np.zeros(engine.words, dtype=np.int32)
+
+    def _state_mask(self) -> np.ndarray:
+        if self._mask_at != self._taken:
+            m = self._mask
+            if self.matcher.is_error():
+                m[:] = 0
+            else:
+                self.engine.llg.numpy.fill_next_token_bitmask(self.matcher, self._bitmask, 0)
+                m[:] = self._bitmask[0] & ~self.engine.eos_mask
+                if self.matcher.is_accepting():  # the end tokens exactly where the grammar may end
+                    m |= self.engine.eos_mask
+            self._mask_at = self._taken
+        return self._mask
+
+    def mask(self) -> np.ndarray:
+        return self._state_mask().copy()
+
+    def accept(self, token: int) -> bool:
+        t = int(token)
+        if not 0 <= t < self.engine.vocab.n_vocab or self.matcher.is_error():
+            return False
+        # refused tokens never reach the matcher (one would leave it in its error state for good)
+        if self._mask_at == self._taken:
+            ok = allowed(self._mask, t)
+        elif t in self.engine.eos:
+            ok = bool(self.matcher.is_accepting())
+        else:
+            ok = self.matcher.validate_tokens([t]) == 1
+        if not ok:
+            return False
+        if not self.matcher.consume_token(t):
+            raise RuntimeError(f"llguidance refused token {t}, which its mask allowed: {self.matcher.get_error()}")
+        self._taken += 1
+        return True
+
+    def rollback(self, n: int) -> None:
+        if n < 0 or n > self._taken:
+            raise ValueError(f"cannot roll back {n} of the {self._taken} tokens accepted")
+        if n:
+            if not self.matcher.rollback(n):
+                raise RuntimeError(f"llguidance could not roll back {n} tokens: {self.matcher.get_error()}")
+            self._taken -= n
+
+    def finished(self) -> bool:
+        return bool(self.matcher.is_stopped()) or not np.any(self._state_mask() & ~self.engine.eos_mask)
