@@ -138,8 +138,9 @@ class MlxRuntime(CloverRuntime):
         self.backend.select_in_graph = self.selection == "graph" and temp == 0.0  # MLX's rows are greedy's
         return super().stream_pieces(ids, temp=temp, **kw)
 
-    def prompt_and_keep(self, messages: Sequence[dict[str, str]], think: bool = True) -> tuple[list[int], int | None]:
-        return self.prompt_ids(messages, think=think), None  # no prefix reuse here
+    def prompt_and_keep(self, messages: Sequence[dict], think: bool = True,
+                        tools: Sequence[dict] | None = None) -> tuple[list[int], int | None]:
+        return self.prompt_ids(messages, think=think, tools=tools), None  # no prefix reuse here
 
     def close(self) -> None:
         pass

@@ -16,6 +16,7 @@ bench/decode.py measures both.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import re
@@ -532,15 +533,17 @@ class CloverRuntime:
                 f"{self.path.name}` measures how much of each block the causal path accepts")
 
     # ---- prompts ----------------------------------------------------------------------------------------
-    def prompt_and_keep(self, messages: Sequence[dict[str, str]], think: bool = True) -> tuple[list[int], int | None]:
+    def prompt_and_keep(self, messages: Sequence[dict[str, Any]], think: bool = True,
+                        tools: Sequence[dict] | None = None) -> tuple[list[int], int | None]:
         """A chat turn's prompt and where to keep its state for the next turn: after the messages, before the
         generation prompt (the next turn's rendering starts with those tokens; its earlier answers are rendered
         without their thinking, so no later position would be). None when the rendering without the generation
         prompt is not a prefix of the prompt's tokens (a template for which nothing can be kept)."""
-        ids = self.prompt_ids(messages, think=think)
+        ids = self.prompt_ids(messages, think=think, tools=tools)
         if self._template is None:
             return ids, None
-        history = self.ctx.tokenize(self.render(messages, think=think, add_generation_prompt=False), special=True)
+        history = self.ctx.tokenize(self.render(messages, think=think, add_generation_prompt=False, tools=tools),
+                                    special=True)
         return ids, len(history) if 0 < len(history) < len(ids) and ids[:len(history)] == history else None
 
     def forget_prefix(self) -> None:
@@ -551,13 +554,16 @@ class CloverRuntime:
     def keeps_prefix(self) -> bool:
         return self.backend.keep_prefix
 
-    def render(self, messages: Sequence[dict[str, str]], think: bool = True, add_generation_prompt: bool = True) -> str:
-        """The GGUF's chat template over these messages (UserError when the template refuses them)."""
+    def render(self, messages: Sequence[dict[str, Any]], think: bool = True, add_generation_prompt: bool = True,
+               tools: Sequence[dict] | None = None) -> str:
+        """The GGUF's chat template over these messages (UserError when the template refuses them). tools: OpenAI's
+        tool objects, given to the template as `tools` (as transformers and llama.cpp give them; a template that
+        ignores them gets them as messages instead: clover_gguf.serve.tools)."""
         if self._template is None:
             return "".join(m["content"] for m in messages)
         try:
             return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                         enable_thinking=think)
+                                         enable_thinking=think, **({"tools": list(tools)} if tools else {}))
         except Exception as e:  # jinja's raise_exception, unknown roles, a template bug: the request fails, not us
             raise UserError(f"the chat template cannot render these messages: {type(e).__name__}: {e}") from None
 
@@ -597,26 +603,34 @@ class CloverRuntime:
                             + (f" + {room} to resolve a final block" if room else "")
                             + f"), {need - limit} more than {what} of {limit}")
 
-    def least_prompt_tokens(self, messages: Sequence[dict[str, str]] | None = None, prompt: str | None = None,
-                            think: bool = True) -> int:
+    def least_prompt_tokens(self, messages: Sequence[dict[str, Any]] | None = None, prompt: str | None = None,
+                            think: bool = True, tools: Sequence[dict] | None = None) -> int:
         """A lower bound on the tokens of a prompt (chat messages through the template, or a raw prompt) without
         tokenizing it: its UTF-8 bytes over max_token_bytes. Rendering takes milliseconds where llama.cpp's
         tokenizer takes minutes on 100,000 messages, so the server refuses an over-context request with this before
         the request takes a slot."""
-        text = self.render(messages, think=think) if messages is not None else (prompt or "")
+        text = self.render(messages, think=think, tools=tools) if messages is not None else (prompt or "")
         return -(-len(text.encode("utf-8", "surrogatepass")) // self.max_token_bytes)
 
-    def prompt_ids(self, messages: Sequence[dict[str, str]] | str, think: bool = True) -> list[int]:
-        """Chat messages (or one user message) -> the prompt's tokens, rendered with the GGUF's chat template.
+    def prompt_ids(self, messages: Sequence[dict[str, Any]] | str, think: bool = True,
+                   tools: Sequence[dict] | None = None) -> list[int]:
+        """Chat messages (or one user message) -> the prompt's tokens, rendered with the GGUF's chat template
+        (`tools`: the template's tools, see render).
 
         The template's own markers are control tokens; what the messages say never is: a `<|im_end|>` typed in
         a message stays text (it cannot end a turn or start a new one). The tokens are the whole rendering's,
-        except around a message that holds control-token text, which is tokenized on its own as plain text."""
+        except around a message that holds control-token text, which is tokenized on its own as plain text.
+        Tools and tool calls the template renders itself must hold no control-token text (UserError)."""
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
         for i, m in enumerate(messages):
             _check_utf8(m["content"], f"message {i}" if len(messages) > 1 else "the prompt")
-        text = self.render(messages, think=think)
+        structured = [tools] + [m.get("tool_calls") for m in messages if m.get("tool_calls")]
+        if self._control_text is not None and any(x and self._control_text.search(json.dumps(x, ensure_ascii=False))
+                                                  for x in structured):
+            raise UserError("the tools or a message's tool calls hold control-token text (such as <|im_end|>), which "
+                            "the chat template would write as a control token: remove it")
+        text = self.render(messages, think=think, tools=tools)
         risky = {i for i, m in enumerate(messages)
                  if self._control_text is not None and self._control_text.search(m["content"])}
         if not risky:
@@ -624,7 +638,7 @@ class CloverRuntime:
         # render again with a placeholder where each such message's text goes, and tokenize piece by piece
         marks = {i: f"\ue000{i}\ue001" for i in risky}
         shadow = self.render([{**m, "content": marks[i]} if i in risky else m for i, m in enumerate(messages)],
-                             think=think)
+                             think=think, tools=tools)
         ids: list[int] = []
         rebuilt = []
         for piece in re.split("(\ue000\\d+\ue001)", shadow):

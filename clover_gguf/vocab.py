@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,18 @@ def compile_chat_template(template: str) -> Any:
     else. Raises jinja2.TemplateSyntaxError (or RecursionError) for a template that does not compile."""
     import jinja2.sandbox
 
-    return jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=False, lstrip_blocks=False).from_string(template)
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=False, lstrip_blocks=False)
+    env.filters["tojson"] = _tojson
+    return env.from_string(template)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    """`tojson` as chat templates were written for (transformers' and llama.cpp's): json.dumps, keys in their order,
+    text unescaped. Jinja's own sorts the keys and escapes <, >, & and ' for HTML, so a tool's schema would reach
+    the model unlike anything it was trained on."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                      separators=tuple(separators) if separators is not None else None, sort_keys=sort_keys)
 
 
 def chat_template_error(template: str) -> str | None:

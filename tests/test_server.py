@@ -486,11 +486,11 @@ def test_a_whole_answer_is_posted_to_the_event_loop_once():
     loop = asyncio.new_event_loop()
     try:
         for stream, before, after in (
-                (False, [], [("delta", "a", "bc"), ("done", "stop", {}, {})]),
-                (True, [("delta", "a", "b"), ("delta", "", "c")], [("done", "stop", {}, {})])):
+                (False, [], [("delta", "a", "bc", [1, 2]), ("done", "stop", {}, {})]),
+                (True, [("delta", "a", "b", [1]), ("delta", "", "c", [2])], [("done", "stop", {}, {})])):
             job = Job(loop, stream=stream)
-            job.emit("delta", "a", "b")
-            job.emit("delta", "", "c")
+            job.emit("delta", "a", "b", [1])  # the last item: the tokens' logprob entries, joined when held
+            job.emit("delta", "", "c", [2])
             job.emit("done", "stop", {}, {})
             loop.run_until_complete(asyncio.sleep(0))  # runs the posted callbacks
             assert [job.events.get_nowait() for _ in range(job.events.qsize())] == before

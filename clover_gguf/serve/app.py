@@ -12,6 +12,7 @@ request bodies and errors are OpenAI's (clover_gguf.serve.schema); the API key i
 import asyncio
 import contextlib
 import errno
+import inspect
 import json
 import logging
 import socket
@@ -21,12 +22,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
+from clover_gguf import grammar
 from clover_gguf.decoding import MODES
 from clover_gguf.errors import UserError
+import clover_gguf.serve.tools as tools
 from clover_gguf.serve.auth import RequireKey, check_api_key, is_loopback
 from clover_gguf.serve.page import add_page_routes
-from clover_gguf.serve.schema import APIError, _models, error_body, plan_from
-from clover_gguf.serve.slots import ClientGone, Job, Plan, Pool
+from clover_gguf.serve.schema import (APIError, _models, chat_logprobs, completion_logprobs, error_body, plan_from,
+                                      tool_call_deltas)
+from clover_gguf.serve.slots import ClientGone, Job, Plan, Pool, served_key
 
 try:  # the serve extra; FastAPI injects the request into parameters annotated with this type
     from starlette.requests import Request
@@ -149,22 +153,47 @@ class Watch:
                 orphan(task.result())
             raise
 
-def precheck(rt: Any, plan: Plan) -> None:
-    """What can be refused without tokenizing, before the request takes a slot: a prompt whose least possible
-    token count (CloverRuntime.least_prompt_tokens) with the tokens asked for (1 when unsaid) is past the context,
-    and the request's mode and block size (check_request). The worker then checks the real count. Reads only what
-    every slot shares (the template, the sizes), so it runs beside the slots' work."""
+def precheck(rt: Any, plan: Plan, pool: Pool | None = None) -> None:
+    """What is settled before the request takes a slot, beside the slots' work (it reads only what every slot shares:
+    the template, the sizes, the grammar engine):
+    - tools, tool calls and tool messages as the chat template is to get them (clover_gguf.serve.tools.for_template);
+    - a grammar the engine cannot compile, and constrained output or logprobs from a runtime without them: 400;
+    - a prompt whose least possible token count (CloverRuntime.least_prompt_tokens) with the tokens asked for (1 when
+      unsaid) is past the context, and the request's mode and block size (check_request). The worker then checks
+      the real count."""
+    if plan.messages is not None:
+        plan.messages, plan.template_tools = tools.for_template(rt, plan.messages, plan.template_tools)
+    grammar_param = "tools" if plan.tool_mode in ("required", "named") else "response_format"
+    if plan.grammar_body is not None and pool is not None:
+        try:  # the body's errors (a schema the engine cannot read) before a slot is taken; the worker's is cached
+            pool.grammar_engine().compile(grammar.source(plan.grammar_body, "none"))
+        except grammar.GrammarError as e:
+            raise APIError(400, str(e), param=grammar_param) from None
+    for kw, param, wanted in (("constraint", grammar_param, plan.grammar_body is not None),
+                              ("logprobs", "logprobs", plan.logprobs is not None)):
+        if wanted and not _takes(rt, kw):
+            raise APIError(400, f"this runtime's decoders do not take {kw} yet", param=param)
     if not hasattr(rt, "least_prompt_tokens"):  # a test's stand-in runtime
         return
-    least = rt.least_prompt_tokens(plan.messages, plan.prompt, plan.think)
+    least = rt.least_prompt_tokens(plan.messages, plan.prompt, plan.think,
+                                   **({"tools": plan.template_tools} if plan.template_tools else {}))
     block_size = int(plan.block_size or rt.block_size)
     rt.check_request(least, plan.max_tokens or 1, plan.mode, block_size, at_least=True)
+
+
+def _takes(rt: Any, keyword: str) -> bool:
+    """Whether the runtime's stream_pieces takes `keyword` (constraint, logprobs: clover_gguf.decoding's)."""
+    try:
+        params = inspect.signature(rt.stream_pieces).parameters
+    except (TypeError, ValueError):
+        return False
+    return keyword in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 async def _start(pool: Pool, watch: Watch, plan: Plan) -> tuple[Job, int]:
     """Wait for a slot, start the decode, wait until the request passed its checks -> (job, prompt tokens).
     Raises APIError for a refused request, ClientGone if the client left while waiting."""
-    rt = await watch(pool.acquire(plan.messages), orphan=pool.release)
+    rt = await watch(pool.acquire(served_key(plan) if plan.messages is not None else None), orphan=pool.release)
     job = pool.start(rt, plan)
     try:
         ev = await watch(job.events.get())
@@ -197,7 +226,7 @@ async def _respond(request: Request, req: Any, chat: bool) -> Any:
     watch = Watch(request)
     try:
         # off the event loop (a template over 100,000 messages takes a moment), and before any slot is taken
-        await watch(asyncio.to_thread(precheck, state.first, plan))
+        await watch(asyncio.to_thread(precheck, state.first, plan, state.pool))
     except UserError as e:
         _count_refused(request, plan.mode)
         raise APIError(400, str(e)) from None
@@ -210,16 +239,19 @@ async def _respond(request: Request, req: Any, chat: bool) -> Any:
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     now = int(time.time())
     if req.stream:
-        agen = _sse(job, rid, now, state.name, chat, include_usage)
+        agen = _sse(job, rid, now, state.name, chat, include_usage, plan.logprobs is not None)
         return StreamingResponse(agen, media_type="text/event-stream", background=BackgroundTask(job.cancel),
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    reasoning, content = [], []
+    reasoning, content, calls, logprobs = [], [], [], []
     try:
         while True:
             ev = await watch(job.events.get())
             if ev[0] == "delta":
                 reasoning.append(ev[1])
                 content.append(ev[2])
+                logprobs += ev[3] or []
+            elif ev[0] == "call":
+                calls.append(ev[1])
             elif ev[0] == "done":
                 break
             else:
@@ -232,27 +264,39 @@ async def _respond(request: Request, req: Any, chat: bool) -> Any:
         raise
     _, finish, stats, usage = ev
     if chat:
-        msg = {"role": "assistant", "content": "".join(content), "reasoning_content": "".join(reasoning)}
-        choice = {"index": 0, "message": msg, "logprobs": None, "finish_reason": finish}
+        text = "".join(content)
+        msg = {"role": "assistant", "content": text if text or not calls else None,
+               "reasoning_content": "".join(reasoning)}
+        if calls:
+            msg["tool_calls"] = [c.to_openai() for c in calls]
+        lp = chat_logprobs(logprobs) if plan.logprobs is not None else None
+        choice = {"index": 0, "message": msg, "logprobs": lp, "finish_reason": finish}
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": "".join(content), "logprobs": None, "finish_reason": finish}
+        lp = completion_logprobs(logprobs, 0) if plan.logprobs is not None else None
+        choice = {"index": 0, "text": "".join(content), "logprobs": lp, "finish_reason": finish}
         obj = "text_completion"
     body = {"id": rid, "object": obj, "created": now, "model": state.name, "choices": [choice], "usage": usage,
             "clover_stats": stats}
     return JSONResponse(body, headers={"X-Clover-Stats": json.dumps(stats, separators=(",", ":"))})
 
 
-async def _sse(job: Job, rid: str, now: int, name: str, chat: bool, include_usage: bool) -> AsyncIterator[str]:
+async def _sse(job: Job, rid: str, now: int, name: str, chat: bool, include_usage: bool,
+               logprobs: bool = False) -> AsyncIterator[str]:
     obj = "chat.completion.chunk" if chat else "text_completion"
+    offset = 0  # completions: where the next token's text starts in the answer (logprobs' text_offset)
 
-    def chunk(delta: dict | None, finish: str | None = None, **extra) -> str:
-        if chat:
-            choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None,
-                                                 "finish_reason": finish}]
+    def chunk(delta: dict | None, finish: str | None = None, lp: list | None = None, **extra) -> str:
+        nonlocal offset
+        if delta is None:
+            choices = []
+        elif chat:
+            choices = [{"index": 0, "delta": delta, "logprobs": chat_logprobs(lp) if lp is not None else None,
+                        "finish_reason": finish}]
         else:
-            choices = [] if delta is None else [{"index": 0, "text": delta.get("content", ""), "logprobs": None,
-                                                 "finish_reason": finish}]
+            shaped = completion_logprobs(lp, offset) if lp is not None else None
+            offset += sum(len(e["token"]) for e in lp or [])
+            choices = [{"index": 0, "text": delta.get("content", ""), "logprobs": shaped, "finish_reason": finish}]
         body = {"id": rid, "object": obj, "created": now, "model": name, "choices": choices, **extra}
         return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
@@ -262,10 +306,16 @@ async def _sse(job: Job, rid: str, now: int, name: str, chat: bool, include_usag
         while True:
             ev = await job.events.get()
             if ev[0] == "delta":
+                lp = ev[3] if logprobs else None
                 if ev[1] and chat:
-                    yield chunk({"reasoning_content": ev[1]})
-                if ev[2]:
-                    yield chunk({"content": ev[2]})
+                    yield chunk({"reasoning_content": ev[1]}, lp=None if ev[2] else lp)
+                    if not ev[2]:
+                        lp = None
+                if ev[2] or lp:
+                    yield chunk({"content": ev[2]}, lp=lp)
+            elif ev[0] == "call":
+                for delta in tool_call_deltas(ev[1]):
+                    yield chunk({"tool_calls": [delta]})
             elif ev[0] == "blocks":  # the block view (clover_blocks): its events in a chunk with an empty delta
                 yield chunk({}, clover_blocks=ev[1])
             elif ev[0] == "done":
@@ -308,7 +358,7 @@ async def _slots(request: Request) -> list[dict]:
         prefix, prompt = getattr(backend, "prefix", None) or [], getattr(backend, "prompt_kept", None) or []
         out.append({"id": i, "state": "busy" if i in pool.busy else "idle", "mode": pool.busy.get(i),
                     "kept_prefix_tokens": len(prefix), "kept_prompt_tokens": len(prompt),
-                    "kept_messages": len(getattr(rt, "served", None) or [])})
+                    "kept_messages": sum(1 for m in getattr(rt, "served", None) or [] if "role" in m)})
     return out
 
 

@@ -4,12 +4,16 @@ validated request turned into the Plan a worker runs."""
 from __future__ import annotations
 
 import functools
+import json
 from typing import Any, Literal, Union
 
+from clover_gguf import grammar
 from clover_gguf.decoding import ACCEPT_MODES, MODES
+import clover_gguf.serve.tools as tools
 from clover_gguf.serve.slots import Plan
 
 MAX_STOP = 16
+MAX_TOP_LOGPROBS = 20
 
 
 @functools.cache
@@ -22,10 +26,23 @@ def _models():
         type: str
         text: str | None = None
 
+    class FunctionCall(BaseModel):
+        model_config = ConfigDict(extra="ignore")
+        name: str
+        arguments: Union[str, dict[str, Any]] = "{}"  # OpenAI's JSON text; an object is taken too
+
+    class ToolCall(BaseModel):
+        model_config = ConfigDict(extra="ignore")
+        id: str | None = None
+        type: str = "function"
+        function: FunctionCall
+
     class Message(BaseModel):
         model_config = ConfigDict(extra="ignore")
         role: Literal["system", "developer", "user", "assistant", "tool"]
         content: Union[str, list[TextPart], None] = None
+        tool_calls: list[ToolCall] | None = None  # assistant
+        tool_call_id: str | None = None  # tool
 
     class StreamOptions(BaseModel):
         model_config = ConfigDict(extra="ignore")
@@ -46,7 +63,6 @@ def _models():
         seed: int | None = None
         stop: Union[str, list[str], None] = None
         n: int = Field(1, ge=1)
-        logprobs: Any = None
         presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
         frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
         repetition_penalty: float | None = Field(None, gt=0.0)
@@ -62,11 +78,18 @@ def _models():
         think: bool | None = None
         chat_template_kwargs: dict[str, Any] | None = None
         reasoning_effort: str | None = None
+        tools: list[dict[str, Any]] | None = None
+        tool_choice: Union[str, dict[str, Any], None] = None
+        parallel_tool_calls: bool | None = None
+        response_format: dict[str, Any] | None = None
+        logprobs: bool | None = None
+        top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
     class CompletionRequest(Common):
         prompt: Union[str, list[str]]
         echo: bool = False
         suffix: str | None = None
+        logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # OpenAI: 0..5; up to 20 taken
 
     return ChatRequest, CompletionRequest
 
@@ -82,12 +105,37 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+# ---- OpenAI's response shapes --------------------------------------------------------------------------------------
+def chat_logprobs(entries: list[dict]) -> dict:
+    """A chat choice's `logprobs` (and a chunk's): the tokens' entries (serve.slots.logprob_entries)."""
+    return {"content": entries, "refusal": None}
+
+
+def completion_logprobs(entries: list[dict], offset: int) -> dict:
+    """A completions choice's `logprobs` (the legacy shape): tokens, their logprobs, each token's alternatives as
+    {token: logprob}, and where each token's text starts in the answer, from `offset`."""
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e["token"])
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{a["token"]: a["logprob"] for a in e["top_logprobs"]} for e in entries],
+            "text_offset": offsets}
+
+
+def tool_call_deltas(call: Any) -> list[dict]:
+    """A call (serve.tools.Call) as streamed `delta.tool_calls` items: its index, id, type and name with empty
+    arguments, then its arguments in fragments (one per parameter) that join to the non-streamed `arguments`."""
+    out = [{"index": call.index, "id": call.id, "type": "function",
+            "function": {"name": call.name, "arguments": ""}}]
+    out += [{"index": call.index, "function": {"arguments": f}} for f in call.fragments]
+    return out
+
+
 def plan_from(req: Any, chat: bool, default_mode: str) -> Plan:
     """A validated request model -> the Plan a worker runs; APIError for what the server does not support."""
     if req.n != 1:
         raise APIError(400, "only n=1 is supported", param="n")
-    if req.logprobs:
-        raise APIError(400, "logprobs are not supported", param="logprobs")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > MAX_STOP:
         raise APIError(400, f"at most {MAX_STOP} stop strings", param="stop")
@@ -108,16 +156,18 @@ def plan_from(req: Any, chat: bool, default_mode: str) -> Plan:
         raise APIError(400, "clover_blocks needs stream: true (the passes come as events of the stream)",
                        param="clover_blocks")
     if chat:
-        msgs = []
-        for i, m in enumerate(req.messages):
-            if isinstance(m.content, list):
-                if any(part.type != "text" for part in m.content):
-                    raise APIError(400, "only text content parts are supported", param=f"messages.{i}.content")
-                text = "".join(part.text or "" for part in m.content)
-            else:
-                text = m.content or ""
-            msgs.append({"role": m.role, "content": text})
-        p.messages = msgs
+        p.messages = [_message(i, m) for i, m in enumerate(req.messages)]
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        p.logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        try:
+            p.tools = tools.read_tools(req.tools)
+            p.tool_mode, p.tool_name = tools.read_tool_choice(req.tool_choice, p.tools)
+        except tools.ToolError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        p.parallel = req.parallel_tool_calls is not False
+        p.template_tools = [t.raw for t in p.tools] if p.tool_mode != "none" else None
+        p.grammar_body = _grammar_body(req.response_format, p)
         if req.max_completion_tokens is not None:
             p.max_tokens = req.max_completion_tokens
         think = True
@@ -138,4 +188,68 @@ def plan_from(req: Any, chat: bool, default_mode: str) -> Plan:
         if len(prompts) != 1:
             raise APIError(400, "give exactly one prompt", param="prompt")
         p.prompt = prompts[0]
+        p.logprobs = req.logprobs
     return p
+
+
+def _message(i: int, m: Any) -> dict[str, Any]:
+    """A request message -> the dict the chat template renders: text content; an assistant's tool calls with their
+    arguments as objects (the template writes each argument); a tool message's tool_call_id."""
+    if isinstance(m.content, list):
+        if any(part.type != "text" for part in m.content):
+            raise APIError(400, "only text content parts are supported", param=f"messages.{i}.content")
+        text = "".join(part.text or "" for part in m.content)
+    else:
+        text = m.content or ""
+    out: dict[str, Any] = {"role": m.role, "content": text}
+    if m.role == "assistant" and m.tool_calls:
+        calls = []
+        for j, c in enumerate(m.tool_calls):
+            where = f"messages.{i}.tool_calls.{j}.function.arguments"
+            args = c.function.arguments
+            if isinstance(args, str):
+                try:
+                    args = json.loads(args) if args.strip() else {}
+                except ValueError as e:
+                    raise APIError(400, f"tool call arguments are not JSON: {e}", param=where) from None
+            if not isinstance(args, dict):
+                raise APIError(400, "tool call arguments must be a JSON object", param=where)
+            try:
+                json.dumps(args, ensure_ascii=False).encode("utf-8")
+                c.function.name.encode("utf-8")
+            except UnicodeEncodeError:
+                raise APIError(400, "tool call text is not valid UTF-8", param=where) from None
+            calls.append({"id": c.id or f"call_{i}_{j}", "type": "function",
+                          "function": {"name": c.function.name, "arguments": args}})
+        out["tool_calls"] = calls
+    if m.role == "tool":
+        out["tool_call_id"] = m.tool_call_id or ""
+    return out
+
+
+def _grammar_body(response_format: dict | None, p: Plan) -> str | None:
+    """The Lark rules of the answer's `body` the request forces (clover_gguf.grammar), or None: tool_choice required
+    or named: calls; response_format json_object / json_schema: JSON (or, with tools on auto, JSON or calls)."""
+    if p.tool_mode in ("required", "named"):
+        return tools.calls_rules(p.tools, p.tool_name, p.parallel)
+    if response_format is None:
+        return None
+    kind = response_format.get("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        json_rule = grammar.json_value(None)
+    elif kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise APIError(400, "response_format json_schema needs json_schema.schema, a JSON schema object",
+                           param="response_format")
+        json_rule = grammar.json_value(schema)
+    else:
+        raise APIError(400, f"response_format type {kind!r}: text, json_object or json_schema",
+                       param="response_format")
+    if p.tool_mode == "auto" and p.tools:
+        calls = tools.calls_rules(p.tools, None, p.parallel, rule="calls")
+        return f"body: json_body | calls\njson_body: {json_rule}\n{calls}"
+    return f"body: {json_rule}\n"

@@ -22,8 +22,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from clover_gguf import grammar
 from clover_gguf.batching import Cancelled
 from clover_gguf.errors import UserError
+import clover_gguf.serve.tools as tools
 from clover_gguf.serve.metrics import Metrics
 from clover_gguf.thinking import ThinkSplitter
 
@@ -35,7 +37,7 @@ class Plan:
     """One request, as the worker runs it."""
 
     prompt: str | None = None  # raw prompt (completions) ...
-    messages: list[dict[str, str]] | None = None  # ... or chat messages, rendered with the GGUF's template
+    messages: list[dict[str, Any]] | None = None  # ... or chat messages, rendered with the GGUF's template
     mode: str = "auto"
     max_tokens: int | None = None  # None: as many as the context allows
     block_size: int | None = None
@@ -50,6 +52,15 @@ class Plan:
     controls: dict[str, float] = field(default_factory=dict)  # overrides of the GGUF's generation controls
     stream: bool = True  # False: the answer is read whole at its end (the worker then posts its text once)
     blocks: bool = False  # clover_blocks: the decoder's pass events go to the stream (BlockEvents)
+    # tool calls (clover_gguf.serve.tools): the request's tools, tool_choice (auto, none, required, named) and its
+    # function, parallel_tool_calls, and the tools the chat template is given (None: none, or written as messages)
+    tools: list[Any] = field(default_factory=list)
+    tool_mode: str = "none"
+    tool_name: str | None = None
+    parallel: bool = True
+    template_tools: list[dict] | None = None
+    grammar_body: str | None = None  # the Lark rules of the body the answer must be (clover_gguf.grammar)
+    logprobs: int | None = None  # None: off; N: each token's logprob and its N most likely alternatives
 
 
 class ClientGone(Exception):
@@ -102,16 +113,17 @@ class BlockEvents:
 
 class Job:
     """One request on one slot. The worker thread emits events into an asyncio queue:
-    ("started", prompt_tokens), ("delta", reasoning, content), ("blocks", [pass events]) (clover_blocks),
-    ("done", finish_reason, stats, usage), ("error", http_status, message). `cancel()` (any thread) makes the worker
-    stop at the next chunk."""
+    ("started", prompt_tokens), ("delta", reasoning, content, logprobs), ("call", tools.Call), ("blocks", [pass
+    events]) (clover_blocks), ("done", finish_reason, stats, usage), ("error", http_status, message). `logprobs`: None,
+    or the entries (logprob_entries) of the tokens decoded since the last delta. `cancel()` (any thread) makes the
+    worker stop at the next chunk."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, stream: bool = True):
         self.loop = loop
         self.events: asyncio.Queue = asyncio.Queue()
         self._cancel = threading.Event()
         self.stream = stream
-        self._held: tuple[str, str] | None = None  # not streamed: the text so far, posted with the next other event
+        self._held: tuple | None = None  # not streamed: the delta so far, posted with the next other event
         self._last: list[tuple] = []  # the answer's last events, posted once its slot is free again (finish())
 
     def cancel(self) -> None:
@@ -123,8 +135,10 @@ class Job:
 
     def emit(self, *event: Any) -> None:
         if event[0] == "delta" and not self.stream:  # one event loop wake-up per answer, not one per token
-            r, c = self._held or ("", "")
-            self._held = (r + event[1], c + event[2])
+            r, c, lp = self._held or ("", "", None)
+            if event[3] is not None:
+                lp = (lp or []) + event[3]
+            self._held = (r + event[1], c + event[2], lp)
             return
         held = [("delta", *self._held)] if self._held is not None else []
         self._held = None
@@ -149,13 +163,15 @@ class Job:
             pass
 
 
-def _run_job(rt: Any, job: Job, plan: Plan, metrics: Metrics | None = None) -> None:
-    """The worker: everything that touches the runtime happens here, on one thread, with the slot held."""
+def _run_job(rt: Any, job: Job, plan: Plan, metrics: Metrics | None = None,
+             engine: Callable[[], Any] | None = None) -> None:
+    """The worker: everything that touches the runtime happens here, on one thread, with the slot held. engine:
+    the grammar engine of this model (made on first use), for a plan with a grammar."""
     try:
-        finish, stats = _decode(rt, job, plan)
+        finish, stats = _decode(rt, job, plan, engine)
         if metrics is not None:
             metrics.record(plan.mode, finish, stats)
-    except UserError as e:
+    except (UserError, grammar.GrammarError) as e:
         if metrics is not None:
             metrics.record(plan.mode, "refused")
         job.emit("error", 400, str(e))
@@ -170,13 +186,14 @@ def _run_job(rt: Any, job: Job, plan: Plan, metrics: Metrics | None = None) -> N
         job.emit("error", 500, f"internal error: {type(e).__name__}: {e}")
 
 
-def _decode(rt: Any, job: Job, plan: Plan) -> tuple[str, dict]:
+def _decode(rt: Any, job: Job, plan: Plan, engine: Callable[[], Any] | None = None) -> tuple[str, dict]:
     """-> (finish reason, the stats as JSON)."""
     keep = None  # a chat request keeps the state after its messages for the conversation's next request (this slot)
+    tools_kw = {"tools": plan.template_tools} if plan.template_tools else {}
     if plan.messages is not None and getattr(rt, "keeps_prefix", False):
-        ids, keep = rt.prompt_and_keep(plan.messages, think=plan.think)
+        ids, keep = rt.prompt_and_keep(plan.messages, think=plan.think, **tools_kw)
     elif plan.messages is not None:
-        ids = rt.prompt_ids(plan.messages, think=plan.think)
+        ids = rt.prompt_ids(plan.messages, think=plan.think, **tools_kw)
     else:
         ids = rt.raw_prompt_ids(plan.prompt or "")
     if not ids:
@@ -186,12 +203,24 @@ def _decode(rt: Any, job: Job, plan: Plan) -> tuple[str, dict]:
     room = block_size - 1 if plan.mode != "ar" else 0
     max_new = plan.max_tokens if plan.max_tokens is not None else max(1, limit - len(ids) - room)
     rt.check_request(len(ids), max_new, plan.mode, block_size)
+    opens = rt.thinking_at_start(ids)
+    extra: dict[str, Any] = {}
+    if plan.grammar_body is not None:  # a fresh state of the answer's grammar (compiled once per engine)
+        thinking = "open" if opens else "optional" if plan.think and plan.messages is not None else "none"
+        extra["constraint"] = engine().constraint(grammar.source(plan.grammar_body, thinking))
+    if plan.logprobs is not None:
+        extra["logprobs"] = plan.logprobs
     job.emit("started", len(ids))
 
-    # chat: thinking and answer split by the one rule (clover_gguf.thinking); completions: the raw text
-    parser = ThinkSplitter(rt.thinking_at_start(ids), stop=plan.stop, tags=plan.messages is not None)
+    # chat: thinking and answer split by the one rule (clover_gguf.thinking), then the answer's tool calls
+    # (clover_gguf.serve.tools); completions: the raw text
+    parser = ThinkSplitter(opens, stop=plan.stop, tags=plan.messages is not None)
+    calls = (tools.CallParser(plan.tools, plan.parallel) if plan.messages is not None and plan.tool_mode != "none"
+             else None)
+    eos = frozenset(getattr(rt, "eos_ids", ()) or ())
     controls = dataclasses.replace(rt.controls, **plan.controls) if plan.controls else None
-    extra = {"keep": keep} if keep is not None else {}
+    if keep is not None:
+        extra["keep"] = keep
     blocks = BlockEvents(job) if plan.blocks else None
     if blocks is not None:
         extra["observe"] = blocks
@@ -200,6 +229,22 @@ def _decode(rt: Any, job: Job, plan: Plan) -> tuple[str, dict]:
                            controls=controls, **extra)
     stats = None
     finish = "cancelled"
+
+    def emit(r: str, c: str, lp: list | None, final: bool = False) -> None:
+        events = [("content", c)] if calls is None else calls.feed(c) + (calls.close() if final else [])
+        for e in events:
+            if e[0] == "content":
+                c, e = e[1], None
+            else:
+                c = ""
+            if r or c or lp:
+                job.emit("delta", r, c, lp)
+                r, lp = "", None
+            if e is not None:
+                job.emit("call", e[1])
+        if r or lp:
+            job.emit("delta", r, "", lp)
+
     try:
         for piece in gen:
             stats = piece.stats
@@ -208,20 +253,21 @@ def _decode(rt: Any, job: Job, plan: Plan) -> tuple[str, dict]:
             if job.cancelled:
                 break
             r, c = parser.feed(piece.text)
-            if r or c:
-                job.emit("delta", r, c)
+            lp = logprob_entries(rt, piece, eos, plan.logprobs) if plan.logprobs is not None else None
+            emit(r, c, lp, final=parser.stopped)
             if parser.stopped:
                 finish = "stop"
                 break
         else:
             finish = "length" if stats is not None and stats.finish_reason == "length" else "stop"
             r, c = parser.close()
-            if r or c:
-                job.emit("delta", r, c)
+            emit(r, c, None, final=True)
     finally:
         gen.close()
     if blocks is not None:
         blocks.flush(end=True)
+    if calls is not None and calls.calls and finish == "stop":
+        finish = "tool_calls"
     st = stats.to_json() if stats is not None else {"mode": plan.mode, "prompt_tokens": len(ids),
                                                    "generated_tokens": 0}
     if parser.matched is not None:
@@ -231,9 +277,41 @@ def _decode(rt: Any, job: Job, plan: Plan) -> tuple[str, dict]:
              # OpenAI's field for prompt tokens served from a cache: here, continued from the slot's kept state
              "prompt_tokens_details": {"cached_tokens": int(st.get("reused_tokens", 0) or 0)}}
     if keep is not None:  # this slot now holds the state after these messages (_FreeSlots steers their sequel here)
-        rt.served = list(plan.messages)
+        rt.served = served_key(plan)
     job.emit("done", finish, st, usage)
     return finish, st
+
+
+def served_key(plan: Plan) -> list:
+    """What a slot that served `plan` holds the state of, as _continues compares it: its messages (tool calls and
+    tool results included), after the tools the template was given (a first item, so another tool list differs)."""
+    head = [{"tools": plan.template_tools}] if plan.template_tools else []
+    return head + list(plan.messages or [])
+
+
+def logprob_entries(rt: Any, piece: Any, eos: frozenset, top: int) -> list[dict]:
+    """A Piece's logprobs (runtime.Piece.logprobs: one TokenLogprob per token) as OpenAI's chat entries: token text,
+    logprob, its UTF-8 bytes and the `top` most likely alternatives; end tokens are left out, as OpenAI does."""
+    out = []
+    for lp in getattr(piece, "logprobs", None) or []:
+        if lp.token in eos:
+            continue
+        b = token_bytes(rt, lp.token)
+        alts = []
+        for t, v in list(lp.top)[:top]:
+            tb = token_bytes(rt, t)
+            alts.append({"token": tb.decode("utf-8", "replace"), "logprob": float(v), "bytes": list(tb)})
+        out.append({"token": b.decode("utf-8", "replace"), "logprob": float(lp.logprob), "bytes": list(b),
+                    "top_logprobs": alts})
+    return out
+
+
+def token_bytes(rt: Any, token: int) -> bytes:
+    """A token's bytes as the runtime writes it (special tokens as their text)."""
+    ctx = getattr(rt, "ctx", None)
+    if ctx is not None and hasattr(ctx, "token_to_piece"):
+        return ctx.token_to_piece(int(token), special=True)
+    return rt.detokenize([int(token)]).encode("utf-8")
 
 
 class _FreeSlots:
@@ -296,6 +374,16 @@ class Pool:
         self.jobs: set[Job] = set()
         self.metrics = Metrics()
         self.busy: dict[int, str] = {}  # slot index -> the mode of the request it serves
+        self._engine: Any = None
+        self._engine_lock = threading.Lock()
+
+    def grammar_engine(self) -> Any:
+        """The grammar engine over this model's vocabulary (clover_gguf.grammar), made on first use (seconds at the
+        35B's vocabulary) and shared by the slots."""
+        with self._engine_lock:
+            if self._engine is None:
+                self._engine = grammar.Engine(grammar.Vocabulary.of(self.runtimes[0]))
+            return self._engine
 
     def _queue(self) -> _FreeSlots:
         if self._free is None:
@@ -333,7 +421,7 @@ class Pool:
         def work() -> None:
             try:
                 with serving(lambda: job.cancelled) if serving else contextlib.nullcontext():
-                    _run_job(rt, job, plan, self.metrics)
+                    _run_job(rt, job, plan, self.metrics, self.grammar_engine)
             finally:
                 def give_back() -> None:
                     self.jobs.discard(job)
