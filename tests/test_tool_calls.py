@@ -401,7 +401,8 @@ def test_random_walks_in_the_call_grammar_parse_to_valid_calls(model):
     rt, engine = model
     enum_tool = {"type": "function", "function": {"name": "pick", "parameters": {"type": "object", "properties": {
         "unit": {"enum": ["c", "f"]}, "flag": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99},
-        "mode": {"const": "fast"}}, "required": ["unit", "n"]}}}
+        "mode": {"const": "fast"}, "label": {"type": "string", "minLength": 1, "maxLength": 5}},
+        "required": ["unit", "n", "label"]}}}
     tools = T.read_tools([enum_tool])
     source = grammar.source(T.calls_rules(tools, None, parallel=True), "none")
     rng = random.Random(2)
@@ -416,7 +417,8 @@ def test_random_walks_in_the_call_grammar_parse_to_valid_calls(model):
         for call in calls:
             a = call.arguments
             assert a["unit"] in ("c", "f") and isinstance(a["n"], int) and 0 <= a["n"] <= 99
-            assert set(a) <= {"unit", "flag", "n", "mode"} and a.get("mode", "fast") == "fast"
+            assert set(a) <= {"unit", "flag", "n", "mode", "label"} and a.get("mode", "fast") == "fast"
+            assert isinstance(a["label"], str) and 1 <= len(a["label"]) <= 5
             assert isinstance(a.get("flag", False), bool)
         done += 1
     assert done >= 40

@@ -17,7 +17,8 @@ grammar forces it by):
 - text before a call, between calls and after the last one is the message's content: each such piece stripped of its
   surrounding whitespace, the non-empty ones joined by a blank line;
 - a value runs from the line after `<parameter=KEY>` to the first `</parameter>`, less the newline before that tag:
-  strings are kept verbatim, newlines included (a string cannot hold "</parameter>"); a value the tool's JSON schema types as something else is JSON (true/false/null also as
+  strings are kept verbatim, newlines included (a string cannot hold "</parameter>"; the grammar enforces a string's
+  minLength and maxLength, not its pattern or format); a value the tool's JSON schema types as something else is JSON (true/false/null also as
   Python writes them, as the template renders them); a schema that allows strings and other types takes the JSON
   reading when the value parses as one of the other types;
 - whitespace between the tags is free; the call ends at `</tool_call>`;
@@ -473,7 +474,7 @@ def calls_rules(tools: list[Tool], name: str | None, parallel: bool, rule: str =
     no name, one or more calls joined by "\\n": parameters in the order of `properties` (then the required ones it
     lacks), required ones present, optional ones may be left out, values as the module's rules write them."""
     lit = grammar.literal
-    rules, calls = [], []
+    rules, calls, terminals = [], [], {}
     for i, tool in enumerate(tools):
         if name is not None and tool.name != name:
             continue
@@ -481,7 +482,7 @@ def calls_rules(tools: list[Tool], name: str | None, parallel: bool, rule: str =
         keys = [*tool.properties, *(k for k in tool.required if k not in tool.properties)]
         for j, key in enumerate(keys):
             rules.append(f"p{i}_{j}: {lit(f'{PARAMETER_OPEN}{key}>' + chr(10))} "
-                         f"{_value_rule(key, tool.properties.get(key, True), tool.parameters)}")
+                         f"{_value_rule(key, tool.properties.get(key, True), tool.parameters, terminals)}")
             parts.append(f"p{i}_{j}" + ("" if key in tool.required else "?"))
         rules.append(f"call{i}: {lit(f'{CALL_OPEN}{chr(10)}{FUNCTION_OPEN}{tool.name}>{chr(10)}')} "
                      + "".join(p + " " for p in parts) + lit(f"{FUNCTION_CLOSE}\n{CALL_CLOSE}"))
@@ -490,18 +491,27 @@ def calls_rules(tools: list[Tool], name: str | None, parallel: bool, rule: str =
         raise ToolError(f"no tool named {name!r}", "tool_choice")
     more = ' (' + lit("\n") + ' call)*' if parallel and name is None else ""
     # a string value: any text up to the first </parameter> (lazy: the shortest), then the line break after it
-    return "\n".join([f"{rule}: call{more}", "call: " + " | ".join(calls), *rules,
+    return "\n".join([f"{rule}: call{more}", "call: " + " | ".join(calls), *rules, *terminals.values(),
                       f"text_value[lazy]: /(?s:.*){PARAMETER_CLOSE.replace('/', chr(92) + '/')}/"]) + "\n"
 
 
-def _value_rule(key: str, schema: Any, root: dict) -> str:
+def _value_rule(key: str, schema: Any, root: dict, rules: dict[str, str]) -> str:
+    """The Lark expression of a parameter's value and what follows it (rules: terminals it needs, added)."""
     lit = grammar.literal
     end = lit(f"\n{PARAMETER_CLOSE}\n")
     kind = value_kind(schema, root)
+    target = (_ref(schema, root) or schema) if isinstance(schema, dict) else {}
     if kind == "raw":
+        lo, hi = target.get("minLength"), target.get("maxLength")
+        if target.get("type") == "string" and (isinstance(lo, int) or isinstance(hi, int)):
+            # a string of lo..hi characters, then the newline and </parameter> (which it may not hold before)
+            lo, hi = max(0, lo if isinstance(lo, int) else 0), hi if isinstance(hi, int) else ""
+            name = f"TEXT_{lo}_{hi or 'N'}"
+            close = PARAMETER_CLOSE.replace("/", "\\/")
+            rules[name] = f"{name}: /(?s:.){{{lo},{hi}}}\\n{close}/ & ~/(?s:.*){close}(?s:.+)/"
+            return f"{name} " + lit("\n")
         return "text_value " + lit("\n")
     if kind == "enum":
-        target = _ref(schema, root) or schema
         values = [target["const"]] if "const" in target else target["enum"]
         return "(" + " | ".join(lit(v) for v in dict.fromkeys(values)) + ") " + end
     sub = dict(schema) if isinstance(schema, dict) else {}
