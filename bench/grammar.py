@@ -287,8 +287,8 @@ class XGrammar:
 
         def param(key, schema, required):
             if "enum" in schema:
-                body = seq(const(f"<parameter={key}>\n"), {"type": "or", "elements": [const(v) for v in schema["enum"]]},
-                           const("\n</parameter>\n"))
+                values = {"type": "or", "elements": [const(v) for v in schema["enum"]]}
+                body = seq(const(f"<parameter={key}>\n"), values, const("\n</parameter>\n"))
             elif schema.get("type") == "string":
                 body = seq({"type": "tag", "begin": f"<parameter={key}>\n", "content": {"type": "any_text"},
                             "end": "</parameter>"}, const("\n"))

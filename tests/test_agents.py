@@ -23,7 +23,7 @@ pytest.importorskip("llguidance")
 
 from clover_gguf.serve import create_app  # noqa: E402
 
-from tests.test_server import _Server  # noqa: E402
+from test_server import _Server  # noqa: E402
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather at a place, for some days",
@@ -72,6 +72,10 @@ def ask(client, messages, mode, **kw):
     extra = {"mode": mode, **kw.pop("extra", {})}
     return client.chat.completions.create(model="clover", messages=messages, max_tokens=kw.pop("max_tokens", 160),
                                           extra_body=extra, **kw)
+
+
+def calls_of(r) -> list[tuple[str, str]]:
+    return [(c.function.name, c.function.arguments) for c in r.choices[0].message.tool_calls or []]
 
 
 def named(name: str) -> dict:
@@ -143,8 +147,7 @@ def test_constrained_greedy_draft_self_writes_ar_text(server):
         ar, ds = (ask(client, msgs, mode, **kw) for mode in ("ar", "draft-self"))
         assert ar.choices[0].message.content == ds.choices[0].message.content
         assert ar.choices[0].message.reasoning_content == ds.choices[0].message.reasoning_content
-        pick = lambda r: [(c.function.name, c.function.arguments) for c in r.choices[0].message.tool_calls or []]  # noqa
-        assert pick(ar) == pick(ds)
+        assert calls_of(ar) == calls_of(ds)
         assert ds.model_extra["clover_stats"]["mode"] == "draft-self"
 
 

@@ -400,7 +400,8 @@ def random_walk(c, rng: random.Random, vocab, limit: int, eos_bias: float = 0.5)
 def test_random_walks_in_the_call_grammar_parse_to_valid_calls(model):
     rt, engine = model
     enum_tool = {"type": "function", "function": {"name": "pick", "parameters": {"type": "object", "properties": {
-        "unit": {"enum": ["c", "f"]}, "flag": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99},
+        "unit": {"enum": ["c", "f"]}, "flag": {"type": "boolean"},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
         "mode": {"const": "fast"}, "label": {"type": "string", "minLength": 1, "maxLength": 5}},
         "required": ["unit", "n", "label"]}}}
     tools = T.read_tools([enum_tool])
@@ -433,7 +434,8 @@ SCHEMA = {"type": "object", "properties": {
 
 def valid(doc: dict) -> bool:
     """SCHEMA checked by hand."""
-    return (isinstance(doc, dict) and set(doc) <= set(SCHEMA["properties"]) and {"name", "age", "ok", "tags"} <= set(doc)
+    return (isinstance(doc, dict) and set(doc) <= set(SCHEMA["properties"])
+            and {"name", "age", "ok", "tags"} <= set(doc)
             and isinstance(doc["name"], str) and len(doc["name"]) <= 6
             and type(doc["age"]) is int and 0 <= doc["age"] <= 150 and type(doc["ok"]) is bool
             and isinstance(doc["tags"], list) and len(doc["tags"]) <= 3 and all(t in ("a", "b") for t in doc["tags"])
@@ -572,7 +574,7 @@ class ScriptedRuntime:
 
 @pytest.fixture()
 def scripted():
-    from tests.test_server import _Server
+    from test_server import _Server
     from clover_gguf.serve import create_app
 
     rts: list[ScriptedRuntime] = []
@@ -700,7 +702,7 @@ def test_logprobs_shapes(scripted):
     assert lp.tokens == words and len(lp.token_logprobs) == len(words)
     assert all(len(t) == 2 for t in lp.top_logprobs)
     assert lp.text_offset == [sum(len(w) for w in words[:i]) for i in range(len(words))]
-    streamed = [c.choices[0].logprobs for c in client.completions.create(model="clover", prompt="x", logprobs=2,
-                                                                       stream=True) if c.choices and c.choices[0].logprobs]
+    chunks = client.completions.create(model="clover", prompt="x", logprobs=2, stream=True)
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
     assert [t for s in streamed for t in s.tokens] == words
     assert [o for s in streamed for o in s.text_offset] == lp.text_offset

@@ -18,9 +18,9 @@ grammar forces it by):
   surrounding whitespace, the non-empty ones joined by a blank line;
 - a value runs from the line after `<parameter=KEY>` to the first `</parameter>`, less the newline before that tag:
   strings are kept verbatim, newlines included (a string cannot hold "</parameter>"; the grammar enforces a string's
-  minLength and maxLength, not its pattern or format); a value the tool's JSON schema types as something else is JSON (true/false/null also as
-  Python writes them, as the template renders them); a schema that allows strings and other types takes the JSON
-  reading when the value parses as one of the other types;
+  minLength and maxLength, not its pattern or format); a value the tool's JSON schema types as something else is
+  JSON (true/false/null also as Python writes them, as the template renders them); a schema that allows strings and
+  other types takes the JSON reading when the value parses as one of the other types;
 - whitespace between the tags is free; the call ends at `</tool_call>`;
 - a call is malformed when its function is unknown, a required parameter is missing, a parameter is unknown to a
   schema without additionalProperties, is given twice or has a value of the wrong type, or the call is not closed
@@ -96,7 +96,8 @@ def read_tools(tools: list[Any] | None) -> list[Tool]:
     out: dict[str, Tool] = {}
     for i, t in enumerate(tools or []):
         where = f"tools.{i}"
-        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(t.get("function"), dict):
+        if (not isinstance(t, dict) or t.get("type", "function") != "function"
+                or not isinstance(t.get("function"), dict)):
             raise ToolError("only tools of type function are supported", where)
         f = t["function"]
         name = f.get("name")
