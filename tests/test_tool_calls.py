@@ -494,7 +494,10 @@ def test_end_tokens_exactly_where_the_grammar_may_end(model):
     m = set(mask_ids(c.mask(), engine.vocab.n_vocab))
     assert eos <= m and not c.finished()  # more digits may follow, or the end
     e = next(iter(eos))
+    before = c.mask()
     assert c.accept(e) and c.finished()
+    c.rollback(1)  # a draft that ended and was rejected: the end token taken back too
+    assert not c.finished() and np.array_equal(c.mask(), before)
 
 
 def test_a_schema_the_engine_cannot_compile_says_why(model):
@@ -706,3 +709,22 @@ def test_logprobs_shapes(scripted):
     streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
     assert [t for s in streamed for t in s.tokens] == words
     assert [o for s in streamed for o in s.text_offset] == lp.text_offset
+
+
+def test_a_slot_holds_a_conversation_with_its_calls_results_and_tools():
+    """_FreeSlots steers a request to the slot whose kept state its messages extend: tool calls, tool_call_ids and
+    the tools the template was given are part of what is compared."""
+    from clover_gguf.serve.slots import Plan, _continues, served_key
+
+    msgs = [dict(m) for m in HISTORY]
+    plan = Plan(messages=msgs[:2], template_tools=[WEATHER])
+    kept = served_key(plan)
+    assert _continues(kept, served_key(Plan(messages=msgs, template_tools=[WEATHER]))) == 3
+    assert _continues(kept, served_key(Plan(messages=msgs, template_tools=[TYPED]))) == 0  # other tools
+    assert _continues(kept, served_key(Plan(messages=msgs))) == 0  # no tools
+    later = served_key(Plan(messages=msgs[:4], template_tools=[WEATHER]))
+    other_id = [*msgs[:3], {**msgs[3], "tool_call_id": "c9"}, msgs[4]]
+    assert _continues(later, served_key(Plan(messages=msgs, template_tools=[WEATHER]))) == 5
+    assert _continues(later, served_key(Plan(messages=other_id, template_tools=[WEATHER]))) == 0
+    changed = [*msgs[:2], {**msgs[2], "tool_calls": [msgs[2]["tool_calls"][0]]}, *msgs[3:]]
+    assert _continues(later, served_key(Plan(messages=changed, template_tools=[WEATHER]))) == 0
