@@ -26,7 +26,33 @@
 #include <new>
 #include <vector>
 
+#include "ggml-alloc.h"
+
+#if defined(_MSC_VER)
+#    include <intrin.h>
+#endif
+
 namespace {
+
+enum row_mode_t : int32_t { ROW_FREE = 0, ROW_ALLOW = 1, ROW_DENY = 2 };
+
+int popcount32(uint32_t x) {
+#if defined(_MSC_VER)
+    return (int) __popcnt(x);
+#else
+    return __builtin_popcount(x);
+#endif
+}
+
+int lowest_bit(uint32_t x) { // x != 0
+#if defined(_MSC_VER)
+    unsigned long i;
+    _BitScanForward(&i, x);
+    return (int) i;
+#else
+    return __builtin_ctz(x);
+#endif
+}
 
 int64_t chunk_of(int64_t n_vocab) {
     if (n_vocab < 1) {
@@ -52,10 +78,12 @@ struct run {
     ggml_tensor * inp_dead = nullptr; // [m] F32: -inf for a chunk of ids only, else 0 (greedy)
     ggml_tensor * inp_coef = nullptr; // [W, n, 3] F32 (temp > 0)
     ggml_tensor * inp_u    = nullptr; // [1, n] F32 (temp > 0)
+    ggml_tensor * inp_rest = nullptr; // [1, n] F32: -inf for a row restricted to its allowed ids, else 0
+    ggml_tensor * inp_pad  = nullptr; // [W, 1] F32: -inf for the padding slots, else 0 (greedy, top_n)
 
-    ggml_tensor * out_logits = nullptr; // [W + m, n] F32 (greedy)
-    ggml_tensor * out_probs  = nullptr; // [m, n] (greedy, probs) or [W + 1, n] (temp > 0) F32
-    ggml_tensor * out_cand   = nullptr; // [W + m, n] or [W + 1, n] I32
+    ggml_tensor * out_logits = nullptr; // [W + m + 1 + N, n] F32 (greedy), [W + 1 + N, n] (temp > 0, N > 0)
+    ggml_tensor * out_probs  = nullptr; // [m, n] (greedy, probs) or [W + 1 + N, n] (temp > 0) F32
+    ggml_tensor * out_cand   = nullptr; // [W + m + 1 + N, n] or [W + 1 + N, n] I32
     ggml_tensor * out_token  = nullptr; // [1, n] I32 (temp > 0)
 };
 
@@ -66,19 +94,33 @@ struct clover_sampler {
     float   temp;
     int32_t top_k;
     float   top_p;
+    int32_t top_n     = 0;
+    bool    save_last = false;
 
-    // the next decode's inputs (clover_sampler_set_inputs)
+    // the next decode's inputs (clover_sampler_set_inputs_ext)
     std::vector<int32_t> ids;     // [n_ids]
     int32_t              n_rows = 0;
-    std::vector<float>   coef;    // [3][n_rows][n_ids]
+    int32_t              n_coef = 0; // the ids the coefficients are given for (the first n_coef)
+    std::vector<float>   coef;    // [3][n_rows][n_coef]
     std::vector<float>   uniform; // [n_rows]
+    std::vector<int32_t> row_mode, row_start, row_count, row_cols; // [n_rows] x 3, [n_cols]: the restrictions
+
+    // the last row kept (save_last): a tensor of its own on the output device, made at the first graph that saves
+    ggml_backend_buffer_type_t buft      = nullptr;
+    ggml_context *             saved_ctx = nullptr;
+    ggml_backend_buffer_t      saved_buf = nullptr;
+    ggml_tensor *              saved     = nullptr;
 
     // the current sampling graph
     std::vector<run> runs;
     int64_t          k_next = 0; // the caller's row index of the next backend_apply call
 
-    std::vector<int32_t> buf_i;
-    std::vector<float>   buf_f;
+    std::vector<int32_t>  buf_i;
+    std::vector<float>    buf_f;
+    std::vector<uint64_t> seen;     // [ceil(n_vocab / 64)] bits: the distinct ids of a decode (dead chunks)
+    std::vector<int32_t>  in_chunk; // [m] distinct ids per chunk
+    std::vector<float>    buf_keep;
+    std::vector<int32_t>  col_of;   // [n_vocab] id -> its column while set_inputs_ext runs (else -1)
 };
 
 clover_sampler * self(llama_sampler * smpl) {
@@ -129,6 +171,10 @@ run build_run(const clover_sampler * s, ggml_context * ctx, ggml_tensor * rows) 
     ggml_tensor * put   = ggml_add(ctx, ggml_mul(ctx, at2, scale), coef(2)); // [W, n]
     ggml_set_name(put, "clover_at_ids_corrected");
 
+    // a row restricted to its allowed ids: the rest of it excluded (a bias of -inf added to what is read of it)
+    r.inp_rest = ggml_reshape_2d(ctx, new_input(ctx, GGML_TYPE_F32, 1, n, 1, "clover_rest_bias"), 1, n);
+    const int64_t N = s->top_n;
+
     if (s->temp <= 0.0f) {
         // the rows stay as llama.cpp computed them: the ids are left out by a mask added to every row (one [c, m]
         // mask for all rows: the ids are the same), and each chunk's largest logit is found, its value read from the
@@ -149,6 +195,7 @@ run build_run(const clover_sampler * s, ggml_context * ctx, ggml_tensor * rows) 
         // a chunk made of ids only: -inf (nothing of it is left to rank; set per decode, r.inp_dead)
         r.inp_dead = ggml_reshape_1d(ctx, new_input(ctx, GGML_TYPE_F32, m, 1, 1, "clover_dead_chunks"), m);
         val = ggml_add(ctx, ggml_reshape_2d(ctx, val, m, n), r.inp_dead);
+        val = ggml_add(ctx, val, r.inp_rest);
         ggml_tensor * id_f = ggml_add(ctx, ggml_reshape_2d(ctx, ggml_cast(ctx, loc, GGML_TYPE_F32), m, n),
                                       ggml_arange(ctx, 0.0f, (float) (m * c), (float) c));
 
@@ -166,12 +213,38 @@ run build_run(const clover_sampler * s, ggml_context * ctx, ggml_tensor * rows) 
         ggml_tensor * tok  = ggml_get_rows(ctx, ggml_reshape_3d(ctx, cand, 1, W + m, n), ggml_top_k(ctx, key, 1));
         ggml_set_name(tok, "clover_token");
         r.out_logits = ggml_concat(ctx, all, mx, 0);
-        r.out_cand   = ggml_cast(ctx, ggml_concat(ctx, cand, ggml_reshape_2d(ctx, tok, 1, n), 0), GGML_TYPE_I32);
+        r.out_cand   = ggml_concat(ctx, cand, ggml_reshape_2d(ctx, tok, 1, n), 0);
+        if (N > 0) {
+            // the row's N most likely: each chunk's N largest of the rest (the ids at -inf), then the N largest of
+            // those and the corrected ids (the N largest of a row lie in at most N chunks; a chunk scan is
+            // multi-threaded for one row, as above)
+            ggml_tensor * xr  = s->probs ? ggml_add(ctx, x3, mask3) : p;                      // [c, m, n]
+            ggml_tensor * xr2 = ggml_reshape_2d(ctx, xr, c, m * n);
+            ggml_tensor * loc_n = ggml_top_k(ctx, xr2, (int) N);                              // [N, m * n]
+            ggml_tensor * v_n = ggml_get_rows(ctx, ggml_reshape_3d(ctx, xr2, 1, c, m * n), loc_n);
+            v_n = ggml_add(ctx, ggml_reshape_2d(ctx, v_n, N * m, n), r.inp_rest);
+            ggml_tensor * i_n = ggml_add(ctx, ggml_reshape_3d(ctx, ggml_cast(ctx, loc_n, GGML_TYPE_F32), N, m, n),
+                                         ggml_reshape_3d(ctx, ggml_arange(ctx, 0.0f, (float) (m * c), (float) c),
+                                                         1, m, 1));
+            // the padding slots (copies of the first id) left out: the top n are n distinct ids
+            r.inp_pad = ggml_reshape_2d(ctx, new_input(ctx, GGML_TYPE_F32, W, 1, 1, "clover_pad"), W, 1);
+            ggml_tensor * pool_v = ggml_concat(ctx, ggml_add(ctx, put, r.inp_pad), v_n, 0);    // [W + N m, n]
+            ggml_tensor * pool_i = ggml_concat(ctx, ids_f, ggml_reshape_2d(ctx, i_n, N * m, n), 0);
+            ggml_tensor * sel    = ggml_top_k(ctx, pool_v, (int) N);                          // [N, n]
+            const int64_t np_ = W + N * m;
+            ggml_tensor * top_v = ggml_reshape_2d(ctx, ggml_get_rows(ctx, ggml_reshape_3d(ctx, pool_v, 1, np_, n),
+                                                                     sel), N, n);
+            ggml_tensor * top_i = ggml_reshape_2d(ctx, ggml_get_rows(ctx, ggml_reshape_3d(ctx, pool_i, 1, np_, n),
+                                                                     sel), N, n);
+            r.out_logits = ggml_concat(ctx, r.out_logits, top_v, 0);
+            r.out_cand   = ggml_concat(ctx, r.out_cand, top_i, 0);
+        }
+        r.out_cand = ggml_cast(ctx, r.out_cand, GGML_TYPE_I32);
         r.out_probs  = s->probs ? ggml_cont(ctx, ggml_reshape_2d(ctx, ggml_get_rows(ctx,
                                        ggml_reshape_3d(ctx, p2, 1, c, m * n), loc), m, n)) : nullptr;
     } else {
-        // the corrected row: a copy with the corrected logits written back at the ids
-        ggml_tensor * x = ggml_reshape_3d(ctx, ggml_cont(ctx, rows), 1, V, n);
+        // the corrected row: a copy (with the rest bias added) with the corrected logits written back at the ids
+        ggml_tensor * x = ggml_reshape_3d(ctx, ggml_add(ctx, rows, r.inp_rest), 1, V, n);
         x = ggml_set_rows(ctx, x, ggml_reshape_3d(ctx, put, 1, W, n), r.inp_ids);
         ggml_tensor * z0 = ggml_reshape_2d(ctx, x, V, n);
 
@@ -212,7 +285,19 @@ run build_run(const clover_sampler * s, ggml_context * ctx, ggml_tensor * rows) 
         ggml_tensor * tok_p = ggml_reshape_2d(ctx, ggml_get_rows(ctx, p3, token), 1, n);
         r.out_token = ggml_cont(ctx, token);
         r.out_probs = ggml_concat(ctx, at_p, tok_p, 0);
-        r.out_cand  = ggml_cast(ctx, ggml_concat(ctx, ids_f, ggml_cast(ctx, token, GGML_TYPE_F32), 0), GGML_TYPE_I32);
+        r.out_cand  = ggml_concat(ctx, ids_f, ggml_cast(ctx, token, GGML_TYPE_F32), 0);
+        if (N > 0) {
+            // the N most likely of the corrected row, and the corrected logits at the ids, the draw and those
+            ggml_tensor * z3    = ggml_reshape_3d(ctx, z0, 1, V, n);
+            ggml_tensor * top   = ggml_top_k(ctx, z0, (int) N); // [N, n]
+            ggml_tensor * top_p = ggml_reshape_2d(ctx, ggml_get_rows(ctx, p3, top), N, n);
+            ggml_tensor * tok_z = ggml_reshape_2d(ctx, ggml_get_rows(ctx, z3, token), 1, n);
+            ggml_tensor * top_z = ggml_reshape_2d(ctx, ggml_get_rows(ctx, z3, top), N, n);
+            r.out_probs  = ggml_concat(ctx, r.out_probs, top_p, 0);
+            r.out_cand   = ggml_concat(ctx, r.out_cand, ggml_cast(ctx, top, GGML_TYPE_F32), 0);
+            r.out_logits = ggml_concat(ctx, ggml_concat(ctx, put, tok_z, 0), top_z, 0);
+        }
+        r.out_cand = ggml_cast(ctx, r.out_cand, GGML_TYPE_I32);
     }
     for (ggml_tensor * t : { r.out_logits, r.out_probs, r.out_cand, r.out_token }) {
         if (t) {
@@ -270,11 +355,40 @@ void cs_apply(llama_sampler *, llama_token_data_array * cur_p) {
 
 llama_sampler * cs_clone(const llama_sampler * smpl) {
     const auto * s = (const clover_sampler *) smpl->ctx;
-    return clover_sampler_init(s->n_vocab, s->width, s->probs, s->temp, s->top_k, s->top_p);
+    return clover_sampler_init_ext(s->n_vocab, s->width, s->probs, s->temp, s->top_k, s->top_p, s->top_n,
+                                   s->save_last);
 }
 
 void cs_free(llama_sampler * smpl) {
-    delete self(smpl);
+    clover_sampler * s = self(smpl);
+    if (s->saved_buf) {
+        ggml_backend_buffer_free(s->saved_buf);
+    }
+    if (s->saved_ctx) {
+        ggml_free(s->saved_ctx);
+    }
+    delete s;
+}
+
+// the tensor the last row is kept in (save_last), made on the output device at the first graph that saves
+ggml_tensor * saved_row(clover_sampler * s, int64_t n) {
+    if (s->saved == nullptr && s->buft != nullptr) {
+        ggml_init_params params = { ggml_tensor_overhead(), nullptr, true };
+        s->saved_ctx = ggml_init(params);
+        if (s->saved_ctx == nullptr) {
+            return nullptr;
+        }
+        ggml_tensor * t = ggml_new_tensor_1d(s->saved_ctx, GGML_TYPE_F32, n);
+        ggml_set_name(t, "clover_saved_row");
+        s->saved_buf = ggml_backend_alloc_ctx_tensors_from_buft(s->saved_ctx, s->buft);
+        if (s->saved_buf == nullptr) {
+            ggml_free(s->saved_ctx);
+            s->saved_ctx = nullptr;
+            return nullptr;
+        }
+        s->saved = t;
+    }
+    return s->saved != nullptr && s->saved->ne[0] == n ? s->saved : nullptr;
 }
 
 void cs_backend_reset(llama_sampler * smpl) {
@@ -283,6 +397,7 @@ void cs_backend_reset(llama_sampler * smpl) {
 }
 
 bool cs_backend_init(llama_sampler * smpl, ggml_backend_buffer_type_t buft, uint32_t /*n_outputs_max_per_seq*/) {
+    self(smpl)->buft = buft;
     ggml_backend_dev_t dev = ggml_backend_buft_get_device(buft);
     if (dev == nullptr) {
         return true; // the CPU runs every op
@@ -310,7 +425,7 @@ bool cs_backend_init(llama_sampler * smpl, ggml_backend_buffer_type_t buft, uint
     return ok;
 }
 
-void cs_backend_apply(llama_sampler * smpl, ggml_context * ctx, ggml_cgraph *, llama_sampler_data * data) {
+void cs_backend_apply(llama_sampler * smpl, ggml_context * ctx, ggml_cgraph * gf, llama_sampler_data * data) {
     clover_sampler * s = self(smpl);
     ggml_tensor * row = data->logits;
     if (row == nullptr || data->candidates != nullptr || row->type != GGML_TYPE_F32) {
@@ -347,6 +462,15 @@ void cs_backend_apply(llama_sampler * smpl, ggml_context * ctx, ggml_cgraph *, l
     }
     const int64_t j = r->seen++;
 
+    if (s->save_last && k == s->n_rows - 1) {
+        // the last announced row, raw, into the sampler's own tensor (read later: clover_sampler_saved_logit)
+        ggml_tensor * src = found ? ggml_view_1d(ctx, base, base->ne[0], i_row * base->nb[1]) : row;
+        ggml_tensor * dst = saved_row(s, src->ne[0]);
+        if (dst != nullptr) {
+            ggml_build_forward_expand(gf, ggml_cpy(ctx, src, dst));
+        }
+    }
+
     auto slot = [&](ggml_tensor * t) -> ggml_tensor * {
         return t ? ggml_view_1d(ctx, t, t->ne[0], j * t->nb[1]) : nullptr;
     };
@@ -358,8 +482,10 @@ void cs_backend_apply(llama_sampler * smpl, ggml_context * ctx, ggml_cgraph *, l
 
 void cs_backend_set_input(llama_sampler * smpl) {
     clover_sampler * s = self(smpl);
-    const int64_t W     = s->width;
-    const int64_t n_ids = (int64_t) s->ids.size();
+    const int64_t W      = s->width;
+    const int64_t n_ids  = (int64_t) s->ids.size();
+    const int64_t n_coef = s->coef.empty() ? 0 : s->n_coef;
+    const bool    limits = !s->row_mode.empty();
     for (const run & r : s->runs) {
         const int64_t n = r.n;
         // the ids, padded with the first; an id the graph's vocabulary does not hold reads token 0
@@ -375,44 +501,80 @@ void cs_backend_set_input(llama_sampler * smpl) {
         ggml_backend_tensor_set(r.inp_ids, s->buf_i.data(), 0, ggml_nbytes(r.inp_ids));
 
         if (r.inp_dead) {
-            // a chunk is dead when every one of its c ids is among the W ids: count the distinct ids per chunk from
-            // the sorted ids (W entries of host work per decode, nothing the size of the vocabulary)
-            std::vector<int32_t> uniq(ids);
-            std::sort(uniq.begin(), uniq.end());
-            uniq.erase(std::unique(uniq.begin(), uniq.end()), uniq.end());
+            // a chunk is dead when every one of its c ids is among the W ids: the distinct ids counted per chunk
+            // through a bit per id (O(W) host work per decode, nothing the size of the vocabulary touched)
+            s->seen.resize((r.V + 63) / 64);
+            s->in_chunk.assign(r.m, 0);
             s->buf_f.assign(r.m, 0.0f);
-            for (size_t i = 0; i < uniq.size();) {
-                const int64_t ch = uniq[i] / r.c;
-                size_t        j  = i;
-                while (j < uniq.size() && uniq[j] / r.c == ch) {
-                    ++j;
+            for (const int32_t id : ids) {
+                uint64_t & word = s->seen[id >> 6];
+                const uint64_t bit = uint64_t(1) << (id & 63);
+                if (!(word & bit)) {
+                    word |= bit;
+                    if (++s->in_chunk[id / r.c] == r.c) {
+                        s->buf_f[id / r.c] = -INFINITY;
+                    }
                 }
-                if ((int64_t) (j - i) == r.c) {
-                    s->buf_f[ch] = -INFINITY;
-                }
-                i = j;
+            }
+            for (const int32_t id : ids) {
+                s->seen[id >> 6] = 0;
             }
             ggml_backend_tensor_set(r.inp_dead, s->buf_f.data(), 0, ggml_nbytes(r.inp_dead));
         }
         if (r.inp_coef) {
-            // the coefficients of the announced rows, padded with the first id's; identity where none were given
-            s->buf_f.assign(3 * n * W, 0.0f);
-            const bool given = !s->coef.empty();
+            // the coefficients of the announced rows (identity where none were given), the rows' restrictions on
+            // c2, then the padding slots as the first id's
+            s->buf_f.resize(3 * n * W);
             for (int q = 0; q < 3; ++q) {
+                const float unit = q < 2 ? 1.0f : 0.0f;
                 for (int64_t j = 0; j < n; ++j) {
                     float *       dst = s->buf_f.data() + (q * n + j) * W;
                     const int64_t k   = r.k0 + j;
-                    if (given && k < s->n_rows && n_ids > 0) {
-                        const float * src = s->coef.data() + (q * s->n_rows + k) * n_ids;
-                        for (int64_t w = 0; w < W; ++w) {
-                            dst[w] = src[w < n_ids ? w : 0];
-                        }
-                    } else {
-                        std::fill(dst, dst + W, q < 2 ? 1.0f : 0.0f); // unchanged
+                    const bool    in  = k < s->n_rows && n_ids > 0;
+                    int64_t       w0  = 0;
+                    if (in && n_coef > 0) {
+                        std::memcpy(dst, s->coef.data() + (q * s->n_rows + k) * n_coef, n_coef * sizeof(float));
+                        w0 = n_coef;
                     }
+                    std::fill(dst + w0, dst + std::max<int64_t>(n_ids, 1), unit);
+                    if (q == 2 && in && limits && s->row_mode[k] != ROW_FREE) {
+                        const int32_t * cols = s->row_cols.data() + s->row_start[k];
+                        const int32_t   nc   = s->row_count[k];
+                        if (s->row_mode[k] == ROW_DENY) {
+                            for (int32_t i = 0; i < nc; ++i) {
+                                dst[cols[i]] = -INFINITY;
+                            }
+                        } else { // allow: every other id excluded (the rest of the row too: inp_rest)
+                            std::vector<float> & keep = s->buf_keep;
+                            keep.resize(nc);
+                            for (int32_t i = 0; i < nc; ++i) {
+                                keep[i] = dst[cols[i]];
+                            }
+                            std::fill(dst, dst + n_ids, -INFINITY);
+                            for (int32_t i = 0; i < nc; ++i) {
+                                dst[cols[i]] = keep[i];
+                            }
+                        }
+                    }
+                    std::fill(dst + std::max<int64_t>(n_ids, 1), dst + W, dst[0]);
                 }
             }
             ggml_backend_tensor_set(r.inp_coef, s->buf_f.data(), 0, ggml_nbytes(r.inp_coef));
+        }
+        if (r.inp_pad) {
+            s->buf_f.assign(W, 0.0f);
+            std::fill(s->buf_f.begin() + std::max<int64_t>(n_ids, 1), s->buf_f.end(), -INFINITY);
+            ggml_backend_tensor_set(r.inp_pad, s->buf_f.data(), 0, ggml_nbytes(r.inp_pad));
+        }
+        if (r.inp_rest) {
+            s->buf_f.assign(n, 0.0f);
+            for (int64_t j = 0; j < n; ++j) {
+                const int64_t k = r.k0 + j;
+                if (limits && k < s->n_rows && s->row_mode[k] == ROW_ALLOW) {
+                    s->buf_f[j] = -INFINITY;
+                }
+            }
+            ggml_backend_tensor_set(r.inp_rest, s->buf_f.data(), 0, ggml_nbytes(r.inp_rest));
         }
         if (r.inp_u) {
             s->buf_f.assign(n, 0.5f);
@@ -429,10 +591,15 @@ void cs_backend_set_input(llama_sampler * smpl) {
 void cs_copy_state(const llama_sampler * src, llama_sampler * dst) {
     const auto * a = (const clover_sampler *) src->ctx;
     clover_sampler * b = self(dst);
-    b->ids     = a->ids;
-    b->n_rows  = a->n_rows;
-    b->coef    = a->coef;
-    b->uniform = a->uniform;
+    b->ids       = a->ids;
+    b->n_rows    = a->n_rows;
+    b->n_coef    = a->n_coef;
+    b->coef      = a->coef;
+    b->uniform   = a->uniform;
+    b->row_mode  = a->row_mode;
+    b->row_start = a->row_start;
+    b->row_count = a->row_count;
+    b->row_cols  = a->row_cols;
 }
 
 llama_sampler_i clover_sampler_i = {
@@ -454,35 +621,54 @@ llama_sampler_i clover_sampler_i = {
 
 extern "C" {
 
-llama_sampler * clover_sampler_init(int32_t n_vocab, int32_t width, bool probs, float temp, int32_t top_k,
-                                    float top_p) {
+llama_sampler * clover_sampler_init_ext(int32_t n_vocab, int32_t width, bool probs, float temp, int32_t top_k,
+                                        float top_p, int32_t top_n, bool save_last) {
     // ids travel through the graph as float32 (the greedy choice ranks them): exact below 2^24
     if (n_vocab < 1 || n_vocab > (1 << 24) || width < 1 || top_k < 0 || !std::isfinite(temp) ||
-        !(top_p > 0.0f && top_p <= 1.0f)) {
+        !(top_p > 0.0f && top_p <= 1.0f) || top_n < 0 || top_n > CLOVER_SAMPLER_MAX_TOP_N) {
+        return nullptr;
+    }
+    // what a row returns must fit llama.cpp's output row of n_vocab values (it aborts the process otherwise)
+    const int64_t c = chunk_of(n_vocab), m = n_vocab / c;
+    const int64_t per_row = temp > 0.0f ? (int64_t) width + 1 + top_n : (int64_t) width + m + 1 + top_n;
+    if (per_row > n_vocab || (temp <= 0.0f && top_n > c)) {
         return nullptr;
     }
     auto * s = new (std::nothrow) clover_sampler();
     if (s == nullptr) {
         return nullptr;
     }
-    s->n_vocab = n_vocab;
-    s->width   = width;
-    s->probs   = probs;
-    s->temp    = temp;
-    s->top_k   = top_k;
-    s->top_p   = top_p;
+    s->n_vocab   = n_vocab;
+    s->width     = width;
+    s->probs     = probs;
+    s->temp      = temp;
+    s->top_k     = top_k;
+    s->top_p     = top_p;
+    s->top_n     = top_n;
+    s->save_last = save_last;
     return llama_sampler_init(&clover_sampler_i, s);
 }
 
-int32_t clover_sampler_set_inputs(llama_sampler * smpl, const int32_t * ids, int32_t n_ids, int32_t n_rows,
-                                  const float * coef, const float * uniform) {
+llama_sampler * clover_sampler_init(int32_t n_vocab, int32_t width, bool probs, float temp, int32_t top_k,
+                                    float top_p) {
+    return clover_sampler_init_ext(n_vocab, width, probs, temp, top_k, top_p, 0, false);
+}
+
+static clover_sampler * ours(llama_sampler * smpl) {
     if (smpl != nullptr && llama_sampler_chain_get(smpl, -1) != nullptr) { // a chain: its first sampler
         smpl = llama_sampler_chain_n(smpl) > 0 ? llama_sampler_chain_get(smpl, 0) : nullptr;
     }
-    if (smpl == nullptr || smpl->iface != &clover_sampler_i) {
+    return smpl != nullptr && smpl->iface == &clover_sampler_i ? self(smpl) : nullptr;
+}
+
+int32_t clover_sampler_set_inputs_ext(llama_sampler * smpl, const int32_t * ids, int32_t n_ids, int32_t n_rows,
+                                      const float * coef, int32_t n_coef, const float * uniform,
+                                      const int32_t * masks, int32_t n_words, int32_t n_masks,
+                                      const int32_t * row_mask) {
+    clover_sampler * s = ours(smpl);
+    if (s == nullptr) {
         return -1;
     }
-    clover_sampler * s = self(smpl);
     if (n_rows < 0 || n_ids < 0 || n_ids > s->width || (n_rows > 0 && n_ids < 1) || (n_ids > 0 && ids == nullptr)) {
         return -1;
     }
@@ -491,21 +677,113 @@ int32_t clover_sampler_set_inputs(llama_sampler * smpl, const int32_t * ids, int
             return -1;
         }
     }
-    const bool sampled = s->temp > 0.0f && n_rows > 0;
-    if (sampled && (coef == nullptr || uniform == nullptr)) {
+    if (coef == nullptr) {
+        n_coef = 0;
+    } else if (n_coef < 0 || n_coef > n_ids) {
         return -1;
     }
+    const bool sampled = s->temp > 0.0f && n_rows > 0;
     if (sampled) {
+        if (uniform == nullptr) {
+            return -1;
+        }
         for (int32_t k = 0; k < n_rows; ++k) {
             if (!(uniform[k] >= 0.0f && uniform[k] <= 1.0f)) {
                 return -1;
             }
         }
     }
-    s->ids.assign(ids, ids + n_ids);
+    const bool limits = row_mask != nullptr && n_rows > 0;
+    std::vector<int32_t> all(ids, ids + n_ids);
+    std::vector<int32_t> mode, start, count, cols;
+    if (limits) {
+        if (masks == nullptr || n_words < 1 || n_masks < 1) {
+            return -1;
+        }
+        for (int32_t k = 0; k < n_rows; ++k) {
+            if (row_mask[k] < -1 || row_mask[k] >= n_masks) {
+                return -1;
+            }
+        }
+        // each mask a row uses -> its ids (the allowed, or the excluded when fewer), found by scanning its words;
+        // their columns through a map from id to column (set for this call's ids only, then cleared)
+        std::vector<int32_t> & col_of = s->col_of;
+        col_of.resize(s->n_vocab, -1);
+        for (int32_t i = 0; i < n_ids; ++i) {
+            if (col_of[ids[i]] < 0) {
+                col_of[ids[i]] = i;
+            }
+        }
+        std::vector<int32_t> m_mode(n_masks, ROW_FREE), m_start(n_masks, 0), m_count(n_masks, 0);
+        const int64_t V = s->n_vocab;
+        const int64_t words = std::min<int64_t>(n_words, (V + 31) / 32);
+        bool ok = true;
+        for (int32_t k = 0; k < n_rows && ok; ++k) {
+            const int32_t j = row_mask[k];
+            if (j < 0 || m_mode[j] != ROW_FREE) {
+                continue;
+            }
+            const uint32_t * w = (const uint32_t *) masks + (size_t) j * n_words;
+            auto word = [&](int64_t i) -> uint32_t { // the allowed bits of word i within the vocabulary
+                uint32_t x = i < words ? w[i] : 0u;
+                if (i == (V - 1) / 32 && V % 32) {
+                    x &= (uint32_t(1) << (V % 32)) - 1;
+                }
+                return x;
+            };
+            int64_t n_allowed = 0;
+            for (int64_t i = 0; i < words; ++i) {
+                n_allowed += popcount32(word(i));
+            }
+            if (n_allowed == 0) {
+                ok = false;
+                break;
+            }
+            const bool allow = n_allowed <= V - n_allowed;
+            m_mode[j]  = allow ? ROW_ALLOW : ROW_DENY;
+            m_start[j] = (int32_t) cols.size();
+            for (int64_t i = 0; i < (V + 31) / 32; ++i) {
+                uint32_t x = word(i);
+                if (!allow) {
+                    x = ~x;
+                    if (i == (V - 1) / 32 && V % 32) {
+                        x &= (uint32_t(1) << (V % 32)) - 1;
+                    }
+                }
+                while (x) {
+                    const int32_t id = (int32_t) (i * 32 + lowest_bit(x));
+                    x &= x - 1;
+                    if (col_of[id] < 0) {
+                        col_of[id] = (int32_t) all.size();
+                        all.push_back(id);
+                    }
+                    cols.push_back(col_of[id]);
+                }
+            }
+            m_count[j] = (int32_t) cols.size() - m_start[j];
+            ok = (int64_t) all.size() <= s->width;
+        }
+        for (const int32_t id : all) {
+            col_of[id] = -1;
+        }
+        if (!ok) {
+            return -1;
+        }
+        mode.resize(n_rows);
+        start.resize(n_rows);
+        count.resize(n_rows);
+        for (int32_t k = 0; k < n_rows; ++k) {
+            const int32_t j = row_mask[k];
+            mode[k]  = j < 0 ? ROW_FREE : m_mode[j];
+            start[k] = j < 0 ? 0 : m_start[j];
+            count[k] = j < 0 ? 0 : m_count[j];
+        }
+    }
+    s->ids = std::move(all);
     s->n_rows = n_rows;
-    if (coef != nullptr && n_rows > 0) {
-        s->coef.assign(coef, coef + (size_t) 3 * n_rows * n_ids);
+    s->n_coef = n_coef;
+    if (coef != nullptr && n_rows > 0 && n_coef > 0) {
+        s->coef.assign(coef, coef + (size_t) 3 * n_rows * n_coef);
     } else {
         s->coef.clear();
     }
@@ -514,6 +792,29 @@ int32_t clover_sampler_set_inputs(llama_sampler * smpl, const int32_t * ids, int
     } else {
         s->uniform.clear();
     }
+    s->row_mode  = std::move(mode);
+    s->row_start = std::move(start);
+    s->row_count = std::move(count);
+    s->row_cols  = std::move(cols);
+    return (int32_t) s->ids.size();
+}
+
+int32_t clover_sampler_set_inputs(llama_sampler * smpl, const int32_t * ids, int32_t n_ids, int32_t n_rows,
+                                  const float * coef, const float * uniform) {
+    clover_sampler * s = ours(smpl);
+    if (s != nullptr && s->temp > 0.0f && n_rows > 0 && coef == nullptr) {
+        return -1; // this entry point's rule: with temperature, the coefficients are given
+    }
+    return clover_sampler_set_inputs_ext(smpl, ids, n_ids, n_rows, coef, n_ids, uniform, nullptr, 0, 0, nullptr) < 0
+               ? -1 : 0;
+}
+
+int32_t clover_sampler_saved_logit(llama_sampler * smpl, int32_t token, float * out) {
+    clover_sampler * s = ours(smpl);
+    if (s == nullptr || s->saved == nullptr || out == nullptr || token < 0 || token >= s->saved->ne[0]) {
+        return -1;
+    }
+    ggml_backend_tensor_get(s->saved, out, (size_t) token * sizeof(float), sizeof(float));
     return 0;
 }
 
