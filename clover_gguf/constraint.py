@@ -8,6 +8,11 @@ decoders (clover_gguf.decoding) use only this, so any mode can be constrained by
 Bitmask layout (xgrammar's and llguidance's): int32 words, token t allowed iff bit (t % 32) of word t // 32 is set;
 ceil(n_vocab / 32) words for the model's n_vocab (ids past the tokenizer's own vocabulary are never allowed). End
 tokens are allowed exactly where the grammar may end.
+
+How the decoders use it (docs/runtime.md, "Constrained output"): they copy each mask (an engine may refill one buffer),
+never pass an end token to `accept` (it ends the answer), call `accept` only with tokens a mask of the same state
+allowed (its False is then an engine's inconsistency, except while a block is validated: there it rejects a token),
+and roll back only tokens they accepted. Once `finished()`, only the end tokens may follow, whatever the mask says.
 """
 
 from __future__ import annotations
@@ -55,3 +60,48 @@ def mask_of(ids, n_vocab: int) -> np.ndarray:
     bits = np.zeros(-(-n_vocab // 32) * 32, dtype=np.uint8)
     bits[np.asarray(list(ids), dtype=np.int64)] = 1
     return np.packbits(bits, bitorder="little").view("<i4").copy()
+
+
+class Mask:
+    """A bitmask as the decoders carry it: its words (a copy: an engine may refill its buffer) over a vocabulary of
+    n_vocab ids, and how many of them it allows (counted once)."""
+
+    __slots__ = ("words", "n_vocab", "n_allowed")
+
+    def __init__(self, words: np.ndarray, n_vocab: int):
+        n_words = -(-n_vocab // 32)
+        w = np.zeros(n_words, dtype="<i4")
+        src = np.asarray(words).reshape(-1)
+        k = min(n_words, len(src))
+        w[:k] = src[:k]
+        if n_vocab % 32:  # bits past the vocabulary are not ids
+            w[-1] &= np.int32(np.uint32((1 << (n_vocab % 32)) - 1).view(np.int32))
+        self.words, self.n_vocab = w, int(n_vocab)
+        self.n_allowed = int(np.bitwise_count(w.view(np.uint32)).sum())
+
+    @classmethod
+    def of(cls, ids, n_vocab: int) -> "Mask":
+        """The mask that allows exactly `ids`."""
+        return cls(mask_of(ids, n_vocab), n_vocab)
+
+    def allows(self, token: int) -> bool:
+        return 0 <= token < self.n_vocab and allowed(self.words, token)
+
+    def n_ids(self) -> int:
+        """The ids a selection restricted by this mask names: the allowed ones or the excluded ones, the fewer."""
+        return min(self.n_allowed, self.n_vocab - self.n_allowed)
+
+    def dense(self, width: int | None = None) -> np.ndarray:
+        """bool [width] (default n_vocab): the allowed ids of a row that wide (a full-vocabulary array: the dense
+        path's); ids past n_vocab are not allowed."""
+        width = self.n_vocab if width is None else int(width)
+        out = np.zeros(width, dtype=bool)
+        bits = np.unpackbits(self.words.view(np.uint8), bitorder="little")[:min(width, self.n_vocab)]
+        out[:bits.size] = bits
+        return out
+
+    def same(self, other: "Mask | None") -> bool:
+        """Whether `other` allows exactly the same ids."""
+        return other is not None and (other is self or (other.n_vocab == self.n_vocab and
+                                                        other.n_allowed == self.n_allowed and
+                                                        np.array_equal(other.words, self.words)))

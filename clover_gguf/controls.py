@@ -27,6 +27,16 @@ Never chosen (`Selector(never=...)`, the decoders pass the mask token): ids whos
 the processors, on both paths: dense, one column set per row; in the graph, the ids are always gathered (so the rest
 of the row leaves them out) and get -inf as their added coefficient. No pass, mode or temperature can sample, commit
 or show them, and the confidences are the softmax without them.
+
+Restricted rows (constrained output: a grammar's bitmask per row, constraint.Mask): every id the mask does not allow
+gets -inf after the processors, on both paths (dense: a column mask; in the graph: the bitmask goes to
+libclover_sampler, which gathers the allowed ids and excludes the rest of the row, or gathers the excluded ids with
+-inf, whichever list is shorter). The processed row (for the choice, the confidences and the logprobs) is the
+restricted one.
+
+Logprobs (`Choice.logprob`, `Choice.top`): the log-softmax of the processed row at temperature 1 (the row the token
+was chosen from, or checked against), and its most likely tokens; in the graph from the row's log-sum-exp, the
+gathered logits and the sampler's top-n.
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
+from clover_gguf.constraint import Mask
 from clover_gguf.metadata import Controls  # the card's values and their GGUF keys: one home
 
 Processor = Callable[[Sequence[Sequence[int]], np.ndarray], np.ndarray]  # (histories [T], logits [T, V]) -> [T, V]
@@ -318,12 +329,40 @@ class Choice:
     def best_of(self, i: int, ids: Sequence[int]) -> int:
         raise NotImplementedError
 
+    def logprob(self, i: int, token: int) -> float:
+        """log of the token's probability under row i's processed softmax (temperature 1); -inf where excluded.
+        Needs a pass run for logprobs (Selector.gather's logprobs) on the graph path."""
+        raise NotImplementedError
+
+    def top(self, i: int, n: int) -> list[tuple[int, float]]:
+        """Row i's n most likely tokens as (token, logprob), the most likely first (the lower id among equal ones);
+        fewer where fewer are possible (a row restricted to fewer ids)."""
+        raise NotImplementedError
+
+
+def _ranked(ids: np.ndarray, values: np.ndarray, n: int, lse: float) -> list[tuple[int, float]]:
+    """(id, value - lse) of the n largest finite values, the largest first, the lower id among equal ones; each id once
+    (the graph's padded slots repeat one)."""
+    keep = np.isfinite(values)
+    ids, values = np.asarray(ids, dtype=np.int64)[keep], np.asarray(values, dtype=np.float64)[keep]
+    order = np.lexsort((ids, -values))
+    out, seen = [], set()
+    for j in order:
+        t = int(ids[j])
+        if t not in seen:
+            seen.add(t)
+            out.append((t, float(values[j] - lse)))
+            if len(out) == n:
+                break
+    return out
+
 
 class _DenseChoice(Choice):
     def __init__(self, processed: np.ndarray, tokens: np.ndarray):
         self.processed = processed
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         self._p: np.ndarray | None = None
+        self._lse: dict[int, float] = {}
         super().__init__(tokens, self.probs()[np.arange(len(tokens)), tokens])
 
     def probs(self) -> np.ndarray:
@@ -338,16 +377,72 @@ class _DenseChoice(Choice):
         ids = sorted(ids)
         return ids[int(np.argmax(self.processed[i, ids]))]
 
+    def _log_total(self, i: int) -> float:
+        if i not in self._lse:
+            x = np.asarray(self.processed[i], dtype=np.float64)
+            m = x.max()
+            self._lse[i] = float(m + np.log(np.exp(x - m).sum()))
+        return self._lse[i]
+
+    def logprob(self, i: int, token: int) -> float:
+        return float(self.processed[i, token]) - self._log_total(i)
+
+    def top(self, i: int, n: int) -> list[tuple[int, float]]:
+        if n <= 0:
+            return []
+        x = np.asarray(self.processed[i], dtype=np.float64)
+        k = min(n, x.size)
+        # the n largest, and every id equal to the n-th (so that ties go to the lower id)
+        kth = np.partition(x, x.size - k)[x.size - k]
+        cand = np.flatnonzero(x >= kth)
+        return _ranked(cand, x[cand], n, self._log_total(i))
+
 
 class _SparseChoice(Choice):
     """A choice from the graph's rows: `values` [T, W] holds, per row, at the gathered ids, the processed logits
     (greedy; `log_total` [T] the log of the row's softmax total, None when the pass asked for tokens only) or the
-    probabilities (sampled: `log_total` None, `probs` True)."""
+    probabilities (sampled: `log_total` None, `probs` True). With logprobs: `logits` [T, W] the processed logits at
+    the ids, `token_logits` [T] the chosen tokens', `log_total` the rows' log-sum-exp, `top_ids` / `top_logits`
+    [T, N] each row's N most likely (in no order), `saved` the raw logit of a token in the last row (save_last)."""
 
     def __init__(self, tokens, conf, col, values: np.ndarray, log_total: np.ndarray | None,
-                 probs: bool = False):
+                 probs: bool = False, rows: GraphRows | None = None, logits: np.ndarray | None = None,
+                 token_logits: np.ndarray | None = None):
         super().__init__(tokens, conf)
         self.col, self.values, self.log_total, self.probs = col, values, log_total, probs
+        self.logits = values if logits is None and not probs else logits
+        self.token_logits = token_logits
+        self.top_ids = rows.top_ids if rows is not None else None
+        self.top_logits = rows.top_logits if rows is not None else None
+        self.saved = rows.saved if rows is not None else None
+
+    def _lse(self, i: int) -> float:
+        if self.log_total is None:
+            raise ValueError("this pass was not run for logprobs (Selector.gather's logprobs)")
+        return float(self.log_total[i])
+
+    def logprob(self, i: int, token: int) -> float:
+        token = int(token)
+        lse = self._lse(i)
+        if self.token_logits is not None and token == int(self.tokens[i]):
+            return float(self.token_logits[i]) - lse
+        if self.logits is not None and token in self.col:
+            return float(self.logits[i, self.col[token]]) - lse
+        if self.top_ids is not None:
+            hit = np.flatnonzero(self.top_ids[i] == token)
+            if hit.size:
+                return float(self.top_logits[i, hit[0]]) - lse
+        if self.saved is not None and i == len(self.tokens) - 1:
+            # not gathered: no coefficient touches it (and the decoders ask only for tokens the row allowed)
+            return float(self.saved(token)) - lse
+        raise ValueError(f"token {token} was not computed in row {i} of this pass")
+
+    def top(self, i: int, n: int) -> list[tuple[int, float]]:
+        if n <= 0:
+            return []
+        if self.top_ids is None:
+            raise ValueError("this pass was not run for the most likely tokens (Selector.gather's logprobs)")
+        return _ranked(self.top_ids[i], self.top_logits[i], n, self._lse(i))
 
     def prob(self, i: int, token: int) -> float:
         if not self.probs and self.log_total is None:
@@ -380,6 +475,12 @@ class Gather:
     coef: np.ndarray | None = None  # [3, T, W] float32
     uniform: np.ndarray | None = None  # [T] float32
     columns: "_Columns | None" = None  # token id -> column (Selector.gather)
+    # constrained output: the distinct masks of the restricted rows and each row's index among them (-1: none); the
+    # graph takes their ids (allowed or excluded, the fewer) after `ids`, within `width`
+    masks: list[Mask] | None = None
+    row_mask: np.ndarray | None = None  # [T] int32
+    top_n: int = 0  # also each row's top_n most likely tokens (logprobs)
+    save_last: bool = False  # keep the last row's raw logits, for a token known only after the pass (logprobs)
 
     def padded_ids(self) -> np.ndarray:
         """[T, width] int32: the ids in every row, unused slots repeating the first (what the graph reads)."""
@@ -393,6 +494,17 @@ class Gather:
         out = np.empty((3, self.n_rows, self.width), dtype=np.float32)
         out[:, :, :len(self.ids)] = self.coef
         out[:, :, len(self.ids):] = self.coef[:, :, :1]
+        return out
+
+    def restrict(self, logits: np.ndarray) -> np.ndarray:
+        """Rows [T, V] with -inf where a row's mask does not allow (a copy when any row is restricted): what the graph
+        computes on, for a backend that selects densely on its device (MLX) and the tests' simulation."""
+        if self.row_mask is None or not (self.row_mask >= 0).any():
+            return logits
+        out = np.array(logits, copy=True)
+        for i, j in enumerate(self.row_mask.tolist()):
+            if j >= 0:
+                out[i, ~self.masks[j].dense(out.shape[1])] = -np.inf
         return out
 
 
@@ -413,6 +525,16 @@ class GraphRows:
     tokens: np.ndarray | None = None
     token_logits: np.ndarray | None = None
     token_probs: np.ndarray | None = None
+    # constrained output and logprobs: the gathered columns (the ids and those the masks added; None: the ids alone),
+    # each row's top_n most likely tokens and their processed logits (in no order; a padded id may repeat), sampled:
+    # the processed logits at the gathered ids and of the drawn token; the raw logit of a token in the last row
+    n_ids: int | None = None
+    top_ids: np.ndarray | None = None
+    top_logits: np.ndarray | None = None
+    top_probs: np.ndarray | None = None
+    at_logits: np.ndarray | None = None
+    token_z: np.ndarray | None = None
+    saved: Callable[[int], float] | None = None
 
 
 GATHER_WIDTHS = (32, 128, 512, 2048, 8192, 32768, 131072)
@@ -576,15 +698,30 @@ class Selector:
         return logits
 
     # ---- dense --------------------------------------------------------------------------------------------
-    def choose_dense(self, h: Sequence[Sequence[int]], logits: np.ndarray) -> Choice:
+    def choose_dense(self, h: Sequence[Sequence[int]], logits: np.ndarray,
+                     masks: Sequence[Mask | None] | None = None) -> Choice:
+        """masks: per row, the ids it may choose (None: any)."""
         processed = self._exclude(process(self.processors, h, logits), logits, self.never)
+        if masks is not None and any(m is not None for m in masks):
+            if np.may_share_memory(processed, logits):
+                processed = processed.copy()
+            for i, m in enumerate(masks):
+                if m is not None:
+                    processed[i, ~m.dense(processed.shape[1])] = -np.inf
         return _DenseChoice(processed, self.sampler(processed))
 
     # ---- in the graph -------------------------------------------------------------------------------------
-    def gather(self, h: Histories, want: Sequence[int] = (), probs: bool = True) -> Gather:
+    def gather(self, h: Histories, want: Sequence[int] = (), probs: bool = True,
+               masks: Sequence[Mask | None] | None = None, logprobs: int | None = None,
+               save_last: bool = False) -> Gather:
         """The ids the graph takes out of every row: the prefix's tokens first (in their order in _PrefixStats), then
         the tail's, the ids the processors touch, the end tokens and `want` (tokens whose probability the decoder
-        will ask). probs False: the pass needs its tokens only (Choice.conf is then NaN)."""
+        will ask). probs False: the pass needs its tokens only (Choice.conf is then NaN). masks: per row, the ids it
+        may choose (None: any; the graph adds their ids, Gather.masks). logprobs: the rows' logprobs are needed
+        (Choice.logprob) with that many most likely tokens (Choice.top); save_last: also the logprob of a token
+        not named now in the last row."""
+        if logprobs is not None:
+            probs = True  # the rows' log-sum-exp
         st = self.stats
         st.update(h.prefix)
         n_prefix = len(st.col) if self.history else 0
@@ -599,8 +736,13 @@ class Selector:
         ids = np.empty(n_prefix + len(others), dtype=np.int32)
         ids[:n_prefix] = st.ids[:n_prefix]
         ids[n_prefix:] = others
-        width = gather_width(len(ids))
-        g = Gather(ids, len(h), width, probs=probs)
+        distinct, row_mask = _distinct(masks, len(h))
+        # the masks' ids come after these (the graph dedupes them): at most their count each
+        width = gather_width(len(ids) + sum(m.n_ids() for m in distinct))
+        g = Gather(ids, len(h), width, probs=probs, masks=distinct or None, row_mask=row_mask, save_last=save_last)
+        if logprobs is not None:
+            # sampled: at least one, for the row's log-sum-exp (the top token's logit over its probability)
+            g.top_n = max(int(logprobs), 1 if self.sampling is not None else 0)
         g.columns = _Columns(st.col, n_prefix, others)
         g.coef = self.coef(h, g)
         if self.sampling is not None:
@@ -631,19 +773,28 @@ class Selector:
             out[2][:, rows.cols(self.never)] = -np.inf  # x * scale - inf: never chosen, probability 0
         return out
 
-    def choose(self, h: Sequence[Sequence[int]], rows: np.ndarray | GraphRows, gather: Gather | None = None
-               ) -> Choice:
-        """The pass's rows -> Choice: dense logits [T, V], or the graph's GraphRows for the Gather it ran with."""
+    def choose(self, h: Sequence[Sequence[int]], rows: np.ndarray | GraphRows, gather: Gather | None = None,
+               masks: Sequence[Mask | None] | None = None) -> Choice:
+        """The pass's rows -> Choice: dense logits [T, V] (masks: per row, the ids it may choose), or the graph's
+        GraphRows for the Gather it ran with (which carried the masks)."""
         if not isinstance(rows, GraphRows):
-            return self.choose_dense(h, rows)
+            return self.choose_dense(h, rows, masks)
         col, w = gather.columns, len(gather.ids)
+        n = rows.n_ids if rows.n_ids is not None else w  # the columns that hold an id (the masks' too)
         if rows.token_probs is not None:  # sampled in the graph
-            return _SparseChoice(rows.tokens, rows.token_probs, col, rows.at_ids[:, :w].astype(np.float64), None,
-                                 probs=True)
+            lse = None
+            if rows.top_probs is not None:  # logprobs: the log-sum-exp from the row's most likely token
+                j = np.argmax(rows.top_probs, axis=1)
+                r = np.arange(len(j))
+                lse = rows.top_logits[r, j].astype(np.float64) - np.log(rows.top_probs[r, j].astype(np.float64))
+            return _SparseChoice(rows.tokens, rows.token_probs, col, rows.at_ids[:, :n].astype(np.float64), lse,
+                                 probs=True, rows=rows,
+                                 logits=None if rows.at_logits is None else rows.at_logits[:, :n],
+                                 token_logits=rows.token_z)
         if self.sampler is not greedy:
             raise ValueError("graph rows without a draw need the greedy sampler")
         # chosen in the graph: the largest processed logit of the row, the lowest id among equal ones
-        at = rows.at_ids[:, :w].astype(np.float64)  # [T, W] processed
+        at = rows.at_ids[:, :n].astype(np.float64)  # [T, W] processed
         tokens = rows.tokens
         if not gather.probs:
             return _SparseChoice(tokens, np.full(len(tokens), np.nan), col, at, None)
@@ -654,4 +805,27 @@ class Selector:
         e = np.exp(rows.rest_logits - m)
         np.divide(e, rows.rest_probs, out=e, where=e > 0)
         total = np.exp(at - m).sum(-1) + e.sum(-1)
-        return _SparseChoice(tokens, 1.0 / total, col, at, m[:, 0] + np.log(total))
+        return _SparseChoice(tokens, 1.0 / total, col, at, m[:, 0] + np.log(total), rows=rows,
+                             token_logits=rows.token_logits)
+
+
+def _distinct(masks: Sequence[Mask | None] | None, n_rows: int) -> tuple[list[Mask], np.ndarray | None]:
+    """Per-row masks -> (the distinct ones, each row's index among them or -1); rows share a mask by identity or by
+    equal content with the row before (a string's rows: one mask)."""
+    if masks is None or all(m is None for m in masks):
+        return [], None
+    if len(masks) != n_rows:
+        raise ValueError(f"{len(masks)} masks for {n_rows} rows")
+    distinct: list[Mask] = []
+    index = np.full(n_rows, -1, dtype=np.int32)
+    for i, m in enumerate(masks):
+        if m is None:
+            continue
+        j = next((k for k, d in enumerate(distinct) if d is m), None)
+        if j is None and distinct and distinct[-1].same(m):
+            j = len(distinct) - 1
+        if j is None:
+            distinct.append(m)
+            j = len(distinct) - 1
+        index[i] = j
+    return distinct, index

@@ -40,6 +40,13 @@ LOAD_MODE_NONE, LOAD_MODE_AUTO = 0, -1  # enum llama_load_mode
 N_CTX_PAD = 256
 
 
+# A held selection sampler wider than a gather needs is reused (instead of a new sampler and a rebuilt graph) while it
+# is at most one width step wider, or its padding is small (width x rows at most this): a grammar's string and
+# structure positions alternate between a wide and a narrow gather every few AR steps, and an answer's first passes
+# (no history yet) need less than the previous answer's last ones.
+REUSE_PADDING = 65536
+
+
 def padded_n_ctx(n_ctx: int) -> int:
     """The context size llama.cpp makes of a request for n_ctx tokens."""
     return -(-max(1, int(n_ctx)) // N_CTX_PAD) * N_CTX_PAD
@@ -115,6 +122,16 @@ def sampler_library(L: Any) -> ctypes.CDLL:
         lib.clover_sampler_set_inputs.restype = ctypes.c_int32
         lib.clover_sampler_chunk.argtypes = [ctypes.c_int32]
         lib.clover_sampler_chunk.restype = ctypes.c_int32
+        lib.clover_sampler_init_ext.argtypes = [ctypes.c_int32, ctypes.c_int32, ctypes.c_bool, ctypes.c_float,
+                                                ctypes.c_int32, ctypes.c_float, ctypes.c_int32, ctypes.c_bool]
+        lib.clover_sampler_init_ext.restype = smpl
+        lib.clover_sampler_set_inputs_ext.argtypes = [smpl, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32,
+                                                      ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p,
+                                                      ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32,
+                                                      ctypes.c_void_p]
+        lib.clover_sampler_set_inputs_ext.restype = ctypes.c_int32
+        lib.clover_sampler_saved_logit.argtypes = [smpl, ctypes.c_int32, ctypes.POINTER(ctypes.c_float)]
+        lib.clover_sampler_saved_logit.restype = ctypes.c_int32
     except (OSError, AttributeError) as e:
         raise UserError(f"the selection sampler {path} does not load ({e}): run `clover-gguf build-llama`") from None
     return lib
@@ -338,7 +355,8 @@ class LlamaContext:
         self._selectors: dict[int, tuple[tuple, Any]] = {}  # seq -> (settings, llama.cpp sampler chain)
         self._views: dict[tuple, np.ndarray] = {}  # numpy views of llama.cpp's sampled-output buffers
         self._pieces: dict[tuple[int, bool], bytes] = {}  # token_to_piece's, per (token, special)
-        self._sizes_checked: set[tuple[int, bool]] = set()  # (width, probs) whose row sizes _graph_rows checked
+        self._sizes_checked: set[tuple] = set()  # (width, probs, top_n) whose row sizes _graph_rows checked
+        self._n_ids: dict[int, int] = {}  # seq -> the ids its sampler took for the next decode (masks' included)
 
     # ---- metadata ---------------------------------------------------------------------------------------
     def meta(self, key: str) -> str | None:
@@ -397,12 +415,15 @@ class LlamaContext:
                 raise ValueError("a decode with a gather holds one sequence (decode_parts: several)")
             self._select_on(seq, gather, n_out, n)
             self._disarm((seq,))
-        elif n_out:  # logits wanted: no sequence may carry a sampler (llama.cpp would copy no logits)
-            for s in list(self._selectors):
+        elif n_out:  # logits wanted: this decode's sequences carry no sampler (llama.cpp would copy no logits for
+            # their rows); the others keep theirs (a row one kept, save_last, stays readable), told they have no rows
+            seqs = {seq, *(int(p[2]) for p in extra)}
+            for s in [s for s in self._selectors if s in seqs]:
                 self._select_off(s)
+            self._disarm(tuple(seqs))
         self._run(batch, n, n_out)
         if gather is not None:  # llama.cpp finds a decode's rows by the batch index of the first
-            return self._graph_rows(int(np.argmax(want)), n_out, gather) if n_out else None
+            return self._graph_rows(int(np.argmax(want)), n_out, gather, seq) if n_out else None
         if not n_out:
             return np.empty((0, self.n_vocab), dtype=np.float32)
         # llama.cpp stores the requested rows contiguously, in batch order
@@ -440,16 +461,21 @@ class LlamaContext:
         self._disarm(seqs)
         self._run(batch, n, n_out)
         # llama.cpp finds a row by its token's batch index
-        return [self._graph_rows(int(last), 1, p[3]) if p[3] is not None else None for last, p in zip(lasts, parts)]
+        return [self._graph_rows(int(last), 1, p[3], p[2]) if p[3] is not None else None
+                for last, p in zip(lasts, parts)]
 
     # ---- selection in the graph (libclover_sampler) ------------------------------------------------------
     def _disarm(self, seqs: Sequence[int]) -> None:
         """The samplers of sequences outside this decode have no rows in it: each then spends one row of the graph
         (llama.cpp builds every attached sampler, and computes only the active ones), not as many as last time."""
-        if len(self._selectors) > len(seqs):
-            for seq, (_, chain) in self._selectors.items():
-                if seq not in seqs:
-                    self._sampler.clover_sampler_set_inputs(chain, None, 0, 0, None, None)
+        for seq, (_, chain) in self._selectors.items():
+            if seq not in seqs:
+                self._sampler.clover_sampler_set_inputs(chain, None, 0, 0, None, None)
+
+    def gather_limit(self, sampled: bool, top_n: int = 0) -> int:
+        """The most ids a gather may name (its width): what the sampler returns per row must fit llama.cpp's output
+        row of n_vocab values (libclover_sampler refuses more)."""
+        return self.n_vocab - (1 if sampled else self.n_chunks + 1) - top_n
 
     def _select_on(self, seq: int, g: Gather, n_out: int, n: int) -> None:
         """Give `seq` the selection sampler for this gather (a new one when its settings changed) and its inputs
@@ -468,11 +494,15 @@ class LlamaContext:
             u = None if g.uniform is None else np.ascontiguousarray(g.uniform, dtype=np.float32)
             if coef is None or u is None or u.shape != (n_out,):
                 raise ValueError(f"a sampled gather needs coef [3, {n_out}, {len(ids)}] and uniform [{n_out}]")
-        key = (g.width, g.probs, g.temp, g.top_k, g.top_p)
+        key = (g.width, g.probs, g.temp, g.top_k, g.top_p, g.top_n, g.save_last)
         held = self._selectors.get(seq)
+        if held is not None and held[0][1:] == key[1:] and g.width <= held[0][0] and \
+                (held[0][0] <= 4 * g.width or held[0][0] * n_out <= REUSE_PADDING):
+            g.width, key = held[0][0], held[0]  # wide enough and not much wider: the graph is not rebuilt
         if held is None or held[0] != key:
             L = self.L
-            smpl = self._sampler.clover_sampler_init(self.n_vocab, g.width, g.probs, g.temp, g.top_k, g.top_p)
+            smpl = self._sampler.clover_sampler_init_ext(self.n_vocab, g.width, g.probs, g.temp, g.top_k, g.top_p,
+                                                         g.top_n, g.save_last)
             if not smpl:
                 raise ValueError(f"the selection sampler refused its settings {key}")
             chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
@@ -483,10 +513,21 @@ class LlamaContext:
             if held is not None:
                 L.llama_sampler_free(held[1])
             self._selectors[seq] = held = (key, chain)
-        if self._sampler.clover_sampler_set_inputs(held[1], _address(ids), len(ids), n_out, _address(coef),
-                                                   _address(u)) != 0:
-            raise ValueError(f"the selection sampler refused its inputs: {len(ids)} ids (width {g.width}, each in "
-                             f"[0, {self.n_vocab})), {n_out} rows, uniforms in [0, 1]")
+        masks = row_mask = None
+        n_words = n_masks = 0
+        if g.masks:
+            if g.row_mask is None or g.row_mask.shape != (n_out,):
+                raise ValueError(f"a gather's row masks must be [{n_out}]")
+            masks = np.ascontiguousarray(np.stack([m.words for m in g.masks]), dtype=np.int32)
+            n_masks, n_words = masks.shape
+            row_mask = np.ascontiguousarray(g.row_mask, dtype=np.int32)
+        got = self._sampler.clover_sampler_set_inputs_ext(
+            held[1], _address(ids), len(ids), n_out, _address(coef), 0 if coef is None else coef.shape[2],
+            _address(u), _address(masks), n_words, n_masks, _address(row_mask))
+        if got < 0:
+            raise ValueError(f"the selection sampler refused its inputs: {len(ids)} ids and {n_masks} masks' (width "
+                             f"{g.width}, each in [0, {self.n_vocab})), {n_out} rows, uniforms in [0, 1]")
+        self._n_ids[seq] = got
 
     def _select_off(self, seq: int) -> None:
         held = self._selectors.pop(seq, None)
@@ -494,23 +535,31 @@ class LlamaContext:
             self.L.llama_set_sampler(self.ctx, seq, None)
             self.L.llama_sampler_free(held[1])
 
-    def _graph_rows(self, first: int, n_out: int, g: Gather) -> GraphRows:
+    def _graph_rows(self, first: int, n_out: int, g: Gather, seq: int | None = None) -> GraphRows:
         """The sampler's outputs for the decode's rows, the first at batch index `first` (llama.cpp keeps the rows in
         batch order, each at a stride of n_vocab). Layout: clover_gguf/csrc/clover_sampler.h."""
         api, ctx = self._api, self.ctx
-        w = g.width
+        w, k = g.width, g.top_n
+        n_ids = self._n_ids.get(seq)
+        saved = self._saved_logit(seq) if g.save_last and seq is not None else None
         if g.temp > 0:
             n_p = api.llama_get_sampled_probs_count_ith(ctx, first)
-            if n_p != w + 1:
+            if n_p != w + 1 + k:
                 raise RuntimeError(f"the selection sampler returned {n_p} probabilities per row for a width of {w}")
             p = self._rows_view(api.llama_get_sampled_probs_ith(ctx, first), n_out, np.float32)[:, :n_p].copy()
             rows = np.flatnonzero(self._batch.logits[first:self._batch.struct.n_tokens])[:n_out] + first
             tokens = np.fromiter((api.llama_get_sampled_token_ith(ctx, int(i)) for i in rows), dtype=np.int64,
                                  count=n_out)
-            return GraphRows(at_ids=p[:, :w], tokens=tokens, token_probs=p[:, w])
+            out = GraphRows(at_ids=p[:, :w], tokens=tokens, token_probs=p[:, w], n_ids=n_ids, saved=saved)
+            if k:  # [at the ids | the draw | the top k], probabilities, candidates and processed logits alike
+                z = self._rows_view(api.llama_get_sampled_logits_ith(ctx, first), n_out, np.float32)[:, :n_p].copy()
+                c = self._rows_view(api.llama_get_sampled_candidates_ith(ctx, first), n_out, np.int32)
+                out.top_ids, out.top_probs, out.top_logits = c[:, w + 1:n_p].copy(), p[:, w + 1:], z[:, w + 1:]
+                out.at_logits, out.token_z = z[:, :w], z[:, w]
+            return out
         n = self.n_chunks
-        n_f = w + n + 1  # [at the ids | chunk maxima | the choice]
-        key = (w, g.probs)
+        n_f = w + n + 1 + k  # [at the ids | chunk maxima | the choice | the top k]
+        key = (w, g.probs, k)
         if key not in self._sizes_checked:  # the library's row layout, checked once per setting (two calls a pass)
             got = api.llama_get_sampled_logits_count_ith(ctx, first)
             if got != n_f:
@@ -523,8 +572,27 @@ class LlamaContext:
         probs = None
         if g.probs:
             probs = self._rows_view(api.llama_get_sampled_probs_ith(ctx, first), n_out, np.float32)[:, :n].copy()
-        return GraphRows(at_ids=f[:, :w], rest_ids=ids[:, :n], rest_logits=f[:, w:w + n], rest_probs=probs,
-                         tokens=ids[:, n], token_logits=f[:, w + n])
+        out = GraphRows(at_ids=f[:, :w], rest_ids=ids[:, :n], rest_logits=f[:, w:w + n], rest_probs=probs,
+                        tokens=ids[:, n], token_logits=f[:, w + n], n_ids=n_ids, saved=saved)
+        if k:
+            out.top_ids, out.top_logits = ids[:, n + 1:], f[:, w + n + 1:]
+        return out
+
+    def _saved_logit(self, seq: int):
+        """-> token -> the raw logit of the last row of `seq`'s latest saving decode (read when asked: before the
+        sequence's next decode, which may save another row)."""
+        chain = self._selectors[seq][1]
+        out = ctypes.c_float()
+
+        def read(token: int) -> float:
+            held = self._selectors.get(seq)
+            if held is None or held[1] is not chain:  # freed with its sampler (its settings changed)
+                raise ValueError(f"the row kept on sequence {seq} is gone (its sampler was replaced)")
+            if self._sampler.clover_sampler_saved_logit(chain, int(token), ctypes.byref(out)) != 0:
+                raise ValueError(f"no saved row holds token {token}")
+            return float(out.value)
+
+        return read
 
     def _rows_view(self, addr: int | None, n_out: int, dtype) -> np.ndarray:
         """[n_out, n_vocab] numpy view of one of llama.cpp's sampled-output buffers (kept per address: making a view

@@ -505,11 +505,21 @@ def _rows(logits, gather: Gather) -> GraphRows:
     computes them in llama.cpp's graph: the processed logits at the gathered ids (gather.coef applied), for the rest
     of each row (the gathered ids left out) each chunk's largest logit, its id (the lowest on ties) and, with
     gather.probs, its probability within the chunk's softmax; and the row's choice, the largest of those (the lowest
-    id among equal ones). Only these leave MLX."""
+    id among equal ones). A row a mask restricts (gather.masks) has -inf wherever its mask does not allow (the
+    bitmask unpacked in MLX); with gather.top_n the processed row's top_n most likely tokens, with gather.save_last
+    the last row's raw logits kept in MLX for a token asked for later. Only these leave MLX."""
     if gather.temp > 0:
         raise ValueError("the MLX backend selects greedily in MLX; sampling runs on numpy logits")
     t, v = logits.shape
     logits = logits.astype(mx.float32)
+    raw_last = logits[-1] if gather.save_last else None
+    if gather.masks:  # [K, words] bitmasks -> [T, V] allowed, for the rows that have one
+        words = mx.array(np.stack([m.words for m in gather.masks]).view(np.uint32))
+        bits = (words[:, :, None] >> mx.arange(32, dtype=mx.uint32)) & 1
+        allowed = bits.reshape(len(gather.masks), -1)[:, :v].astype(mx.bool_)
+        row = np.asarray(gather.row_mask, dtype=np.int32)
+        allowed = mx.where(mx.array(row >= 0)[:, None], allowed[mx.array(np.maximum(row, 0))], True)
+        logits = mx.where(allowed, logits, -mx.inf)
     ids = mx.array(np.asarray(gather.ids, dtype=np.int32))
     at = mx.take(logits, ids, axis=1)  # [T, W]
     if gather.coef is not None:
@@ -529,10 +539,21 @@ def _rows(logits, gather: Gather) -> GraphRows:
     outs = [at, best, arg, token, top[:, 0]]
     if gather.probs:
         outs.append(1.0 / mx.sum(mx.exp(rest - best[..., None]), axis=-1))
-    mx.eval(outs)
-    at_, best_, arg_, token_, top_, *p = (np.array(o) for o in outs)
-    return GraphRows(at_ids=at_, rest_ids=arg_, rest_logits=best_, rest_probs=p[0] if p else None, tokens=token_,
-                     token_logits=top_)
+    k = gather.top_n
+    if k:  # the processed row: the rest, the corrected logits back at the ids
+        z = mx.where(gathered, -mx.inf, logits)
+        z[:, ids] = at
+        top_ids = mx.argpartition(-z, kth=k - 1, axis=-1)[:, :k]
+        outs += [top_ids, mx.take_along_axis(z, top_ids, axis=-1)]
+    mx.eval(outs + ([raw_last] if raw_last is not None else []))
+    at_, best_, arg_, token_, top_, *more = (np.array(o) for o in outs)
+    p = more.pop(0) if gather.probs else None
+    out = GraphRows(at_ids=at_, rest_ids=arg_, rest_logits=best_, rest_probs=p, tokens=token_, token_logits=top_)
+    if k:
+        out.top_ids, out.top_logits = more
+    if raw_last is not None:
+        out.saved = lambda tok: float(raw_last[int(tok)].item())
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -589,6 +610,10 @@ class MlxBackend:
     @property
     def n_past(self) -> int:
         return len(self._ids)
+
+    @property
+    def n_vocab(self) -> int:
+        return int(self.cfg.vocab_size)
 
     def reset(self) -> None:
         self._ids: list[int] = []

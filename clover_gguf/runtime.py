@@ -233,6 +233,14 @@ class LlamaBackend:
     def n_past(self) -> int:
         return len(self._ids) - self._pending_rollback
 
+    @property
+    def n_vocab(self) -> int:
+        return self.ctx.n_vocab
+
+    def gather_limit(self, sampled: bool, top_n: int = 0) -> int:
+        """The most ids a pass's selection may gather (decoding._Passes selects a pass with more on dense logits)."""
+        return self.ctx.gather_limit(sampled, top_n)
+
     def rollback(self, n: int) -> None:
         if n <= 0:
             return

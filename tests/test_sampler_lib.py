@@ -342,3 +342,274 @@ def test_a_block_pass_selects_its_rows_in_one_computation_as_a_causal_pass_does(
         assert probe.error is None
         assert sorted(ctx._selectors) == [0, 1]
         assert counts == [1, 1, 1]
+
+
+# ---- constrained output and logprobs (clover_sampler_init_ext, clover_sampler_set_inputs_ext) ----------------------
+def string_mask(seed: int = 0):
+    """A JSON string's kind of mask at V = 248,320: 8,300 ids excluded (the sampler gathers them: "deny")."""
+    from clover_gguf.testing.automaton import string_mask as mask
+
+    return mask(V_BIG, seed)
+
+
+def structure_mask(seed: int = 0, extra=()):
+    """A JSON structure position's kind: 60 ids allowed (the sampler gathers them: "allow")."""
+    from clover_gguf.testing.automaton import structure_mask as mask
+
+    return mask(V_BIG, seed, extra)
+
+
+def _taken(ids: np.ndarray, g: Gather) -> np.ndarray:
+    """The ids the sampler takes: `ids`, then each mask's ids (the allowed, or the excluded when fewer; masks in the
+    order rows first use them, ids ascending), each once."""
+    out = [int(t) for t in ids]
+    seen = set(out)
+    for j in dict.fromkeys(int(k) for k in g.row_mask if k >= 0):
+        m = g.masks[j]
+        d = m.dense()
+        for t in np.flatnonzero(d if m.n_allowed <= m.n_vocab - m.n_allowed else ~d).tolist():
+            if t not in seen:
+                seen.add(t)
+                out.append(t)
+    return np.array(out, dtype=np.int64)
+
+
+def _restricted(raw: np.ndarray, g: Gather) -> np.ndarray:
+    """numpy, float32: the rows corrected at the ids (g.coef) with -inf where a row's mask does not allow."""
+    z = _corrected(raw, g.ids, g.coef)
+    return g.restrict(z)
+
+
+def _masked_gather(rng, n_rows, probs=True, temp=0.0, top_n=0, coef=True):
+    """A block pass's gather: 12 ids with coefficients; rows 0, 3: a string mask, 1, 4: a structure mask that
+    allows two of the ids, 2: another structure mask, the rest free."""
+    from clover_gguf.constraint import Mask
+
+    ids = np.array(rng.choice(V_BIG, size=12, replace=False), dtype=np.int32)
+    masks = [string_mask(), structure_mask(extra=ids[:2].tolist()), structure_mask(seed=5)]
+    row_mask = np.full(n_rows, -1, dtype=np.int32)
+    row_mask[[0, 3]], row_mask[[1, 4]], row_mask[2] = 0, 1, 2
+    g = Gather(ids=ids, n_rows=n_rows, width=32768, probs=probs, temp=temp, top_n=top_n, masks=masks,
+               row_mask=row_mask, coef=_coef(rng, n_rows, len(ids)) if coef else None)
+    assert isinstance(masks[0], Mask) and masks[0].n_ids() == 8300 and masks[1].n_ids() >= 60
+    return g
+
+
+def test_restricted_greedy_rows_equal_numpy_on_the_raw_rows(big_gguf):
+    """A 32-row block pass at V = 248,320, rows restricted by a string mask (8,300 ids excluded: gathered with -inf),
+    structure masks (60 allowed: gathered, the rest of the row excluded) or nothing, with coefficients that decide: the
+    logits at every id taken (the given ids, then the masks') equal numpy's restricted corrected row, the chunk
+    maxima those of the row without the taken ids (-inf for a restricted-to-its-ids row), the choice numpy's argmax
+    of the restricted row, the top 20 numpy's top 20 (their logits and ids), for tokens only and with probabilities."""
+    rng = np.random.default_rng(3)
+    with LlamaContext(big_gguf, n_ctx=256, n_threads=2) as ctx:
+        prompt = [int(t) for t in rng.integers(0, 1000, 12)]
+        ctx.decode(prompt, 0, logits=False)
+        block = [int(t) for t in rng.integers(0, V_BIG, 32)]
+        raw = ctx.block(block, len(prompt))
+        for probs, top_n in ((True, 20), (False, 0)):
+            g = _masked_gather(np.random.default_rng(4), 32, probs=probs, top_n=top_n)
+            rows = ctx.block(block, len(prompt), gather=g)
+            taken = _taken(g.ids, g)
+            assert rows.n_ids == len(taken)
+            z = _restricted(raw, g)
+            np.testing.assert_array_equal(rows.at_ids[:, :len(taken)], z[:, taken])
+            want_ids, want_best, want_p = _expected_greedy(raw, taken)
+            free = (g.row_mask < 0) | (g.row_mask == 0)  # rows whose rest is read (the structure rows' is excluded)
+            np.testing.assert_array_equal(rows.rest_logits[free], want_best[free].astype(np.float32))
+            np.testing.assert_array_equal(rows.rest_ids[free], want_ids[free])
+            assert np.all(rows.rest_logits[~free] == -np.inf)
+            np.testing.assert_array_equal(rows.tokens, z.argmax(-1))
+            np.testing.assert_array_equal(rows.token_logits, z.max(-1))
+            assert all(g.masks[j].allows(int(t)) for t, j in zip(rows.tokens, g.row_mask) if j >= 0)
+            assert not g.masks[0].allows(int(raw[0].argmax())) or z[0].argmax() == raw[0].argmax()
+            if probs:
+                np.testing.assert_allclose(rows.rest_probs[free], want_p[free], rtol=2e-5)
+            if top_n:
+                top = np.argsort(-z, axis=1)[:, :top_n]
+                for r in range(32):
+                    got = sorted(zip(rows.top_ids[r].tolist(), rows.top_logits[r].tolist()), key=lambda p: -p[1])
+                    assert [t for t, _ in got] == top[r].tolist(), r
+                    np.testing.assert_array_equal([v for _, v in got], z[r, top[r]])
+            else:
+                assert rows.top_ids is None
+
+
+def test_restricted_greedy_ties_go_to_the_lowest_id(big_gguf):
+    """A structure row whose two allowed ids tie exactly above every other (coefficients c0 = c1 = 0, the same c2,
+    the higher id listed first) chooses the lower; a string row choosing from the rest with a tie between its best
+    allowed id and a gathered one (the excluded best of the row gathered with -inf) chooses the lower."""
+    from clover_gguf.constraint import Mask
+
+    rng = np.random.default_rng(13)
+    with LlamaContext(big_gguf, n_ctx=256, n_threads=2) as ctx:
+        prompt = [int(t) for t in rng.integers(0, 1000, 12)]
+        ctx.decode(prompt, 0, logits=False)
+        block = [int(t) for t in rng.integers(0, V_BIG, 2)]
+        raw = ctx.block(block, len(prompt))
+        a, b = sorted(rng.choice(V_BIG, size=2, replace=False).tolist())
+        first = int(raw[1].argmax())
+        second = int(np.argsort(-raw[1])[1])  # the row's best allowed once `first` is excluded
+        t = min(second, first) - 1 if min(second, first) > 0 else max(second, first) + 1
+        ids = np.array([b, a, t], dtype=np.int32)
+        coef = np.zeros((3, 2, 3), dtype=np.float32)
+        coef[:2] = 1.0
+        coef[:, 0, :2] = [[0, 0], [0, 0], [50.0, 50.0]]
+        coef[:, 1, 2] = [0.0, 0.0, raw[1, second]]  # the gathered id t at exactly the best allowed logit
+        allow = np.ones(V_BIG, dtype=bool)
+        allow[first] = False
+        masks = [Mask.of([a, b, int(raw[0].argmax())], V_BIG), Mask.of(np.flatnonzero(allow), V_BIG)]
+        g = Gather(ids=ids, n_rows=2, width=32, probs=True, coef=coef, masks=masks,
+                   row_mask=np.array([0, 1], dtype=np.int32))
+        rows = ctx.block(block, len(prompt), gather=g)
+    assert rows.tokens.tolist() == [a, min(t, second)]
+    assert rows.token_logits.tolist() == [50.0, raw[1, second]]
+
+
+@pytest.mark.parametrize("top_k", [0, 1])
+def test_restricted_sampled_rows_report_numpy_probabilities(big_gguf, top_k):
+    """temp > 0 with restricted rows: the probabilities at the ids taken and of the draw, and the top 5's, are those
+    of numpy's softmax of the restricted corrected row; every draw is allowed; with top_k 1 the draw is that row's
+    most likely token; the processed logits returned with the top 5 are numpy's."""
+    rng = np.random.default_rng(17)
+    with LlamaContext(big_gguf, n_ctx=256, n_threads=2) as ctx:
+        prompt = [int(t) for t in rng.integers(0, 1000, 10)]
+        ctx.decode(prompt, 0, logits=False)
+        block = [int(t) for t in rng.integers(0, V_BIG, 8)]
+        raw = ctx.block(block, len(prompt))
+        g = _masked_gather(np.random.default_rng(5), 8, temp=1.0, top_n=5)
+        g.top_k, g.uniform = top_k, rng.uniform(0.01, 0.99, 8).astype(np.float32)
+        rows = ctx.block(block, len(prompt), gather=g)
+    z = _restricted(raw, g).astype(np.float64)
+    p = np.exp(z - z.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    taken = _taken(g.ids, g)
+    np.testing.assert_allclose(rows.at_ids[:, :len(taken)], p[:, taken], rtol=1e-4, atol=1e-12)
+    np.testing.assert_allclose(rows.token_probs, p[np.arange(8), rows.tokens], rtol=1e-4)
+    assert all(g.masks[j].allows(int(t)) for t, j in zip(rows.tokens, g.row_mask) if j >= 0)
+    if top_k == 1:
+        np.testing.assert_array_equal(rows.tokens, z.argmax(-1))
+    top = np.argsort(-z, axis=1)[:, :5]
+    for r in range(8):
+        order = np.argsort(-rows.top_logits[r])
+        assert rows.top_ids[r][order].tolist() == top[r].tolist()
+        np.testing.assert_allclose(rows.top_probs[r][order], p[r, top[r]], rtol=1e-4)
+        np.testing.assert_array_equal(rows.top_logits[r][order], z[r, top[r]].astype(np.float32))
+    np.testing.assert_array_equal(rows.token_z, z[np.arange(8), rows.tokens].astype(np.float32))
+
+
+def test_the_last_row_is_kept_raw_for_a_token_asked_for_later(big_gguf):
+    """save_last: after a causal pass with the selection in the graph (no logits copied), any token's raw logit in
+    its last row reads back exact; a pass that saves nothing leaves a sampler without a saved row refusing."""
+    rng = np.random.default_rng(21)
+    with LlamaContext(big_gguf, n_ctx=256, n_threads=2) as ctx:
+        prompt = [int(t) for t in rng.integers(0, 1000, 9)]
+        ctx.decode(prompt[:-3], 0, logits=False)
+        raw = ctx.decode(prompt[-3:], len(prompt) - 3)  # three rows, as llama.cpp computes them
+        ctx.clear()
+        ctx.decode(prompt[:-3], 0, logits=False)
+        g = Gather(ids=np.array([5, 7], dtype=np.int32), n_rows=3, width=32, probs=True, save_last=True, top_n=3)
+        rows = ctx.decode(prompt[-3:], len(prompt) - 3, gather=g)
+        for t in [0, 5, int(raw[2].argmax()), *rng.integers(0, V_BIG, 20).tolist(), V_BIG - 1]:
+            assert rows.saved(t) == raw[2, t]
+        with pytest.raises(ValueError):
+            rows.saved(V_BIG)
+        lib = sampler_library(ctx.L)
+        s = lib.clover_sampler_init_ext(V_BIG, 32, True, 0.0, 0, 1.0, 0, True)
+        out = ctypes.c_float()
+        assert lib.clover_sampler_saved_logit(s, 0, ctypes.byref(out)) == -1  # made, never saved
+        ctx.L.llama_sampler_free(s)
+
+
+def test_a_width_whose_outputs_do_not_fit_a_row_is_refused_not_aborted(small_gguf):
+    """Issue 52: a gather wider than what llama.cpp's output row holds (n_vocab values; greedy: width + chunks + 1 +
+    top_n, sampled: width + 1 + top_n) made llama.cpp abort the process (GGML_ASSERT n_elements <= stride). The
+    sampler refuses it (NULL), the runtime says so in one ValueError, and the widest width it takes works."""
+    with LlamaContext(small_gguf, n_ctx=256, n_threads=2) as ctx:
+        lib = sampler_library(ctx.L)
+        v = ctx.n_vocab
+        m = v // lib.clover_sampler_chunk(v)
+        for temp, top_n, fit in ((0.0, 0, v - m - 1), (0.0, 5, v - m - 6), (1.0, 0, v - 1), (1.0, 7, v - 8)):
+            assert ctx.gather_limit(temp > 0, top_n) == fit
+            s = lib.clover_sampler_init_ext(v, fit, True, temp, 0, 1.0, top_n, False)
+            assert s
+            ctx.L.llama_sampler_free(s)
+            assert not lib.clover_sampler_init_ext(v, fit + 1, True, temp, 0, 1.0, top_n, False)
+        assert not lib.clover_sampler_init(v, 512, True, 0.0, 0, 1.0)  # issue 52's width on this 448 vocabulary
+        assert not lib.clover_sampler_init_ext(v, 32, True, 0.0, 0, 1.0, 65, False)  # top_n past the most
+        ids = ctx.tokenize("Count from 3 to 9.")
+        flags = [False] * (len(ids) - 1) + [True]
+        with pytest.raises(ValueError, match="refused its settings"):
+            ctx.decode(ids, 0, logits=flags, gather=Gather(ids=np.array([3], dtype=np.int32), n_rows=1, width=512))
+        ctx.clear()
+        raw = ctx.decode(ids, 0, logits=flags)
+        ctx.clear()
+        want = np.arange(v - m - 1, dtype=np.int32)  # every id but the last m + 1: the widest gather
+        rows = ctx.decode(ids, 0, logits=flags, gather=Gather(ids=want, n_rows=1, width=v - m - 1))
+        _check_greedy(rows, raw, want, v - m - 1, True)
+
+
+def test_bad_masks_are_refused(small_gguf):
+    """A mask index out of range, a mask that allows nothing, more ids than the width: -1 through the C API and
+    one ValueError through the runtime."""
+    from clover_gguf.constraint import Mask
+
+    with LlamaContext(small_gguf, n_ctx=128, n_threads=2) as ctx:
+        lib = sampler_library(ctx.L)
+        v = ctx.n_vocab
+        s = lib.clover_sampler_init_ext(v, 8, True, 0.0, 0, 1.0, 0, False)
+        ids = (ctypes.c_int32 * 1)(3)
+
+        def put(words, rows, width_ok=True):
+            w = np.ascontiguousarray(np.stack(words), dtype=np.int32)
+            r = np.ascontiguousarray(rows, dtype=np.int32)
+            return lib.clover_sampler_set_inputs_ext(s, ids, 1, len(rows), None, 0, None, w.ctypes.data,
+                                                     w.shape[1], w.shape[0], r.ctypes.data)
+
+        few = Mask.of([1, 2, 3], v).words
+        assert put([few], [0, -1]) == 3  # id 3 given, 1 and 2 added
+        assert put([few], [1, 0]) == -1 and put([few], [-2, 0]) == -1
+        assert put([np.zeros_like(few)], [0]) == -1  # allows nothing
+        assert put([Mask.of(range(20), v).words], [0]) == -1  # 20 ids taken past a width of 8
+        ctx.L.llama_sampler_free(s)
+        prompt = ctx.tokenize("Count from 3 to 9.")
+        g = Gather(ids=np.array([3], dtype=np.int32), n_rows=1, width=8, masks=[Mask.of(range(20), v)],
+                   row_mask=np.array([0], dtype=np.int32))
+        with pytest.raises(ValueError, match="refused its inputs"):
+            ctx.decode(prompt, 0, logits=[False] * (len(prompt) - 1) + [True], gather=g)
+
+
+def test_selection_with_masks_and_logprobs_in_the_graph_equals_numpy(big_gguf):
+    """controls.Selector on a 32-row block pass at V = 248,320, the card's controls made to bite, rows restricted by a
+    string mask, structure masks and nothing: the graph's choice (tokens, confidences, asked probabilities, the
+    logprobs of the chosen and of other computed tokens, the top 20 in order) equals the dense numpy selection on
+    the same raw rows."""
+    from clover_gguf.controls import Controls, Histories, Selector, make_processors
+
+    biting = Controls(presence_penalty=5.0, frequency_penalty=1.0, repetition_penalty=2.0)
+    rng = np.random.default_rng(8)
+    with LlamaContext(big_gguf, n_ctx=256, n_threads=2) as ctx:
+        prompt = [int(t) for t in rng.integers(0, 1000, 12)]
+        ctx.decode(prompt, 0, logits=False)
+        block = [int(t) for t in rng.integers(0, V_BIG, 32)]
+        raw = ctx.block(block, len(prompt))
+        answer = [int(raw[0].argmax()), int(raw[1].argmax()), *rng.integers(0, V_BIG, 6).tolist()]
+        h = Histories(answer, [], [0] * 32)
+        procs = make_processors(biting, [V_BIG - 1], None, None)
+        masks = [string_mask(), structure_mask(extra=[int(raw[1].argmax())]), None, structure_mask(seed=7)] * 8
+        dense = Selector(procs, None, [V_BIG - 1], never=[V_BIG - 2]).choose(h, raw, masks=masks)
+        sel = Selector(procs, None, [V_BIG - 1], never=[V_BIG - 2])
+        g = sel.gather(h, want=answer[:3], masks=masks, logprobs=20)
+        got = sel.choose(h, ctx.block(block, len(prompt), gather=g), g)
+    np.testing.assert_array_equal(got.tokens, dense.tokens)
+    assert not np.array_equal(dense.tokens, raw.argmax(-1))  # the masks and controls decided
+    np.testing.assert_allclose(got.conf, dense.conf, rtol=1e-5)
+    for i in range(32):
+        for t in answer[:3]:
+            assert got.prob(i, t) == pytest.approx(dense.prob(i, t), rel=1e-4, abs=1e-12)
+            assert got.logprob(i, t) == pytest.approx(dense.logprob(i, t), abs=2e-5)
+        assert got.logprob(i, int(got.tokens[i])) == pytest.approx(dense.logprob(i, int(dense.tokens[i])), abs=2e-5)
+        top_g, top_d = got.top(i, 20), dense.top(i, 20)
+        assert [t for t, _ in top_g] == [t for t, _ in top_d], i
+        np.testing.assert_allclose([v for _, v in top_g], [v for _, v in top_d], atol=2e-5)
+        assert len(top_d) == (20 if masks[i] is None or masks[i].n_allowed > 20 else masks[i].n_allowed)
