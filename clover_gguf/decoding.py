@@ -27,21 +27,43 @@ Conventions
 * Pass costs: every pass but the prompt's is timed (`clock`, time.perf_counter unless a test injects one) into the
   answer's `auto.PassCosts` when one is given (the runtime keeps one per loaded model): causal passes by their
   tokens, block passes by the block's, rollbacks (draft-self's rejected tokens) by the tokens they keep.
+* Constrained output (`constraint`, clover_gguf.constraint): every kept token is one the grammar allows where it
+  stands, in every mode (docs/runtime.md, "Constrained output"). AR restricts each step's row to the grammar's mask.
+  A block is validated in order as it resolves (`_Track`): each resolved token from the block's start is accepted
+  into the grammar, the first one it refuses is masked again, and the block pass restricts the first unvalidated
+  position (the head) to the grammar's mask, so every pass makes progress. A draft is such a block, ending at its
+  first refused token; its verification restricts row i to the grammar's state after the draft's first i + 1
+  tokens, so greedy draft-self and auto keep AR's constrained text, and the grammar is rolled back to what is kept.
+  Once the grammar is finished only the end tokens may follow. Wide masks: CHEAP_MASK_IDS.
+* Logprobs (`logprobs`: None off, 0 the kept tokens' own, 1..TOP_LOGPROBS_MAX and that many alternatives): each kept
+  token's log-probability under the processed row of the causal pass that kept it (an AR step's row, a draft's
+  verification row, diffusion's commit pass, the prompt's row for the first token) and the row's most likely
+  tokens (`TokenLogprob`, in Chunk.logprobs beside Chunk.tokens).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
 from clover_gguf.auto import AutoPolicy, PassCosts, Plan
+from clover_gguf.constraint import Constraint, Mask
 from clover_gguf.controls import Choice, Gather, GraphRows, Histories, Processor, Sampler, Selector
 
 MODES = ("auto", "ar", "diffusion", "draft-self")
 ACCEPT_MODES = ("exact", "threshold")
+TOP_LOGPROBS_MAX = 20  # the most alternatives a kept token's logprob comes with (OpenAI's top_logprobs)
+# A row's grammar restriction that names at most this many ids (the allowed or the excluded, the fewer: a JSON
+# structure position allows a few dozen) is applied in every pass. A wider one (inside a JSON string most of the
+# vocabulary is allowed and thousands of ids excluded) costs every row of a pass its ids in the graph, so a pass of
+# several rows applies it only where it needs the restricted probabilities (logprobs, threshold acceptance), and
+# otherwise checks the row's unrestricted choice against it: a choice it allows is the restricted row's choice too
+# (the largest logit of a set that holds the row's largest; for a draw, rejection sampling), one it does not is
+# chosen again from the restricted row (a block's head in its next pass, a draft's row by a one-token pass).
+CHEAP_MASK_IDS = 1024
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -75,6 +97,9 @@ class Backend(Protocol):
     Optional: `settle()` applies a rollback now that the backend would otherwise defer to its next pass (so that auto
     times it with the draft it belongs to); `keep_backup` (a bool attribute): whether the next commit must be
     possible to roll back (set by the decoders before each commit: only draft verifications are rolled back).
+
+    Optional: `n_vocab` (the rows' width; constrained output reads masks at it) and `gather_limit(sampled, top_n)`
+    (the most ids its graph's selection may gather: a pass with more is selected on dense logits).
 
     Optional (GraphBackend): the same passes with the selection's full-vocabulary work done by the model's own
     graph; a `controls.Gather` says which ids to take out of each row, and they return `controls.GraphRows`
@@ -128,13 +153,35 @@ class _Passes:
     Choice. Each pass but the prompt's is timed into `costs` (when given)."""
 
     def __init__(self, backend: Backend, selector: Selector, costs: PassCosts | None = None,
-                 clock: Callable[[], float] = time.perf_counter, observe: Callable[[dict], None] | None = None):
+                 clock: Callable[[], float] = time.perf_counter, observe: Callable[[dict], None] | None = None,
+                 logprobs: int | None = None):
         self.b, self.sel = backend, selector
         self.observe = observe  # generate's observer of the passes (see generate), or None
         self.graph = (selector.in_graph and isinstance(backend, GraphBackend) and
                       getattr(backend, "select_in_graph", True))
         self.costs, self.clock = costs, clock
         self.can_keep_backup = hasattr(backend, "keep_backup")
+        self.logprobs = logprobs  # the answer's: None, or the alternatives each kept token's logprob comes with
+        self.limit = getattr(backend, "gather_limit", None)
+
+    def _fits(self, g: Gather) -> bool:
+        """Whether the graph's sampler can take this gather (a small vocabulary cannot take many ids: its rows'
+        outputs would not fit); the width is trimmed to what it takes. A pass that does not fit selects densely."""
+        if self.limit is None:
+            return True
+        limit = self.limit(g.temp > 0, g.top_n)
+        need = len(g.ids) + sum(m.n_ids() for m in g.masks or ())
+        g.width = min(g.width, limit)
+        return need <= limit
+
+    def _gather(self, h: Histories, want: Sequence[int] = (), probs: bool = True,
+                masks: Sequence[Mask | None] | None = None, lp: bool = False, save: bool = False) -> Gather | None:
+        """The pass's Gather when it selects in the graph (None: dense)."""
+        if not self.graph:
+            return None
+        g = self.sel.gather(h, want, probs=probs, masks=masks, logprobs=self.logprobs if lp else None,
+                            save_last=save)
+        return g if self._fits(g) else None
 
     def _timed(self, kind: str, rows: int, call, *args):
         t0 = self.clock()
@@ -143,12 +190,14 @@ class _Passes:
             self.costs.observe(kind, rows, self.clock() - t0)
         return out
 
-    def prefill(self, ids: Sequence[int], h: Histories) -> Choice:
-        """The prompt's pass and the choice of the first token (its confidence is not computed in the graph)."""
-        if self.graph:
-            g = self.sel.gather(h, probs=False)
+    def prefill(self, ids: Sequence[int], h: Histories, masks: Sequence[Mask | None] | None = None,
+                lp: bool = False, save: bool = False) -> Choice:
+        """The prompt's pass and the choice of the first token (its confidence is not computed in the graph); masks:
+        the row's restriction; lp: its logprobs are needed (save: for a token chosen later)."""
+        g = self._gather(h, probs=False, masks=masks, lp=lp, save=save)
+        if g is not None:
             return self.sel.choose(h, self.b.prefill_rows(ids, g), g)
-        return self.sel.choose(h, self.b.prefill(ids)[None])
+        return self.sel.choose(h, self.b.prefill(ids)[None], masks=masks)
 
     def prefill_only(self, ids: Sequence[int]) -> None:
         """A prompt's pass whose row nobody reads (the block modes' blocks start all-mask)."""
@@ -158,15 +207,17 @@ class _Passes:
             self.b.prefill(ids)
 
     def commit(self, ids: Sequence[int], h: Histories, want: Sequence[int] = (), probs: bool = False,
-               draft: bool = False) -> Choice:
+               draft: bool = False, masks: Sequence[Mask | None] | None = None, lp: bool = False,
+               save: bool = False) -> Choice:
         """A causal pass committing `ids` and the choices of its rows; probs: the probabilities of `want` (and the
-        confidences) are needed, not just the tokens; draft: a verification, which may be rolled back."""
+        confidences) are needed, not just the tokens; draft: a verification, which may be rolled back; masks: the
+        rows' restrictions; lp: the rows' logprobs are needed (save: also of a token chosen later, in the last)."""
         if self.can_keep_backup:
             self.b.keep_backup = draft
-        if self.graph:
-            g = self.sel.gather(h, want, probs=probs)
+        g = self._gather(h, want, probs=probs, masks=masks, lp=lp, save=save)
+        if g is not None:
             return self.sel.choose(h, self._timed("causal", len(ids), self.b.commit_rows, ids, g), g)
-        return self.sel.choose(h, self._timed("causal", len(ids), self.b.commit, ids))
+        return self.sel.choose(h, self._timed("causal", len(ids), self.b.commit, ids), masks=masks)
 
     def commit_only(self, ids: Sequence[int]) -> None:
         """A causal pass whose rows nobody reads (a finished block)."""
@@ -177,11 +228,13 @@ class _Passes:
         else:
             self._timed("causal", len(ids), self.b.commit, ids)
 
-    def block(self, block: Sequence[int], positions: Sequence[int], h: Histories) -> Choice:
-        if self.graph:
-            g = self.sel.gather(h)
+    def block(self, block: Sequence[int], positions: Sequence[int], h: Histories,
+              masks: Sequence[Mask | None] | None = None) -> Choice:
+        g = self._gather(h, masks=masks)
+        if g is not None:
             return self.sel.choose(h, self._timed("block", len(block), self.b.block_rows, block, positions, g), g)
-        return self.sel.choose(h, self._timed("block", len(block), self.b.block_logits, block)[list(positions)])
+        return self.sel.choose(h, self._timed("block", len(block), self.b.block_logits, block)[list(positions)],
+                               masks=masks)
 
     def rollback(self, n: int, kept: int, now: bool) -> None:
         """Forget the last n committed tokens (`kept`: the tokens of that commit that stay); now: apply it at once
@@ -193,8 +246,140 @@ class _Passes:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Constrained output: the grammar's state as the decoders follow it
+# ---------------------------------------------------------------------------------------------------------------
+class _Grammar:
+    """An answer's constraint as the decoders use it: the mask of its current state as a constraint.Mask (copied and
+    counted once; a repeat of the previous mask's content is that mask; the end tokens alone once the grammar is
+    finished or allows nothing a row may choose), acceptance, rollback, and which rows of a pass apply their
+    restriction (CHEAP_MASK_IDS)."""
+
+    def __init__(self, constraint: Constraint, eos: frozenset[int], never: Sequence[int], n_vocab: int | None):
+        self.c, self.eos = constraint, frozenset(int(t) for t in eos)
+        self.never = [int(t) for t in never if t is not None and int(t) >= 0]
+        self.n_vocab = n_vocab
+        self._now: Mask | None = None  # the current state's mask (None: not fetched since the state changed)
+        self._last: Mask | None = None  # the mask fetched last
+        self._ends: Mask | None = None
+
+    def mask(self) -> Mask | None:
+        """What the current state allows next (None: anything; only an answer without end tokens)."""
+        if self._now is None:
+            self._now = self._fetch()
+        return self._now
+
+    def _fetch(self) -> Mask | None:
+        if self.c.finished():
+            return self._end_mask(None)
+        words = np.asarray(self.c.mask())
+        m = Mask(words, self.n_vocab or 32 * words.size)
+        if m.n_allowed - sum(m.allows(t) for t in self.never) <= 0:  # nothing a row may choose: the answer ends
+            return self._end_mask(m.n_vocab)
+        if m.same(self._last):
+            return self._last
+        self._last = m
+        return m
+
+    def _end_mask(self, n_vocab: int | None) -> Mask | None:
+        if self._ends is None and self.eos:
+            if n_vocab is None:
+                n_vocab = self.n_vocab or 32 * np.asarray(self.c.mask()).size
+            self._ends = Mask.of(sorted(self.eos), n_vocab)
+        return self._ends
+
+    def allows(self, mask: Mask | None, token: int) -> bool:
+        return mask is None or mask.allows(int(token))
+
+    def accept(self, token: int) -> bool:
+        """Advance by `token` (never an end token); False: the grammar refuses it here (the state unchanged)."""
+        ok = bool(self.c.accept(int(token)))
+        if ok:
+            self._now = None
+        return ok
+
+    def take(self, token: int) -> None:
+        """Advance by a token a pass chose under this state's mask: the grammar must take it."""
+        if not self.accept(token):
+            raise RuntimeError(f"the constraint refused token {token}, which its own mask allowed")
+
+    def rollback(self, n: int) -> None:
+        if n > 0:
+            self.c.rollback(n)
+            self._now = None
+
+    @staticmethod
+    def split(masks: Sequence[Mask | None], probs: bool) -> tuple[list[Mask | None], list[Mask | None]]:
+        """A pass's row masks -> (the ones its selection applies, the ones its choices are checked against after
+        it): a cheap restriction always applies; a wide one where the pass has one row or needs the restricted
+        probabilities (probs)."""
+        eager = probs or len(masks) == 1
+        applied = [m if m is not None and (eager or m.n_ids() <= CHEAP_MASK_IDS) else None for m in masks]
+        return applied, [m if a is None else None for m, a in zip(masks, applied)]
+
+
+class _Track:
+    """A grammar followed through one block (diffusion's, a draft's): its resolved positions validated in order from
+    the block's start, each accepted into the grammar (an end token checked against its mask, never accepted); the
+    first one the grammar refuses is masked again (what follows it stays resolved until the validation reaches it).
+    masks[j]: what position j allows (the grammar's state after the block's first j tokens); the head, position n,
+    is the first position not validated. draft: the block is a draft, which ends at its first refused token (what
+    follows was guessed after a token the grammar refuses; the verification decides from there on)."""
+
+    def __init__(self, gram: _Grammar, draft: bool = False):
+        self.gram, self.draft = gram, draft
+        self.masks: list[Mask | None] = [gram.mask()]
+        self.n = 0
+        self.ended = False  # an end token validated (at position n - 1)
+        self.strict = False  # a pass chose a token the head does not allow: the next restricts the head, wide or not
+        self.refused = False  # the grammar refused a resolved token
+
+    @property
+    def accepted(self) -> int:
+        """The block's tokens accepted into the grammar."""
+        return self.n - self.ended
+
+    def head(self) -> Mask | None:
+        return self.masks[self.n]
+
+    def validate(self, block: list[int], resolved: list[bool], mask_token: int) -> None:
+        gram = self.gram
+        while not self.ended and self.n < len(block) and resolved[self.n]:
+            t = int(block[self.n])
+            end = t in gram.eos
+            if not (gram.allows(self.masks[self.n], t) if end else gram.accept(t)):
+                block[self.n], resolved[self.n] = mask_token, False
+                self.strict = self.refused = True
+                return
+            self.n += 1
+            self.strict = False
+            if end:
+                self.ended = True
+            else:
+                self.masks.append(gram.mask())
+
+    def row_masks(self, d: int) -> list[Mask | None]:
+        """The restrictions of a causal pass over the block's first d (validated) tokens: row i predicts the token
+        after position i, which masks[i + 1] restricts (nothing after an end token)."""
+        return [self.masks[i + 1] if i + 1 < len(self.masks) else None for i in range(d)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Results
 # ---------------------------------------------------------------------------------------------------------------
+@dataclass
+class TokenLogprob:
+    """A kept token's log-probability under the processed row it was kept from (the card's controls, the never-chosen
+    ids and the grammar applied; temperature 1), and that row's `top` most likely tokens as (token, logprob), the
+    most likely first (as many as asked for, fewer where the row allows fewer)."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+def _token_lp(choice: Choice, i: int, token: int, n: int | None) -> TokenLogprob:
+    return TokenLogprob(int(token), choice.logprob(i, int(token)), choice.top(i, n) if n else [])
+
 @dataclass
 class GenerationStats:
     mode: str
@@ -241,11 +426,13 @@ class GenerationStats:
 
 @dataclass
 class Chunk:
-    """Tokens resolved since the previous chunk (never an end token) and the running stats of this run."""
+    """Tokens resolved since the previous chunk (never an end token) and the running stats of this run; with
+    logprobs, one TokenLogprob per token."""
 
     tokens: list[int]
     stats: GenerationStats
     finished: bool = False
+    logprobs: list[TokenLogprob] | None = None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -308,7 +495,7 @@ def _end_rule_fill(end_rule: str, is_end: np.ndarray, conf: np.ndarray, threshol
 def resolve_block(backend: Backend, block: list[int], resolved: list[bool], generated: Sequence[int],
                   threshold: float, sampler: Sampler | Selector | _Passes, processors: Sequence[Processor] = (),
                   stats: GenerationStats | None = None, end_rule: str = DEFAULT_END_RULE,
-                  max_passes: int | None = None) -> int:
+                  max_passes: int | None = None, track: _Track | None = None) -> int:
     """Fill the masked positions of `block` in place by block-mode passes (the card's LowConfidence rule).
 
     Each pass fills every masked position whose confidence exceeds `threshold`, or, if none does, the single most
@@ -318,6 +505,9 @@ def resolve_block(backend: Backend, block: list[int], resolved: list[bool], gene
     `processors`), or the answer's Selector / passes.
     -> the number of positions that matter: index of the first end token + 1, or len(block); after max_passes with
     positions still masked, the resolved positions before the first masked one (what a draft can use).
+    track: the grammar followed through the block (_Track): before each pass the resolved positions are validated in
+    order and the head's row is restricted to the grammar's mask (a wide mask: checked, see CHEAP_MASK_IDS); the
+    positions that matter are then all validated (a draft's: up to its first refused token).
     """
     if end_rule not in END_RULES:
         raise ValueError(f"end_rule must be one of {END_RULES}, not {end_rule!r}")
@@ -327,6 +517,10 @@ def resolve_block(backend: Backend, block: list[int], resolved: list[bool], gene
     eos = backend.eos_ids
     done = 0
     while True:
+        if track is not None:
+            track.validate(block, resolved, backend.mask_token_id)
+            if track.draft and track.refused:  # a draft ends at its first refused token
+                return track.n
         end = _first_end(block, resolved, eos)
         if end is not None:
             return end + 1
@@ -342,11 +536,22 @@ def resolve_block(backend: Backend, block: list[int], resolved: list[bool], gene
                 masked.append(i)
                 lens.append(len(tail))
         h = Histories(generated, tail, lens)  # tokens_so_far at each masked position
-        choice = passes.block(block, masked, h)  # commits nothing
+        masks = check = None
+        if track is not None:  # the head is the first masked position (validated up to it)
+            head = track.head()
+            if head is not None and (track.strict or len(masked) == 1 or head.n_ids() <= CHEAP_MASK_IDS):
+                masks = [head] + [None] * (len(masked) - 1)
+            else:
+                check = head
+        choice = passes.block(block, masked, h, masks=masks)  # commits nothing
         done += 1
         stats.forward_passes += 1
         stats.block_passes += 1
         tok, conf = choice.tokens, choice.conf  # [M], [M]
+        if check is not None and not check.allows(int(tok[0])):  # the head's choice, unrestricted, is refused:
+            conf = conf.copy()  # not filled in this pass; the next restricts it
+            conf[0] = -1.0
+            track.strict = True
         is_end = np.isin(tok, list(eos))  # [M]
         for m in _end_rule_fill(end_rule, is_end, conf, threshold):
             block[masked[m]], resolved[masked[m]] = int(tok[m]), True
@@ -356,10 +561,16 @@ def resolve_block(backend: Backend, block: list[int], resolved: list[bool], gene
             for m, i in enumerate(masked):
                 if first is not None and i > first and not resolved[i]:
                     block[i], resolved[i] = choice.best_of(m, ends), True
+        if track is not None:  # validated at once: a token the grammar refuses is never shown filled
+            track.validate(block, resolved, backend.mask_token_id)
         if passes.observe is not None:
             filled = [i for i in masked if resolved[i]]
-            passes.observe({"type": "pass", "filled": filled, "tokens": [block[i] for i in filled],
-                            "masked": [i for i in masked if not resolved[i]]})
+            event = {"type": "pass", "filled": filled, "tokens": [block[i] for i in filled],
+                     "masked": [i for i in masked if not resolved[i]]}
+            if track is not None:  # positions filled by an earlier pass that the grammar refused now: masked again
+                gone = set(masked)
+                event["refused"] = [i for i, r in enumerate(resolved) if not r and i not in gone]
+            passes.observe(event)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -371,7 +582,8 @@ def generate(backend: Backend, prompt_ids: Sequence[int], mode: str = "diffusion
              stats: GenerationStats | None = None, end_rule: str = DEFAULT_END_RULE,
              costs: PassCosts | None = None, policy: AutoPolicy | None = None,
              clock: Callable[[], float] = time.perf_counter, draft_threshold: float | None = None,
-             observe: Callable[[dict], None] | None = None) -> Iterator[Chunk]:
+             observe: Callable[[dict], None] | None = None, constraint: Constraint | None = None,
+             logprobs: int | None = None) -> Iterator[Chunk]:
     """Decode an answer after `prompt_ids`, yielding Chunks as tokens resolve; the last one has finished=True.
 
     mode "ar": one causal pass per token. "diffusion": blocks of `block_size` positions start all-mask and are
@@ -386,7 +598,8 @@ def generate(backend: Backend, prompt_ids: Sequence[int], mode: str = "diffusion
     observe: called with a plain dict as the answer's passes go (serve's block view; None costs nothing). Positions
     are a block's, 0-based: {"type": "block", "kind": "diffusion"|"draft", "size", "start" (answer tokens before it),
     "known", "tokens"} (a draft knows its position 0, the pending causal token); {"type": "pass", "filled", "tokens",
-    "masked"} (a block pass: the positions it filled, their tokens, those still masked); {"type": "verify", "drafted",
+    "masked"} (a block pass: the positions it filled, their tokens, those still masked; with a constraint also
+    "refused": positions an earlier pass filled that the grammar refused, masked again); {"type": "verify", "drafted",
     "accepted", "cut", "ended", "next"} (a draft's causal pass: positions before `cut` kept, `next` the causal token
     at `cut`, None when an accepted end token ended the answer); {"type": "commit", "size", "agreed"} (diffusion's
     commit pass); {"type": "ar", "token"} (one AR step, committing the answer's last token).
@@ -396,6 +609,9 @@ def generate(backend: Backend, prompt_ids: Sequence[int], mode: str = "diffusion
     costs: the pass costs to time passes into (auto.PassCosts, kept by the caller across answers; auto makes one when
     none is given). policy: auto's AutoPolicy for this answer (default: a new one over `costs`). clock: the time
     source of both (a test's fake clock).
+    constraint: the grammar every kept token must follow (module doc, "Constrained output"), in the state before the
+    answer. logprobs: None (off), or the alternatives (0..TOP_LOGPROBS_MAX) each kept token's logprob comes with
+    (Chunk.logprobs).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
@@ -405,6 +621,9 @@ def generate(backend: Backend, prompt_ids: Sequence[int], mode: str = "diffusion
         raise ValueError(f"end_rule must be one of {END_RULES}, not {end_rule!r}")
     if not len(prompt_ids):
         raise ValueError("the prompt is empty")
+    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, (int, np.integer)) or
+                                 not 0 <= logprobs <= TOP_LOGPROBS_MAX):
+        raise ValueError(f"logprobs must be None or an integer in [0, {TOP_LOGPROBS_MAX}], not {logprobs!r}")
     block_size = int(block_size or backend.block_size)
     if stats is None:
         stats = GenerationStats(mode=mode, prompt_tokens=len(prompt_ids))
@@ -413,17 +632,20 @@ def generate(backend: Backend, prompt_ids: Sequence[int], mode: str = "diffusion
         if policy is None:
             policy = AutoPolicy(costs if costs is not None else PassCosts(), block_size)
         costs = policy.costs
-    passes = _Passes(backend, _selector(backend, logits_processors, sampler), costs, clock, observe)  # per answer
+    passes = _Passes(backend, _selector(backend, logits_processors, sampler), costs, clock, observe,
+                     None if logprobs is None else int(logprobs))  # one per answer
+    gram = None if constraint is None else _Grammar(constraint, backend.eos_ids, [backend.mask_token_id],
+                                                    getattr(backend, "n_vocab", None))
     # a draft's fill threshold (with accept="threshold" the one threshold is also the acceptance's: kept as given)
     fill = threshold if draft_threshold is None or accept != "exact" else draft_threshold
     if mode == "auto":
-        gen = _auto(passes, prompt_ids, max_new_tokens, block_size, fill, accept, stats, end_rule, policy)
+        gen = _auto(passes, prompt_ids, max_new_tokens, block_size, fill, accept, stats, end_rule, policy, gram)
     elif mode == "ar":
-        gen = _ar(passes, prompt_ids, max_new_tokens, stats)
+        gen = _ar(passes, prompt_ids, max_new_tokens, stats, gram)
     elif mode == "diffusion":
-        gen = _diffusion(passes, prompt_ids, max_new_tokens, block_size, threshold, stats, end_rule)
+        gen = _diffusion(passes, prompt_ids, max_new_tokens, block_size, threshold, stats, end_rule, gram)
     else:
-        gen = _draft_self(passes, prompt_ids, max_new_tokens, block_size, fill, accept, stats, end_rule)
+        gen = _draft_self(passes, prompt_ids, max_new_tokens, block_size, fill, accept, stats, end_rule, gram)
     yield from gen
 
 
@@ -445,119 +667,212 @@ def _emit(tokens: list[int], out: list[int], max_new: int, stats: GenerationStat
     return take, len(out) >= max_new
 
 
-def _finish(stats: GenerationStats, tokens: list[int], reason: str) -> Chunk:
+def _finish(stats: GenerationStats, tokens: list[int], reason: str,
+            logprobs: list[TokenLogprob] | None = None) -> Chunk:
     stats.finish_reason = reason
-    return Chunk(tokens, stats, finished=True)
+    return Chunk(tokens, stats, finished=True, logprobs=None if logprobs is None else logprobs[:len(tokens)])
 
 
-def _ar(passes: _Passes, prompt_ids, max_new, stats) -> Iterator[Chunk]:
-    out = []
-    pending = int(passes.prefill(prompt_ids, Histories(out)).tokens[0])  # predicts the first answer token
+def _chunk(tokens: list[int], stats: GenerationStats, logprobs: list[TokenLogprob] | None) -> Chunk:
+    return Chunk(tokens, stats, logprobs=None if logprobs is None else logprobs[:len(tokens)])
+
+
+def _first(passes: _Passes, prompt_ids, out: list[int], gram: _Grammar | None, stats: GenerationStats
+           ) -> tuple[int, TokenLogprob | None]:
+    """The prompt's pass -> the causal choice of the answer's first token (not committed) and its logprob."""
+    lp = passes.logprobs is not None
+    choice = passes.prefill(prompt_ids, Histories(out), masks=None if gram is None else [gram.mask()], lp=lp)
     stats.forward_passes += 1
+    t = int(choice.tokens[0])
+    return t, (_token_lp(choice, 0, t, passes.logprobs) if lp else None)
+
+
+def _ar(passes: _Passes, prompt_ids, max_new, stats, gram: _Grammar | None = None) -> Iterator[Chunk]:
+    out = []
+    pending, pending_lp = _first(passes, prompt_ids, out, gram, stats)  # predicts the first answer token
     while True:
         if pending in passes.b.eos_ids:
             yield _finish(stats, [], "stop")
             return
         took, full = _emit([pending], out, max_new, stats)
+        lps = None if pending_lp is None else [pending_lp]
         if full:
-            yield _finish(stats, took, "length")
+            yield _finish(stats, took, "length", lps)
             return
-        yield Chunk(took, stats)
-        pending = _ar_step(passes, out, stats)
+        if gram is not None:
+            gram.take(pending)
+        yield _chunk(took, stats, lps)
+        pending, pending_lp = _ar_step(passes, out, stats, gram)
 
 
-def _ar_step(passes: _Passes, out: list[int], stats: GenerationStats) -> int:
-    """Commit the answer's last token (out[-1], already emitted) -> the causal choice after it."""
-    choice = passes.commit([out[-1]], Histories(out))  # out holds the token: the history of the next one
+def _ar_step(passes: _Passes, out: list[int], stats: GenerationStats, gram: _Grammar | None = None
+             ) -> tuple[int, TokenLogprob | None]:
+    """Commit the answer's last token (out[-1], already emitted) -> the causal choice after it and its logprob."""
+    lp = passes.logprobs is not None
+    # out holds the token: the history of the next one
+    choice = passes.commit([out[-1]], Histories(out), masks=None if gram is None else [gram.mask()], lp=lp)
     stats.forward_passes += 1
     stats.ar_steps += 1
     if passes.observe is not None:
         passes.observe({"type": "ar", "token": out[-1]})
-    return int(choice.tokens[0])
+    t = int(choice.tokens[0])
+    return t, (_token_lp(choice, 0, t, passes.logprobs) if lp else None)
 
 
-def _diffusion(passes: _Passes, prompt_ids, max_new, block_size, threshold, stats, end_rule) -> Iterator[Chunk]:
+def _diffusion(passes: _Passes, prompt_ids, max_new, block_size, threshold, stats, end_rule,
+               gram: _Grammar | None = None) -> Iterator[Chunk]:
     backend, out = passes.b, []
-    passes.prefill_only(prompt_ids)  # commits the prompt; its logits are not used (blocks start all-mask)
+    lp, n_top = passes.logprobs is not None, passes.logprobs
+    pending = None  # (choice, row): the causal row that predicts the next block's first token (logprobs)
+    if lp:  # the prompt's row, kept for the first block's first token, chosen only by the block passes
+        pending = (passes.prefill(prompt_ids, Histories(out), masks=None if gram is None else [gram.mask()],
+                                  lp=True, save=True), 0)
+    else:
+        passes.prefill_only(prompt_ids)  # commits the prompt; its logits are not used (blocks start all-mask)
     stats.forward_passes += 1
     while True:
         block, resolved = [backend.mask_token_id] * block_size, [False] * block_size
         if passes.observe is not None:
             passes.observe({"type": "block", "kind": "diffusion", "size": block_size, "start": len(out), "known": [],
                             "tokens": []})
-        n = resolve_block(backend, block, resolved, out, threshold, passes, stats=stats, end_rule=end_rule)
+        track = None if gram is None else _Track(gram)
+        n = resolve_block(backend, block, resolved, out, threshold, passes, stats=stats, end_rule=end_rule,
+                          track=track)
         ended = block[n - 1] in backend.eos_ids
         body = block[:n - 1] if ended else block
+        start = len(out)
+        lps = None
+        if lp:
+            # logprobs: the block's first token from the row before it, the rest from one causal pass over the block
+            # (the commit itself when the answer goes on, before the block is shown; else a pass over the kept tokens
+            # but the last)
+            took = body[:max(0, max_new - start)]
+            lps = [_token_lp(pending[0], pending[1], took[0], n_top)] if took else []
+            going_on = not ended and start + len(block) < max_new  # else this block ends the answer
+            over = block if going_on else took[:-1]
+            if over:
+                rows = None if track is None else track.row_masks(len(over))
+                choice = passes.commit(over, Histories(out, over, range(1, len(over) + 1)), want=took[1:],
+                                       masks=rows, lp=True, save=going_on)
+                stats.forward_passes += 1
+                lps += [_token_lp(choice, i, took[i + 1], n_top) for i in range(len(took) - 1)]
+                if going_on:
+                    pending = (choice, len(block) - 1)
+                    _count_commit(passes, stats, block, choice.tokens)
         took, full = _emit(body, out, max_new, stats)
         if ended and len(took) == len(body):
-            yield _finish(stats, took, "stop")
+            yield _finish(stats, took, "stop", lps)
             return
         if full:
-            yield _finish(stats, took, "length")
+            yield _finish(stats, took, "length", lps)
             return
-        yield Chunk(took, stats)
+        yield _chunk(took, stats, lps)
+        if lp:
+            continue  # committed above
         # one causal pass makes the block part of the prefix; its rows' own choices (the sampler's, controls on:
-        # row i has the answer up to block[i] as history) say how far the causal path agrees with the block
-        start = len(out) - len(block)
-        target = passes.commit(block, Histories(out[:start], block, range(1, len(block) + 1))).tokens
+        # row i has the answer up to block[i] as history; the grammar's restrictions, the wide ones checked) say how
+        # far the causal path agrees with the block
+        rows = None if track is None else _Grammar.split(track.row_masks(len(block)), probs=False)[0]
+        target = passes.commit(block, Histories(out[:start], block, range(1, len(block) + 1)), masks=rows).tokens
         stats.forward_passes += 1
-        stats.drafted_tokens += len(block) - 1
-        agreed = next((i for i in range(len(block) - 1) if block[i + 1] != int(target[i])), len(block) - 1)
-        stats.accepted_tokens += agreed
-        if passes.observe is not None:
-            passes.observe({"type": "commit", "size": len(block), "agreed": agreed})
+        _count_commit(passes, stats, block, target)
+
+
+def _count_commit(passes: _Passes, stats: GenerationStats, block: list[int], target: np.ndarray) -> None:
+    """A diffusion block's commit pass, counted: how far its rows' own choices agree with the block (the block
+    tokens, after the first, its rows chose)."""
+    agreed = next((i for i in range(len(block) - 1) if block[i + 1] != int(target[i])), len(block) - 1)
+    stats.drafted_tokens += len(block) - 1
+    stats.accepted_tokens += agreed
+    if passes.observe is not None:
+        passes.observe({"type": "commit", "size": len(block), "agreed": agreed})
 
 
 @dataclass
 class _Draft:
     """One verified draft-self block: the tokens it keeps (the pending causal token first, an accepted end token
-    last), the causal choice after them, and its counts."""
+    last), the causal choice after them, and its counts; with logprobs, the kept tokens' (an end token's not) and
+    the next pending token's."""
 
     kept: list[int]
     next_pending: int
     proposed: int  # draft tokens the causal pass checked
     accepted: int
     block_passes: int
+    logprobs: list[TokenLogprob] | None = None
+    next_lp: TokenLogprob | None = None
 
 
 def _draft_block(passes: _Passes, out: list[int], pending: int, block_size: int, threshold: float, accept: str,
                  stats: GenerationStats, end_rule: str, max_passes: int | None = None,
-                 settle: bool = False) -> _Draft:
+                 settle: bool = False, gram: _Grammar | None = None, pending_lp: TokenLogprob | None = None
+                 ) -> _Draft:
     """Draft a block after the answer `out` whose first position is the pending causal token (block passes, at
-    most max_passes), verify it with one causal pass, roll back what is not kept (settle: at once)."""
+    most max_passes), verify it with one causal pass, roll back what is not kept (settle: at once). With a grammar
+    the draft is validated as it resolves (every draft token allowed where it stands), verification row i is
+    restricted to the grammar's state after the draft's first i + 1 tokens, and the grammar is rolled back to what
+    is kept; a row whose wide restriction was only checked and refused its choice ends the draft there, and that
+    row is chosen again, restricted, by a one-token causal pass."""
     backend = passes.b
     eos = backend.eos_ids
+    lp = passes.logprobs is not None
     block = [pending] + [backend.mask_token_id] * (block_size - 1)  # [B]
     resolved = [True] + [False] * (block_size - 1)
     if passes.observe is not None:
         passes.observe({"type": "block", "kind": "draft", "size": block_size, "start": len(out), "known": [0],
                         "tokens": [pending]})
     before = stats.block_passes
+    track = None if gram is None else _Track(gram, draft=True)
     d = resolve_block(backend, block, resolved, out, threshold, passes, stats=stats, end_rule=end_rule,
-                      max_passes=max_passes)
+                      max_passes=max_passes, track=track)
     draft = block[:d]  # [D]: draft[0] = pending, draft[1:] proposed; ends at the first end token if any
+    rows = applied = checked = None
+    if track is not None:
+        rows = track.row_masks(d)
+        applied, checked = _Grammar.split(rows, probs=accept == "threshold" or lp)
     # verify: one causal pass commits all D tokens; row i predicts the token after draft[i], its history is the
     # answer plus draft[:i + 1]
     causal = passes.commit(draft, Histories(out, draft, range(1, d + 1)),
-                           want=draft[1:] if accept == "threshold" else (), probs=accept == "threshold", draft=True)
+                           want=draft[1:] if accept == "threshold" else (), probs=accept == "threshold", draft=True,
+                           masks=applied, lp=lp)
     stats.forward_passes += 1
     target = causal.tokens  # [D]: target[i] = causal choice for position i + 1
+
+    def unknown(i: int) -> bool:  # row i's restriction was only checked, and refused the row's choice
+        return checked is not None and checked[i] is not None and not checked[i].allows(int(target[i]))
+
     if accept == "exact":
-        ok = [draft[i + 1] == int(target[i]) for i in range(d - 1)]  # [D-1]
+        ok = [draft[i + 1] == int(target[i]) and not unknown(i) for i in range(d - 1)]  # [D-1]
     else:
         ok = [causal.prob(i, draft[i + 1]) >= threshold for i in range(d - 1)]
     n_ok = next((i for i, good in enumerate(ok) if not good), d - 1)  # accepted draft tokens
     keep = 1 + n_ok  # [pending] + accepted proposals
     ended = draft[keep - 1] in eos  # an accepted end token (verified as the causal choice) ends the answer
-    # forget the rejected suffix (and an accepted end token); an answer that ends needs no settling
-    passes.rollback(d - keep + ended, keep - ended, now=settle and not ended)
+    redo = not ended and unknown(keep - 1)  # the row after the kept tokens must be chosen again, restricted
+    if track is not None:  # the grammar back to the kept tokens (an end token was never accepted)
+        gram.rollback(track.accepted - (keep - ended))
+    # forget the rejected suffix (and an accepted end token; and with a redo the last kept token, decoded again
+    # with its row: settled now, while the verification's backup is the one to return to); an answer that ends
+    # needs no settling
+    passes.rollback(d - keep + ended + redo, keep - ended - redo, now=(settle or redo) and not ended)
     stats.drafted_tokens += d - 1
     stats.accepted_tokens += n_ok
     stats.drafts += 1
+    lps = next_lp = None
+    if lp:
+        lps = [pending_lp] + [_token_lp(causal, i, draft[i + 1], passes.logprobs) for i in range(n_ok)]
+    if redo:
+        again = passes.commit([draft[keep - 1]], Histories(out, draft, [keep]), masks=[rows[keep - 1]], lp=lp)
+        stats.forward_passes += 1
+        nxt, (src, row) = int(again.tokens[0]), (again, 0)
+    else:
+        nxt, (src, row) = int(target[keep - 1]), (causal, keep - 1)
+    if lp and not ended:
+        next_lp = _token_lp(src, row, nxt, passes.logprobs)
     if passes.observe is not None:
         passes.observe({"type": "verify", "drafted": d - 1, "accepted": n_ok, "cut": keep, "ended": ended,
-                        "next": None if ended else int(target[keep - 1])})
-    return _Draft(draft[:keep], int(target[keep - 1]), d - 1, n_ok, stats.block_passes - before)
+                        "next": None if ended else nxt})
+    return _Draft(draft[:keep], nxt, d - 1, n_ok, stats.block_passes - before, lps, next_lp)
 
 
 def _emit_draft(draft: _Draft, eos: frozenset[int], out: list[int], max_new: int, stats: GenerationStats
@@ -565,34 +880,36 @@ def _emit_draft(draft: _Draft, eos: frozenset[int], out: list[int], max_new: int
     """Append a draft's kept tokens -> (the chunk to yield, whether the answer is finished)."""
     if draft.kept[-1] in eos:
         took, _ = _emit(draft.kept[:-1], out, max_new, stats)
-        return _finish(stats, took, "stop" if len(took) == len(draft.kept) - 1 else "length"), True
+        reason = "stop" if len(took) == len(draft.kept) - 1 else "length"
+        return _finish(stats, took, reason, draft.logprobs), True
     took, full = _emit(draft.kept, out, max_new, stats)
-    return (_finish(stats, took, "length"), True) if full else (Chunk(took, stats), False)
+    return (_finish(stats, took, "length", draft.logprobs), True) if full else \
+        (_chunk(took, stats, draft.logprobs), False)
 
 
-def _draft_self(passes: _Passes, prompt_ids, max_new, block_size, threshold, accept, stats, end_rule
-                ) -> Iterator[Chunk]:
+def _draft_self(passes: _Passes, prompt_ids, max_new, block_size, threshold, accept, stats, end_rule,
+                gram: _Grammar | None = None) -> Iterator[Chunk]:
     out, eos = [], passes.b.eos_ids
     # the causal choice after the prompt, not committed
-    pending = int(passes.prefill(prompt_ids, Histories(out)).tokens[0])
-    stats.forward_passes += 1
+    pending, pending_lp = _first(passes, prompt_ids, out, gram, stats)
     while pending not in eos:
-        draft = _draft_block(passes, out, pending, block_size, threshold, accept, stats, end_rule)
+        draft = _draft_block(passes, out, pending, block_size, threshold, accept, stats, end_rule, gram=gram,
+                             pending_lp=pending_lp)
         chunk, finished = _emit_draft(draft, eos, out, max_new, stats)
         yield chunk
         if finished:
             return
-        pending = draft.next_pending  # causal choice after the kept tokens: the correction or the bonus
+        # causal choice after the kept tokens: the correction or the bonus
+        pending, pending_lp = draft.next_pending, draft.next_lp
     yield _finish(stats, [], "stop")
 
 
 def _auto(passes: _Passes, prompt_ids, max_new, block_size, threshold, accept, stats, end_rule,
-          policy: AutoPolicy) -> Iterator[Chunk]:
+          policy: AutoPolicy, gram: _Grammar | None = None) -> Iterator[Chunk]:
     """AR runs and draft-self blocks as `policy` plans them (clover_gguf.auto), each exact: the text is the one
     either mode alone gives (AR's, greedy). The policy is told what each move yielded and how long it took."""
     out, eos, clock = [], passes.b.eos_ids, passes.clock
-    pending = int(passes.prefill(prompt_ids, Histories(out)).tokens[0])
-    stats.forward_passes += 1
+    pending, pending_lp = _first(passes, prompt_ids, out, gram, stats)
     tokens, predicted_s, measured_s = 0, 0.0, 0.0
 
     def account(n: int, plan: Plan, seconds: float) -> None:
@@ -608,7 +925,7 @@ def _auto(passes: _Passes, prompt_ids, max_new, block_size, threshold, accept, s
         t0 = clock()
         if plan.kind == "draft":
             draft = _draft_block(passes, out, pending, block_size, threshold, accept, stats, end_rule,
-                                 max_passes=plan.max_passes, settle=True)
+                                 max_passes=plan.max_passes, settle=True, gram=gram, pending_lp=pending_lp)
             seconds = clock() - t0
             policy.observe_draft(len(draft.kept), draft.proposed, draft.accepted, draft.block_passes, seconds,
                                  plan.probe)
@@ -617,19 +934,22 @@ def _auto(passes: _Passes, prompt_ids, max_new, block_size, threshold, accept, s
             yield chunk
             if finished:
                 return
-            pending = draft.next_pending
+            pending, pending_lp = draft.next_pending, draft.next_lp
             continue
         steps, seconds = 0, 0.0  # the steps' own time, not the reader's between two chunks
         for _ in range(plan.steps):
             took, full = _emit([pending], out, max_new, stats)
+            lps = None if pending_lp is None else [pending_lp]
             if full:  # the run so far still counts, for the stats and the next answer
                 policy.observe_ar(steps, seconds)
                 account(steps + 1, plan, seconds)
-                yield _finish(stats, took, "length")
+                yield _finish(stats, took, "length", lps)
                 return
-            yield Chunk(took, stats)
+            if gram is not None:
+                gram.take(pending)
+            yield _chunk(took, stats, lps)
             t0 = clock()
-            pending = _ar_step(passes, out, stats)
+            pending, pending_lp = _ar_step(passes, out, stats, gram)
             seconds += clock() - t0
             steps += 1
             if pending in eos:

@@ -33,6 +33,7 @@ from clover_gguf.auto import AutoPolicy, PassCosts
 from clover_gguf import metadata as md
 from clover_gguf.batching import Scheduler
 from clover_gguf.config import MAX_BLOCK
+from clover_gguf.constraint import Constraint
 from clover_gguf.controls import Controls, Gather, GraphRows, make_processors, make_sampler
 from clover_gguf.errors import UserError
 from clover_gguf.llama_context import ContextError, LlamaContext, load_binding
@@ -360,12 +361,14 @@ def _count(n: int, one: str, many: str | None = None) -> str:
 @dataclass
 class Piece:
     """What stream_pieces yields as an answer resolves: the new text (whole UTF-8 characters: a character split
-    across tokens comes with the piece that completes it), the tokens resolved since the previous piece, and the
-    running stats (the same object every time; final with the last piece)."""
+    across tokens comes with the piece that completes it), the tokens resolved since the previous piece, the running
+    stats (the same object every time; final with the last piece), and with logprobs one decoding.TokenLogprob per
+    token (None when not asked for)."""
 
     text: str
     stats: RunStats
     tokens: list[int] = field(default_factory=list)
+    logprobs: list[decoding.TokenLogprob] | None = None
 
 
 @dataclass
@@ -686,16 +689,23 @@ class CloverRuntime:
                       block_size: int | None = None, threshold: float | None = None, accept: str = "exact",
                       temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                       controls: Controls | None = None, end_rule: str = decoding.DEFAULT_END_RULE,
-                      keep: int | None = None, observe: Callable[[dict], None] | None = None) -> Iterator[Piece]:
+                      keep: int | None = None, observe: Callable[[dict], None] | None = None,
+                      constraint: Constraint | None = None, logprobs: int | None = None) -> Iterator[Piece]:
         """Yield a Piece (new raw text, the tokens it came from, running stats) as tokens are accepted after the
         prompt `ids`; the last one carries the final stats. The text is what the model wrote, <think> tags included:
         thinking.ThinkSplitter with thinking_at_start(ids) splits it. end_rule: how block passes resolve end tokens
         (decoding.END_RULES; "plain" is the card's rule). keep: keep the state after the prompt's first `keep`
         tokens for a later prompt that starts with them (a runtime made with keep_prefix; prompt_and_keep gives the
         position for chat). observe: decoding.generate's observer of the passes, its events given the text of their
-        tokens (`texts`, `next_text`, `text`) and the positions of end tokens (`ends`) (serve's block view)."""
+        tokens (`texts`, `next_text`, `text`) and the positions of end tokens (`ends`) (serve's block view).
+        constraint: a grammar's state (clover_gguf.constraint) every kept token follows, in any mode (docs/runtime.md,
+        "Constrained output and logprobs"). logprobs: None (off), 0 (each token's logprob), or 1..20 (and that many
+        most likely alternatives): Piece.logprobs, from the causal pass that kept each token."""
         if not len(ids):
             raise UserError("the prompt is empty")
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or
+                                     not 0 <= logprobs <= decoding.TOP_LOGPROBS_MAX):
+            raise UserError(f"logprobs must be an integer in [0, {decoding.TOP_LOGPROBS_MAX}], not {logprobs!r}")
         block_size = int(block_size or self.block_size)
         if mode == "auto" and (self.default_mode == "ar" or not self.runs_reading):
             mode = "ar"  # no block tensors, or a reading this backend does not run: auto's only choice is AR
@@ -720,7 +730,8 @@ class CloverRuntime:
                                        end_rule=end_rule, costs=self.pass_costs, policy=policy,
                                        clock=getattr(self.ctx, "cost_clock", time.perf_counter),
                                        draft_threshold=decoding.DRAFT_THRESHOLD if threshold is None else None,
-                                       observe=None if observe is None else self._with_text(observe)):
+                                       observe=None if observe is None else self._with_text(observe),
+                                       constraint=constraint, logprobs=logprobs):
             now = time.perf_counter()
             if chunk.tokens and stats.time_to_first_token_s is None:
                 stats.time_to_first_token_s = now - t0
@@ -728,9 +739,9 @@ class CloverRuntime:
             stats.reused_tokens = self.backend.reused
             pending += b"".join(self.ctx.token_to_piece(t, special=True) for t in chunk.tokens)
             text, pending = _utf8_prefix(pending)
-            yield Piece(text, stats, list(chunk.tokens))
+            yield Piece(text, stats, list(chunk.tokens), chunk.logprobs)
         if pending:
-            yield Piece(pending.decode("utf-8", "replace"), stats, [])
+            yield Piece(pending.decode("utf-8", "replace"), stats, [], None if logprobs is None else [])
 
     def _with_text(self, observe: Callable[[dict], None]) -> Callable[[dict], None]:
         """An observer of decoding.generate's events that adds their tokens' text (the bytes of each token alone: a

@@ -307,6 +307,40 @@ def test_selection_in_mlx_decides_as_numpy_does(converted):
     assert runs["graph"] == runs["numpy"] and all(raw for raw, *_ in runs["graph"])
 
 
+def test_constrained_output_and_logprobs_in_mlx_as_in_numpy(converted, monkeypatch):
+    """Constrained output on MLX (the grammar's bitmasks unpacked in MLX, issue 49): every kept token follows the
+    grammar in every mode, constrained greedy draft-self gives constrained greedy AR's text, the MLX selection
+    answers as the numpy one, token for token, and its logprobs (logprobs=3) are the numpy path's; also with every
+    mask treated as wide (checked after passes of several rows instead of applied)."""
+    from clover_gguf import decoding
+    from clover_gguf.mlx_runtime import MlxRuntime
+    from test_runtime_constrained import PROMPTS, _answer, grammars
+    from clover_gguf.testing.automaton import replay
+
+    rts = {s: MlxRuntime(converted["f32"], selection=s) for s in ("graph", "numpy")}
+    for cheap in (1024, 0):
+        monkeypatch.setattr(decoding, "CHEAP_MASK_IDS", cheap)
+        for name in ("json", "no_e"):
+            for prompt in PROMPTS[:2]:
+                runs = {}
+                for selection, rt in rts.items():
+                    g = grammars(rt)[name]
+                    want, ws, lps = _answer(rt, prompt, g, mode="ar", logprobs=3)
+                    assert replay(g, want, ws.finish_reason == "stop") is None
+                    runs[selection] = [(want, [(x.logprob, x.top) for x in lps])]
+                    for mode in ("draft-self", "diffusion"):
+                        got, st, lps = _answer(rt, prompt, g, mode=mode, logprobs=3)
+                        assert replay(g, got, st.finish_reason == "stop") is None, (selection, mode, got)
+                        assert mode == "diffusion" or got == want, (selection, mode)
+                        runs[selection].append((got, [(x.logprob, x.top) for x in lps]))
+                for (tg, lg), (tn, ln) in zip(runs["graph"], runs["numpy"]):
+                    assert tg == tn
+                    for (a, ta), (b, tb) in zip(lg, ln):
+                        assert a == pytest.approx(b, abs=1e-4)
+                        assert [t for t, _ in ta] == [t for t, _ in tb]
+                        np.testing.assert_allclose([v for _, v in ta], [v for _, v in tb], atol=1e-4)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # A community folder (no block tensors), graft, the commands
 # ---------------------------------------------------------------------------------------------------------------
