@@ -250,3 +250,56 @@ def test_a_wide_mask_is_checked_not_applied_in_passes_of_several_rows(monkeypatc
     assert seen["commit"][1] == 0 and seen["commit"][0] > 0
     assert 0 < seen["block"][1] < seen["block"][0]
     assert seen["one"] > 0
+
+
+def _replay_events(events: list[dict]) -> tuple[list[int], int]:
+    """An answer rebuilt from the observer's events alone (decoding.generate's observe), a pass's "refused" positions
+    masked again -> (the answer, how many refused positions were seen)."""
+    answer, slots, refused = [], None, 0
+    for ev in events:
+        kind = ev["type"]
+        if kind == "block":
+            slots = [None] * ev["size"]
+            for i, t in zip(ev["known"], ev["tokens"]):
+                slots[i] = t
+        elif kind == "pass":
+            for i in ev["refused"]:
+                assert slots[i] is not None, "a refused position was not filled"
+                slots[i] = None
+                refused += 1
+            for i, t in zip(ev["filled"], ev["tokens"]):
+                assert slots[i] is None, f"position {i} filled twice"
+                slots[i] = t
+            assert all(slots[i] is None for i in ev["masked"])
+        elif kind == "verify":
+            kept = slots[:ev["cut"]]
+            answer += kept[:-1] if ev["ended"] else kept
+            slots = None
+        elif kind == "commit":
+            answer += slots
+            slots = None
+        elif kind == "ar":
+            answer.append(ev["token"])
+    if slots is not None:  # a diffusion block that ended the answer: up to its end token
+        answer += slots[:next(i for i, t in enumerate(slots) if t == EOS)]
+    return answer, refused
+
+
+@pytest.mark.parametrize("mode", ["diffusion", "draft-self", "auto", "ar"])
+def test_the_block_view_replays_a_constrained_answer(mode):
+    """The observer's events (serve's block view) under a grammar: positions filled by a pass and refused by the
+    grammar later come back in a pass's "refused" list, and a reader that masks them again rebuilds the answer token
+    for token; observing changes nothing."""
+    seen = 0
+    for seed in range(8):
+        m = _Model(seed)
+        kw = dict(mode=mode, max_new_tokens=60, threshold=0.9)
+        want, why, _, _, _ = _run(Float32(m.causal, m.block), random_dfa(seed), **kw)
+        events = []
+        got, reason, _, _, _ = _run(Float32(m.causal, m.block), random_dfa(seed), observe=events.append, **kw)
+        assert (got, reason) == (want, why)
+        if reason == "stop":
+            answer, refused = _replay_events(events)
+            assert answer == got, seed
+            seen += refused
+    assert seen > 0 or mode == "ar"
