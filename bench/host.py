@@ -4,7 +4,8 @@ the controls and the choice in numpy) and after (the selection in llama.cpp's gr
 through `clover-gguf generate` against llama.cpp's own `llama-bench` on the same GGUF.
 
     python bench/host.py [--workdir out/bench-host] [--vocab-size 248320] [--threads 2] [--rounds 5]
-        [--history 400] [--gguf PATH] [--bench-rounds 5] [--bench-tokens 256]
+        [--history 400] [--gguf PATH] [--bench-rounds 5] [--bench-tokens 256] [--constrained-rounds 3]
+        [--constrained-tps-rounds 3] [--constrained-tokens 96]
 
 1. The model: a random tiny Clover (make_tiny's `tiny`: hidden 64, 4 layers, 8 experts) grown to the 35B's vocabulary,
    F32 GGUF, made once in the work folder: its step is short, so the host's share shows (the slice's 70 ms CPU step
@@ -18,8 +19,17 @@ through `clover-gguf generate` against llama.cpp's own `llama-bench` on the same
 3. AR tokens/s: `clover-gguf generate --mode ar` (its decode tok/s, --json) and `llama-bench -p 0 -n N` (tg),
    alternately, --threads each; medians and their ratio. Beside them the same runtime's bare loop (FLOOR_RUN:
    llama_decode and the greedy choice from the graph's rows, nothing else), the most a Python driver can reach.
-Goals (issue 23): after, at most 0.5 ms of host time per AR step and 2 ms per 32-token block pass; generate at
-least 0.95x llama-bench's tg. Figures are printed, nothing is asserted.
+4. With a grammar (issue 49, constrained output): the graph's selection with a synthetic constraint of realistic
+   masks at this vocabulary (clover_gguf.testing.automaton: a JSON string's position allows all but 8,300 ids, a
+   structure position 60; "json" cycles 4 structure and 12 string positions; the masks are precomputed, so the
+   figures hold the decoders' and the sampler's cost of a mask, not a grammar engine's own), --constrained-rounds
+   interleaved: host ms per AR step, per 32-row block pass (a block's first, diffusion at threshold 0) and per
+   commit, from pass-to-pass intervals (the time from a pass's start to the next's, less its llama_decode). Then
+   tok/s of the same request constrained (json) against unconstrained, in each mode, one runtime, rounds
+   interleaved; and on the bundled trained model (drafts it would make) with a character grammar (text without the
+   letter e: most of its vocabulary allowed) and a JSON pattern.
+Goals (issue 23, issue 49 item 5): after, at most 0.5 ms of host time per AR step and 2 ms per 32-token block pass,
+with a grammar's mask too; generate at least 0.95x llama-bench's tg. Figures are printed, nothing is asserted.
 """
 
 from __future__ import annotations
@@ -214,6 +224,161 @@ def bench_tps(gguf: Path, threads: int, rounds: int, n: int) -> dict:
             "llama_bench_all": theirs, "numpy_selection_all": before, "floor_all": floor}
 
 
+# ---- with a grammar (issue 49) ---------------------------------------------------------------------------------
+KINDS = ("none", "structure", "string", "json")
+MODES = ("ar", "diffusion", "draft-self", "auto")
+
+
+def constraint_of(kind: str, n_vocab: int):
+    """A synthetic grammar of realistic masks at this vocabulary (module doc, item 4); None for "none"."""
+    from clover_gguf.testing.automaton import MaskCycle, string_mask, structure_mask
+
+    if kind == "none":
+        return None
+    s, t = string_mask(n_vocab), structure_mask(n_vocab)
+    return MaskCycle({"string": [s], "structure": [t], "json": [t] * 4 + [s] * 12}[kind])
+
+
+def cycles(log: PassLog) -> list[tuple[str, float, bool]]:
+    """(kind, host seconds, whether it follows another kind) per pass but the last: the time from its start to the
+    next pass's, less its llama_decode time."""
+    ps = sorted(log.passes, key=lambda p: p.start)
+    return [(p.kind, q.start - p.start - p.decode_seconds, i == 0 or ps[i - 1].kind != p.kind)
+            for i, (p, q) in enumerate(zip(ps, ps[1:]))]
+
+
+def bench_constrained(gguf: Path, threads: int | None, rounds: int, history: int, **runtime) -> dict:
+    """Host ms per AR step, per 32-row block pass and per commit, each grammar kind, medians over the passes after
+    `history` answer tokens."""
+    from clover_gguf.runtime import CloverRuntime
+
+    n_blocks = -(-history // 32) + BLOCKS
+    rt = CloverRuntime(gguf, n_ctx=n_blocks * 32 + 512, n_threads=threads, selection="graph", **runtime)
+    log = PassLog(rt)
+    ids = rt.prompt_ids(PROMPT, think=False)
+    v = rt.ctx.n_vocab
+    out = {k: {"ar": [], "block": [], "commit": [], "blocks": 0, "block_passes": 0} for k in KINDS}
+    try:
+        for kind in KINDS:  # warm-up: every graph shape once
+            for mode in ("ar", "diffusion"):
+                for _ in rt.stream_pieces(ids, mode=mode, max_new_tokens=40, threshold=0.0,
+                                          constraint=constraint_of(kind, v)):
+                    pass
+        for r in range(rounds):
+            for kind in KINDS:
+                log.clear()
+                log.mode = "ar"
+                for _ in rt.stream_pieces(ids, mode="ar", max_new_tokens=history + AR_STEPS,
+                                          constraint=constraint_of(kind, v)):
+                    pass
+                out[kind]["ar"] += [h for k, h, _ in cycles(log) if k == "AR step"][history - 1:]
+                log.clear()
+                log.mode = "diffusion"
+                for _ in rt.stream_pieces(ids, mode="diffusion", max_new_tokens=n_blocks * 32, threshold=0.0,
+                                          constraint=constraint_of(kind, v)):
+                    pass
+                cyc = cycles(log)
+                commits = [i for i, (k, _, _) in enumerate(cyc) if k == "commit"]
+                first = commits[-(-history // 32) - 1] if len(commits) > -(-history // 32) else len(cyc)
+                late = cyc[first + 1:]
+                out[kind]["block"] += [h for k, h, new in late if k == "block" and new]  # each block's first pass
+                out[kind]["commit"] += [h for k, h, _ in late if k == "commit"]
+                out[kind]["blocks"] += sum(1 for k, _, new in late if k == "block" and new)
+                out[kind]["block_passes"] += sum(1 for k, _, _ in late if k == "block")
+            print(f"  constrained round {r + 1}/{rounds} done", file=sys.stderr, flush=True)
+    finally:
+        log.close()
+        rt.close()
+    res = {}
+    for kind, d in out.items():
+        res[kind] = {x: 1e3 * statistics.median(d[x]) if d[x] else None for x in ("ar", "block", "commit")}
+        res[kind]["n"] = {x: len(d[x]) for x in ("ar", "block", "commit")}
+        res[kind]["passes_per_block"] = d["block_passes"] / d["blocks"] if d["blocks"] else None
+    return res
+
+
+def bundled_gguf(wd: Path) -> Path:
+    """The bundled trained tiny Clover as F32 GGUF (kept in the work folder)."""
+    from clover_gguf.convert import convert
+
+    out = wd / "tiny-clover-f32.gguf"
+    if not out.is_file():
+        convert(ROOT / "clover_gguf" / "assets" / "tiny-clover", out, outtype="f32", quiet=True)
+    return out
+
+
+def bundled_grammars(rt) -> dict:
+    """Character grammars over the bundled model's own vocabulary: "no_e" (text without the letter e, ending anywhere:
+    most of the vocabulary allowed) and "json" ({"answer": DIGITS})."""
+    from clover_gguf.testing.automaton import TokenAutomaton, char_pattern
+
+    p = [rt.ctx.token_to_piece(t, special=True) for t in range(rt.ctx.n_vocab)]
+    no_e = sorted({t for t, b in enumerate(p) if b and b"e" not in b and t not in rt.eos_ids} | set(rt.eos_ids))
+    return {"none": lambda: None,
+            "no_e": lambda: TokenAutomaton(len(p), 0, lambda s: no_e, lambda s, t: s, rt.eos_ids),
+            "json": char_pattern(p, [("lit", '{"answer": '), ("some", "0123456789"), ("lit", "}")], rt.eos_ids)}
+
+
+def bench_constrained_tps(gguf: Path, threads: int | None, rounds: int, n: int, grammars=None,
+                          prompts: tuple[str, ...] = (PROMPT,)) -> dict:
+    """Decode tok/s of the same requests unconstrained and constrained, each mode, one runtime, rounds interleaved
+    (the kinds in a rotating order) -> {mode: {kind: median tok/s}}. grammars: {kind: factory} (default: "none" and
+    the synthetic "json" cycle)."""
+    from clover_gguf.runtime import CloverRuntime
+
+    rt = CloverRuntime(gguf, n_ctx=n + 512, n_threads=threads, selection="graph")
+    v = rt.ctx.n_vocab
+    if grammars is None:
+        grammars = {k: (lambda k=k: constraint_of(k, v)) for k in ("none", "json")}
+    grammars = grammars(rt) if callable(grammars) else grammars
+    kinds = list(grammars)
+    tps = {m: {k: [] for k in kinds} for m in MODES}
+    try:
+        for p in prompts:  # warm-up
+            for m in MODES:
+                for k in kinds:
+                    for _ in rt.stream_pieces(rt.prompt_ids(p, think=False), mode=m, max_new_tokens=16,
+                                              constraint=grammars[k]()):
+                        pass
+        for r in range(rounds):
+            for m in MODES:
+                for k in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:
+                    for p in prompts:
+                        st = None
+                        for piece in rt.stream_pieces(rt.prompt_ids(p, think=False), mode=m, max_new_tokens=n,
+                                                      constraint=grammars[k]()):
+                            st = piece.stats
+                        tps[m][k].append(st.decode_tokens_per_s)
+            print(f"  tok/s round {r + 1}/{rounds} done", file=sys.stderr, flush=True)
+    finally:
+        rt.close()
+    return {m: {k: statistics.median(xs) for k, xs in d.items()} for m, d in tps.items()}
+
+
+def print_constrained(res: dict, tps: dict, bundled: dict | None, vocab: int, history: int) -> None:
+    names = {"none": "none", "structure": "structure (60 allowed)", "string": "string (8,300 excluded)",
+             "json": "json (4 structure, 12 string)"}
+    print(f"\nhost ms per pass with a grammar's masks (synthetic, V = {vocab:,}: the decoders' and the sampler's cost "
+          f"of a mask, no engine's own), graph selection, history >= {history} tokens, medians:")
+    print(f"{'grammar':<32} {'AR step':>8} {'32-row block pass':>18} {'commit':>8} {'block + commit':>15} "
+          f"{'passes/block':>13}")
+    for kind, r in res.items():
+        both = r["block"] + r["commit"] if r["block"] is not None and r["commit"] is not None else None
+        f = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
+        ppb = "-" if r["passes_per_block"] is None else f"{r['passes_per_block']:.2f}"
+        print(f"{names[kind]:<32} {f(r['ar']):>8} {f(r['block']):>18} {f(r['commit']):>8} {f(both):>15} {ppb:>13}")
+    for label, table in (("this model, synthetic json grammar", tps), ("bundled trained model", bundled)):
+        if not table:
+            continue
+        kinds = list(next(iter(table.values())))
+        print(f"\ndecode tok/s, {label}, constrained against unconstrained (medians):")
+        print(f"{'mode':<12} " + " ".join(f"{k:>10}" for k in kinds) + " " +
+              " ".join(f"{k + ' x':>10}" for k in kinds[1:]))
+        for m, d in table.items():
+            print(f"{m:<12} " + " ".join(f"{d[k]:10.1f}" for k in kinds) + " " +
+                  " ".join(f"{d[k] / d[kinds[0]]:10.3f}" for k in kinds[1:]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workdir", type=Path, default=ROOT / "out" / "bench-host")
@@ -224,6 +389,11 @@ def main() -> None:
     ap.add_argument("--history", type=int, default=400, help="answer tokens before the timed steps")
     ap.add_argument("--bench-rounds", type=int, default=5, help="generate / llama-bench pairs (0: none)")
     ap.add_argument("--bench-tokens", type=int, default=256, help="tokens per generate / llama-bench run")
+    ap.add_argument("--constrained-rounds", type=int, default=3,
+                    help="interleaved rounds of the per-pass measurements with a grammar (0: none)")
+    ap.add_argument("--constrained-tps-rounds", type=int, default=3,
+                    help="rounds of constrained against unconstrained tok/s, each mode (0: none)")
+    ap.add_argument("--constrained-tokens", type=int, default=96, help="tokens per answer of those")
     a = ap.parse_args()
     from clover_gguf.llama_context import load_binding
 
@@ -258,6 +428,17 @@ def main() -> None:
         print(f"the ceiling of a Python driver (bare llama_decode loop, the graph's selection, no controls or text): "
               f"{tps['floor_tok_s']:.1f} tok/s, ratio {tps['floor_ratio']:.3f}")
         out["tok_s"] = tps
+    if a.constrained_rounds or a.constrained_tps_rounds:
+        cres = bench_constrained(gguf, a.threads, a.constrained_rounds, a.history) if a.constrained_rounds else {}
+        tps = bundled = None
+        if a.constrained_tps_rounds:
+            tps = bench_constrained_tps(gguf, a.threads, a.constrained_tps_rounds, a.constrained_tokens)
+            bundled = bench_constrained_tps(bundled_gguf(a.workdir), a.threads, a.constrained_tps_rounds,
+                                            a.constrained_tokens, grammars=bundled_grammars,
+                                            prompts=("What is 34 + 58?", "Count from 12 to 17.",
+                                                     "Reverse: c l o v e r"))
+        print_constrained(cres, tps, bundled, a.vocab_size, a.history)
+        out["constrained"] = {"passes": cres, "tok_s": tps, "bundled_tok_s": bundled}
     (a.workdir / "host.json").write_text(json.dumps(out, indent=1) + "\n")
     print(f"\nfigures in {a.workdir / 'host.json'}")
 

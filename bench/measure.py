@@ -64,6 +64,7 @@ class Pass:
     decode_seconds: float = 0.0
     tokens: int = 0
     decodes: int = 0
+    start: float = 0.0  # time.perf_counter() when it began (bench/host.py's pass-to-pass intervals)
 
 
 class PassLog:
@@ -101,7 +102,7 @@ class PassLog:
         def timed(*args, **kw):
             p = Pass(self.mode, self._kind(method))
             self._open.append(p)
-            t0 = time.perf_counter()
+            t0 = p.start = time.perf_counter()
             try:
                 return fn(*args, **kw)
             finally:
