@@ -249,10 +249,12 @@ def test_the_default_mode_the_docs_name_is_the_runtimes(bundled_gguf):
 
 
 def test_serve_docs_say_what_tools_do_today():
-    """docs/serve.md's fields table says, in its own row, that `tools` are not acted on yet (issue 55 item 1)."""
+    """docs/serve.md's fields table says, in its own row, what `tools` do today (issue 55 item 1, then issue 49:
+    once ignored, now acted on), and the section it points at exists."""
     doc = (ROOT / "docs" / "serve.md").read_text()
     row = next((ln for ln in doc.splitlines() if ln.startswith("| `tools`")), None)
-    assert row is not None and "ignored" in row and "tool_calls" in row, row
+    assert row is not None and "ignored" not in row and "tool_choice" in row and "(Tool calls)" in row, row
+    assert re.search(r"^#+ Tool calls", doc, re.M), "docs/serve.md has no Tool calls section"
 
 
 # =================================================================================================================
