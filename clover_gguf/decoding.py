@@ -141,10 +141,11 @@ class GraphBackend(Backend, Protocol):
 # ---------------------------------------------------------------------------------------------------------------
 # Passes and their selection: processors and samplers are clover_gguf.controls' (Selector)
 # ---------------------------------------------------------------------------------------------------------------
-def _selector(backend: Backend, processors: Sequence[Processor], sampler: Sampler | None) -> Selector:
+def _selector(backend: Backend, processors: Sequence[Processor], sampler: Sampler | None,
+              never: Sequence[int] = ()) -> Selector:
     """The selection of an answer's passes on this backend: its end tokens, and its mask token never chosen (it marks
-    an unresolved block position; no mode at any temperature may sample, commit or show it)."""
-    return Selector(processors, sampler, backend.eos_ids, never=(backend.mask_token_id,))
+    an unresolved block position; no mode at any temperature may sample, commit or show it), nor the `never` ids."""
+    return Selector(processors, sampler, backend.eos_ids, never=(backend.mask_token_id, *never))
 
 
 class _Passes:
@@ -583,7 +584,7 @@ def generate(backend: Backend, prompt_ids: Sequence[int], mode: str = "diffusion
              costs: PassCosts | None = None, policy: AutoPolicy | None = None,
              clock: Callable[[], float] = time.perf_counter, draft_threshold: float | None = None,
              observe: Callable[[dict], None] | None = None, constraint: Constraint | None = None,
-             logprobs: int | None = None) -> Iterator[Chunk]:
+             logprobs: int | None = None, never: Sequence[int] = ()) -> Iterator[Chunk]:
     """Decode an answer after `prompt_ids`, yielding Chunks as tokens resolve; the last one has finished=True.
 
     mode "ar": one causal pass per token. "diffusion": blocks of `block_size` positions start all-mask and are
@@ -603,6 +604,8 @@ def generate(backend: Backend, prompt_ids: Sequence[int], mode: str = "diffusion
     "accepted", "cut", "ended", "next"} (a draft's causal pass: positions before `cut` kept, `next` the causal token
     at `cut`, None when an accepted end token ended the answer); {"type": "commit", "size", "agreed"} (diffusion's
     commit pass); {"type": "ar", "token"} (one AR step, committing the answer's last token).
+    never: ids no pass of this answer may choose, beside the mask token (Selector's `never`): the end tokens make an
+    answer that runs to max_new_tokens (serve's ignore_eos; in the block modes no block pass fills them).
     stats: the object to count into (a caller's subclass with more fields, e.g. runtime.RunStats); by default a
     new GenerationStats. The chunks carry it.
     end_rule: how block passes resolve end tokens (END_RULES; "plain" is the card's rule).
@@ -632,9 +635,9 @@ def generate(backend: Backend, prompt_ids: Sequence[int], mode: str = "diffusion
         if policy is None:
             policy = AutoPolicy(costs if costs is not None else PassCosts(), block_size)
         costs = policy.costs
-    passes = _Passes(backend, _selector(backend, logits_processors, sampler), costs, clock, observe,
+    passes = _Passes(backend, _selector(backend, logits_processors, sampler, never), costs, clock, observe,
                      None if logprobs is None else int(logprobs))  # one per answer
-    gram = None if constraint is None else _Grammar(constraint, backend.eos_ids, [backend.mask_token_id],
+    gram = None if constraint is None else _Grammar(constraint, backend.eos_ids, [backend.mask_token_id, *never],
                                                     getattr(backend, "n_vocab", None))
     # a draft's fill threshold (with accept="threshold" the one threshold is also the acceptance's: kept as given)
     fill = threshold if draft_threshold is None or accept != "exact" else draft_threshold

@@ -690,7 +690,8 @@ class CloverRuntime:
                       temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                       controls: Controls | None = None, end_rule: str = decoding.DEFAULT_END_RULE,
                       keep: int | None = None, observe: Callable[[dict], None] | None = None,
-                      constraint: Constraint | None = None, logprobs: int | None = None) -> Iterator[Piece]:
+                      constraint: Constraint | None = None, logprobs: int | None = None,
+                      ignore_eos: bool = False) -> Iterator[Piece]:
         """Yield a Piece (new raw text, the tokens it came from, running stats) as tokens are accepted after the
         prompt `ids`; the last one carries the final stats. The text is what the model wrote, <think> tags included:
         thinking.ThinkSplitter with thinking_at_start(ids) splits it. end_rule: how block passes resolve end tokens
@@ -700,7 +701,9 @@ class CloverRuntime:
         tokens (`texts`, `next_text`, `text`) and the positions of end tokens (`ends`) (serve's block view).
         constraint: a grammar's state (clover_gguf.constraint) every kept token follows, in any mode (docs/runtime.md,
         "Constrained output and logprobs"). logprobs: None (off), 0 (each token's logprob), or 1..20 (and that many
-        most likely alternatives): Piece.logprobs, from the causal pass that kept each token."""
+        most likely alternatives): Piece.logprobs, from the causal pass that kept each token.
+        ignore_eos: the end tokens are never chosen (decoding.generate's `never`), so the answer runs to
+        max_new_tokens (llama-server's field of the name: a fixed amount of work, bench/serve.py)."""
         if not len(ids):
             raise UserError("the prompt is empty")
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or
@@ -731,7 +734,8 @@ class CloverRuntime:
                                        clock=getattr(self.ctx, "cost_clock", time.perf_counter),
                                        draft_threshold=decoding.DRAFT_THRESHOLD if threshold is None else None,
                                        observe=None if observe is None else self._with_text(observe),
-                                       constraint=constraint, logprobs=logprobs):
+                                       constraint=constraint, logprobs=logprobs,
+                                       never=sorted(self.eos_ids) if ignore_eos else ()):
             now = time.perf_counter()
             if chunk.tokens and stats.time_to_first_token_s is None:
                 stats.time_to_first_token_s = now - t0

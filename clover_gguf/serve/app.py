@@ -170,7 +170,8 @@ def precheck(rt: Any, plan: Plan, pool: Pool | None = None) -> None:
         except grammar.GrammarError as e:
             raise APIError(400, str(e), param=grammar_param) from None
     for kw, param, wanted in (("constraint", grammar_param, plan.grammar_body is not None),
-                              ("logprobs", "logprobs", plan.logprobs is not None)):
+                              ("logprobs", "logprobs", plan.logprobs is not None),
+                              ("ignore_eos", "ignore_eos", plan.ignore_eos)):
         if wanted and not _takes(rt, kw):
             raise APIError(400, f"this runtime's decoders do not take {kw} yet", param=param)
     if not hasattr(rt, "least_prompt_tokens"):  # a test's stand-in runtime

@@ -71,6 +71,7 @@ def _models():
         threshold: float | None = Field(None, ge=0.0, le=1.0)
         accept: Literal[ACCEPT_MODES] | None = None
         clover_blocks: bool = False  # the block view: each pass's state in the stream (docs/serve.md)
+        ignore_eos: bool = False  # llama-server's: the end tokens never chosen, the answer runs to max_tokens
 
     class ChatRequest(Common):
         messages: list[Message] = Field(..., min_length=1)
@@ -151,7 +152,8 @@ def plan_from(req: Any, chat: bool, default_mode: str) -> Plan:
     p = Plan(mode=req.mode or default_mode, block_size=req.block_size, threshold=req.threshold,
              accept=req.accept or "exact", temp=req.temperature or 0.0,
              top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, seed=req.seed, stop=stop,
-             controls=controls, max_tokens=req.max_tokens, stream=bool(req.stream), blocks=req.clover_blocks)
+             controls=controls, max_tokens=req.max_tokens, stream=bool(req.stream), blocks=req.clover_blocks,
+             ignore_eos=req.ignore_eos)
     if p.blocks and not p.stream:
         raise APIError(400, "clover_blocks needs stream: true (the passes come as events of the stream)",
                        param="clover_blocks")
@@ -168,6 +170,10 @@ def plan_from(req: Any, chat: bool, default_mode: str) -> Plan:
         p.parallel = req.parallel_tool_calls is not False
         p.template_tools = [t.raw for t in p.tools] if p.tool_mode != "none" else None
         p.grammar_body = _grammar_body(req.response_format, p)
+        if p.ignore_eos and p.grammar_body is not None:  # a finished grammar allows only the end tokens
+            raise APIError(400, "ignore_eos cannot be combined with constrained output (response_format json, "
+                           "tool_choice required or a named function): the answer must end where its grammar does",
+                           param="ignore_eos")
         if req.max_completion_tokens is not None:
             p.max_tokens = req.max_completion_tokens
         think = True

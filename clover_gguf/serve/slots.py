@@ -61,6 +61,7 @@ class Plan:
     template_tools: list[dict] | None = None
     grammar_body: str | None = None  # the Lark rules of the body the answer must be (clover_gguf.grammar)
     logprobs: int | None = None  # None: off; N: each token's logprob and its N most likely alternatives
+    ignore_eos: bool = False  # the end tokens never chosen: the answer runs to max_tokens (or the context's end)
 
 
 class ClientGone(Exception):
@@ -210,6 +211,8 @@ def _decode(rt: Any, job: Job, plan: Plan, engine: Callable[[], Any] | None = No
         extra["constraint"] = engine().constraint(grammar.source(plan.grammar_body, thinking))
     if plan.logprobs is not None:
         extra["logprobs"] = plan.logprobs
+    if plan.ignore_eos:
+        extra["ignore_eos"] = True
     job.emit("started", len(ids))
 
     # chat: thinking and answer split by the one rule (clover_gguf.thinking), then the answer's tool calls
