@@ -201,7 +201,8 @@ def compare(ours: list[tuple[dict, list[Record]]], peer: list[tuple[dict, list[R
             ) -> tuple[dict | None, str | None]:
     """Our configuration's rounds against the peer's at the same client count -> (ratios of the medians, None), or
     (None, why) where any round's work differs. Ratios: ours / the peer's (tok/s above 1: we are faster; latencies
-    below 1: we are faster)."""
+    below 1: we are faster); `tps_rounds`: each round's tok/s ratio (both measured back to back: their spread says
+    how much the machine moved during the run)."""
     if len(ours) != len(peer):
         return None, f"{len(ours)} rounds against {len(peer)}"
     for k, ((_, a), (_, b)) in enumerate(zip(ours, peer)):
@@ -210,7 +211,9 @@ def compare(ours: list[tuple[dict, list[Record]]], peer: list[tuple[dict, list[R
             more = f" (and {len(why) - 1} more)" if len(why) > 1 else ""
             return None, f"the work differs in round {k + 1}: {why[0]}{more}"
     mine, theirs = row(ours), row(peer)
-    return {k: mine[k] / theirs[k] if theirs[k] else float("nan") for k in METRICS}, None
+    ratios = {k: mine[k] / theirs[k] if theirs[k] else float("nan") for k in METRICS}
+    ratios["tps_rounds"] = [a["tps"] / b["tps"] for (a, _), (b, _) in zip(ours, peer)]
+    return ratios, None
 
 
 def _bare(text: str) -> str:
@@ -536,8 +539,9 @@ def print_report(report: dict, runs: dict, clients: list[int], modes: list[str],
                     notes.append(f"{mode}, {c} clients: no ratio: {why}")
                 else:
                     k, n = same_text(rs, runs[(PEER, "ar", c)])
-                    line += (f"  {comp['tps']:.2f}; {comp['ttft_p50']:.2f}; {comp['tpot_p50']:.2f}"
-                             f"  (same text {k}/{n})")
+                    spread = comp["tps_rounds"]
+                    line += (f"  {comp['tps']:.2f}; {comp['ttft_p50']:.2f}; {comp['tpot_p50']:.2f}  (rounds' tok/s "
+                             f"{min(spread):.2f}-{max(spread):.2f}; same text {k}/{n})")
             print(line)
     for n in notes:
         print(n)

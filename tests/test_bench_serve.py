@@ -100,7 +100,7 @@ def _rounds(fake: Fake, rounds: int = 2, clients: int = 2) -> list:
 def test_the_same_work_gets_a_ratio(fakes):
     ours, peer = _rounds(fakes()), _rounds(fakes())
     ratios, why = bench.compare(ours, peer, MAX_TOKENS)
-    assert why is None and set(ratios) == set(bench.METRICS)
+    assert why is None and set(ratios) == {*bench.METRICS, "tps_rounds"} and len(ratios["tps_rounds"]) == 2
     assert all(r.completion_tokens == MAX_TOKENS for _, recs in ours for r in recs)
     assert bench.same_text(ours, peer) == (12, 12)
 
