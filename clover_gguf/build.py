@@ -36,14 +36,16 @@ from typing import Iterator, Sequence
 
 from clover_gguf.errors import UserError
 from clover_gguf.llama_sdist import (
-    LLAMA_CPP_COMMIT,
     LLAMA_CPP_PYTHON_VERSION,
-    SDIST_SHA256,
+    PINNED,
+    Source,
+    _sha256_of,
     extract_binding_source,
     extract_llama_headers,
     extract_llama_source,
     fetch_sdist,
 )
+from clover_gguf.llama_sdist import source as llama_source
 
 BACKENDS = ("cpu", "cuda", "metal", "vulkan")
 LIB_TARGETS = ("llama", "ggml")
@@ -78,6 +80,7 @@ ENV_CACHE = "CLOVER_GGUF_CACHE_DIR"
 ENV_PATCHES = "CLOVER_GGUF_PATCHES"
 ENV_BACKEND = "CLOVER_GGUF_BACKEND"
 ENV_LIB_PATH = "LLAMA_CPP_LIB_PATH"
+ENV_SOURCE = "CLOVER_GGUF_SOURCE"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,10 +150,20 @@ def patches_dir() -> Path:
     raise UserError(f"cannot find the llama.cpp patches folder (looked in {here / 'patches'})")
 
 
-def patch_files(folder: Path | None = None) -> list[Path]:
-    """Every *.patch in the folder, in the order they are applied (by file name)."""
+def chosen_source() -> Source:
+    """The llama.cpp source a run uses: $CLOVER_GGUF_SOURCE (a llama_sdist.SOURCES name), else the pinned one."""
+    return llama_source(os.environ.get(ENV_SOURCE) or None)
+
+
+def patch_files(folder: Path | None = None, source: str | None = None) -> list[Path]:
+    """Every *.patch in the folder, in the order they are applied (by file name), for the llama.cpp source `source`
+    (a llama_sdist.SOURCES name; None: chosen_source()): a patch the folder's <source>/ subfolder holds under the
+    same name replaces the series' own (the ones whose lines differ between trees, docs/llama-cpp-patch.md)."""
     folder = patches_dir() if folder is None else Path(folder)
-    return sorted((p for p in folder.glob("*.patch") if p.is_file()), key=lambda p: p.name)
+    src = chosen_source() if source is None else llama_source(source)
+    series = sorted((p for p in folder.glob("*.patch") if p.is_file()), key=lambda p: p.name)
+    own = folder / src.name
+    return [own / p.name if (own / p.name).is_file() else p for p in series]
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -299,8 +312,9 @@ def gpu_present(backend: str) -> bool:
 
 
 def cmake_options(backend: str, cuda_arch: str | None = None, system: str = sys.platform,
-                  machine: str = platform.machine()) -> list[str]:  # fmt: skip
-    """The -D options of a build. Part of the build hash, so any change here makes a new cache entry."""
+                  machine: str = platform.machine(), commit: str = PINNED.commit) -> list[str]:  # fmt: skip
+    """The -D options of a build (commit: the source's, LLAMA_BUILD_COMMIT). Part of the build hash, so any change
+    here makes a new cache entry."""
     if backend not in BACKENDS:
         raise UserError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")
     if cuda_arch and backend != "cuda":
@@ -324,7 +338,7 @@ def cmake_options(backend: str, cuda_arch: str | None = None, system: str = sys.
         "-DLLAMA_BUILD_UI=OFF",
         "-DLLAMA_USE_PREBUILT_UI=OFF",  # no download at build time; the server runs without its web UI
         "-DLLAMA_OPENSSL=OFF",  # no network code (LLAMA_CURL is gone from this tree: it is ignored with a warning)
-        f"-DLLAMA_BUILD_COMMIT={LLAMA_CPP_COMMIT}",
+        f"-DLLAMA_BUILD_COMMIT={commit}",
         "-DLLAMA_BUILD_NUMBER=0",
     ]
     if machine.lower() in ("x86_64", "amd64", "i386", "i686", "x86"):
@@ -352,7 +366,7 @@ def build_targets() -> list[str]:
 # patches
 
 
-def apply_patches(tree: Path, patches: Sequence[Path], include: Sequence[str] = ()) -> None:
+def apply_patches(tree: Path, patches: Sequence[Path], include: Sequence[str] = (), src: Source = PINNED) -> None:
     """Apply each patch in order with `git apply`; a patch that does not apply is named in a one-line UserError.
     include: only the files matching these globs (git apply --include), for a part of the tree."""
     if patches and shutil.which("git") is None:
@@ -371,7 +385,7 @@ def apply_patches(tree: Path, patches: Sequence[Path], include: Sequence[str] = 
             )  # fmt: skip
             if proc.returncode != 0:
                 reason = _git_apply_reason(proc.stderr)
-                raise UserError(f"patch {patch.name} does not apply to llama.cpp {LLAMA_CPP_COMMIT}: {reason}")
+                raise UserError(f"patch {patch.name} does not apply to llama.cpp {src.commit}: {reason}")
 
 
 def _git_apply_reason(stderr: str) -> str:
@@ -614,21 +628,24 @@ def _check_tools(backend: str, host: dict[str, str]) -> None:
 
 
 def build_llama(backend: str = "cpu", jobs: int | None = None, prefix: Path | str | None = None, quiet: bool = False,
-                cuda_arch: str | None = None, patched: bool = True) -> BuildInfo:  # fmt: skip
+                cuda_arch: str | None = None, patched: bool = True, source: str | None = None) -> BuildInfo:  # fmt: skip
     """Build (or find in the cache) llama.cpp for `backend` and return where it is installed. patched=False builds
-    the pinned tree without our patches (its own cache entry; find_library never picks it unless asked)."""
+    the tree without our patches (its own cache entry; find_library never picks it unless asked). source: the
+    llama.cpp tree (a llama_sdist.SOURCES name; None: chosen_source(), the pinned one unless $CLOVER_GGUF_SOURCE
+    names another)."""
     t0 = time.monotonic()
-    options = cmake_options(backend, cuda_arch)
+    src = chosen_source() if source is None else llama_source(source)
+    options = cmake_options(backend, cuda_arch, commit=src.commit)
     host = host_key(backend)
     # read the patches once: the hash, the stamp and the applied content must agree even if a file changes meanwhile
-    patches = patch_files() if patched else []
+    patches = patch_files(source=src.name) if patched else []
     patch_data = [p.read_bytes() for p in patches]
     sampler = sampler_hash()
     if jobs is not None and jobs < 1:
         raise UserError(f"jobs must be at least 1, got {jobs}")
     jobs = jobs or os.cpu_count() or 1
     root = cache_root()
-    source_id = f"sdist:{SDIST_SHA256}"  # the sdist itself is fetched (and verified) only if a build is needed
+    source_id = source_id_of(src)  # the sdist itself is fetched (and verified) only if a build is needed
     llama_digest = build_hash(source_id, patch_data, backend, options, host)  # the llama.cpp part alone
     digest = build_hash(source_id, patch_data, backend, options, host, sampler=sampler)
     key = digest[:16]
@@ -646,7 +663,7 @@ def build_llama(backend: str = "cpu", jobs: int | None = None, prefix: Path | st
         if is_complete(final, digest):  # another process finished it while we waited
             return _info_from_stamp(final, read_stamp(final) or {}, cached=True, seconds=time.monotonic() - t0)
         _check_tools(backend, host)
-        sdist = fetch_sdist(root / "sdist", quiet=quiet)
+        sdist = fetch_sdist(root / "sdist", quiet=quiet, src=src)
         final.parent.mkdir(parents=True, exist_ok=True)
         free = shutil.disk_usage(final.parent).free
         if free < BUILD_DISK_BYTES:
@@ -667,7 +684,7 @@ def build_llama(backend: str = "cpu", jobs: int | None = None, prefix: Path | st
         # the work folder sits beside the final one so the last step is a same-file-system rename
         work = Path(tempfile.mkdtemp(prefix=f".work-llama-{key}-", dir=final.parent))
         try:
-            src = work / "src"
+            tree = work / "src"
             snapshot = work / "patches"
             snapshot.mkdir()
             for p, data in zip(patches, patch_data):
@@ -676,18 +693,18 @@ def build_llama(backend: str = "cpu", jobs: int | None = None, prefix: Path | st
                 if not quiet:
                     print(f"reusing the llama.cpp binaries of {donor.prefix} (only the sampler changed) ...",
                           file=sys.stderr)
-                extract_llama_headers(sdist, src)
-                apply_patches(src, [snapshot / p.name for p in patches], include=HEADER_GLOBS)
+                extract_llama_headers(sdist, tree, src)
+                apply_patches(tree, [snapshot / p.name for p in patches], include=HEADER_GLOBS, src=src)
                 built_bin = work / "build" / "bin"
                 shutil.copytree(donor.bin_dir, built_bin, symlinks=True,
                                 ignore=shutil.ignore_patterns(_shared_lib_name(SAMPLER_LIB)))
             else:
                 if not quiet:
-                    print(f"preparing llama.cpp {LLAMA_CPP_COMMIT} with {len(patches)} patch(es) ...", file=sys.stderr)
-                extract_llama_source(sdist, src)
-                apply_patches(src, [snapshot / p.name for p in patches])
-                built_bin = configure_and_build(src, work / "build", backend, options, jobs, log_path, quiet=quiet)
-            build_sampler(src, built_bin, work / "sampler-build", log_path, backend, quiet=quiet)
+                    print(f"preparing llama.cpp {src.commit} with {len(patches)} patch(es) ...", file=sys.stderr)
+                extract_llama_source(sdist, tree, src)
+                apply_patches(tree, [snapshot / p.name for p in patches], src=src)
+                built_bin = configure_and_build(tree, work / "build", backend, options, jobs, log_path, quiet=quiet)
+            build_sampler(tree, built_bin, work / "sampler-build", log_path, backend, quiet=quiet)
             stage = work / "install"
             stage_install(built_bin, stage)
             shutil.copy2(log_path, stage / "build.log")
@@ -701,7 +718,8 @@ def build_llama(backend: str = "cpu", jobs: int | None = None, prefix: Path | st
                 "sampler_library": _shared_lib_name(SAMPLER_LIB),
                 "backend": backend,
                 "source": source_id,
-                "llama_cpp_commit": LLAMA_CPP_COMMIT,
+                "source_name": src.name,
+                "llama_cpp_commit": src.commit,
                 "cmake_options": options,
                 "host": host,
                 "targets": build_targets(),
@@ -723,6 +741,11 @@ def build_llama(backend: str = "cpu", jobs: int | None = None, prefix: Path | st
 
 # the public headers of the tree (what the sampler compiles against)
 HEADER_GLOBS = ("include/*", "ggml/include/*")
+
+
+def source_id_of(src: Source) -> str:
+    """How stamps name a build's llama.cpp source: its sdist's sha256."""
+    return f"sdist:{_sha256_of(src)}"
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -756,8 +779,8 @@ def _requested_backend(backend: str | None) -> tuple[str | None, str]:
 
 def find_library(backend: str | None = None, patched: bool = True) -> BuildInfo | None:
     """The llama.cpp build to run: the folder in $LLAMA_CPP_LIB_PATH if set (None when it holds no libllama), else
-    the newest complete cached build of the current patches (of none with patched=False) and sampler sources made
-    for this CPU, of
+    the newest complete cached build of chosen_source()'s tree (the pinned one unless $CLOVER_GGUF_SOURCE names
+    another) with the current patches (none with patched=False) and sampler sources, made for this CPU, of
     `backend` (else $CLOVER_GGUF_BACKEND; else a GPU build whose GPU is present, else the CPU build, else any).
     BuildInfo.chosen says why."""
     override = os.environ.get(ENV_LIB_PATH)
@@ -769,11 +792,13 @@ def find_library(backend: str | None = None, patched: bool = True) -> BuildInfo 
     try:
         want = patch_hash() if patched else patch_hash([])
         sampler = sampler_hash()
+        source = source_id_of(chosen_source())
     except UserError:
         return None
     asked, how = _requested_backend(backend)
     cpu = cpu_key()
-    builds = [b for b in cached_builds() if b.patch_hash == want and b.sampler_hash == sampler and b.cpu == cpu]
+    builds = [b for b in cached_builds() if b.patch_hash == want and b.sampler_hash == sampler and b.cpu == cpu
+              and b.source == source]  # fmt: skip
     if asked is not None:
         pick = next((b for b in builds if b.backend == asked), None)
         return dataclasses.replace(pick, chosen=how) if pick else None
@@ -881,22 +906,29 @@ def doctor(backend: str | None = None) -> dict:
         current_sampler = None
         missing.append(str(e))
     asked, _ = _requested_backend(backend)
+    try:
+        source = chosen_source()
+    except UserError as e:
+        source = PINNED
+        missing.append(str(e))
     info = find_library(backend)
     override = os.environ.get(ENV_LIB_PATH)
     cpu = cpu_key()
     usable = [b for b in cached_builds() if b.patch_hash == current and b.sampler_hash == current_sampler
-              and b.cpu == cpu]  # fmt: skip
+              and b.cpu == cpu and b.source == source_id_of(source)]  # fmt: skip
     if info is None and override:
         missing.append(f"{ENV_LIB_PATH}={override} holds no {_shared_lib_name('llama')}")
     elif info is None:
         others = [b for b in cached_builds() if b not in usable]
-        why = sorted({"for another CPU" if b.cpu != cpu else "unpatched" if b.patch_hash == patch_hash([]) else
+        why = sorted({"for another CPU" if b.cpu != cpu else "of another llama.cpp source"
+                      if b.source != source_id_of(source) else "unpatched" if b.patch_hash == patch_hash([]) else
                       "of other patches" if b.patch_hash != current else "of another sampler"
                       for b in others})  # fmt: skip
         what = f"no {asked} llama.cpp build" if asked else "no llama.cpp build"
         more = f" (cached: builds {', '.join(why)})" if why else ""
         missing.append(f"{what} of the current patches for this CPU{more}: run `clover-gguf build-llama"
-                       f"{' --backend ' + asked if asked else ''}`")  # fmt: skip
+                       f"{' --backend ' + asked if asked else ''}"
+                       f"{' --source ' + source.name if source is not PINNED else ''}`")  # fmt: skip
     else:
         if info.patch_hash is None:
             warnings.append(f"{info.lib_dir} was not built by clover-gguf: its patches cannot be checked")
@@ -940,6 +972,7 @@ def doctor(backend: str | None = None) -> dict:
         "sampler_hash": info.sampler_hash if info else None,
         "current_sampler_hash": current_sampler,
         "source": info.source if info else None,
+        "source_name": source.name,
         "binding_version": version,
         "cache_dir": str(cache_root()),
         "missing": missing,

@@ -153,9 +153,9 @@ def convert(
     dry_run: bool = typer.Option(False, "--dry-run", help="validate and print the plan; write nothing"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
     force: bool = typer.Option(False, "--force", help="overwrite OUT"),
-    reading: Optional[str] = typer.Option(None, "--reading", help="the block reading to stamp (clover-gguf-1, "
-                                          "-2 or -3, docs/architecture.md 3b; default: the one the checkpoint was "
-                                          "made under, else clover-gguf-1)"),
+    reading: Optional[str] = typer.Option(None, "--reading", help="the block reading to stamp (hist-sink-add, "
+                                          "hist-read-add or hist-read-mix, docs/architecture.md 3b; default: the "
+                                          "one the checkpoint was made under, else hist-sink-add)"),
     as_json: bool = typer.Option(False, "--json", help="print a JSON summary"),
 ) -> None:
     """Clover safetensors -> GGUF (streaming)."""
@@ -352,20 +352,25 @@ def build_llama(
                                  "(its own cache entry; the runtime never picks it)"),
     prefix: Optional[Path] = typer.Option(None, "--prefix", help="install here instead of the user cache"),
     binding: bool = typer.Option(True, "--binding/--no-binding", help="install llama-cpp-python's binding too"),
+    source: Optional[str] = typer.Option(None, "--source", help="the llama.cpp tree: llama-cpp-python-0.3.36 (the "
+                                         "pinned one, default) or xllamacpp-2026.10.11549 (newer; the runtime uses "
+                                         "it with CLOVER_GGUF_SOURCE set to that name; docs/build.md)"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress output"),
 ) -> None:
     """Download, verify, patch and build llama.cpp with the clover architecture (cached)."""
     from clover_gguf import build
 
     info = build.build_llama(backend.value, jobs=jobs, prefix=prefix, quiet=quiet, cuda_arch=cuda_arch,
-                             patched=patches)
+                             patched=patches, source=source)
     if binding:
         build.install_binding(info, quiet=quiet)
     state = "cached" if info.cached else f"built in {info.seconds:.0f} s"
     typer.echo(f"llama.cpp ({info.backend}{'' if patches else ', unpatched'}) {state}: {info.bin_dir}")
     # what the folder is for, not a command to run: clover-gguf finds its patched build by itself
-    use = ("clover-gguf finds it by itself: nothing to set" if patches else
-           "the runtime never picks it; a program is pointed at it by $LLAMA_CPP_LIB_PATH")
+    chosen = source in (None, build.chosen_source().name)
+    use = ("the runtime never picks it; a program is pointed at it by $LLAMA_CPP_LIB_PATH" if not patches else
+           "clover-gguf finds it by itself: nothing to set" if chosen else
+           f"the runtime uses it with {build.ENV_SOURCE}={source}")
     typer.echo(f"library: {info.lib_dir} ({use})")
 
 

@@ -17,9 +17,10 @@ from clover_gguf.checkpoint import Checkpoint
 from clover_gguf.config import MAX_KERNEL, CloverConfig, generation_defaults, read_json
 from clover_gguf.errors import UserError
 from clover_gguf.fsutil import atomic_output, check_free_disk, check_output
-from clover_gguf.gguf_header import BOOL, F32, HPARAMS, STRING, U32
-from clover_gguf.metadata import (ARCH, BLOCK_READING, BLOCK_READING_VERIFIED, READING, READING_FIELD,
-                                  GenerationDefaults, check_reading, hparam)
+from clover_gguf.gguf_header import BOOL, DIFFUSION_KEYS, F32, HPARAMS, STRING, U32
+from clover_gguf.metadata import (ARCH, BLOCK_MODE, BLOCK_READING, BLOCK_READING_VERIFIED, CORESET_ENABLED,
+                                  CORESET_TOP_P, READING, READING_FIELD, RIGHT_KERNEL, GenerationDefaults,
+                                  check_reading)
 from clover_gguf.tensor_map import (CLOVER_EXTRA_RE, EXPERT_KINDS, FUSED_RE, PER_EXPERT_RE, REORDER_ONLY, TRANSFORMS, TensorRule,
                                     expert_shape, gguf_names, match_rule, mtp_as_layer, out_shape)
 from clover_gguf.vocab import Vocab, load_vocab
@@ -340,26 +341,32 @@ UPSTREAM_HPARAMS = {AR_ARCH: QWEN35MOE_HPARAMS, ARCH: QWEN35MOE_HPARAMS | {"expe
 
 def block_mode_keys(cfg: CloverConfig, gen: GenerationDefaults, reading: str | None = None
                     ) -> dict[str, tuple[int, Any]]:
-    """The keys only we write (upstream's clover_moe has none of them): block mode's settings, the card's controls
-    and which reading of the block tensors the file is made for: `reading` (convert --reading), else the one the
-    checkpoint says it was made under (our own models), else the default; verified when the checkpoint was made
-    under that reading. GGUF key -> (GGUF type, value). convert writes them into every clover_moe file, graft into
-    an AR-only one."""
+    """The keys only we write (upstream's clover_moe has none of them): block mode's settings (the diffusion.*
+    family the patched llama.cpp reads), the card's controls and which reading of the block tensors the file is made
+    for: `reading` (convert --reading), else the one the checkpoint says it was made under (our own models), else
+    the default; verified when the checkpoint was made under that reading. GGUF key -> (GGUF type, value). convert
+    writes them into every clover_moe file, graft into an AR-only one."""
     keys: dict[str, Any] = {
-        "ssm.conv_right_kernel": cfg.right_kernel, "moe_block_coreset.top_p": cfg.moe_block_coreset_top_p,
-        **{k.removeprefix(ARCH + "."): v for k, v in gen.gguf_items().items()},  # the card's keys (metadata.py)
-        "block_mode": cfg.is_clover, "moe_block_coreset.enabled": cfg.is_clover and cfg.moe_block_coreset_enabled,
+        RIGHT_KERNEL: cfg.right_kernel, CORESET_TOP_P: cfg.moe_block_coreset_top_p, **gen.gguf_items(),
+        BLOCK_MODE: cfg.is_clover, CORESET_ENABLED: cfg.is_clover and cfg.moe_block_coreset_enabled,
     }
-    # each key with the GGUF type gguf_header.HPARAMS gives it, the type check_model and llama.cpp require
-    out = {hparam(k): (HPARAMS[k][0], v) for k, v in keys.items()}
+    # each key with the GGUF type gguf_header gives it, the type check_model and llama.cpp require
+    out = {k: (_key_type(k), v) for k, v in keys.items()}
     if cfg.is_clover:
         made = cfg.extra.get(READING_FIELD)
         if made is not None:
-            check_reading(made, f"config.json {READING_FIELD}")
+            made = check_reading(made, f"config.json {READING_FIELD}")
         name = check_reading(reading, "--reading") if reading is not None else made or READING
         out[BLOCK_READING] = (STRING, name)
         out[BLOCK_READING_VERIFIED] = (BOOL, made == name)
     return out
+
+
+def _key_type(key: str) -> int:
+    """The GGUF type of one of our keys: gguf_header's tables (DIFFUSION_KEYS, HPARAMS under the architecture)."""
+    if key in DIFFUSION_KEYS:
+        return DIFFUSION_KEYS[key][0]
+    return HPARAMS[key.removeprefix(ARCH + ".")][0]
 
 
 def write_keys(w: GGUFWriter, keys: dict[str, tuple[int, Any]]) -> None:

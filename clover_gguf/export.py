@@ -25,6 +25,7 @@ from clover_gguf.convert import AR_ARCH, ARCH, ARCHS, UPSTREAM_HPARAMS
 from clover_gguf.errors import UserError
 from clover_gguf.fsutil import atomic_output, check_free_disk, check_output, check_writable_dir
 from clover_gguf.gguf_header import GGUFHeader, encode_value, read_header, tensor_bytes
+from clover_gguf.metadata import BLOCK_KEYS
 from clover_gguf.tensor_map import CLOVER_EXTRA_RE
 
 REPEAT_PENALTY_KEY = "general.sampling.penalty_repeat"
@@ -32,6 +33,8 @@ REPEAT_PENALTY_KEY = "general.sampling.penalty_repeat"
 
 def ar_key(key: str, arch: str = ARCH) -> str | None:
     """The name a clover_moe file's key has in the AR file of `arch`; None for our own keys (left out)."""
+    if key in BLOCK_KEYS:
+        return None
     if not key.startswith(ARCH + "."):
         return key
     rest = key[len(ARCH) + 1:]

@@ -102,7 +102,7 @@ class Shape:
         n_vocab = tokens.length if isinstance(tokens, ArrayInfo) else len(tokens or []) or int(key("vocab_size"))
         return cls(
             n_layer=n_layer, n_vocab=n_vocab, n_embd=int(key("embedding_length")),
-            context_length=int(key("context_length")), block_size=int(key("diffusion.block_size", 32)),
+            context_length=int(key("context_length")), block_size=int(kv.get(md.BLOCK_SIZE, 32)),
             recurrent=tuple(bool(r) for r in recr[:n_layer]),
             kv_per_cell=int(n_head_kv) * (int(key("attention.key_length")) + int(key("attention.value_length"))),
             # llama.cpp's n_embd_r + n_embd_s (llama-hparams.cpp): (d_conv - 1) * conv channels + d_state * d_inner

@@ -52,6 +52,9 @@ class GGUFHeader:
     offsets: dict[str, int] = field(default_factory=dict)  # tensor -> byte offset from data_offset
     header_bytes: int = 0  # where the tensor infos end: data_offset is this padded to the alignment
     spans: dict[str, tuple[int, int]] = field(default_factory=dict)  # key -> where its value's bytes start, end
+    # block-mode keys the file holds under an earlier name (metadata.LEGACY_KEYS): kv and types give them their new
+    # names (spans keep the file's), and these new name -> value pairs are what llama.cpp must be told
+    upgraded: dict[str, Any] = field(default_factory=dict)
 
     @property
     def arch(self) -> str | None:
@@ -177,7 +180,9 @@ def read_header(path: Path, full: bool = False) -> GGUFHeader:
         if data_offset + end > size:
             raise UserError(f"{path} is truncated: tensor {name} ends {data_offset + end - size} bytes past the end "
                             "of the file")
-    return GGUFHeader(path, kv, tensors, data_offset, align, types, size, offsets, header_bytes=pos, spans=spans)
+    upgraded = md.upgrade_legacy(kv, types)
+    return GGUFHeader(path, kv, tensors, data_offset, align, types, size, offsets, header_bytes=pos, spans=spans,
+                      upgraded=upgraded)
 
 
 def encode_value(vtype: int, value: Any) -> bytes:
@@ -199,18 +204,21 @@ HPARAMS: dict[str, tuple[int, bool]] = {
     "expert_feed_forward_length": (U32, True), "expert_shared_feed_forward_length": (U32, True),
     "ssm.conv_kernel": (U32, True), "ssm.state_size": (U32, True), "ssm.group_count": (U32, True),
     "ssm.time_step_rank": (U32, True), "ssm.inner_size": (U32, True), "full_attention_interval": (U32, False),
-    "nextn_predict_layers": (U32, False), "ssm.conv_right_kernel": (U32, False), "diffusion.block_size": (U32, False),
+    "nextn_predict_layers": (U32, False),
     "expert_group_count": (U32, False), "expert_group_used_count": (U32, False),
     "generation.length_penalty_start": (U32, False), "generation.length_penalty_ramp": (U32, False),
     "generation.think_end_bias_start": (U32, False), "generation.think_end_bias_ramp": (U32, False),
     "attention.layer_norm_rms_epsilon": (F32, True), "rope.freq_base": (F32, False),
-    "diffusion.threshold": (F32, False), "moe_block_coreset.top_p": (F32, False),
     "generation.presence_penalty": (F32, False), "generation.frequency_penalty": (F32, False),
     "generation.repetition_penalty": (F32, False), "generation.length_penalty": (F32, False),
     "generation.think_end_bias": (F32, False),
-    "block_mode": (BOOL, False), "moe_block_coreset.enabled": (BOOL, False),
-    "rope.scaling.type": (STRING, False), "quant.recipe": (STRING, False),
-    "expert_shared_count": (U32, False), "block_reading": (STRING, False), "block_reading_verified": (BOOL, False),
+    "rope.scaling.type": (STRING, False), "quant.recipe": (STRING, False), "expert_shared_count": (U32, False),
+}
+# block mode's keys (the diffusion.* family, metadata.py): (GGUF type, required), checked like HPARAMS
+DIFFUSION_KEYS: dict[str, tuple[int, bool]] = {
+    md.BLOCK_MODE: (BOOL, False), md.BLOCK_SIZE: (U32, False), md.RIGHT_KERNEL: (U32, False),
+    md.CORESET_ENABLED: (BOOL, False), md.CORESET_TOP_P: (F32, False), md.BLOCK_READING: (STRING, False),
+    md.BLOCK_READING_VERIFIED: (BOOL, False), md.THRESHOLD: (F32, False),
 }
 # arrays: (the element types llama.cpp's loader takes, required). Its get_arr reads a BOOL, UINT32 or INT32 array
 # into int arrays (convert writes BOOL and INT32; llama_model_save_to_file writes recurrent_layers as UINT32). It
@@ -268,6 +276,7 @@ def check_model(h: GGUFHeader) -> None:
         hp[key] = c.typed(md.hparam(key), t, required=required)
     for key, (subs, required) in HPARAM_ARRAYS.items():
         hp[key] = c.typed(md.hparam(key), ARRAY, subs, required=required)
+    dk = {key: c.typed(key, t, required=required) for key, (t, required) in DIFFUSION_KEYS.items()}
 
     def count(key: str, lo: int, hi: int) -> None:
         c.count(md.hparam(key), lo, hi, hp[key])
@@ -280,8 +289,9 @@ def check_model(h: GGUFHeader) -> None:
     for key in ("context_length", "embedding_length", "attention.key_length", "attention.value_length",
                 "expert_feed_forward_length", "expert_shared_feed_forward_length", "ssm.conv_kernel",
                 "ssm.state_size", "ssm.group_count", "ssm.inner_size", "full_attention_interval",
-                "ssm.conv_right_kernel", "attention.head_count", "attention.head_count_kv", "ssm.time_step_rank"):
+                "attention.head_count", "attention.head_count_kv", "ssm.time_step_rank"):
         count(key, 1, big)
+    c.count(md.RIGHT_KERNEL, 1, big, dk[md.RIGHT_KERNEL])
     count("context_length", 1, MAX_CONTEXT)
     n_blocks, n_experts, head_k = hp["block_count"], hp["expert_count"], hp["attention.key_length"]
     count("block_count", 1, MAX_LAYERS)
@@ -308,11 +318,12 @@ def check_model(h: GGUFHeader) -> None:
     length = recurrent.length if isinstance(recurrent, ArrayInfo) else len(recurrent or [])
     if recurrent is not None and length != n_blocks:
         raise c.fail(md.hparam("attention.recurrent_layers"), f"has {length} entries for {n_blocks} blocks")
-    count("diffusion.block_size", 1, min(MAX_BLOCK, hp["context_length"]))
+    c.count(md.BLOCK_SIZE, 1, min(MAX_BLOCK, hp["context_length"]), dk[md.BLOCK_SIZE])
     number("attention.layer_norm_rms_epsilon", lambda v: v > 0, "a positive number")
     number("rope.freq_base", lambda v: v > 0, "a positive number")
-    number("diffusion.threshold", lambda v: 0 <= v <= 1, "in [0, 1]")
-    number("moe_block_coreset.top_p", lambda v: 0 < v <= 1, "in (0, 1]")
+    for key, ok, want in ((md.THRESHOLD, lambda v: 0 <= v <= 1, "in [0, 1]"),
+                          (md.CORESET_TOP_P, lambda v: 0 < v <= 1, "in (0, 1]")):
+        c.number(key, dk[key], dk[key] is not None and ok(dk[key]), want)
     number("generation.repetition_penalty", lambda v: v > 0, "a positive number")
     for key in ("generation.presence_penalty", "generation.frequency_penalty", "generation.length_penalty",
                 "generation.think_end_bias"):
@@ -395,7 +406,7 @@ def config_from_header(h: GGUFHeader) -> "CloverConfig":  # noqa: F821
         d["layer_types"] = ["linear_attention" if r else "full_attention" for r in recurrent[:n_layers]]
     if kv.get(md.BLOCK_MODE):
         d.update(mask_token_id=kv.get(md.MASK_TOKEN_ID), block_size=kv.get(md.BLOCK_SIZE, 32),
-                 linear_conv_right_kernel_dim=hp("ssm.conv_right_kernel", hp("ssm.conv_kernel")),
+                 linear_conv_right_kernel_dim=kv.get(md.RIGHT_KERNEL, hp("ssm.conv_kernel")),
                  moe_block_coreset_enabled=bool(kv.get(md.CORESET_ENABLED, True)),
                  moe_block_coreset_top_p=kv.get(md.CORESET_TOP_P, 0.9))
     return CloverConfig.from_dict(d)

@@ -9,7 +9,8 @@ from typing import Any
 import numpy as np
 
 from clover_gguf.errors import UserError
-from clover_gguf.metadata import ARCH, BLOCK_READING, BLOCK_READING_VERIFIED
+from clover_gguf.metadata import (ARCH, BLOCK_MODE, BLOCK_READING, BLOCK_READING_VERIFIED, CORESET_ENABLED,
+                                  DIFFUSION_PREFIX)
 from clover_gguf.tensor_map import CLOVER_EXTRA_RE
 
 # what each kind of file is for; `kind` in read_info
@@ -60,12 +61,14 @@ def read_info(path: Path) -> dict[str, Any]:
         by_type[qtype.name] += tensor_bytes(qtype, shape)
         count_by_type[qtype.name] += 1
     prefix = f"{arch}."
-    hparams = {k[len(prefix):]: v for k, v in kv.items() if arch and k.startswith(prefix)}
+    # the architecture's keys (without its prefix) and block mode's diffusion.* family (with theirs)
+    hparams = {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in kv.items()
+               if arch and (k.startswith(prefix) or k.startswith(DIFFUSION_PREFIX))}
     has_extras = any(CLOVER_EXTRA_RE.match(n) for n in h.tensors)
     nextn = hparams.get("nextn_predict_layers", 0)
     features = {
-        "block_mode": hparams.get("block_mode", False) is True and has_extras,
-        "coreset": hparams.get("moe_block_coreset.enabled", False) is True,
+        "block_mode": kv.get(BLOCK_MODE, False) is True and has_extras,
+        "coreset": kv.get(CORESET_ENABLED, False) is True,
         "mtp": isinstance(nextn, int) and nextn > 0,
     }
     kind = arch if arch != ARCH else (ARCH if features["block_mode"] else f"{ARCH}-ar")

@@ -67,7 +67,35 @@ def load_binding() -> Any:
         raise UserError("the llama-cpp-python binding is not installed: `clover-gguf build-llama` installs it") from None
     except (OSError, RuntimeError) as e:
         raise UserError(f"cannot load libllama from {os.environ['LLAMA_CPP_LIB_PATH']}: {e}") from None
+    _fit_binding(llama_cpp, Path(os.environ["LLAMA_CPP_LIB_PATH"]))
     return llama_cpp
+
+
+def _fit_binding(L: Any, lib_dir: Path) -> None:
+    """Fit the binding's structs to the llama.h of the tree the library was built from (its build stamp's source,
+    llama_sdist.Source.binding_fields): a struct the tree grew gets the new field where the tree has it, and every
+    function the binding declares with the struct takes the fitted one. Nothing for the pinned tree or a library
+    without a stamp."""
+    from clover_gguf.build import _info_for_lib_dir
+    from clover_gguf.llama_sdist import source_of_sha256
+
+    info = _info_for_lib_dir(lib_dir)
+    src = source_of_sha256((info.source or "").removeprefix("sdist:"))
+    for struct, after, name, ctype in src.binding_fields if src is not None else ():
+        old = getattr(L, struct)
+        if any(f[0] == name for f in old._fields_):
+            continue  # fitted already
+        fields = list(old._fields_)
+        fields.insert([f[0] for f in fields].index(after) + 1, (name, getattr(ctypes, ctype)))
+        new = type(struct, (ctypes.Structure,), {"_fields_": fields})
+        for mod in (L, L.llama_cpp):
+            setattr(mod, struct, new)
+        for fn in vars(L.llama_cpp).values():
+            if isinstance(fn, ctypes._CFuncPtr):
+                if getattr(fn, "restype", None) is old:
+                    fn.restype = new
+                if fn.argtypes and old in fn.argtypes:
+                    fn.argtypes = [new if t is old else t for t in fn.argtypes]
 
 
 class _MemoryBreakdownEntry(ctypes.Structure):
@@ -149,7 +177,7 @@ def _kv_overrides(L: Any, overrides: dict[str, bool | int | float | str]) -> Any
     arr = (L.llama_model_kv_override * (len(overrides) + 1))()
     for i, (key, val) in enumerate(overrides.items()):
         arr[i].key = key.encode()
-        if isinstance(val, str):  # e.g. clover_moe.block_reading
+        if isinstance(val, str):  # e.g. diffusion.softmax_form
             if len(val.encode()) >= 128:
                 raise UserError(f"the value of {key} is longer than llama.cpp's 127 bytes")
             arr[i].tag, arr[i].value.val_str = L.LLAMA_KV_OVERRIDE_TYPE_STR, val.encode()
@@ -262,6 +290,10 @@ def _load_model(L: Any, path: Path, offload: Offload, overrides: dict | None, ke
         arr = _buft_overrides(L, patterns)
         keep.append(arr)
         mp.tensor_buft_overrides = ctypes.cast(arr, ctypes.c_void_p)
+    # a file with block-mode keys of an earlier name (metadata.LEGACY_KEYS): llama.cpp reads them under the new ones
+    from clover_gguf.gguf_header import read_header
+
+    overrides = {**read_header(path).upgraded, **(overrides or {})}
     if overrides:
         kv = _kv_overrides(L, overrides)
         keep.append(kv)

@@ -18,31 +18,55 @@ ARCH = "clover_moe"  # general.architecture (upstream's name), and the prefix of
 HF_REPO = "Diffuspace/Clover-35B-A3B-Preview"  # the real checkpoint (graft reads its block tensors from here)
 OLD_ARCH = "clover"  # what clover-gguf wrote before upstream named the architecture: convert again
 ARCHITECTURE = "general.architecture"
-BLOCK_MODE = f"{ARCH}.block_mode"  # bool: the file has the Clover block-mode tensors
-# which reading of the block tensors' math the file was made for (docs/architecture.md section 3), and whether the
-# checkpoint was trained under that reading (our own models) rather than read under it (the real one, until a
-# user with the real weights confirms it with check-block)
-BLOCK_READING = f"{ARCH}.block_reading"
-BLOCK_READING_VERIFIED = f"{ARCH}.block_reading_verified"
-READING = "clover-gguf-1"  # the default reading: a file without BLOCK_READING is read under it
-# Every reading of the block softmax's tensors (bd_softmax_*) this version knows, name -> what it does; each written
+# Block mode's keys: the `diffusion.*` family beside llama.cpp's own diffusion.shift_logits (patches/: the ones the
+# patched llama.cpp reads; docs/gguf.md)
+BLOCK_MODE = "diffusion.enabled"  # bool: the file has the Clover block-mode tensors
+BLOCK_SIZE = "diffusion.span_length"  # u32: the tokens of one block (a diffusion span)
+RIGHT_KERNEL = "diffusion.conv_right_kernel"  # u32: the right (anti-causal) GDN conv's kernel
+CORESET_ENABLED = "diffusion.expert_coreset"  # bool: a block's experts restricted to its coreset
+CORESET_TOP_P = "diffusion.expert_coreset_top_p"  # f32: the share of the block's routing mass the coreset holds
+# which reading of the block tensors' math the file was made for (docs/architecture.md section 3: the form of the
+# block softmax term), and whether the checkpoint was trained under that reading (our own models) rather than read
+# under it (the real one, until a user with the real weights confirms it with check-block)
+BLOCK_READING = "diffusion.softmax_form"
+BLOCK_READING_VERIFIED = "diffusion.softmax_form_verified"
+THRESHOLD = "diffusion.threshold"  # f32: the model card's confidence threshold (ours; llama.cpp reads none)
+READING = "hist-sink-add"  # the default reading: a file without BLOCK_READING is read under it
+# Every reading of the block softmax's tensors (bd_softmax_*) this version knows, name -> what it does; named for
+# its math (the history slot: a sink or the prefix state's readout; the block term added or mixed), each written
 # out exactly in docs/architecture.md 3b and computed by clover_gguf.reference (every reading) and the llama.cpp and
 # MLX backends (the readings they declare: their READINGS). Every name has the same length, so that a file's reading
 # can be restamped in place (export.restamp).
 READINGS = {
-    "clover-gguf-1": "history slot: a logit b_h and no value (a sink); o = o_gdn + c_h * o_sm",
-    "clover-gguf-2": "history slot: a logit b_h whose value is the clean prefix state's readout for the query; "
+    "hist-sink-add": "history slot: a logit b_h and no value (a sink); o = o_gdn + c_h * o_sm",
+    "hist-read-add": "history slot: a logit b_h whose value is the clean prefix state's readout for the query; "
                      "o = o_gdn + c_h * o_sm",
-    "clover-gguf-3": "as clover-gguf-2, with c_h mixing: o = (1 - c_h) * o_gdn + c_h * o_sm",
+    "hist-read-mix": "as hist-read-add, with c_h mixing: o = (1 - c_h) * o_gdn + c_h * o_sm",
 }
 assert len({len(r) for r in READINGS}) == 1 and READING in READINGS
+# Files and checkpoints made before the readings had these names (clover-gguf 2026-12-05 and earlier): read as the
+# new ones (the same math), never written
+LEGACY_READINGS = {"clover-gguf-1": "hist-sink-add", "clover-gguf-2": "hist-read-add", "clover-gguf-3": "hist-read-mix"}
+assert set(LEGACY_READINGS.values()) == set(READINGS)
+# the block-mode keys' names before the diffusion.* family: read_header gives a file that has them the new names
+# (and LlamaContext passes their values to llama.cpp under the new names), so such files keep loading
+LEGACY_KEYS = {
+    f"{ARCH}.block_mode": BLOCK_MODE,
+    f"{ARCH}.diffusion.block_size": BLOCK_SIZE,
+    f"{ARCH}.ssm.conv_right_kernel": RIGHT_KERNEL,
+    f"{ARCH}.moe_block_coreset.enabled": CORESET_ENABLED,
+    f"{ARCH}.moe_block_coreset.top_p": CORESET_TOP_P,
+    f"{ARCH}.block_reading": BLOCK_READING,
+    f"{ARCH}.block_reading_verified": BLOCK_READING_VERIFIED,
+    f"{ARCH}.diffusion.threshold": THRESHOLD,
+}
+# every block-mode key (an AR export leaves them out), and the family's prefix
+BLOCK_KEYS = frozenset(LEGACY_KEYS.values())
+DIFFUSION_PREFIX = "diffusion."
+assert all(k.startswith(DIFFUSION_PREFIX) for k in BLOCK_KEYS)
 # the config.json field with which our own checkpoints (make_tiny, train_tiny) declare the reading they were made
 # under; the real checkpoint has none, so its files say "unverified" until check-block confirms the reading
 READING_FIELD = "clover_gguf_block_reading"
-BLOCK_SIZE = f"{ARCH}.diffusion.block_size"
-THRESHOLD = f"{ARCH}.diffusion.threshold"
-CORESET_ENABLED = f"{ARCH}.moe_block_coreset.enabled"
-CORESET_TOP_P = f"{ARCH}.moe_block_coreset.top_p"
 GENERATION_PREFIX = f"{ARCH}.generation."  # + a Controls field name
 QUANT_RECIPE = f"{ARCH}.quant.recipe"  # the recipe a quantized file was made with
 MASK_TOKEN_ID = "tokenizer.ggml.mask_token_id"
@@ -50,11 +74,31 @@ CHAT_TEMPLATE = "tokenizer.chat_template"
 
 
 def check_reading(name: Any, where: str) -> str:
-    """A reading's name as given (a file's key, an option, a config field) if this version knows it; one line
-    naming the known ones otherwise."""
+    """A reading's name (a file's key, an option, a config field) if this version knows it, an earlier name mapped
+    to its new one (LEGACY_READINGS); one line naming the known ones otherwise."""
+    name = LEGACY_READINGS.get(name, name) if isinstance(name, str) else name
     if name not in READINGS:
         raise UserError(f"{where}: unknown block reading {name!r}: this version knows {', '.join(READINGS)}")
     return name
+
+
+def upgrade_legacy(kv: dict[str, Any], types: dict[str, Any]) -> dict[str, Any]:
+    """Give a header's block-mode keys of an earlier name (LEGACY_KEYS) their new names, in place, and an earlier
+    reading name its new one (LEGACY_READINGS); a key present under both names keeps the new one's value.
+    -> {new name: value} of the keys set here (what llama.cpp must be told: LlamaContext passes them as overrides)."""
+    set_here: dict[str, Any] = {}
+    for old, new in LEGACY_KEYS.items():
+        if old in kv:
+            value, vtype = kv.pop(old), types.pop(old, None)
+            if new not in kv:
+                kv[new] = value
+                if vtype is not None:
+                    types[new] = vtype
+                set_here[new] = value
+    reading = kv.get(BLOCK_READING)
+    if isinstance(reading, str) and reading in LEGACY_READINGS:
+        kv[BLOCK_READING] = set_here[BLOCK_READING] = LEGACY_READINGS[reading]
+    return set_here
 
 
 def hparam(name: str) -> str:

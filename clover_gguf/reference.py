@@ -223,14 +223,14 @@ def block_softmax(reading: str, o_gdn: torch.Tensor, q: torch.Tensor, k: torch.T
     p = torch.cat([scores, history], dim=-1).softmax(-1)  # over [block | history]
     o_sm = torch.einsum("nhts,nshv->nthv", p[..., :t], v)
     c = history_c[None, None, :, None]
-    if reading == "clover-gguf-1":  # a sink: the history's share is left out
+    if reading == "hist-sink-add":  # a sink: the history's share is left out
         return o_gdn + c * o_sm
     # the history's value: what the delta rule's output reads from the clean prefix state for q_t
     v_hist = torch.einsum("nthk,nhkv->nthv", q / math.sqrt(dk), s0)
     o_sm = o_sm + p[..., t].permute(0, 2, 1)[..., None] * v_hist
-    if reading == "clover-gguf-2":
+    if reading == "hist-read-add":
         return o_gdn + c * o_sm
-    if reading == "clover-gguf-3":
+    if reading == "hist-read-mix":
         return (1 - c) * o_gdn + c * o_sm
     raise ValueError(f"unknown block reading {reading!r}")
 

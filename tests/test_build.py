@@ -39,6 +39,7 @@ def env(tmp_path, monkeypatch):
     monkeypatch.delenv(build.ENV_LIB_PATH, raising=False)
     monkeypatch.delenv(build.ENV_BACKEND, raising=False)
     monkeypatch.delenv(llama_sdist.ENV_SDIST, raising=False)
+    monkeypatch.delenv(build.ENV_SOURCE, raising=False)
     return {"cache": cache, "patches": patches, "tmp": tmp_path}
 
 
@@ -48,16 +49,17 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     tar.addfile(info, io.BytesIO(data))
 
 
-def make_fake_sdist(path: Path, stray_git: bool = True) -> str:
+def make_fake_sdist(path: Path, stray_git: bool = True, top: str | None = None, vendor: str = "vendor/llama.cpp"
+                    ) -> str:
     """A tiny sdist-shaped tarball; returns its sha256."""
-    top = f"llama_cpp_python-{llama_sdist.LLAMA_CPP_PYTHON_VERSION}"
+    top = top or f"llama_cpp_python-{llama_sdist.LLAMA_CPP_PYTHON_VERSION}"
     with tarfile.open(path, "w:gz") as tar:
         _add(tar, f"{top}/pyproject.toml", b"[project]\nname='x'\n")
-        _add(tar, f"{top}/vendor/llama.cpp/CMakeLists.txt", b"project(llama)\n")
-        _add(tar, f"{top}/vendor/llama.cpp/include/llama.h", b"int llama(void);\n")
-        _add(tar, f"{top}/vendor/llama.cpp/src/a.cpp", b"line 1\nline 2\nline 3\n")
+        _add(tar, f"{top}/{vendor}/CMakeLists.txt", b"project(llama)\n")
+        _add(tar, f"{top}/{vendor}/include/llama.h", b"int llama(void);\n")
+        _add(tar, f"{top}/{vendor}/src/a.cpp", b"line 1\nline 2\nline 3\n")
         if stray_git:
-            _add(tar, f"{top}/vendor/llama.cpp/.git", b"gitdir: ../../.git/modules/vendor/llama.cpp\n")
+            _add(tar, f"{top}/{vendor}/.git", b"gitdir: ../../.git/modules/vendor/llama.cpp\n")
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
@@ -237,6 +239,26 @@ def test_patch_files_sorted(env):
     for name in ("0002-b.patch", "0001-a.patch", "notes.txt", "0010-c.patch"):
         (env["patches"] / name).write_text("x")
     assert [p.name for p in build.patch_files()] == ["0001-a.patch", "0002-b.patch", "0010-c.patch"]
+
+
+def test_a_source_takes_the_patches_its_subfolder_holds_in_place_of_the_series_own(env, monkeypatch):
+    """patches/<source>/NAME replaces patches/NAME for that source only (the patch whose lines differ between
+    trees); $CLOVER_GGUF_SOURCE chooses the source of patch_files() and patch_hash(); an unknown name is one line."""
+    for name in ("0001-a.patch", "0002-b.patch"):
+        (env["patches"] / name).write_text(name)
+    own = env["patches"] / llama_sdist.XLLAMACPP.name
+    own.mkdir()
+    (own / "0002-b.patch").write_text("the newer tree's 0002")
+    pinned = build.patch_files()
+    assert [p.parent.name for p in pinned] == ["patches", "patches"]
+    newer = build.patch_files(source=llama_sdist.XLLAMACPP.name)
+    assert [p.name for p in newer] == ["0001-a.patch", "0002-b.patch"] and newer[1].read_text().startswith("the newer")
+    h = build.patch_hash()
+    monkeypatch.setenv(build.ENV_SOURCE, llama_sdist.XLLAMACPP.name)
+    assert build.patch_files() == newer and build.patch_hash() != h
+    monkeypatch.setenv(build.ENV_SOURCE, "llama.cpp-master")
+    with pytest.raises(UserError, match="unknown llama.cpp source 'llama.cpp-master': choose one of "):
+        build.patch_files()
 
 
 def test_installed_package_ships_the_patches(tmp_path):
@@ -584,6 +606,35 @@ def test_no_patches_build_is_its_own_entry_and_never_picked(env, fake_source, mo
     assert seen["a.cpp"] == "line 1\nPATCHED\nline 3\n" and patched.prefix != plain.prefix
     assert build.find_library().prefix == patched.prefix
     assert build.build_llama("cpu", quiet=True, patched=False).cached is True
+
+
+@needs_git
+def test_a_build_of_another_source_is_used_only_when_chosen(env, fake_source, monkeypatch):
+    """build-llama --source builds another registry sdist's tree (fetched from the cache folder and verified, its
+    own subfolder's patches in place of the series' same-named ones) into an entry of its own; the runtime takes it
+    only with $CLOVER_GGUF_SOURCE naming it, so a second tree in a shared cache changes nobody's build."""
+    seen: dict = {}
+    monkeypatch.setattr(build, "configure_and_build", fake_cmake([], seen))
+    (env["patches"] / "0001-x.patch").write_bytes(git_patch("line 1\nline 2\nline 3\n", "line 1\nPATCHED\nline 3\n"))
+    own = env["patches"] / "newer-tree-1"
+    own.mkdir()
+    (own / "0001-x.patch").write_bytes(git_patch("line 1\nline 2\nline 3\n", "line 1\nNEWER\nline 3\n"))
+    sdist = env["cache"] / "sdist" / "newer_tree-1.tar.gz"
+    sdist.parent.mkdir(parents=True)
+    src = llama_sdist.Source("newer-tree-1", "newer-tree", "newer_tree", "1", make_fake_sdist(sdist, top="newer_tree-1",
+                             vendor="third/llama.cpp"), "third/llama.cpp/", "newer-tree-1")
+    monkeypatch.setitem(llama_sdist.SOURCES, src.name, src)
+    pinned = build.build_llama("cpu", jobs=1, quiet=True)
+    assert seen["a.cpp"] == "line 1\nPATCHED\nline 3\n"
+    newer = build.build_llama("cpu", jobs=1, quiet=True, source=src.name)
+    assert seen["a.cpp"] == "line 1\nNEWER\nline 3\n" and newer.prefix != pinned.prefix
+    stamp = json.loads((newer.prefix / build.STAMP_NAME).read_text())
+    assert stamp["source_name"] == src.name and stamp["llama_cpp_commit"] == "newer-tree-1"
+    assert "-DLLAMA_BUILD_COMMIT=newer-tree-1" in stamp["cmake_options"]
+    assert build.find_library().prefix == pinned.prefix  # newest, but not chosen
+    monkeypatch.setenv(build.ENV_SOURCE, src.name)
+    assert build.find_library().prefix == newer.prefix
+    assert build.doctor()["source_name"] == src.name
 
 
 def test_cli_build_llama_no_patches_prints_the_library_folder(env, fake_source, monkeypatch):

@@ -160,11 +160,11 @@ def test_metadata_and_vocabulary_round_trip(tiny, tmp_path):
     assert val("clover_moe.block_count") == cfg.num_hidden_layers
     assert val("clover_moe.attention.key_length") == cfg.head_dim
     assert val("clover_moe.ssm.time_step_rank") == cfg.linear_num_value_heads
-    assert val("clover_moe.diffusion.block_size") == 32
-    assert abs(val("clover_moe.diffusion.threshold") - 0.95) < 1e-6
-    assert val("clover_moe.ssm.conv_right_kernel") == cfg.right_kernel
-    assert bool(val("clover_moe.block_mode")) and bool(val("clover_moe.moe_block_coreset.enabled"))
-    assert abs(val("clover_moe.moe_block_coreset.top_p") - 0.9) < 1e-6
+    assert val("diffusion.span_length") == 32
+    assert abs(val("diffusion.threshold") - 0.95) < 1e-6
+    assert val("diffusion.conv_right_kernel") == cfg.right_kernel
+    assert bool(val("diffusion.enabled")) and bool(val("diffusion.expert_coreset"))
+    assert abs(val("diffusion.expert_coreset_top_p") - 0.9) < 1e-6
     assert abs(val("clover_moe.generation.presence_penalty") - 0.9) < 1e-6
     assert abs(val("clover_moe.generation.repetition_penalty") - 1.05) < 1e-6
     assert val("clover_moe.generation.think_end_bias_start") == 4096
@@ -404,7 +404,7 @@ def test_info_prints_floats_as_written(tiny, tmp_path):
     p = _run_cli("info", out, "--json")
     hp = json.loads(p.stdout)["hparams"]
     assert hp["attention.layer_norm_rms_epsilon"] == 1e-06 and hp["diffusion.threshold"] == 0.95
-    assert hp["generation.repetition_penalty"] == 1.05 and hp["moe_block_coreset.top_p"] == 0.9
+    assert hp["generation.repetition_penalty"] == 1.05 and hp["diffusion.expert_coreset_top_p"] == 0.9
     text = _run_cli("info", out).stdout
     assert "attention.layer_norm_rms_epsilon         1e-06\n" in text and "9.99999" not in text
 

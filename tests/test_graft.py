@@ -54,7 +54,7 @@ def test_official_style_file_has_no_block_tensors(official):
     h = read_header(official, full=True)
     assert h.arch == "clover_moe"
     assert not [n for n in h.tensors if CLOVER_EXTRA_RE.match(n)]
-    assert "clover_moe.block_mode" not in h.kv and "clover_moe.expert_shared_count" in h.kv
+    assert "diffusion.enabled" not in h.kv and "clover_moe.expert_shared_count" in h.kv
 
 
 def test_official_style_file_runs_ar_and_refuses_block_modes_in_one_line(official):
@@ -240,14 +240,14 @@ def test_check_block_says_when_its_general_prompts_may_not_fit(bundled_gguf, tmp
     bundled = SimpleNamespace(meta=meta, ctx=SimpleNamespace(n_vocab=cfg["vocab_size"]))
     other = SimpleNamespace(meta={**meta, md.hparam("embedding_length"): 64}, ctx=bundled.ctx)
     assert default_prompts(bundled)[1] == "bundled" and default_prompts(other) == (list(DEFAULT_PROMPTS), "general")
-    low = CheckResult("m", "clover-gguf-1", True, drafted=100, accepted=30, prompt_set="general")
+    low = CheckResult("m", "hist-sink-add", True, drafted=100, accepted=30, prompt_set="general")
     assert general_note(low, bundled_gguf).startswith("the built-in prompts are general questions")
     low.note = general_note(low, bundled_gguf)
     assert low.format().splitlines()[-1].startswith("note: the built-in prompts are general")
     assert "(the built-in general questions)" in low.format()
-    high = CheckResult("m", "clover-gguf-1", True, drafted=100, accepted=90, prompt_set="general")
+    high = CheckResult("m", "hist-sink-add", True, drafted=100, accepted=90, prompt_set="general")
     assert general_note(high, bundled_gguf) is None
-    mine = CheckResult("m", "clover-gguf-1", True, drafted=100, accepted=30, prompt_set="yours")
+    mine = CheckResult("m", "hist-sink-add", True, drafted=100, accepted=30, prompt_set="yours")
     assert general_note(mine, bundled_gguf) is None
 
 
@@ -263,7 +263,7 @@ def test_block_mode_run_on_an_unverified_file_says_so_and_prints_its_acceptance(
     (ck / "config.json").write_text(json.dumps(cfg))
     out = tmp_path / "real.gguf"
     convert(ck, out, outtype="f32", quiet=True)
-    assert read_header(out).kv["clover_moe.block_reading_verified"] is False
+    assert read_header(out).kv["diffusion.softmax_form_verified"] is False
     p = _cli("generate", out, "-p", "What is 7 + 8?", "--no-think", "--mode", "diffusion", "-n", "12", "--stats")
     assert p.returncode == 0, p.stderr
     notes = [l for l in p.stderr.splitlines() if "not yet verified" in l]

@@ -142,7 +142,7 @@ def test_masked_block_parity(clover_files, ref, seqs, filled, coreset):
         block[i] = seqs["block"][i]
     with torch.no_grad():
         want = ref.block_logits(prefix, block, coreset=coreset).numpy()
-    r = _runner(clover_files[1], overrides={"clover_moe.moe_block_coreset.enabled": coreset})
+    r = _runner(clover_files[1], overrides={"diffusion.expert_coreset": coreset})
     try:
         r.decode(prefix, 0, 0)
         assert parity(r.block(block, len(prefix)), want) <= TOL
@@ -151,9 +151,9 @@ def test_masked_block_parity(clover_files, ref, seqs, filled, coreset):
 
 
 @pytest.mark.parametrize("overrides,coreset", [
-    ({"clover_moe.moe_block_coreset.enabled": False}, False),
-    ({"clover_moe.moe_block_coreset.top_p": 0.5}, 0.5),
-    ({"clover_moe.moe_block_coreset.top_p": 1.0}, 1.0),
+    ({"diffusion.expert_coreset": False}, False),
+    ({"diffusion.expert_coreset_top_p": 0.5}, 0.5),
+    ({"diffusion.expert_coreset_top_p": 1.0}, 1.0),
 ], ids=["off", "top_p-0.5", "top_p-1.0"])
 @pytest.mark.slow
 def test_block_coreset_overrides(clover_files, ref, seqs, overrides, coreset):
@@ -309,7 +309,7 @@ def test_the_memory_view_and_the_coreset_key_refuse_bad_values(clover_files):
     finally:
         r.close()
     with pytest.raises(UserError, match="could not load"):
-        _runner(clover_files[1], n_ctx=256, n_ubatch=256, overrides={"clover_moe.moe_block_coreset.top_p": 1.5})
+        _runner(clover_files[1], n_ctx=256, n_ubatch=256, overrides={"diffusion.expert_coreset_top_p": 1.5})
 
 
 def test_the_block_graph_is_reserved_at_the_block_size_not_the_ubatch(bundled_gguf, tmp_path):
@@ -390,7 +390,7 @@ def test_saved_model_keeps_block_settings(clover_files, ref, seqs, tmp_path):
     logits (here with a coreset override that must survive too)."""
     prefix, block = seqs["prefix"], seqs["block"]
     saved = tmp_path / "saved.gguf"
-    r = _runner(clover_files[1], overrides={"clover_moe.moe_block_coreset.top_p": 0.5})
+    r = _runner(clover_files[1], overrides={"diffusion.expert_coreset_top_p": 0.5})
     try:
         r.decode(prefix, 0, 0)
         want = r.block(block, len(prefix))
@@ -405,7 +405,7 @@ def test_saved_model_keeps_block_settings(clover_files, ref, seqs, tmp_path):
     assert read_clover(saved).types["clover_moe.attention.recurrent_layers"][1] == 4  # llama.cpp's UINT32, taken
     r = _runner(saved)
     try:
-        assert r.meta("clover_moe.moe_block_coreset.top_p") == "0.500000" and r.meta("clover_moe.block_mode") == "true"
+        assert r.meta("diffusion.expert_coreset_top_p") == "0.500000" and r.meta("diffusion.enabled") == "true"
         assert mask is not None and r.meta("tokenizer.ggml.mask_token_id") == mask
         r.decode(prefix, 0, 0)
         assert np.array_equal(r.block(block, len(prefix)), want)

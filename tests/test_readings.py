@@ -49,12 +49,12 @@ def naive_block_softmax(reading, o_gdn, q, k, v, s0, logit_scale, history_bias, 
                 w = [math.exp(x - top) for x in logits]
                 z = sum(w)
                 o_sm = [sum(w[j] * v[n, j, h, e] for j in range(t_len)) / z for e in range(dv)]
-                if reading != "clover-gguf-1":  # the history's value: the clean state read by q_t / sqrt(dk)
+                if reading != "hist-sink-add":  # the history's value: the clean state read by q_t / sqrt(dk)
                     hist = [sum(q[n, t, h, d] * s0[n, h, d, e] for d in range(dk)) / math.sqrt(dk) for e in range(dv)]
                     o_sm = [o_sm[e] + w[t_len] / z * hist[e] for e in range(dv)]
                 for e in range(dv):
                     g = o_gdn[n, t, h, e]
-                    out[n, t, h, e] = (1 - c) * g + c * o_sm[e] if reading == "clover-gguf-3" else g + c * o_sm[e]
+                    out[n, t, h, e] = (1 - c) * g + c * o_sm[e] if reading == "hist-read-mix" else g + c * o_sm[e]
     return out
 
 
@@ -80,15 +80,15 @@ def test_each_reading_matches_naive_loops(reading):
 
 def test_the_readings_table_is_one_length_and_unknown_names_are_refused():
     assert len({len(x) for x in md.READINGS}) == 1 and md.READING in md.READINGS
-    with pytest.raises(UserError, match="unknown block reading 'clover-gguf-9'.*clover-gguf-1, clover-gguf-2"):
-        md.check_reading("clover-gguf-9", "--reading")
+    with pytest.raises(UserError, match="unknown block reading 'no-such-form'.*hist-sink-add, hist-read-add"):
+        md.check_reading("no-such-form", "--reading")
     model = CloverModel.from_pretrained(BUNDLED)
     with pytest.raises(UserError, match="unknown block reading"):
         model.reading = "sink"
 
 
 def test_the_model_runs_its_reading(tiny):
-    """In a whole model: with no prefix the clean state is zero, so clover-gguf-2 is clover-gguf-1 exactly; after
+    """In a whole model: with no prefix the clean state is zero, so hist-read-add is hist-sink-add exactly; after
     a prefix the three readings give three different block passes; a causal pass never depends on the reading."""
     model = CloverModel.from_pretrained(tiny, dtype=torch.float64)
     assert model.reading == md.READING  # make_tiny's checkpoints are made under the default reading
@@ -110,14 +110,14 @@ def test_load_gguf_gives_the_checkpoints_model(make_checkpoint, tmp_path):
     block logits as the checkpoint, value heads tiled (Hk < Hv) and untied embeddings included; the file's reading."""
     ck = make_checkpoint(seed=3)
     out = tmp_path / "m.gguf"
-    convert(ck, out, outtype="f32", quiet=True, reading="clover-gguf-2")
+    convert(ck, out, outtype="f32", quiet=True, reading="hist-read-add")
     a, b = load_gguf(out), CloverModel.from_pretrained(ck)
-    assert a.cfg.linear_num_key_heads < a.cfg.linear_num_value_heads and a.reading == "clover-gguf-2"
+    assert a.cfg.linear_num_key_heads < a.cfg.linear_num_value_heads and a.reading == "hist-read-add"
     pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
     assert pa.keys() == pb.keys()
     for name, p in pb.items():
         torch.testing.assert_close(pa[name], p, rtol=2e-7, atol=2e-7, msg=name)
-    b.reading = "clover-gguf-2"
+    b.reading = "hist-read-add"
     with torch.no_grad():
         ids, block = [3, 1, 4, 1, 5], [a.cfg.mask_token_id, 9, a.cfg.mask_token_id]
         torch.testing.assert_close(a.block_logits(ids, block), b.block_logits(ids, block), rtol=1e-5, atol=1e-5)
@@ -133,16 +133,16 @@ def _data_hash(path: Path) -> str:
 
 def test_convert_stamps_the_reading_it_is_told_and_refuses_an_unknown_one(tmp_path):
     out = tmp_path / "b.gguf"
-    p = _cli("convert", BUNDLED, "-o", out, "--outtype", "f32", "-q", "--reading", "clover-gguf-3")
+    p = _cli("convert", BUNDLED, "-o", out, "--outtype", "f32", "-q", "--reading", "hist-read-mix")
     assert p.returncode == 0, p.stderr
     kv = read_header(out).kv
-    assert kv[md.BLOCK_READING] == "clover-gguf-3" and kv[md.BLOCK_READING_VERIFIED] is False  # made under -1
+    assert kv[md.BLOCK_READING] == "hist-read-mix" and kv[md.BLOCK_READING_VERIFIED] is False  # made under -1
     bad = tmp_path / "bad.gguf"
-    p = _cli("convert", BUNDLED, "-o", bad, "--outtype", "f32", "-q", "--reading", "clover-gguf-7")
+    p = _cli("convert", BUNDLED, "-o", bad, "--outtype", "f32", "-q", "--reading", "no-such-form")
     assert p.returncode == 2 and not bad.exists() and not list(tmp_path.glob(".bad*")), p.stderr
     lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1 and "unknown block reading 'clover-gguf-7'" in lines[0] and "Traceback" not in p.stderr
-    p = _cli("convert", BUNDLED, "-o", bad, "--arch", "qwen35moe", "--reading", "clover-gguf-2")
+    assert len(lines) == 1 and "unknown block reading 'no-such-form'" in lines[0] and "Traceback" not in p.stderr
+    p = _cli("convert", BUNDLED, "-o", bad, "--arch", "qwen35moe", "--reading", "hist-read-add")
     assert p.returncode == 2 and "--arch qwen35moe writes no block tensors" in p.stderr and not bad.exists()
 
 
@@ -152,10 +152,10 @@ def test_restamp_in_place_and_by_rewriting(bundled_gguf, tmp_path):
     f = tmp_path / "m.gguf"
     shutil.copy(bundled_gguf, f)
     size, data = f.stat().st_size, _data_hash(f)
-    assert restamp(f, {md.BLOCK_READING: (STRING, "clover-gguf-3"), md.BLOCK_READING_VERIFIED: (BOOL, True)}) \
+    assert restamp(f, {md.BLOCK_READING: (STRING, "hist-read-mix"), md.BLOCK_READING_VERIFIED: (BOOL, True)}) \
         == "in place"
     h = read_header(f)
-    assert h.kv[md.BLOCK_READING] == "clover-gguf-3" and h.kv[md.BLOCK_READING_VERIFIED] is True
+    assert h.kv[md.BLOCK_READING] == "hist-read-mix" and h.kv[md.BLOCK_READING_VERIFIED] is True
     assert f.stat().st_size == size and _data_hash(f) == data
     stamped = (md.BLOCK_READING, md.BLOCK_READING_VERIFIED)
     assert {k: v for k, v in h.kv.items() if k not in stamped} == \
@@ -170,12 +170,62 @@ def test_restamp_in_place_and_by_rewriting(bundled_gguf, tmp_path):
         assert hashlib.sha256(fh.read()).hexdigest() == data
 
 
+def _legacy_copy(src: Path, out: Path, reading: str) -> Path:
+    """A copy of `src` with the block-mode keys under their names before the diffusion.* family and `reading`
+    under the name it had then (what clover-gguf wrote up to 2026-12-05)."""
+    from clover_gguf.export import copy_gguf
+
+    h = read_header(src, full=True)
+    old = {new: legacy for legacy, new in md.LEGACY_KEYS.items()}
+    was = {new: legacy for legacy, new in md.LEGACY_READINGS.items()}
+    copy_gguf(h, src, out, keep=list(h.tensors), rename={k: old[k] for k in h.kv if k in old},
+              drop_keys={md.BLOCK_READING}, add_keys={old[md.BLOCK_READING]: (STRING, was[reading])}, quiet=True)
+    return out
+
+
+def test_a_file_of_the_earlier_key_names_keeps_loading(bundled_gguf, tmp_path):
+    """A GGUF written before block mode's keys were the diffusion.* family and the readings were named for their
+    math (clover_moe.block_mode, ..., block_reading = "clover-gguf-3"): its header reads with the new names and
+    values (read_header), and llama.cpp, which knows only the new names, gets them as overrides at load
+    (LlamaContext): block attention on, the file's reading (hist-read-mix here, not the default) in force, a block
+    pass equal to the same model stamped with the new names."""
+    from clover_gguf.llama_context import LlamaContext
+
+    new = tmp_path / "new.gguf"
+    shutil.copy(bundled_gguf, new)
+    restamp(new, {md.BLOCK_READING: (STRING, "hist-read-mix")})
+    old = _legacy_copy(new, tmp_path / "old.gguf", "hist-read-mix")
+    raw = read_header(old).spans  # the file's own names
+    assert "clover_moe.block_mode" in raw and md.BLOCK_MODE not in raw
+    h = read_header(old)
+    assert h.kv[md.BLOCK_MODE] is True and h.kv[md.BLOCK_READING] == "hist-read-mix"
+    assert not any(k in h.kv for k in md.LEGACY_KEYS)
+    assert h.upgraded[md.BLOCK_READING] == "hist-read-mix" and h.upgraded[md.BLOCK_MODE] is True
+    rows = []
+    for path in (new, old):
+        r = LlamaContext(path, n_ctx=256, n_ubatch=256, n_threads=2, exact=True)
+        try:
+            assert r.has_block_attn, path.name
+            r.decode(list(range(10, 30)), 0, 0)
+            rows.append(r.block([7, 8, 9, 10, 11, 12], 20))
+        finally:
+            r.close()
+    assert np.array_equal(rows[0], rows[1])
+    # the default reading would give other logits: the file's reading is the one in force
+    r = LlamaContext(old, n_ctx=256, n_ubatch=256, n_threads=2, exact=True, overrides={md.BLOCK_READING: md.READING})
+    try:
+        r.decode(list(range(10, 30)), 0, 0)
+        assert not np.array_equal(r.block([7, 8, 9, 10, 11, 12], 20), rows[0])
+    finally:
+        r.close()
+
+
 def test_a_file_under_another_reading_decodes_under_it_with_ar_text(bundled_gguf, tmp_path):
-    """llama.cpp computes every reading (patches/0005, clover_moe.block_reading): a copy of the bundled model stamped
-    clover-gguf-3 runs its block modes under that reading, and draft-self (exact) and auto still write AR's text."""
+    """llama.cpp computes every reading (patches/0005, diffusion.softmax_form): a copy of the bundled model stamped
+    hist-read-mix runs its block modes under that reading, and draft-self (exact) and auto still write AR's text."""
     f = tmp_path / "r3-stamped.gguf"
     shutil.copy(bundled_gguf, f)
-    restamp(f, {md.BLOCK_READING: (STRING, "clover-gguf-3")})
+    restamp(f, {md.BLOCK_READING: (STRING, "hist-read-mix")})
     args = ("-p", "Count from 3 to 9.", "--no-think", "-n", "24")
     ar = _cli("generate", bundled_gguf, *args, "--mode", "ar")
     assert ar.returncode == 0, ar.stderr
@@ -186,15 +236,15 @@ def test_a_file_under_another_reading_decodes_under_it_with_ar_text(bundled_gguf
 
 
 def test_a_reading_the_backend_does_not_run_refuses_block_modes_and_auto_decodes_ar(bundled_gguf, monkeypatch):
-    """A backend that lacks the file's reading (MLX's runs clover-gguf-1 only; here llama.cpp's told so): block modes
+    """A backend that lacks the file's reading (MLX's runs hist-sink-add only; here llama.cpp's told so): block modes
     are refused in one line, auto decodes AR with one note."""
     from clover_gguf.runtime import CloverRuntime, LlamaBackend
 
-    monkeypatch.setattr(LlamaBackend, "READINGS", ("clover-gguf-1",))
-    with CloverRuntime(bundled_gguf, reading="clover-gguf-3") as rt:
+    monkeypatch.setattr(LlamaBackend, "READINGS", ("hist-sink-add",))
+    with CloverRuntime(bundled_gguf, reading="hist-read-mix") as rt:
         assert not rt.runs_reading
         for mode in ("draft-self", "diffusion"):
-            with pytest.raises(UserError, match=f"clover-gguf-3.*--mode {mode} cannot run.*check-block"):
+            with pytest.raises(UserError, match=f"hist-read-mix.*--mode {mode} cannot run.*check-block"):
                 rt.generate("Count from 3 to 9.", mode=mode, max_new_tokens=8)
         assert "auto decodes AR" in rt.reading_note("auto")
 
@@ -228,15 +278,15 @@ def test_a_wrong_reading_still_gives_ar_text_in_draft_self_exact(bundled_eval, t
 
 
 # ---- check-block --reading all ------------------------------------------------------------------------------------
-def test_check_block_ranks_clover_gguf_1_first_on_the_bundled_model(bundled_gguf):
-    """The bundled model was trained under clover-gguf-1. Its history logits are -10000 (the slot never takes any
-    weight), so clover-gguf-2 is the same function there, and clover-gguf-3 (c_h 0.07-0.55) drafts the same tokens in
+def test_check_block_ranks_hist_sink_add_first_on_the_bundled_model(bundled_gguf):
+    """The bundled model was trained under hist-sink-add. Its history logits are -10000 (the slot never takes any
+    weight), so hist-read-add is the same function there, and hist-read-mix (c_h 0.07-0.55) drafts the same tokens in
     the same passes: the three tie exactly, and a tie goes to the file's own reading."""
     p = _cli("check-block", bundled_gguf, "--reading", "all", "-n", "48", "--json")
     assert p.returncode == 0, p.stderr
     res = json.loads(p.stdout)
     print("bundled:", [(r["reading"], r["acceptance"], r["accepted_per_pass"]) for r in res["ranking"]])
-    assert res["winner"] == "clover-gguf-1" and res["verdict"] == "holds" and res["written"] is None
+    assert res["winner"] == "hist-sink-add" and res["verdict"] == "holds" and res["written"] is None
     assert [r["reading"] for r in res["ranking"]] == list(md.READINGS)
     assert {r["backend"] for r in res["ranking"]} == {"llama.cpp"}  # it computes every reading
     assert all(r["prompts"] == 12 for r in res["ranking"])  # one check-block run per reading
@@ -248,8 +298,8 @@ def test_check_block_ranks_clover_gguf_1_first_on_the_bundled_model(bundled_gguf
 
 @pytest.fixture(scope="module")
 def reading3_gguf(tmp_path_factory):
-    """The test model trained under clover-gguf-3 (train_tiny.READING3_RUN: the bundled model fine-tuned with its
-    history slot and history_c where the readings disagree), converted to F32: its file says clover-gguf-3."""
+    """The test model trained under hist-read-mix (train_tiny.READING3_RUN: the bundled model fine-tuned with its
+    history slot and history_c where the readings disagree), converted to F32: its file says hist-read-mix."""
     from clover_gguf.testing import train_tiny
 
     folder = tmp_path_factory.mktemp("reading3") / "model"
@@ -260,17 +310,17 @@ def reading3_gguf(tmp_path_factory):
 
 
 @pytest.mark.slow  # trains the model: about 6 minutes on two cores
-def test_check_block_ranks_clover_gguf_3_first_on_a_model_trained_under_it(reading3_gguf):
-    """check-block --reading all on a model trained under clover-gguf-3: its reading first, by a wide margin (at
+def test_check_block_ranks_hist_read_mix_first_on_a_model_trained_under_it(reading3_gguf):
+    """check-block --reading all on a model trained under hist-read-mix: its reading first, by a wide margin (at
     least 10 points of acceptance over each other reading, and half again as many accepted tokens per block pass;
-    measured: 96.6% and 6.1 per pass against 79.0% and 2.6 for clover-gguf-1 and 41.8% and 1.6 for clover-gguf-2),
+    measured: 96.6% and 6.1 per pass against 79.0% and 2.6 for hist-sink-add and 41.8% and 1.6 for hist-read-add),
     each reading decoded once on llama.cpp."""
-    assert read_header(reading3_gguf).kv[md.BLOCK_READING] == "clover-gguf-3"
+    assert read_header(reading3_gguf).kv[md.BLOCK_READING] == "hist-read-mix"
     p = _cli("check-block", reading3_gguf, "--reading", "all", "-n", "48", "--json")
     assert p.returncode == 0, p.stderr
     res = json.loads(p.stdout)
-    print("trained under clover-gguf-3:", [(r["reading"], r["acceptance"]) for r in res["ranking"]])
-    assert res["winner"] == "clover-gguf-3" and res["verdict"] == "holds"
+    print("trained under hist-read-mix:", [(r["reading"], r["acceptance"]) for r in res["ranking"]])
+    assert res["winner"] == "hist-read-mix" and res["verdict"] == "holds"
     best, *others = res["ranking"]
     assert res["margin"] >= 0.10 and all(best["accepted_per_pass"] >= 1.5 * r["accepted_per_pass"] for r in others)
     assert {r["backend"] for r in res["ranking"]} == {"llama.cpp"} and all(r["prompts"] == 12 for r in res["ranking"])
@@ -295,12 +345,12 @@ def test_check_block_write_stamps_a_reading_that_holds_in_place(tmp_path, bundle
     size, data = f.stat().st_size, _data_hash(f)
     p = _cli("check-block", f, "--reading", "all", "--prompts", prompts, "-n", "32", "--write")
     assert p.returncode == 0, p.stderr
-    assert f"wrote {md.BLOCK_READING} = clover-gguf-1 into m.gguf (in place)" in p.stdout, p.stdout
+    assert f"wrote {md.BLOCK_READING} = hist-sink-add into m.gguf (in place)" in p.stdout, p.stdout
     kv = read_header(f).kv
-    assert kv[md.BLOCK_READING] == "clover-gguf-1" and kv[md.BLOCK_READING_VERIFIED] is True
+    assert kv[md.BLOCK_READING] == "hist-sink-add" and kv[md.BLOCK_READING_VERIFIED] is True
     assert f.stat().st_size == size and _data_hash(f) == data and list(tmp_path.glob(".m.gguf*")) == []
     p = _cli("check-block", f, "--prompts", prompts, "-n", "32", "--write", "--json")
-    assert json.loads(p.stdout)["written"].startswith("nothing written: clover-gguf-1 is the file's reading")
+    assert json.loads(p.stdout)["written"].startswith("nothing written: hist-sink-add is the file's reading")
 
 
 def test_graft_pick_reading_ranks_and_stamps_the_file_it_writes(bundled_gguf, tmp_path, bundled_eval):
@@ -315,7 +365,7 @@ def test_graft_pick_reading_ranks_and_stamps_the_file_it_writes(bundled_gguf, tm
              "--prompts", prompts, "--json")
     assert p.returncode == 0, p.stderr
     res = json.loads(p.stdout)
-    assert [r["reading"] for r in res["ranking"]["ranking"]][0] == "clover-gguf-1"
+    assert [r["reading"] for r in res["ranking"]["ranking"]][0] == "hist-sink-add"
     assert res["ranking"]["written"] == "in place" and len(res["ranking"]["ranking"]) == len(md.READINGS)
     assert read_header(out).kv[md.BLOCK_READING_VERIFIED] is True
     bad = tmp_path / "bad.txt"

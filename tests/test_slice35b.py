@@ -72,7 +72,7 @@ def test_the_slice_has_the_35b_layer_shape(ref):
 
 def _runner(gguf, coreset: bool, probe=None) -> LlamaContext:
     return LlamaContext(gguf, n_ctx=256, n_ubatch=256, exact=True, n_threads=2, **env_offload_kwargs(),
-                        overrides={"clover_moe.moe_block_coreset.enabled": coreset},
+                        overrides={"diffusion.expert_coreset": coreset},
                         eval_callback=None if probe is None else probe.callback)
 
 
@@ -127,9 +127,9 @@ def test_block_parity_routing_and_continuation(files, ref, seqs, coreset):
         r.close()
 
 
-@pytest.mark.parametrize("reading", ["clover-gguf-2", "clover-gguf-3"])
+@pytest.mark.parametrize("reading", ["hist-read-add", "hist-read-mix"])
 def test_block_parity_under_every_reading(files, ref, seqs, reading):
-    """The other readings of the block softmax (docs/architecture.md 3b), chosen at load by clover_moe.block_reading
+    """The other readings of the block softmax (docs/architecture.md 3b), chosen at load by diffusion.softmax_form
     (here a KV override, as check-block uses it): llama.cpp's block logits are the reference's under the same reading,
     and not reading 1's. (Reading 1 is every other block test's.)"""
     prefix, block, state = seqs["prefix"], seqs["block"], seqs["state"]
@@ -139,10 +139,10 @@ def test_block_parity_under_every_reading(files, ref, seqs, reading):
         try:
             want = ref.block_logits(None, block, coreset=False, state=state).numpy()
         finally:
-            ref.reading = "clover-gguf-1"
+            ref.reading = "hist-sink-add"
     assert rel_err(want, first) > 3 * TOL  # the reading matters at this shape, beyond the parity tolerance
     r = LlamaContext(files[1], n_ctx=256, n_ubatch=256, exact=True, n_threads=2, **env_offload_kwargs(),
-                     overrides={"clover_moe.moe_block_coreset.enabled": False, "clover_moe.block_reading": reading})
+                     overrides={"diffusion.expert_coreset": False, "diffusion.softmax_form": reading})
     try:
         r.decode(prefix, 0, 0, logits=False)
         for n in (32, 5, 1):
@@ -151,7 +151,7 @@ def test_block_parity_under_every_reading(files, ref, seqs, reading):
                 try:
                     want_n = ref.block_logits(None, block[:n], coreset=False, state=state).numpy()
                 finally:
-                    ref.reading = "clover-gguf-1"
+                    ref.reading = "hist-sink-add"
             assert rel_err(r.block(block[:n], len(prefix)), want_n) <= TOL, n
     finally:
         r.close()

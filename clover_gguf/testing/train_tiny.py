@@ -271,11 +271,11 @@ def start_from(model, folder: Path) -> None:
     model.load_hf_state_dict({k: torch.as_tensor(v) for k, v in tensors.items()})
 
 
-# The test model trained under clover-gguf-3 (tests/test_readings.py; docs/tiny-model.md): the bundled model fine-tuned
+# The test model trained under hist-read-mix (tests/test_readings.py; docs/tiny-model.md): the bundled model fine-tuned
 # under that reading, its history slot given the whole block softmax and history_c 3, for 300 steps (about 6 minutes
-# on two cores). The command line: OUT --init-from clover_gguf/assets/tiny-clover --reading clover-gguf-3
+# on two cores). The command line: OUT --init-from clover_gguf/assets/tiny-clover --reading hist-read-mix
 # --history-c 3 --history-bias 20 --steps 300 --seed 1 --lr 1e-3 --pool 20000
-READING3_RUN = dict(steps=300, seed=1, lr=1e-3, pool=20_000, reading="clover-gguf-3", init_from=ASSET_DIR,
+READING3_RUN = dict(steps=300, seed=1, lr=1e-3, pool=20_000, reading="hist-read-mix", init_from=ASSET_DIR,
                     history_c=3.0, history_bias=20.0)
 
 
