@@ -9,7 +9,7 @@ them:
   (LlamaContext.decode_parts); llama.cpp splits it into ubatches of equal tokens per sequence, so the slots' AR
   steps share one graph, and so do the first tokens of prompts that arrive together;
 - every other pass (a block pass, a commit or verification with a row per token) is its own llama_decode: a block is
-  a ubatch of its own anyway (patches/0005).
+  a ubatch of its own anyway (patches/0006).
 A prompt goes in chunks of at most `prefill_chunk` tokens, one per step, so it does not stall the others.
 Memory operations (sequence copies and removals) run at once, under the same lock as the decodes.
 

@@ -67,7 +67,7 @@ class LlamaBackend:
     or repeated request, from its second time on) or it keeps no turn (a raw prompt), so the same prompt again
     decodes one token; such a pass decodes the rest of the prompt in two parts, the last of one token."""
 
-    # the readings of the block softmax the patched llama.cpp computes (metadata.READINGS; patches/0005, chosen at load
+    # the readings of the block softmax the patched llama.cpp computes (metadata.READINGS; patches/0008, chosen at load
     # by diffusion.softmax_form)
     READINGS = tuple(md.READINGS)
 
