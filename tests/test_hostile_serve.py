@@ -24,6 +24,7 @@ pytest.importorskip("uvicorn")
 
 
 KEY = "hostile-key"
+PROMPT = "What is 34 + 58?"
 LONG = "What is 34 + 58? " * 6  # the issue's prompt: between --ctx 64 and llama.cpp's padded 256 before the fix
 TOO_LONG = "What is 34 + 58? " * 80  # past any context these tests make
 
@@ -308,3 +309,87 @@ def test_more_slots_than_llama_cpp_holds_sequences_for_is_one_line(bundled_gguf)
 
     with pytest.raises(UserError, match=r"a slot uses 5 sequences .* at most 51 slots"):
         load_runtimes(bundled_gguf, 52, 256, None, None)
+
+
+# =================================================================================================================
+# Issue 52 (the fourth round): requests that reached an abort, and serve's shutdown with requests waiting
+# =================================================================================================================
+# every mode with its defaults; draft-self and auto with blocks of 2, as the random model fills one position a block
+# pass (a block of 32 cost 31 passes a token there, 230 s an answer; the gather the abort was about is the same)
+EVERY_MODE = [("ar", {}), ("diffusion", {}), ("draft-self", {"block_size": 2}), ("auto", {"block_size": 2})]
+
+
+@pytest.fixture(scope="module")
+def random448(tmp_path_factory) -> Path:
+    """make_tiny's random model (vocabulary 448, as the issue's): its answers run to about 170 distinct tokens."""
+    from clover_gguf.convert import convert
+    from clover_gguf.testing.make_tiny import make_tiny
+
+    root = tmp_path_factory.mktemp("random448")
+    assert make_tiny(root / "ck", seed=21).vocab_size == 448
+    convert(root / "ck", root / "m.gguf", outtype="f32", quiet=True)
+    return root / "m.gguf"
+
+
+def test_a_long_answer_on_a_small_vocabulary_never_gathers_past_it(random448):
+    """item 1: the controls gather every distinct answer token; past 128 the width grew to 512, more than the 448
+    slots llama.cpp copies a selection row into (GGML_ASSERT, exit 134) in every mode. The width is capped at what
+    the graph takes (LlamaContext.gather_limit, read by decoding._Passes)."""
+    for mode, kw in EVERY_MODE:  # a process each: the abort ended the process
+        extra = [f"--{k.replace('_', '-')}={v}" for k, v in kw.items()]
+        p = _run("generate", str(random448), "-p", PROMPT, "-n", "300", "--mode", mode, *extra, "--json",
+                 "--threads", "2")
+        assert p.returncode == 0 and not p.err, (mode, p.returncode, p.err[-2000:])
+        assert json.loads(p.out)["stats"]["generated_tokens"] > 128, mode  # past the 128 ids where it aborted
+
+
+def test_a_pass_that_would_gather_more_than_the_graph_takes_selects_densely(random448):
+    """item 1, the other half: ids past gather_limit (only a vocabulary that small can give that many) make the
+    pass select on dense logits: the same answers as numpy's selection of every pass."""
+    from clover_gguf.runtime import CloverRuntime
+
+    with CloverRuntime(random448, n_threads=2) as rt, CloverRuntime(random448, n_threads=2, selection="numpy") as ref:
+        assert rt.ctx.gather_limit(False) == 448 - rt.ctx.n_chunks - 1
+        rt.ctx.gather_limit = lambda sampled, top_n=0: 40  # reached after a few tokens
+        for mode, kw in EVERY_MODE[:3]:  # auto's passes are these modes'
+            a = rt.generate(PROMPT, mode=mode, max_new_tokens=48, **kw)
+            b = ref.generate(PROMPT, mode=mode, max_new_tokens=48, **kw)
+            assert (a.raw, a.stats.forward_passes) == (b.raw, b.stats.forward_passes), mode
+            assert a.stats.generated_tokens > 40
+
+
+@pytest.fixture(scope="module")
+def random448_server(random448):
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "clover_gguf", "serve", str(random448), "--port", str(port),
+                             "--threads", "2"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    base = _wait_healthy(proc, port)
+    yield proc, base
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def _wait_healthy(proc, port: int) -> str:
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, proc.stdout.read().decode()
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return base
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.1)
+
+
+def test_one_request_for_300_tokens_no_longer_kills_serve(random448_server):
+    """item 1 through serve: the request that aborted the server (no key needed), in every mode."""
+    proc, base = random448_server
+    for mode, kw in [(None, {})] + EVERY_MODE:  # first the server's default mode (auto), as the issue's request
+        body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 300, **kw,
+                **({"mode": mode} if mode else {})}
+        r = httpx.post(base + "/v1/chat/completions", json=body, timeout=300)
+        assert r.status_code == 200, (mode, r.text)
+        assert r.json()["usage"]["completion_tokens"] > 128, (mode, r.json()["usage"])
+        assert proc.poll() is None
