@@ -5,6 +5,10 @@ file (a device, a FIFO, a socket), nor an existing file unless the user said --f
 exists, SIGTERM and SIGHUP stop the work as Ctrl-C does (KeyboardInterrupt: exit 130), so no signal leaves it.
 The temporary name stays within NAME_MAX (255 bytes) whatever the output's name. `temp_dir` gives a scratch folder
 with the same promise.
+
+A folder output (mlx-convert, graft into an MLX folder: `check_output_folder`, `atomic_folder`) is never an input, a
+folder holding one, the working folder or one holding it, nor a link; it replaces an existing folder only with
+--force.
 """
 
 from __future__ import annotations
@@ -74,9 +78,64 @@ def check_output(target: Path, inputs: Iterable[Path] = (), force: bool = False)
     check_writable_dir(target)
 
 
+def check_output_folder(target: Path, inputs: Iterable[Path] = (), force: bool = False) -> None:
+    """Refuse a folder output whose replacement would destroy something, or that cannot be made (see the module's
+    docstring); inputs: the folders and files the command reads. Compared by device and inode, so also through
+    links and `..`."""
+    target = Path(target)
+    if target.is_symlink():
+        raise UserError(f"the output {target} is a link (to {os.readlink(target)}): name the folder itself, or remove "
+                        "the link")
+    full = Path(os.path.abspath(target))
+    if full == full.parent:
+        raise UserError(f"the output {target} is the root folder: name a new folder")
+    try:
+        st = os.stat(target)
+    except FileNotFoundError:
+        st = None
+    except OSError as e:  # ENOTDIR: a file where a parent folder should be; EACCES
+        raise UserError(f"cannot use {target} as the output folder: {e.strerror or e}") from None
+    if st is not None:
+        if not stat.S_ISDIR(st.st_mode):
+            raise UserError(f"the output {target} exists and is not a folder")
+        if (st.st_dev, st.st_ino) in _self_and_parents(Path.cwd()):
+            raise UserError(f"the output {target} is the working folder or holds it: name a new folder")
+        for p in inputs:
+            if (st.st_dev, st.st_ino) in _self_and_parents(p):
+                raise UserError(f"the output {target} is one of the inputs or holds it ({p}): choose another "
+                                "output folder")
+        if not force:
+            raise UserError(f"{target} exists (--force replaces it)")
+    folder = existing_folder(full.parent)
+    if folder is None:
+        raise UserError(f"cannot make the output folder {target}: a file stands where a folder of its path should be")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UserError(f"cannot make the output folder {target}: {folder} is not writable")
+
+
+def _self_and_parents(path: Path) -> set[tuple[int, int]]:
+    """(device, inode) of `path` (links followed) and of every folder above it."""
+    out = set()
+    p = Path(os.path.realpath(path))
+    for q in (p, *p.parents):
+        with contextlib.suppress(OSError):
+            st = os.stat(q)
+            out.add((st.st_dev, st.st_ino))
+    return out
+
+
+def existing_folder(path: Path) -> Path | None:
+    """The nearest of `path` and its parents that exists, if it is a folder (None: a file stands in the way)."""
+    path = Path(os.path.abspath(path))
+    for q in (path, *path.parents):
+        if os.path.lexists(q):
+            return q if q.is_dir() else None
+    return None
+
+
 def check_free_disk(target: Path, needed_bytes: int) -> None:
     """Refuse before writing when the target's file system cannot hold the output (10% margin)."""
-    folder = target.parent if str(target.parent) else Path(".")
+    folder = existing_folder(Path(target).parent) or Path(".")
     free = shutil.disk_usage(folder).free
     if needed_bytes * 1.1 > free:
         raise UserError(
@@ -129,23 +188,26 @@ def atomic_output(target: Path) -> Iterator[Path]:
 
 @contextlib.contextmanager
 def atomic_folder(target: Path) -> Iterator[Path]:
-    """atomic_output for a folder: yield an empty temporary folder beside `target` (its parents made); when the block
-    completes, it replaces `target` (an existing folder there is removed first); any exception, Ctrl-C and the stop
-    signals included, removes it instead."""
+    """atomic_output for a folder (check_output_folder first): yield an empty temporary folder beside `target` (its
+    parents made); when the block completes, it replaces `target` (an existing folder there is removed first); any
+    exception, Ctrl-C and the stop signals included, removes it instead. An OSError while writing (a full disk)
+    becomes one line."""
     target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_name(target)
     with stop_signals_interrupt():
-        shutil.rmtree(tmp, ignore_errors=True)
         try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
             yield tmp
             if target.exists():
                 shutil.rmtree(target)
             tmp.rename(target)
-        except BaseException:
+        except BaseException as e:
             with _signals_ignored():
                 shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(e, OSError):
+                raise UserError(f"could not write {target}: {e.strerror or e}") from None
             raise
 
 

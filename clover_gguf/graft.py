@@ -363,10 +363,11 @@ def graft_folder(src: Path, from_: str, out: Path, revision: str | None = None, 
     appears whole or not at all."""
     import shutil
 
+    from safetensors import SafetensorError
     from safetensors.numpy import save_file
 
     from clover_gguf.config import read_json
-    from clover_gguf.fsutil import atomic_folder
+    from clover_gguf.fsutil import atomic_folder, check_free_disk, check_output_folder
     from clover_gguf.convert import right_kernel_from_shapes
     from clover_gguf.metadata import READING_FIELD
 
@@ -376,12 +377,9 @@ def graft_folder(src: Path, from_: str, out: Path, revision: str | None = None, 
         raise UserError(f"{src} is not a model folder (no config.json)")
     if (src / block_file).exists():
         raise UserError(f"{src} already has the block-mode tensors ({block_file})")
-    if out.resolve() == src.resolve():
-        raise UserError("graft writes a new folder: OUT must not be the input folder")
-    if out.exists() and not force:
-        raise UserError(f"{out} exists: pass --force to replace it")
-    if out.exists() and not out.is_dir():
-        raise UserError(f"{out} exists and is not a folder")
+    local = Path(from_).expanduser()
+    ck = [local, *local.iterdir()] if local.is_dir() else []  # a checkpoint folder is an input too
+    check_output_folder(out, [src, *src.iterdir(), *ck], force=force)
     folder = read_json(src / "config.json", "config.json")
     if not isinstance(folder, dict):
         raise UserError(f"{src}/config.json must be a JSON object")
@@ -403,13 +401,16 @@ def graft_folder(src: Path, from_: str, out: Path, revision: str | None = None, 
     if not quiet:
         log(f"graft: {len(tensors)} block-mode tensors read from {source.label} ({source.bytes_read / 2**20:.2f} MiB)")
 
+    files = [p for p in src.iterdir() if p.is_file() and p.name not in ("config.json", "generation_config.json")]
+    linked = _same_device(src, out)  # hard links where the file system allows: no room for the folder's files
+    check_free_disk(out, sum(a.nbytes for a in tensors.values()) + 2**20 +
+                    (0 if linked else sum(p.stat().st_size for p in files)))
     with atomic_folder(out) as tmp:
-        for p in src.iterdir():
-            if p.is_file() and p.name not in ("config.json", "generation_config.json"):
-                try:
-                    os.link(p, tmp / p.name)
-                except OSError:
-                    shutil.copy2(p, tmp / p.name)
+        for p in files:
+            try:
+                os.link(p, tmp / p.name)
+            except OSError:
+                shutil.copy2(p, tmp / p.name)
         for key in FOLDER_BLOCK_KEYS:
             folder[key] = getattr(cfg, key) if key != "linear_conv_right_kernel_dim" else cfg.right_kernel
         if READING_FIELD in raw_cfg:
@@ -422,7 +423,19 @@ def graft_folder(src: Path, from_: str, out: Path, revision: str | None = None, 
             generation_defaults(gen, where=f"{source.label}: generation_config.json")
         if gen:
             (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
-        save_file(tensors, str(tmp / block_file), metadata={"format": "mlx", "clover": "block-mode tensors, HF names"})
+        try:  # a failed write (a full disk) is safetensors' own error: an OSError for atomic_folder's one line
+            save_file(tensors, str(tmp / block_file), metadata={"format": "mlx", "clover": "block-mode tensors, HF "
+                                                                                          "names"})
+        except SafetensorError as e:
+            raise OSError(str(e)) from None
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
     return GraftResult(out, source.label, len(tensors), source.bytes_read, time.perf_counter() - t0, rss, size)
+
+
+def _same_device(src: Path, out: Path) -> bool:
+    """Whether `out` (its nearest existing folder) is on src's file system, where graft hard-links src's files."""
+    from clover_gguf.fsutil import existing_folder
+
+    folder = existing_folder(out.parent)
+    return folder is not None and os.stat(folder).st_dev == os.stat(src).st_dev

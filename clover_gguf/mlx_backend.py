@@ -328,20 +328,33 @@ def write_folder(loaded: Loaded, tmp: Path, src: Path | None = None) -> int:
 
     from mlx_lm.utils import save_config, save_model
 
-    save_model(tmp, loaded.model, donate_model=True)
     config = {k: v for k, v in loaded.config.items()}
     config["model_type"] = "qwen3_5_moe"  # mlx-lm's class for it; the block file makes it Clover again
     config["architectures"] = ["Qwen3_5MoeForCausalLM"]
-    save_config(config, tmp / "config.json")
-    n = 0
-    if loaded.block_raw:
-        mx.save_safetensors(str(tmp / BLOCK_FILE), {k: v.astype(mx.float32) for k, v in loaded.block_raw.items()},
-                            metadata={"format": "mlx", "clover": "block-mode tensors, HF names"})
-        n = len(loaded.block_raw)
+    try:  # MLX reports a failed write (a full disk) as a RuntimeError: an OSError for atomic_folder's one line
+        save_model(tmp, loaded.model, donate_model=True)
+        save_config(config, tmp / "config.json")
+        if loaded.block_raw:
+            mx.save_safetensors(str(tmp / BLOCK_FILE), {k: v.astype(mx.float32) for k, v in loaded.block_raw.items()},
+                                metadata={"format": "mlx", "clover": "block-mode tensors, HF names"})
+    except RuntimeError as e:
+        raise OSError(str(e).splitlines()[0] if str(e) else "MLX could not write the folder") from None
+    n = len(loaded.block_raw or {})
     for name in _KEPT_FILES if src is not None else ():
         if (src / name).is_file():
             shutil.copy2(src / name, tmp / name)
     return n
+
+
+def _folder_bytes(loaded: Loaded, src: Path) -> int:
+    """About what write_folder writes: the model's arrays as they are held, the block tensors in float32, the kept
+    files."""
+    from mlx.utils import tree_flatten
+
+    arrays = sum(v.nbytes for _, v in tree_flatten(loaded.model.parameters()))
+    block = sum(v.size * 4 for v in (loaded.block_raw or {}).values())
+    kept = sum((src / n).stat().st_size for n in _KEPT_FILES if (src / n).is_file())
+    return arrays + block + kept + 2**20
 
 
 def convert(src: str | Path, out: str | Path, q_bits: int | None = None, q_group_size: int = 64,
@@ -352,7 +365,7 @@ def convert(src: str | Path, out: str | Path, q_bits: int | None = None, q_group
     import sys
     import time
 
-    from clover_gguf.fsutil import atomic_folder
+    from clover_gguf.fsutil import atomic_folder, check_free_disk, check_output_folder
 
     t0 = time.perf_counter()
     src, out = Path(src), Path(out)
@@ -364,14 +377,10 @@ def convert(src: str | Path, out: str | Path, q_bits: int | None = None, q_group
         raise UserError(f"{src} is not a checkpoint folder")
     if is_mlx_folder(src):
         raise UserError(f"{src} is an MLX folder already: mlx-convert takes the checkpoint")
-    if out.exists() and (out.resolve() == src.resolve() or src.resolve() in out.resolve().parents):
-        raise UserError(f"{out} is the checkpoint itself (or holds it): choose another output folder")
-    if out.exists() and not force:
-        raise UserError(f"{out} exists: pass --force to replace it")
-    if out.exists() and not out.is_dir():
-        raise UserError(f"{out} exists and is not a folder")
+    check_output_folder(out, [src, *src.iterdir()], force=force)
     with contextlib.redirect_stdout(sys.stderr):  # mlx-lm prints its bits per weight (the summary says it again)
         loaded = load(src, dtype=dtype, quantize=(q_bits, q_group_size) if q_bits else None)
+    check_free_disk(out, _folder_bytes(loaded, src))
     scale_bits = bpw = None
     if q_bits:  # before writing: save_model gives the model's arrays away
         from mlx_lm.utils import compute_bits_per_weight

@@ -58,13 +58,18 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def clover(*args, env: dict[str, str] | None = None, fsize: int | None = None, stdout=subprocess.PIPE,
-           stdin=None) -> subprocess.CompletedProcess:
+           stdin=None, cwd: Path = ROOT, read_only: bool = False) -> subprocess.CompletedProcess:
     """Run `clover-gguf ARGS` under the limits; stdout: where its output goes (a pipe we read, or a file such as
-    /dev/full); stdin: what it reads (nothing: an empty input)."""
-    argv = [sys.executable, "-m", "clover_gguf", *map(str, args)]
+    /dev/full); stdin: what it reads (nothing: an empty input); read_only: folders without write permission stay
+    so for it (as root: without CAP_DAC_OVERRIDE, which lets root write anywhere)."""
+    argv = [*(_NO_OVERRIDE if read_only and os.geteuid() == 0 else []), sys.executable, "-m", "clover_gguf",
+            *map(str, args)]
     return subprocess.run(argv, stdout=stdout, stderr=subprocess.PIPE, text=True, errors="replace",
-                          timeout=TIMEOUT_S, env=_env(env), preexec_fn=_limits(fsize), cwd=ROOT,
+                          timeout=TIMEOUT_S, env=_env(env), preexec_fn=_limits(fsize), cwd=cwd,
                           input=stdin if stdin is not None else "")
+
+
+_NO_OVERRIDE = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search"]
 
 
 def snapshot(folder: Path) -> dict[str, str]:
@@ -116,6 +121,29 @@ class Work:
         if not ck.exists():
             shutil.copytree(self.base["ck"], ck)
         return ck
+
+    @property
+    def mlx(self) -> Path:
+        """A copy of mlx-convert's folder of the base checkpoint (the `mlx_folder` fixture, given as base["mlx"])."""
+        m = self.folder / "mlx"
+        if not m.exists():
+            shutil.copytree(self.base["mlx"], m)
+        return m
+
+    @property
+    def community(self) -> Path:
+        """What a community MLX conversion holds: mlx-lm's files without the block tensors or Clover's keys."""
+        c = self.folder / "community"
+        if not c.exists():
+            from clover_gguf.graft import FOLDER_BLOCK_KEYS, MLX_BLOCK_FILE
+
+            shutil.copytree(self.base["mlx"], c)
+            (c / MLX_BLOCK_FILE).unlink()
+            cfg = json.loads((c / "config.json").read_text())
+            for k in (*FOLDER_BLOCK_KEYS, md.READING_FIELD):
+                cfg.pop(k, None)
+            (c / "config.json").write_text(json.dumps(cfg))
+        return c
 
     @property
     def gguf(self) -> Path:
@@ -1645,3 +1673,127 @@ def test_the_key_middleware_takes_no_empty_or_non_ascii_key():
     for key in ("", "cl\u00e9", " key"):
         with pytest.raises(UserError):
             RequireKey(None, key)
+
+
+# =================================================================================================================
+# Issue 52, the fourth round: folder outputs, the MLX path's side files and checks, sampling values the samplers
+# cannot take, check-block --write through a link, an early Ctrl-C. `item` numbers are the issue's.
+# =================================================================================================================
+@pytest.fixture(scope="session")
+def mlx_base(base, tmp_path_factory) -> dict[str, Path]:
+    """base, and mlx-convert's folder of its checkpoint (float32) as "mlx"."""
+    out = tmp_path_factory.mktemp("hostile-mlx") / "mlx"
+    p = clover("mlx-convert", base["ck"], "-o", out)
+    assert p.returncode == 0, p.stderr
+    return {**base, "mlx": out}
+
+
+# ---- 2, 4: folder outputs that are or hold inputs, or that cannot be made --------------------------------------
+def _onto(command: str, target: Callable[[Work], Path], force: bool = True) -> Callable[[Work], tuple[list, dict]]:
+    """mlx-convert of the checkpoint, or graft of a community folder from the checkpoint, onto target(w)."""
+    def make(w: Work) -> tuple[list, dict]:
+        src = w.ck if command == "mlx-convert" else w.community
+        argv = [command, src, *(["--from", w.ck] if command == "graft" else []), "-o", target(w),
+                *(["--force"] if force else []), *(["--quiet"] if command == "graft" else [])]
+        return argv, {}
+    return make
+
+
+def _in_out(w: Work, cwd: bool = False) -> dict:
+    return {"cwd": w.folder / "out"} if cwd else {}
+
+
+def _under_a_file(w: Work) -> Path:
+    (w.folder / "out" / "f").write_text("a file")
+    return w.folder / "out" / "f" / "mlx"
+
+
+def _existing_file(w: Work) -> Path:
+    (w.folder / "out" / "f").write_text("a file")
+    return w.folder / "out" / "f"
+
+
+def _link_to_folder(w: Work) -> Path:
+    (w.folder / "out" / "real").mkdir()
+    (w.folder / "out" / "link").symlink_to(w.folder / "out" / "real")
+    return w.folder / "out" / "link"
+
+
+def _read_only(w: Work) -> tuple[list, dict]:
+    os.chmod(w.folder / "out", 0o555)
+    argv, _ = _onto("mlx-convert", lambda w: w.folder / "out" / "mlx", force=False)(w)
+    return argv, {"read_only": True}
+
+
+def _dot(command: str) -> Callable[[Work], tuple[list, dict]]:
+    def make(w: Work) -> tuple[list, dict]:
+        argv, _ = _onto(command, lambda w: Path("."))(w)
+        return argv, {"cwd": w.folder / "out"}
+    return make
+
+
+FOLDER_OUTPUT_CASES: dict[str, tuple[str, Callable[[Work], tuple[list, dict]], str]] = {
+    # 2: --force replaced the checkpoint (or the folder beside it) with the output
+    "mlx-convert-onto-the-checkpoints-parent": ("2", _onto("mlx-convert", lambda w: w.folder), "holds it"),
+    "mlx-convert-onto-the-checkpoint": ("2", _onto("mlx-convert", lambda w: w.ck), "one of the inputs"),
+    "graft-onto-the-checkpoint": ("2", _onto("graft", lambda w: w.ck), "one of the inputs"),
+    "graft-onto-its-input": ("2", _onto("graft", lambda w: w.community), "one of the inputs"),
+    "graft-onto-the-inputs-parent": ("2", _onto("graft", lambda w: w.folder), "holds it"),
+    # 4: tracebacks
+    "mlx-convert-under-a-file": ("4", _onto("mlx-convert", _under_a_file), "Not a directory"),
+    "mlx-convert-onto-a-file": ("4", _onto("mlx-convert", _existing_file), "exists and is not a folder"),
+    "mlx-convert-in-a-read-only-folder": ("4", _read_only, "is not writable"),
+    "mlx-convert-onto-a-link-with-force": ("4", _onto("mlx-convert", _link_to_folder), "is a link"),
+    "graft-onto-a-link-with-force": ("4", _onto("graft", _link_to_folder), "is a link"),
+    "mlx-convert-dot": ("4", _dot("mlx-convert"), "the working folder"),
+    "graft-dot": ("4", _dot("graft"), "the working folder"),
+    "mlx-convert-root": ("4", _onto("mlx-convert", lambda w: Path("/")), "the root folder"),
+    "mlx-convert-exists-without-force": ("own", _onto("mlx-convert", lambda w: w.mlx, force=False), "--force"),
+}
+
+
+@pytest.mark.parametrize("case", list(FOLDER_OUTPUT_CASES))
+def test_a_folder_output_never_replaces_an_input_and_is_one_line(mlx_base, tmp_path, case):
+    _, make, expect = FOLDER_OUTPUT_CASES[case]
+    w = Work(tmp_path, mlx_base)
+    argv, kw = make(w)
+    before = snapshot(tmp_path)
+    try:
+        p = clover(*argv, **kw)
+    finally:
+        os.chmod(w.folder / "out", 0o755)
+    assert_refused(p, before, tmp_path, expect)
+
+
+@pytest.mark.parametrize("command", ["mlx-convert", "graft"])
+def test_a_full_disk_while_a_folder_is_written_is_one_line(mlx_base, tmp_path, command):
+    """4: writes past RLIMIT_FSIZE fail (EFBIG) as on a full disk: MLX's writer raised a RuntimeError traceback."""
+    w = Work(tmp_path, mlx_base)
+    argv, _ = _onto(command, lambda w: w.folder / "out" / "mlx", force=False)(w)
+    before = snapshot(tmp_path)
+    assert_refused(clover(*argv, fsize=4096), before, tmp_path, "could not write")
+
+
+@pytest.mark.parametrize("command", ["mlx-convert", "graft"])
+def test_a_folder_output_checks_the_free_space_first(mlx_base, tmp_path, monkeypatch, command):
+    """4: the room a folder output needs is checked before it is written (a disk with 1 MiB free here)."""
+    import collections
+
+    from clover_gguf import fsutil
+    from clover_gguf.errors import UserError
+
+    monkeypatch.setattr(fsutil.shutil, "disk_usage", lambda p: collections.namedtuple("u", "total used free")(
+        2**30, 2**30 - 2**20, 2**20))
+    w = Work(tmp_path, mlx_base)
+    ck, src = w.ck, w.community
+    before = snapshot(tmp_path)
+    with pytest.raises(UserError, match="not enough disk space"):
+        if command == "mlx-convert":
+            from clover_gguf.mlx_backend import convert as mlx_convert
+
+            mlx_convert(ck, w.folder / "out" / "mlx")
+        else:
+            from clover_gguf.graft import graft
+
+            graft(src, str(ck), w.folder / "out" / "mlx", quiet=True)
+    assert snapshot(tmp_path) == before

@@ -395,7 +395,7 @@ def test_mlx_convert_on_the_command_line(converted, capsys, tmp_path):
     res = json.loads(capsys.readouterr().out)
     assert res["q_bits"] == 8 and res["q_group_size"] == 64 and res["block_tensors"] == 8
     for args, words in [(["--q-group-size", "48"], "--q-group-size must be"), (["--q-bits", "7"], "--q-bits must be"),
-                        ([], "exists: pass --force")]:
+                        ([], "exists (--force replaces it)")]:
         with pytest.raises(SystemExit) as e:
             main(["mlx-convert", str(BUNDLED), "-o", str(tmp_path / "q8"), *args])
         err = capsys.readouterr().err
