@@ -8,7 +8,7 @@ with the same promise.
 
 A folder output (mlx-convert, graft into an MLX folder: `check_output_folder`, `atomic_folder`) is never an input, a
 folder holding one, the working folder or one holding it, nor a link; it replaces an existing folder only with
---force.
+--force, and then whole: the old one is renamed aside, the new one in, and only then is the old one removed.
 """
 
 from __future__ import annotations
@@ -32,11 +32,12 @@ STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if 
 NAME_MAX = 255  # bytes in one file name (Linux, macOS; the most file systems allow)
 
 
-def temp_name(target: Path, pid: int | None = None) -> Path:
+def temp_name(target: Path, pid: int | None = None, kind: str = "partial") -> Path:
     """The temporary file beside `target`: `.NAME.partial-PID`, or, when that would pass NAME_MAX, the name cut
-    short and marked with a hash of the whole name (`.NAM~1a2b3c4d.partial-PID`), so any legal output name works."""
+    short and marked with a hash of the whole name (`.NAM~1a2b3c4d.partial-PID`), so any legal output name works.
+    kind: "partial" (the output being written) or "old" (a folder being replaced, moved aside)."""
     target = Path(target)
-    suffix = f".partial-{os.getpid() if pid is None else pid}"
+    suffix = f".{kind}-{os.getpid() if pid is None else pid}"
     name = os.fsencode(target.name)
     if len(name) + 1 + len(suffix) <= NAME_MAX:
         return target.with_name(f".{target.name}{suffix}")
@@ -189,9 +190,8 @@ def atomic_output(target: Path) -> Iterator[Path]:
 @contextlib.contextmanager
 def atomic_folder(target: Path) -> Iterator[Path]:
     """atomic_output for a folder (check_output_folder first): yield an empty temporary folder beside `target` (its
-    parents made); when the block completes, it replaces `target` (an existing folder there is removed first); any
-    exception, Ctrl-C and the stop signals included, removes it instead. An OSError while writing (a full disk)
-    becomes one line."""
+    parents made); when the block completes, it replaces `target` (replace_folder); any exception, Ctrl-C and the
+    stop signals included, removes it instead. An OSError while writing (a full disk) becomes one line."""
     target = Path(target)
     tmp = temp_name(target)
     with stop_signals_interrupt():
@@ -200,15 +200,32 @@ def atomic_folder(target: Path) -> Iterator[Path]:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
             yield tmp
-            if target.exists():
-                shutil.rmtree(target)
-            tmp.rename(target)
+            replace_folder(tmp, target)
         except BaseException as e:
             with _signals_ignored():
                 shutil.rmtree(tmp, ignore_errors=True)
             if isinstance(e, OSError):
                 raise UserError(f"could not write {target}: {e.strerror or e}") from None
             raise
+
+
+def replace_folder(new: Path, target: Path) -> None:
+    """Rename the folder `new` to `target`. An old folder there is renamed aside first and removed last, with Ctrl-C
+    and the stop signals deferred until that is done, so at every moment the old folder or the new one is at
+    `target` and no `.old` folder is left."""
+    old = temp_name(target, kind="old") if os.path.lexists(target) else None
+    with _signals_deferred():
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)  # a killed run's leftover of the same PID
+            os.rename(target, old)
+        try:
+            os.rename(new, target)
+        except BaseException:
+            if old is not None:
+                os.rename(old, target)
+            raise
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -239,3 +256,22 @@ def _signals_ignored() -> Iterator[None]:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """Ctrl-C and the stop signals that come while the block runs take effect when it ends (they are raised again
+    then), so a few steps that must run together are never cut between them."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+    sigs = [s for s in (signal.SIGINT, *STOP_SIGNALS) if signal.getsignal(s) not in (signal.SIG_IGN, None)]
+    previous = {s: signal.signal(s, lambda signum, frame: pending.append(signum)) for s in sigs}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        for s in dict.fromkeys(pending):
+            signal.raise_signal(s)

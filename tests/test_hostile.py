@@ -1797,3 +1797,45 @@ def test_a_folder_output_checks_the_free_space_first(mlx_base, tmp_path, monkeyp
 
             graft(src, str(ck), w.folder / "out" / "mlx", quiet=True)
     assert snapshot(tmp_path) == before
+
+
+# ---- 3: a folder replaced with --force is replaced whole ----------------------------------------------------------
+def test_a_folder_is_replaced_whole_or_not_at_all(mlx_base, tmp_path, monkeypatch):
+    """The old folder was removed, then the new one renamed in: a signal between the two lost both. Now the old one
+    is renamed aside, the new one in, the old one removed; a failure (here: the rename of the new folder, as a
+    signal would stop it) puts the old one back."""
+    from clover_gguf import fsutil
+    from clover_gguf.mlx_backend import convert as mlx_convert
+
+    w = Work(tmp_path, mlx_base)
+    out = w.folder / "out" / "mlx"
+    shutil.copytree(w.mlx, out)
+    (out / "mine.txt").write_text("the old folder")
+    old = snapshot(w.folder / "out")
+    rename = os.rename
+
+    def stopped(a, b, *args, **kw):
+        if Path(a).name.startswith(".mlx.partial-"):
+            raise KeyboardInterrupt
+        return rename(a, b, *args, **kw)
+
+    monkeypatch.setattr(fsutil.os, "rename", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        mlx_convert(w.ck, out, force=True)
+    assert snapshot(w.folder / "out") == old  # the old folder, whole, and nothing beside it
+    monkeypatch.setattr(fsutil.os, "rename", rename)
+    mlx_convert(w.ck, out, force=True)
+    assert not (out / "mine.txt").exists() and sorted(p.name for p in (w.folder / "out").iterdir()) == ["mlx"]
+
+    # a real SIGTERM between the two renames: it takes effect once both are done (the new folder in, the old gone)
+    def signalled(a, b, *args, **kw):
+        if Path(b).name.startswith(".mlx.old-"):
+            os.kill(os.getpid(), signal.SIGTERM)
+        return rename(a, b, *args, **kw)
+
+    monkeypatch.setattr(fsutil.os, "rename", signalled)
+    with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+        with fsutil.atomic_folder(out) as tmp:
+            (tmp / "new.txt").write_text("the new folder")
+    assert sorted(p.name for p in (w.folder / "out").iterdir()) == ["mlx"] and (out / "new.txt").is_file()
+
