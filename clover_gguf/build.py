@@ -21,6 +21,7 @@ import contextlib
 import ctypes
 import dataclasses
 import hashlib
+import errno
 import importlib.metadata
 import json
 import os
@@ -129,6 +130,21 @@ def cache_root() -> Path:
         return Path(override).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base).expanduser() / "clover-gguf"
+
+
+def writable_cache_root() -> Path:
+    """cache_root(), made when missing, for a command that writes into it; one line when it cannot be (a file there,
+    a read-only home)."""
+    root = cache_root()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        if not os.access(root, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, "not writable")
+    except OSError as e:
+        why = "a file is in the way" if isinstance(e, (FileExistsError, NotADirectoryError)) else e.strerror or e
+        raise UserError(f"cannot use {root} for clover-gguf's cache ({why}): set {ENV_CACHE} to a writable "
+                        "folder") from None
+    return root
 
 
 def patches_dir() -> Path:
@@ -644,7 +660,7 @@ def build_llama(backend: str = "cpu", jobs: int | None = None, prefix: Path | st
     if jobs is not None and jobs < 1:
         raise UserError(f"jobs must be at least 1, got {jobs}")
     jobs = jobs or os.cpu_count() or 1
-    root = cache_root()
+    root = writable_cache_root()
     source_id = source_id_of(src)  # the sdist itself is fetched (and verified) only if a build is needed
     llama_digest = build_hash(source_id, patch_data, backend, options, host)  # the llama.cpp part alone
     digest = build_hash(source_id, patch_data, backend, options, host, sampler=sampler)
@@ -849,7 +865,7 @@ def install_binding(info: BuildInfo | None = None, quiet: bool = False, force: b
     and check that it imports against `info`'s library. Returns the installed version. A no-op when it is there."""
     install = binding_version() != LLAMA_CPP_PYTHON_VERSION or force
     if install:
-        sdist = fetch_sdist(cache_root() / "sdist", quiet=quiet)
+        sdist = fetch_sdist(writable_cache_root() / "sdist", quiet=quiet)
         if not quiet:
             print(f"installing llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} (no llama.cpp compile) ...", file=sys.stderr)
         with tempfile.TemporaryDirectory(prefix="clover-binding-") as tmp:

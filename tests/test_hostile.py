@@ -1799,6 +1799,19 @@ def test_a_folder_output_checks_the_free_space_first(mlx_base, tmp_path, monkeyp
     assert snapshot(tmp_path) == before
 
 
+@pytest.mark.parametrize("how", ["cache-dir-a-file", "cache-dir-under-a-file", "read-only-home"])
+def test_build_llama_with_a_cache_it_cannot_write_is_one_line(tmp_path, how):
+    """4: build-llama made its cache folder (and lock files) with tracebacks for a file there or a read-only home."""
+    (tmp_path / "f").write_text("a file")
+    (tmp_path / "home").mkdir(mode=0o555)
+    env = {"CLOVER_GGUF_CACHE_DIR": str(tmp_path / "f")} if how == "cache-dir-a-file" else \
+        {"CLOVER_GGUF_CACHE_DIR": str(tmp_path / "f" / "cache")} if how == "cache-dir-under-a-file" else \
+        {"HOME": str(tmp_path / "home"), "XDG_CACHE_HOME": "", "CLOVER_GGUF_CACHE_DIR": ""}
+    before = snapshot(tmp_path)
+    p = clover("build-llama", env=env, read_only=True)
+    assert_refused(p, before, tmp_path, "set CLOVER_GGUF_CACHE_DIR to a writable folder")
+
+
 # ---- 3: a folder replaced with --force is replaced whole ----------------------------------------------------------
 def test_a_folder_is_replaced_whole_or_not_at_all(mlx_base, tmp_path, monkeypatch):
     """The old folder was removed, then the new one renamed in: a signal between the two lost both. Now the old one
