@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import mmap
+import os
 import re
 import struct
 from dataclasses import dataclass
@@ -90,19 +91,14 @@ def list_shards(src: Path) -> list[Path]:
     if not src.is_dir():
         raise UserError(f"not a checkpoint folder: {src}")
     index = src / INDEX
-    if index.is_file():
-        from clover_gguf.config import MAX_JSON_BYTES
+    if os.path.lexists(index):
+        from clover_gguf.config import read_json_bytes
 
-        try:
-            if index.stat().st_size > MAX_JSON_BYTES:
-                raise UserError(f"{index} is over {MAX_JSON_BYTES >> 20} MiB: not a safetensors index")
-            blob = index.read_bytes()
-        except OSError as e:
-            raise UserError(f"cannot read {index}: {e.strerror or e}") from None
+        blob = read_json_bytes(index, "safetensors index")
         shards = sorted({src / f for f in parse_index(blob, str(index)).values()})
         for s in shards:
             if not s.is_file():
-                what = "a folder" if s.is_dir() else "absent"
+                what = "a folder" if s.is_dir() else "is not a regular file" if os.path.lexists(s) else "absent"
                 raise UserError(f"shard {s.name} is named in {index.name} but {what}")
         return shards
     shards = sorted(src.glob("*.safetensors"))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,8 +41,9 @@ MAX_BLOCK = 4096  # a diffusion block: one block pass holds it in a single ubatc
 MAX_CONTEXT = 2**24
 MAX_U32 = 2**32 - 1
 MAX_I32 = 2**31 - 1
-# a checkpoint's JSON side file (config, generation config, safetensors index; the 35B's index is about 2 MB, every
-# expert of every layer named): a larger one is refused before it is read whole
+# a checkpoint's or an MLX folder's JSON side file (config, generation config, tokenizer files, safetensors index; the
+# 35B's index is about 2 MB, every expert of every layer named, its tokenizer.json about 13 MB): a larger one is
+# refused before it is read whole
 MAX_JSON_BYTES = 64 * 2**20
 MAX_F32 = 3.4028234663852886e38  # the largest float32: a larger value is written to the GGUF as inf
 REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -49,13 +52,40 @@ REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_hea
             "shared_expert_intermediate_size")
 
 
-def read_json(path: Path, what: str) -> Any:
-    """A JSON file, or one UserError line saying why it is not one (binary, invalid, unreadable)."""
+_REQUIRED = object()
+
+
+def read_json(path: Path, what: str, missing: Any = _REQUIRED) -> Any:
+    """A JSON side file (config, generation config, tokenizer files: read_json_bytes), or one UserError line saying
+    why it is not one (binary, invalid, nested past the stack). missing: what an absent file gives (default: the
+    error)."""
+    blob = read_json_bytes(path, what, missing=missing is not _REQUIRED)
+    return missing if blob is None else parse_json(blob, str(path), what)
+
+
+def read_json_bytes(path: Path, what: str, missing: bool = False) -> bytes | None:
+    """The bytes of a JSON side file, the one reader of convert, graft, mlx-convert and the MLX loader: a regular file
+    (a FIFO would block its reader for ever, a device never end) of at most MAX_JSON_BYTES, else one UserError line.
+    missing: None for a file that is not there (no entry of that name), instead of the error."""
+    path = Path(path)
     try:
-        blob = Path(path).read_bytes()
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise UserError(f"{path} is not a regular file ({what} must be one)")
+        if st.st_size > MAX_JSON_BYTES:
+            raise UserError(f"{path} is over {MAX_JSON_BYTES >> 20} MiB: not a {what}")
+        with open(path, "rb") as f:
+            blob = f.read(MAX_JSON_BYTES + 1)
+    except FileNotFoundError:
+        if missing and not os.path.lexists(path):
+            return None
+        raise UserError(f"cannot read {path}: no such file" + (" (a link to nothing)" if os.path.lexists(path)
+                                                                else "")) from None
     except OSError as e:
         raise UserError(f"cannot read {path}: {e.strerror or e}") from None
-    return parse_json(blob, str(path), what)
+    if len(blob) > MAX_JSON_BYTES:  # it grew while it was read
+        raise UserError(f"{path} is over {MAX_JSON_BYTES >> 20} MiB: not a {what}")
+    return blob
 
 
 def parse_json(blob: bytes, where: str, what: str) -> Any:
@@ -319,7 +349,7 @@ class CloverConfig:
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
-        if not path.is_file():
+        if not os.path.lexists(path):
             raise UserError(f"missing config.json: {path}")
         return cls.from_dict(read_json(path, "config.json"))
 

@@ -453,9 +453,8 @@ def write_metadata(w: GGUFWriter, cfg: CloverConfig, vocab: Vocab, gen: Generati
 
 def read_generation_defaults(src: Path) -> GenerationDefaults:
     p = Path(src) / "generation_config.json"
-    if not p.is_file():
-        return GenerationDefaults()
-    return generation_defaults(read_json(p, "generation_config.json"), where=str(p))
+    gen = read_json(p, "generation_config.json", missing=None)
+    return GenerationDefaults() if gen is None else generation_defaults(gen, where=str(p))
 
 
 @dataclass

@@ -23,7 +23,7 @@ from typing import Any, Callable
 import numpy as np
 
 from clover_gguf.checkpoint import INDEX, SAFETENSORS_DTYPES, normalise_name, parse_index, parse_shard_header
-from clover_gguf.config import MAX_JSON_BYTES, CloverConfig, generation_defaults, parse_json
+from clover_gguf.config import MAX_JSON_BYTES, CloverConfig, generation_defaults, parse_json, read_json_bytes
 from clover_gguf.errors import UserError
 from clover_gguf.metadata import ARCH, GenerationDefaults, MASK_TOKEN_ID, hparam
 from clover_gguf.tensor_map import TENSOR_RULES, match_rule
@@ -55,12 +55,9 @@ class LocalSource:
         return data
 
     def json_bytes(self, name: str) -> bytes | None:
-        size = self.size(name)
-        if size is None:
-            return None
-        if size > MAX_JSON_BYTES:
-            raise UserError(f"{self.label}/{name} is over {MAX_JSON_BYTES >> 20} MiB: not a checkpoint's JSON file")
-        return self.read(name)
+        blob = read_json_bytes(self.folder / name, name, missing=True)  # the one reader of side files
+        self.bytes_read += len(blob or b"")
+        return blob
 
 
 # a Hub repo id: owner/name, each of letters, digits, '-', '_', '.', no '..' or '--', at most 96 characters
@@ -373,7 +370,7 @@ def graft_folder(src: Path, from_: str, out: Path, revision: str | None = None, 
 
     block_file = MLX_BLOCK_FILE
     t0 = time.perf_counter()
-    if not (src / "config.json").is_file():
+    if not os.path.lexists(src / "config.json"):
         raise UserError(f"{src} is not a model folder (no config.json)")
     if (src / block_file).exists():
         raise UserError(f"{src} already has the block-mode tensors ({block_file})")
@@ -416,8 +413,7 @@ def graft_folder(src: Path, from_: str, out: Path, revision: str | None = None, 
         if READING_FIELD in raw_cfg:
             folder[READING_FIELD] = raw_cfg[READING_FIELD]
         (tmp / "config.json").write_text(json.dumps(folder, indent=4, sort_keys=True))
-        gen = read_json(src / "generation_config.json", "generation_config.json") \
-            if (src / "generation_config.json").is_file() else {}
+        gen = read_json(src / "generation_config.json", "generation_config.json", missing={})
         if isinstance(gen_raw, dict):
             gen = {**gen_raw, **(gen if isinstance(gen, dict) else {})}  # the folder's own values win
             generation_defaults(gen, where=f"{source.label}: generation_config.json")

@@ -71,12 +71,12 @@ def availability() -> dict[str, Any]:
 def is_mlx_folder(path: Path) -> bool:
     """An MLX folder (mlx-lm's layout) rather than an HF checkpoint: its weights are named as mlx-lm's model holds
     them, or its config.json carries mlx-lm's `quantization`."""
+    from clover_gguf.config import read_json
+
     path = Path(path)
-    if not (path / "config.json").is_file():
-        return False
-    try:
-        raw = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
+    try:  # the one reader (regular, at most 64 MiB, not nested past the stack); a bad file is refused by the load
+        raw = read_json(path / "config.json", "config.json")
+    except UserError:
         return False
     if isinstance(raw, dict) and isinstance(raw.get("quantization"), dict):
         return True
@@ -226,13 +226,15 @@ def load(path: str | Path, dtype: str | None = None, quantize: tuple[int, int] |
     """A Clover checkpoint folder or an MLX folder -> Loaded. dtype: "float32", "bfloat16", "float16" (default: the
     stored type, float32 for a checkpoint in float32); quantize: (bits, group_size) for a checkpoint (mlx-lm's
     quantization; the routers at 8 bits as mlx-lm's predicate says; the block tensors never)."""
+    import os
+
     from mlx_lm.utils import load_model, quantize_model
 
     path = Path(path)
-    if not (path / "config.json").is_file():
+    if not os.path.lexists(path / "config.json"):
         raise UserError(f"{path} is not a model folder (no config.json)")
     if is_mlx_folder(path):
-        has_block = (path / BLOCK_FILE).is_file()
+        has_block = os.path.lexists(path / BLOCK_FILE)
         cfg, raw = _read_config(path, has_block)
         if quantize is not None:
             raise UserError(f"{path} is an MLX folder already: quantize the checkpoint instead")

@@ -98,8 +98,8 @@ class MlxRuntime(CloverRuntime):
         self.reading_verified = READING_FIELD in cfg.extra
         self.context_length = cfg.max_position_embeddings
         gen_path = path / "generation_config.json"
-        gen_raw = read_json(gen_path, "generation_config.json") if gen_path.is_file() else {}
-        gen = generation_defaults(gen_raw, where=str(gen_path)) if gen_path.is_file() else GenerationDefaults()
+        gen_raw = read_json(gen_path, "generation_config.json", missing=None)
+        gen = GenerationDefaults() if gen_raw is None else generation_defaults(gen_raw, where=str(gen_path))
         self.block_size = int(cfg.block_size)
         self.backend.block_size = self.block_size
         self.threshold = gen.threshold
@@ -113,7 +113,7 @@ class MlxRuntime(CloverRuntime):
         self._template = compile_chat_template(self.chat_template) if self.chat_template else None
         self.n_ctx = min(n_ctx or DEFAULT_CTX, self.context_length)
         self.ctx = _Tokens(path, vocab, self.n_ctx)
-        eos = gen_raw.get("eos_token_id", cfg.eos_token_id) if isinstance(gen_raw, dict) else cfg.eos_token_id
+        eos = (gen_raw or {}).get("eos_token_id", cfg.eos_token_id)
         eos_ids = sorted({int(e) for e in (eos if isinstance(eos, list) else [eos]) if isinstance(e, int)})
         if not eos_ids and "eos" in vocab.special_ids:
             eos_ids = [vocab.special_ids["eos"]]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -120,7 +121,7 @@ def _read_tokens(tj: Path, tok: Any, vocab_size: int) -> tuple[dict[str, int], d
 def load_vocab(src: Path, cfg: CloverConfig) -> Vocab:
     src = Path(src)
     tj = src / "tokenizer.json"
-    if not tj.is_file():
+    if not os.path.lexists(tj):
         raise UserError(f"missing tokenizer.json in {src}")
     vocab, added, special, merges = _read_tokens(tj, read_json(tj, "tokenizer.json"), cfg.vocab_size)
 
@@ -134,7 +135,7 @@ def load_vocab(src: Path, cfg: CloverConfig) -> Vocab:
         types[i] = int(TokenType.CONTROL if text in special else TokenType.USER_DEFINED)
 
     tc_path = src / "tokenizer_config.json"
-    tc = read_json(tc_path, "tokenizer_config.json") if tc_path.is_file() else {}
+    tc = read_json(tc_path, "tokenizer_config.json", missing={})
     if not isinstance(tc, dict):
         raise UserError(f"{tc_path} must be a JSON object, not {type(tc).__name__}")
     ids: dict[str, int] = {}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import resource
 import shutil
 import signal
@@ -128,6 +129,14 @@ class Work:
         m = self.folder / "mlx"
         if not m.exists():
             shutil.copytree(self.base["mlx"], m)
+        return m
+
+    @property
+    def q4(self) -> Path:
+        """A copy of mlx-convert's 4-bit folder of the base checkpoint (base["q4"]: per-module quantization)."""
+        m = self.folder / "q4"
+        if not m.exists():
+            shutil.copytree(self.base["q4"], m)
         return m
 
     @property
@@ -1681,11 +1690,12 @@ def test_the_key_middleware_takes_no_empty_or_non_ascii_key():
 # =================================================================================================================
 @pytest.fixture(scope="session")
 def mlx_base(base, tmp_path_factory) -> dict[str, Path]:
-    """base, and mlx-convert's folder of its checkpoint (float32) as "mlx"."""
-    out = tmp_path_factory.mktemp("hostile-mlx") / "mlx"
-    p = clover("mlx-convert", base["ck"], "-o", out)
-    assert p.returncode == 0, p.stderr
-    return {**base, "mlx": out}
+    """base, and mlx-convert's folders of its checkpoint: "mlx" (float32) and "q4" (4-bit, groups of 32)."""
+    root = tmp_path_factory.mktemp("hostile-mlx")
+    for name, extra in (("mlx", []), ("q4", ["--q-bits", "4", "--q-group-size", "32"])):
+        p = clover("mlx-convert", base["ck"], "-o", root / name, *extra)
+        assert p.returncode == 0, p.stderr
+    return {**base, "mlx": root / "mlx", "q4": root / "q4"}
 
 
 # ---- 2, 4: folder outputs that are or hold inputs, or that cannot be made --------------------------------------
@@ -1852,3 +1862,27 @@ def test_a_folder_is_replaced_whole_or_not_at_all(mlx_base, tmp_path, monkeypatc
             (tmp / "new.txt").write_text("the new folder")
     assert sorted(p.name for p in (w.folder / "out").iterdir()) == ["mlx"] and (out / "new.txt").is_file()
 
+
+# ---- 8: the one reader of JSON side files ------------------------------------------------------------------------
+def _sparse(name: str, size: int = 16 * 2**30) -> Callable[[Path], None]:
+    """`name` grown to 16 GB without taking the room (a sparse file): read whole, a MemoryError under the limit."""
+    def apply(folder: Path) -> None:
+        with open(folder / name, "r+b") as f:
+            f.truncate(size)
+    return apply
+
+
+def _folder_command(cmd: str, folder: Path, out: Path) -> list:
+    return {"generate": ["generate", folder, "-p", PROMPT, "-n", "4"], "serve": ["serve", folder, "--port", "0"],
+            "mlx-convert": ["mlx-convert", folder, "-o", out], "convert": ["convert", folder, "-o", out / "m.gguf"]
+            }[cmd]
+
+
+@pytest.mark.parametrize("cmd", ["convert", "mlx-convert", "generate"])
+def test_a_16GB_checkpoint_config_is_refused_unread(base, tmp_path, cmd):
+    """8: config.json read whole with no limit: a MemoryError under the 4 GiB address space (and 6 GB in the
+    issue) in convert, mlx-convert and generate on a checkpoint folder."""
+    w = Work(tmp_path, base)
+    _sparse("config.json")(w.ck)
+    before = snapshot(tmp_path)
+    assert_refused(clover(*_folder_command(cmd, w.ck, w.folder / "out" / "mlx")), before, tmp_path, "over 64 MiB")
