@@ -438,12 +438,13 @@ class CloverConfig:
         return d
 
 
-def generation_defaults(d: Any, where: str = "generation_config.json") -> GenerationDefaults:
+def generation_defaults(d: Any, where: str = "generation_config.json", vocab: int = MAX_VOCAB) -> GenerationDefaults:
     """A generation_config.json object -> GenerationDefaults, every value type- and range-checked (one line, exit 2
-    for a bad one)."""
+    for a bad one); its eos_token_id (which the MLX path and mlx-lm read) ids in 0..vocab-1."""
     if not isinstance(d, dict):
         raise UserError(f"{where} must be a JSON object, not {type(d).__name__}")
     f = _Fields(d, where)
+    f.token_ids("eos_token_id", vocab)
     kwargs: dict[str, Any] = {}
     for hf_key, name in GenerationDefaults.HF_KEYS.items():
         default = getattr(GenerationDefaults, name)

@@ -457,6 +457,29 @@ def read_generation_defaults(src: Path) -> GenerationDefaults:
     return GenerationDefaults() if gen is None else generation_defaults(gen, where=str(p))
 
 
+def _checked(src: Path, ck: Checkpoint, outtype: str = "f32", skip_unknown: bool = False, arch: str = ARCH,
+             reading: str | None = None) -> tuple[ConversionPlan, GenerationDefaults, Vocab]:
+    """Every check of a checkpoint folder before anything is written: config.json, generation_config.json, the block
+    reading, every tensor (plan_conversion: header, layer, kind, shape, dtype, the block tensors' values) and the
+    tokenizer files -> (the plan, the generation defaults, the vocabulary)."""
+    cfg = CloverConfig.from_file(src)
+    gen = read_generation_defaults(src)
+    if arch == ARCH:
+        block_mode_keys(cfg, gen, reading)  # a reading this version does not know: refused before any work
+    # the tensors' shapes are checked against config.json before anything (the vocabulary) is sized from it
+    plan = plan_conversion(ck, cfg, outtype, skip_unknown, arch)
+    return plan, gen, load_vocab(src, cfg)
+
+
+def check_checkpoint(src: Path) -> tuple[CloverConfig, GenerationDefaults, Vocab]:
+    """convert's checks (_checked) for a path that reads a checkpoint without converting it (mlx-convert, the MLX
+    loader), so a folder one refuses the other refuses with the same line -> (the config with the right kernel read
+    from the tensors, the generation defaults, the vocabulary)."""
+    with Checkpoint(src) as ck:
+        plan, gen, vocab = _checked(Path(src), ck)
+    return plan.cfg, gen, vocab
+
+
 @dataclass
 class ConvertResult:
     out: Path | None
@@ -485,14 +508,8 @@ def convert(src: Path, out: Path, outtype: str = "bf16", skip_unknown: bool = Fa
             raise UserError(f"--reading stamps the block reading of a {ARCH} file; --arch {arch} writes no block "
                             "tensors")
     src, out = Path(src), Path(out)
-    cfg = CloverConfig.from_file(src)
-    gen = read_generation_defaults(src)
-    if arch == ARCH:
-        block_mode_keys(cfg, gen, reading)  # a reading this version does not know: refused before any work
     with Checkpoint(src) as ck:
-        # the tensors' shapes are checked against config.json before anything (the vocabulary) is sized from it
-        plan = plan_conversion(ck, cfg, outtype, skip_unknown, arch)
-        vocab = load_vocab(src, cfg)
+        plan, gen, vocab = _checked(src, ck, outtype, skip_unknown, arch, reading)
         for n in plan.notices:
             log(f"notice: {n}")
         if plan.skipped_unknown:

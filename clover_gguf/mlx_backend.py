@@ -109,6 +109,65 @@ def _read_config(path: Path, has_block: bool) -> tuple[CloverConfig, dict]:
     return cfg, raw
 
 
+# MLX's quantization modes and the (group sizes, bits) each takes (mx.quantize, MLX 0.32)
+QUANT_MODES = {"affine": ((32, 64, 128), (1, 2, 3, 4, 5, 6, 8)), "mxfp4": ((32,), (4,)), "mxfp8": ((32,), (8,)),
+               "nvfp4": ((16,), (4,))}
+
+
+def check_quantization(q: Any, where: str) -> None:
+    """An MLX folder's config.json `quantization`, as mlx-lm's loader applies it: an object with a mode MLX has and
+    its group_size and bits, and per-module entries (mlx-lm's predicate: a module's path -> false, true or such an
+    object). A group_size of 0 killed the process with SIGFPE; {}, a list, a string, a missing bits, a string,
+    float or huge value were tracebacks."""
+    def one(d: Any, what: str, top: bool) -> None:
+        if not isinstance(d, dict):
+            raise UserError(f"{where}: {what} must be an object with group_size and bits, not {_shown(d)}")
+        mode = d.get("mode", "affine")
+        if mode not in QUANT_MODES:
+            raise UserError(f"{where}: {what}'s mode must be one of {', '.join(QUANT_MODES)}, not {_shown(mode)}")
+        groups, bits = QUANT_MODES[mode]
+        for key, allowed in (("group_size", groups), ("bits", bits)):
+            v = d.get(key)
+            if isinstance(v, bool) or not isinstance(v, int) or v not in allowed:
+                raise UserError(f"{where}: {what}'s {key} must be one of {', '.join(map(str, allowed))} "
+                                f"({mode}), not {_shown(v)}")
+        if top:  # a module's path (this model's are all dotted: language_model.model.layers.0.mlp.gate); other
+            for key, v in d.items():  # keys (a quant_method) mlx-lm never reads
+                if "." in key and not isinstance(v, bool):
+                    one(v, f"quantization[{key!r}]", top=False)
+
+    one(q, "quantization", top=True)
+
+
+def _shown(v: Any) -> str:
+    text = "nothing" if v is None else repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _check_mlx_folder(path: Path, raw: dict, cfg: CloverConfig) -> None:
+    """What mlx-lm's loader reads of an MLX folder, checked before it reads it: config.json's quantization, the
+    generation_config.json its load_config reads (an object; eos_token_id ids of the vocabulary), and the weight
+    files it reads whole: regular files (a FIFO blocked it for ever) with well-formed headers."""
+    import os
+
+    from clover_gguf.checkpoint import read_shard_header
+    from clover_gguf.config import generation_defaults, read_json
+
+    if "quantization" in raw:
+        check_quantization(raw["quantization"], f"{path}/config.json")
+    elif "quantization_config" in raw and not isinstance(raw["quantization_config"], dict):
+        raise UserError(f"{path}/config.json: quantization_config must be an object")
+    gen = read_json(path / "generation_config.json", "generation_config.json", missing=None)
+    if gen is not None:
+        generation_defaults(gen, where=str(path / "generation_config.json"), vocab=cfg.vocab_size)
+    files = sorted(path.glob("model*.safetensors")) + ([path / BLOCK_FILE] if os.path.lexists(path / BLOCK_FILE)
+                                                       else [])
+    for f in files:
+        if not f.is_file():
+            raise UserError(f"{f} is not a regular file (a safetensors file must be one)")
+        read_shard_header(f)
+
+
 def _mlx_args(cfg: CloverConfig) -> Any:
     """mlx-lm's ModelArgs for this config (text fields only)."""
     text = cfg.to_hf_dict(our_reading=False)
@@ -130,11 +189,23 @@ class BlockTensors:
 
 def _block_tensors(raw: dict[str, Any], cfg: CloverConfig) -> dict[int, BlockTensors]:
     """layer -> BlockTensors from HF-named arrays (checkpoint or clover-block.safetensors); checks every GDN layer
-    has all four and their shapes."""
+    has all four, and each as convert checks it (convert.block_tensor: a GDN layer's, finite, within range; of a
+    floating type and the shape config.json implies)."""
+    from clover_gguf.convert import block_tensor, right_kernel_from_shapes
+    from clover_gguf.tensor_map import match_rule
+
     per: dict[int, dict[str, Any]] = {}
+    shaped = right_kernel_from_shapes({n: tuple(a.shape) for n, a in raw.items() if _BLOCK_RE.match(n)}, cfg)
     for name, a in raw.items():
         m = _BLOCK_RE.match(name)
         if m:
+            rule, layer = match_rule(name)
+            if not mx.issubdtype(a.dtype, mx.floating):
+                raise UserError(f"tensor {name} has dtype {a.dtype}: a block tensor is floating point")
+            if not rule.accepts(tuple(a.shape), shaped):
+                raise UserError(f"tensor {name} has shape {list(a.shape)}, config.json implies "
+                                f"{list(rule.hf_shape(shaped))}")
+            block_tensor(rule, name, layer, np.array(a.astype(mx.float32)), shaped)
             per.setdefault(int(m[1]), {})[m[2]] = a.astype(mx.float32)
     hv, out = cfg.linear_num_value_heads, {}
     for i in range(cfg.num_hidden_layers):
@@ -238,6 +309,7 @@ def load(path: str | Path, dtype: str | None = None, quantize: tuple[int, int] |
         cfg, raw = _read_config(path, has_block)
         if quantize is not None:
             raise UserError(f"{path} is an MLX folder already: quantize the checkpoint instead")
+        _check_mlx_folder(path, raw, cfg)
         try:
             model, config = load_model(path, lazy=True, strict=True,
                                        get_model_classes=lambda config: (qwen3_5_moe.Model, qwen3_5_moe.ModelArgs),
@@ -249,6 +321,9 @@ def load(path: str | Path, dtype: str | None = None, quantize: tuple[int, int] |
         block = _block_tensors(block_raw, cfg) if has_block else None
         kind = "mlx"
     else:
+        from clover_gguf.convert import check_checkpoint
+
+        check_checkpoint(path)  # every check convert makes: the same folder converts and loads, or neither does
         cfg, raw = _read_config(path, has_block=False)
         model = qwen3_5_moe.Model(_mlx_args(cfg))
         weights = _checkpoint_weights(path, cfg)

@@ -1863,7 +1863,29 @@ def test_a_folder_is_replaced_whole_or_not_at_all(mlx_base, tmp_path, monkeypatc
     assert sorted(p.name for p in (w.folder / "out").iterdir()) == ["mlx"] and (out / "new.txt").is_file()
 
 
-# ---- 8: the one reader of JSON side files ------------------------------------------------------------------------
+# ---- 5, 8: what the MLX loader hands mlx-lm, and the one reader of JSON side files ----------------------------------
+GATE = "language_model.model.layers.0.mlp.gate"  # a module the 4-bit folder quantizes on its own (8 bits)
+
+
+def _quant(fn: Callable[[dict], None]) -> Callable[[Path], None]:
+    def apply(folder: Path) -> None:
+        cfg = json.loads((folder / "config.json").read_text())
+        fn(cfg)
+        (folder / "config.json").write_text(json.dumps(cfg))
+    return apply
+
+
+def _set(d: dict, key: str, value) -> None:
+    d[key] = value
+
+
+def _fifo(name: str) -> Callable[[Path], None]:
+    def apply(folder: Path) -> None:
+        (folder / name).unlink()
+        os.mkfifo(folder / name)
+    return apply
+
+
 def _sparse(name: str, size: int = 16 * 2**30) -> Callable[[Path], None]:
     """`name` grown to 16 GB without taking the room (a sparse file): read whole, a MemoryError under the limit."""
     def apply(folder: Path) -> None:
@@ -1872,10 +1894,90 @@ def _sparse(name: str, size: int = 16 * 2**30) -> Callable[[Path], None]:
     return apply
 
 
+def _gen_json(text: str) -> Callable[[Path], None]:
+    return lambda folder: (folder / "generation_config.json").write_text(text)
+
+
+def _gen_eos(value) -> Callable[[Path], None]:
+    def apply(folder: Path) -> None:
+        g = json.loads((folder / "generation_config.json").read_text())
+        g["eos_token_id"] = value
+        (folder / "generation_config.json").write_text(json.dumps(g))
+    return apply
+
+
+MLX_FOLDER_CASES: dict[str, tuple[str, str, Callable[[Path], None], str]] = {  # (item, folder, breaker, words)
+    "per-module-group-size-0": ("5", "q4", _quant(lambda d: d["quantization"][GATE].update(group_size=0)),
+                                "group_size must be one of 32, 64, 128"),
+    "quantization-empty": ("5", "q4", _quant(lambda d: _set(d, "quantization", {})), "group_size must be"),
+    "quantization-a-list": ("5", "q4", _quant(lambda d: _set(d, "quantization", [4, 64])), "must be an object"),
+    "quantization-a-string": ("5", "q4", _quant(lambda d: _set(d, "quantization", "4bit")), "must be an object"),
+    "quantization-without-bits": ("5", "q4", _quant(lambda d: d["quantization"].pop("bits")), "bits must be"),
+    "per-module-a-string": ("5", "q4", _quant(lambda d: _set(d["quantization"], GATE, "8")), "must be an object"),
+    "per-module-bits-a-string": ("5", "q4", _quant(lambda d: d["quantization"][GATE].update(bits="8")),
+                                 "bits must be"),
+    "per-module-bits-a-float": ("5", "q4", _quant(lambda d: d["quantization"][GATE].update(bits=8.0)),
+                                "bits must be"),
+    "per-module-bits-huge": ("5", "q4", _quant(lambda d: d["quantization"][GATE].update(bits=2**70)),
+                             "bits must be"),
+    "generation-config-a-list": ("5", "mlx", _gen_json("[1]"), "must be a JSON object"),
+    "eos-token-id-1e23": ("5", "mlx", _gen_eos(1e23), "eos_token_id must be an integer in 0..447"),
+    "config-100000-deep": ("5", "mlx", lambda f: (f / "config.json").write_text(DEEP), "nested too deeply"),
+    "weights-a-fifo": ("5", "mlx", _fifo("model.safetensors"), "is not a regular file"),
+    "generation-config-a-fifo": ("own", "mlx", _fifo("generation_config.json"), "is not a regular file"),
+    "config-16GB": ("8", "mlx", _sparse("config.json"), "over 64 MiB"),
+    "block-file-nan": ("10", "mlx", lambda f: _save_block(f, RIGHT_CONV, float("nan")), "NaN or infinite"),
+    "block-file-logit-scale-1000": ("10", "mlx", lambda f: _save_block(f, LOGIT_SCALE, 1000.0),
+                                    "stored as exp(value)"),
+}
+# what killed the process (SIGFPE), hung it (a FIFO) or would fill this machine's memory (16 GB read whole): these
+# run only in a process of their own, under the limits
+IN_A_PROCESS_ONLY = ("per-module-group-size-0", "weights-a-fifo", "generation-config-a-fifo", "config-16GB")
+# in a process of their own: those, serve's two, and one more
+MLX_FOLDER_RUNS = [(c, "generate") for c in (*IN_A_PROCESS_ONLY, "quantization-empty")] + \
+    [("per-module-group-size-0", "serve"), ("weights-a-fifo", "serve")]
+
+
+def _save_block(folder: Path, name: str, value: float) -> None:
+    from safetensors.numpy import load_file, save_file
+
+    from clover_gguf.graft import MLX_BLOCK_FILE
+
+    t = load_file(folder / MLX_BLOCK_FILE)
+    t[name] = np.full_like(t[name], value)
+    save_file(t, folder / MLX_BLOCK_FILE)
+
+
 def _folder_command(cmd: str, folder: Path, out: Path) -> list:
     return {"generate": ["generate", folder, "-p", PROMPT, "-n", "4"], "serve": ["serve", folder, "--port", "0"],
             "mlx-convert": ["mlx-convert", folder, "-o", out], "convert": ["convert", folder, "-o", out / "m.gguf"]
             }[cmd]
+
+
+@pytest.mark.parametrize("case,cmd", MLX_FOLDER_RUNS, ids=[f"{c}-{m}" for c, m in MLX_FOLDER_RUNS])
+def test_the_mlx_loader_checks_what_it_hands_mlx_lm(mlx_base, tmp_path, case, cmd):
+    """5: mlx-lm's loader read config.json's quantization (a group_size of 0: SIGFPE, exit 136), the generation
+    config and the weight files unchecked (a FIFO: generate and serve hung); 8: a 16 GB config.json was read whole."""
+    _, folder, breaker, words = MLX_FOLDER_CASES[case]
+    w = Work(tmp_path, mlx_base)
+    model = getattr(w, folder)
+    breaker(model)
+    before = snapshot(tmp_path)
+    assert_refused(clover(*_folder_command(cmd, model, w.folder / "out" / "mlx")), before, tmp_path, words)
+
+
+@pytest.mark.parametrize("case", [c for c in MLX_FOLDER_CASES if c not in IN_A_PROCESS_ONLY])
+def test_the_mlx_loader_refuses_each_case_in_one_line(mlx_base, tmp_path, case):
+    """The whole table through mlx_backend.load in this process (the CLI turns its UserError into the one line, as
+    the runs above show); the cases that kill or hang a process run only above."""
+    from clover_gguf import mlx_backend
+    from clover_gguf.errors import UserError
+
+    _, folder, breaker, words = MLX_FOLDER_CASES[case]
+    model = getattr(Work(tmp_path, mlx_base), folder)
+    breaker(model)
+    with pytest.raises(UserError, match=re.escape(words)):
+        mlx_backend.load(model)
 
 
 @pytest.mark.parametrize("cmd", ["convert", "mlx-convert", "generate"])
@@ -1886,3 +1988,60 @@ def test_a_16GB_checkpoint_config_is_refused_unread(base, tmp_path, cmd):
     _sparse("config.json")(w.ck)
     before = snapshot(tmp_path)
     assert_refused(clover(*_folder_command(cmd, w.ck, w.folder / "out" / "mlx")), before, tmp_path, "over 64 MiB")
+
+
+# ---- 6, 10: a checkpoint folder passes convert's checks wherever it is read ---------------------------------------
+def _experts_without_down(t: dict) -> None:
+    for k in [k for k in t if k.startswith("model.layers.0.mlp.experts.") and ".down_proj." in k]:
+        del t[k]
+
+
+def _typed(name: str, dtype) -> Callable[[Work], None]:
+    def fn(t: dict) -> None:
+        t[name] = (t[name] > 0) if dtype is bool else t[name].astype(dtype)
+    return _tensors(fn)
+
+
+CHECKPOINT_CASES: dict[str, tuple[str, Callable[[Work], None], str]] = {  # (item, breaker, words)
+    **{name: ("10", breaker, words) for name, (breaker, words) in SIDE_FILE_CASES.items()
+       if not name.startswith("index-")},  # the index: one reader, convert's and the loader's already
+    "weights-int32": ("10", _typed("model.norm.weight", np.int32), "unsupported dtype I32"),
+    "weights-bool": ("10", _typed("model.norm.weight", bool), "unsupported dtype BOOL"),
+    "block-softmax-2x2": ("10", _tensors(lambda t: _set(t, "model.layers.0.linear_attn.bd_softmax_history_c",
+                                                        np.ones((2, 2), np.float32))), "has shape [2, 2]"),
+    "tokenizer-missing": ("10", lambda w: (w.ck / "tokenizer.json").unlink(), "missing tokenizer.json"),
+    "tokenizer-broken": ("10", _write("tokenizer.json", b"{"), "tokenizer.json is not valid JSON"),
+    "generation-config-broken": ("10", _gen(top_k="5"), "top_k must be an integer"),
+    # 6: the stacked experts
+    "every-down-proj-of-a-layer-missing": ("6", _tensors(_experts_without_down), "blk.0.ffn_down_exps.weight"),
+    "an-expert-of-another-shape": ("6", _tensors(lambda t: _set(t, "model.layers.0.mlp.experts.1.down_proj.weight",
+                                                                np.ones((3, 3), np.float32))), "has shape [3, 3]"),
+}
+
+
+@pytest.mark.parametrize("case", list(CHECKPOINT_CASES))
+def test_the_mlx_path_runs_converts_checks(base, tmp_path, case):
+    """10: mlx-convert and the MLX loader took what convert refuses (exit 0, a folder that failed later); 6: the
+    stacked experts were a KeyError or ValueError traceback. One check (convert.check_checkpoint), the same line
+    from mlx-convert (mlx_backend.convert) and from generate, chat and serve (mlx_backend.load)."""
+    from clover_gguf import mlx_backend
+    from clover_gguf.errors import UserError
+
+    _, breaker, words = CHECKPOINT_CASES[case]
+    w = Work(tmp_path, base)
+    breaker(w)
+    before = snapshot(tmp_path)
+    for run in (lambda: mlx_backend.convert(w.ck, w.folder / "out" / "mlx"), lambda: mlx_backend.load(w.ck)):
+        with pytest.raises(UserError, match=re.escape(words)):
+            run()
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("case,cmd", [(c, m) for c in ("block-nan", "every-down-proj-of-a-layer-missing")
+                                      for m in ("mlx-convert", "generate")])
+def test_the_mlx_path_refuses_a_checkpoint_in_one_line(base, tmp_path, case, cmd):
+    _, breaker, words = CHECKPOINT_CASES[case]
+    w = Work(tmp_path, base)
+    breaker(w)
+    before = snapshot(tmp_path)
+    assert_refused(clover(*_folder_command(cmd, w.ck, w.folder / "out" / "mlx")), before, tmp_path, words)
