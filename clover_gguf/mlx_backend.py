@@ -272,6 +272,24 @@ def _cast(model, dtype: str) -> None:
         lambda k, v: v.astype(to) if keep(k) and mx.issubdtype(v.dtype, mx.floating) else v, model.parameters()))
 
 
+def runnable_here(model) -> bool:
+    """Make the model one this process's device runs: MLX's CPU device multiplies unquantized experts (gather_mm) in
+    float32 only ("[GatherMM::eval] Currently only supports float32" for the BF16 checkpoint, or after mlx-convert
+    --dtype bfloat16/float16), so there a model with half-precision unquantized experts is upcast to float32 (twice
+    its memory; docs/mac.md has the figures). Metal runs them as they are. -> whether it was upcast."""
+    from mlx_lm.models.switch_layers import SwitchLinear
+
+    half = _half_experts_on_cpu(m.weight.dtype for _, m in model.named_modules() if isinstance(m, SwitchLinear))
+    if half:
+        _cast(model, "float32")
+    return half
+
+
+def _half_experts_on_cpu(expert_dtypes) -> bool:
+    """Whether unquantized experts of these dtypes must be upcast to run here (runnable_here)."""
+    return mx.default_device().type == mx.DeviceType.cpu and any(d != mx.float32 for d in expert_dtypes)
+
+
 def _mx_load(path: Path) -> dict[str, Any]:
     """A safetensors file's arrays (lazy), or one UserError line for a file MLX cannot read."""
     try:
@@ -293,10 +311,12 @@ class Loaded:
     block_raw: dict[str, Any] | None = None  # the block tensors as stored, HF names (what mlx-convert writes)
 
 
-def load(path: str | Path, dtype: str | None = None, quantize: tuple[int, int] | None = None) -> Loaded:
+def load(path: str | Path, dtype: str | None = None, quantize: tuple[int, int] | None = None,
+         run: bool = True) -> Loaded:
     """A Clover checkpoint folder or an MLX folder -> Loaded. dtype: "float32", "bfloat16", "float16" (default: the
     stored type, float32 for a checkpoint in float32); quantize: (bits, group_size) for a checkpoint (mlx-lm's
-    quantization; the routers at 8 bits as mlx-lm's predicate says; the block tensors never)."""
+    quantization; the routers at 8 bits as mlx-lm's predicate says; the block tensors never). run: to be run here
+    (runnable_here), not written (mlx-convert)."""
     import os
 
     from mlx_lm.utils import load_model, quantize_model
@@ -327,6 +347,9 @@ def load(path: str | Path, dtype: str | None = None, quantize: tuple[int, int] |
         cfg, raw = _read_config(path, has_block=False)
         model = qwen3_5_moe.Model(_mlx_args(cfg))
         weights = _checkpoint_weights(path, cfg)
+        if run and dtype is None and quantize is None and \
+                _half_experts_on_cpu(v.dtype for k, v in weights.items() if ".mlp.experts." in k):
+            dtype = "float32"  # runnable_here, decided before sanitize (its `1 + w` of the norms in float32)
         block_raw = {k: weights.pop(k) for k in [k for k in weights if _BLOCK_RE.match(k)]}
         block = _block_tensors(block_raw, cfg) if cfg.is_clover else None
         if not cfg.is_clover and block_raw:
@@ -348,6 +371,8 @@ def load(path: str | Path, dtype: str | None = None, quantize: tuple[int, int] |
         kind = "checkpoint"
     if dtype:
         _cast(model, dtype)
+    if run:
+        runnable_here(model)
     mx.eval(model.parameters())
     if block is not None:
         mx.eval([[b.right, b.tau, b.history_bias, b.history_c] for b in block.values()])
@@ -456,7 +481,7 @@ def convert(src: str | Path, out: str | Path, q_bits: int | None = None, q_group
         raise UserError(f"{src} is an MLX folder already: mlx-convert takes the checkpoint")
     check_output_folder(out, [src, *src.iterdir()], force=force)
     with contextlib.redirect_stdout(sys.stderr):  # mlx-lm prints its bits per weight (the summary says it again)
-        loaded = load(src, dtype=dtype, quantize=(q_bits, q_group_size) if q_bits else None)
+        loaded = load(src, dtype=dtype, quantize=(q_bits, q_group_size) if q_bits else None, run=False)
     check_free_disk(out, _folder_bytes(loaded, src))
     scale_bits = bpw = None
     if q_bits:  # before writing: save_model gives the model's arrays away

@@ -2045,3 +2045,32 @@ def test_the_mlx_path_refuses_a_checkpoint_in_one_line(base, tmp_path, case, cmd
     breaker(w)
     before = snapshot(tmp_path)
     assert_refused(clover(*_folder_command(cmd, w.ck, w.folder / "out" / "mlx")), before, tmp_path, words)
+
+
+
+# ---- 7: half-precision weights on MLX's CPU device ------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def bf16_checkpoint(tmp_path_factory) -> Path:
+    """The base model's shapes stored in bfloat16, as the real checkpoint is."""
+    out = tmp_path_factory.mktemp("hostile-bf16") / "ck"
+    make_tiny(out, seed=21, dtype="bf16")
+    return out
+
+
+def test_half_precision_runs_on_mlxs_cpu_device_as_float32(bf16_checkpoint, tmp_path):
+    """7: unquantized BF16/F16 experts failed on MLX's CPU device ("[GatherMM::eval] Currently only supports
+    float32"): the BF16 checkpoint folder itself, and mlx-convert --dtype bfloat16 / float16. They are upcast there
+    (mlx_backend.runnable_here): the logits are those of the same weights loaded as float32, and the commands
+    answer."""
+    from clover_gguf import mlx_backend as mb
+
+    ids = list(range(5, 17))
+    half, full = mb.MlxBackend(mb.load(bf16_checkpoint)), mb.MlxBackend(mb.load(bf16_checkpoint, dtype="float32"))
+    assert np.array_equal(half.commit(ids), full.commit(ids))
+    assert np.array_equal(half.block_logits([3] * 8), full.block_logits([3] * 8))
+    for dtype in ("bfloat16", "float16"):
+        assert clover("mlx-convert", bf16_checkpoint, "-o", tmp_path / dtype, "--dtype", dtype).returncode == 0
+    for model in (bf16_checkpoint, tmp_path / "bfloat16", tmp_path / "float16"):
+        p = clover("generate", model, "-p", PROMPT, "-n", "8", "--json")
+        assert p.returncode == 0 and not p.stderr, p.stderr[-2000:]
+        assert json.loads(p.stdout)["stats"]["generated_tokens"] >= 1
