@@ -35,7 +35,7 @@ from clover_gguf.batching import Scheduler
 from clover_gguf.config import MAX_BLOCK
 from clover_gguf.constraint import Constraint
 from clover_gguf.controls import Controls, Gather, GraphRows, make_processors, make_sampler
-from clover_gguf.errors import UserError
+from clover_gguf.errors import SettingError, UserError
 from clover_gguf.llama_context import ContextError, LlamaContext, load_binding
 from clover_gguf.offload import Offload
 from clover_gguf.state_cache import StateCache
@@ -839,9 +839,21 @@ def _check_utf8(text: str, what: str) -> None:
         raise UserError(f"{what} is not valid UTF-8 text (character {e.start} cannot be encoded)") from None
 
 
+# What the samplers compute with (libclover_sampler and MLX in float32, numpy in float64): a temperature and a top_p
+# as float32 (1e-320 is 0 there: a sampler init that failed, 1e39 is inf), logits scaled by 1 / temperature (1e-45:
+# every probability NaN, token 0, a NUL byte, written), the controls as float32 coefficients, top_k as an int32.
+# Within these bounds every one computes; a temperature below MIN_TEMP samples as greedy does anyway.
+MIN_TEMP, MAX_TEMP = 1e-6, 1e6
+MIN_TOP_P = 1e-6
+MAX_TOP_K = 2**31 - 1
+MAX_CONTROL = 1e6  # a penalty's size (the card's: 0.9, 10); its reciprocal and its product with a logit stay finite
+
+
 def check_sampling(temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, threshold: float | None = None,
                    controls: Controls | None = None) -> None:
-    """Refuse sampling settings no decode can use: NaN, infinities, out-of-range values (CLI and server alike)."""
+    """Refuse sampling settings no decode can use: NaN, infinities, out-of-range values, values the float32 and
+    int32 samplers cannot take (the bounds above), for the CLI, the server (a 422 on the field: SettingError.name)
+    and every backend alike."""
     values = {"temperature": temp, "top_p": top_p, "top_k": top_k}
     if threshold is not None:
         values["threshold"] = threshold
@@ -849,17 +861,24 @@ def check_sampling(temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, thresh
         values.update({k: getattr(controls, k) for k in Controls.control_names()})
     for name, v in values.items():
         if not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise UserError(f"{name} must be a finite number, not {v!r}")
-    if temp < 0:
-        raise UserError(f"temperature must be at least 0, not {temp}")
-    if not 0 < top_p <= 1:
-        raise UserError(f"top_p must be in (0, 1], not {top_p}")
-    if top_k < 0:
-        raise UserError(f"top_k must be at least 0, not {top_k}")
+            raise SettingError(name, f"{name} must be a finite number, not {v!r}")
+    if temp != 0 and not MIN_TEMP <= temp <= MAX_TEMP:
+        raise SettingError("temperature", f"temperature must be 0 (greedy) or in [{MIN_TEMP:g}, {MAX_TEMP:g}] (the "
+                           f"samplers compute in float32), not {temp:g}")
+    if not MIN_TOP_P <= top_p <= 1:
+        raise SettingError("top_p", f"top_p must be in [{MIN_TOP_P:g}, 1], not {top_p:g}")
+    if not 0 <= top_k <= MAX_TOP_K:
+        raise SettingError("top_k", f"top_k must be in 0..{MAX_TOP_K} (0: off), not {top_k}")
     if threshold is not None and not 0 <= threshold <= 1:
-        raise UserError(f"threshold must be in [0, 1], not {threshold}")
-    if controls is not None and controls.repetition_penalty <= 0:
-        raise UserError(f"repetition_penalty must be above 0, not {controls.repetition_penalty}")
+        raise SettingError("threshold", f"threshold must be in [0, 1], not {threshold}")
+    if controls is not None:
+        for name in Controls.control_names():  # the penalties and biases (the starts and ramps count tokens)
+            v = getattr(controls, name)
+            if isinstance(getattr(Controls, name), float) and abs(v) > MAX_CONTROL:
+                raise SettingError(name, f"{name} must be within +-{MAX_CONTROL:g}, not {v:g}")
+        if controls.repetition_penalty < MIN_TOP_P:
+            raise SettingError("repetition_penalty", f"repetition_penalty must be at least {MIN_TOP_P:g} (it "
+                               f"divides logits), not {controls.repetition_penalty:g}")
 
 
 def _time_stats(stats: RunStats, seconds: float, extra: int, prompt_s: float, final: bool) -> None:

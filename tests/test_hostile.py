@@ -2074,3 +2074,14 @@ def test_half_precision_runs_on_mlxs_cpu_device_as_float32(bf16_checkpoint, tmp_
         p = clover("generate", model, "-p", PROMPT, "-n", "8", "--json")
         assert p.returncode == 0 and not p.stderr, p.stderr[-2000:]
         assert json.loads(p.stdout)["stats"]["generated_tokens"] >= 1
+
+
+# ---- 9: sampling values the samplers cannot take, on MLX too (the llama.cpp cases: tests/test_hostile_serve.py) ---
+@pytest.mark.parametrize("argv,words", [
+    (["--temp", "1e-320"], "temperature must be 0 (greedy) or in [1e-06, 1e+06]"),
+    (["--temp", "1", "--top-k", str(10**12)], "top_k must be in 0..2147483647"),
+], ids=["temp-1e-320", "top-k-10^12"])
+def test_sampling_values_the_samplers_cannot_take_are_one_line_on_mlx(mlx_base, tmp_path, argv, words):
+    model = Work(tmp_path, mlx_base).mlx
+    before = snapshot(tmp_path)
+    assert_refused(clover("generate", model, "-p", PROMPT, "-n", "4", *argv), before, tmp_path, words)

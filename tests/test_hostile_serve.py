@@ -83,6 +83,13 @@ CLI_REFUSED = [  # (name, arguments after the model, words in the one line)
     ("repetition_penalty_nan", ["-p", "hi", "--repetition-penalty", "nan"], "'--repetition-penalty'"),
     ("frequency_penalty_nan", ["-p", "hi", "--frequency-penalty", "nan"], "frequency_penalty must be a finite"),
     ("ctx_zero", ["-p", "hi", "--ctx", "0"], "--ctx"),
+    # issue 52 item 9: values the float32 / int32 samplers cannot take (tracebacks, or NUL bytes written at 1e-45)
+    ("temp_1e-320", ["-p", "hi", "--temp", "1e-320"], "temperature must be 0 (greedy) or in [1e-06, 1e+06]"),
+    ("temp_1e39", ["-p", "hi", "--temp", "1e39"], "temperature must be 0 (greedy) or in"),
+    ("temp_1e-45", ["-p", "hi", "--temp", "1e-45"], "temperature must be 0 (greedy) or in"),
+    ("top_p_1e-320", ["-p", "hi", "--temp", "1", "--top-p", "1e-320"], "top_p must be in [1e-06, 1]"),
+    ("top_k_10^12", ["-p", "hi", "--temp", "1", "--top-k", str(10**12)], "top_k must be in 0..2147483647"),
+    ("presence_penalty_1e300", ["-p", "hi", "--presence-penalty", "1e300"], "presence_penalty must be within"),
 ]
 
 
@@ -254,6 +261,15 @@ SERVER_BAD = [
      400, "request needs at least"),
     ("block_above_the_loaded_block_size", "POST", "/v1/chat/completions", AUTH,
      _chat("hi", mode="diffusion", block_size=256, max_tokens=1), 400, "above the 32 this model was loaded for"),
+    # issue 52 item 9: what the samplers cannot take, refused as the field's 422 (it was a 500)
+    ("temperature_1e-320", "POST", "/v1/chat/completions", AUTH, _chat("hi", temperature=1e-320), 422,
+     "temperature must be 0 (greedy)"),
+    ("top_p_1e-320", "POST", "/v1/chat/completions", AUTH, _chat("hi", temperature=1.0, top_p=1e-320), 422,
+     "top_p must be in"),
+    ("top_k_10^12", "POST", "/v1/completions", AUTH, {"prompt": "hi", "temperature": 1.0, "top_k": 10**12}, 422,
+     "top_k must be in"),
+    ("repetition_penalty_1e-320", "POST", "/v1/chat/completions", AUTH, _chat("hi", repetition_penalty=1e-320), 422,
+     "repetition_penalty must be at least"),
 ]
 
 
@@ -265,6 +281,8 @@ def test_a_bad_request_is_an_openai_shaped_4xx(server, name, method, path, heade
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and words in err["message"], err
+    if "1e-320" in name or "10^12" in name:
+        assert err["param"] == name.split("_1e")[0].split("_10")[0], err  # the field, as pydantic's 422 names it
     assert proc.poll() is None
 
 

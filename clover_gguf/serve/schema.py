@@ -157,6 +157,7 @@ def plan_from(req: Any, chat: bool, default_mode: str) -> Plan:
     if p.blocks and not p.stream:
         raise APIError(400, "clover_blocks needs stream: true (the passes come as events of the stream)",
                        param="clover_blocks")
+    _check_sampling(p)
     if chat:
         p.messages = [_message(i, m) for i, m in enumerate(req.messages)]
         if req.top_logprobs is not None and not req.logprobs:
@@ -259,3 +260,18 @@ def _grammar_body(response_format: dict | None, p: Plan) -> str | None:
         calls = tools.calls_rules(p.tools, None, p.parallel, rule="calls")
         return f"body: json_body | calls\njson_body: {json_rule}\n{calls}"
     return f"body: {json_rule}\n"
+
+
+def _check_sampling(p: Plan) -> None:
+    """The one check of sampling values (runtime.check_sampling, as the CLI's): what the samplers cannot take (a
+    temperature of 1e-320, a top_k past int32) is a 422 on its field, before the request takes a slot."""
+    from dataclasses import replace
+
+    from clover_gguf.errors import SettingError
+    from clover_gguf.metadata import Controls
+    from clover_gguf.runtime import check_sampling
+
+    try:
+        check_sampling(p.temp, p.top_p, p.top_k, p.threshold, replace(Controls(), **p.controls))
+    except SettingError as e:
+        raise APIError(422, str(e), param=e.name) from None
