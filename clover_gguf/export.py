@@ -153,10 +153,12 @@ def restamp(path: Path, keys: dict[str, tuple[int, Any]], quiet: bool = True) ->
     name for another: metadata.READINGS are all one length): the bytes from the first changed value to the last are
     written back in one write, then synced, so a reader sees the old header or the new one and the tensors never
     move. Otherwise the file is copied with the keys set (its tensors byte for byte) and the copy renamed over it.
-    -> "in place" or "rewritten"."""
+    A link is followed: the file it names is the one stamped (the Hugging Face cache keeps files as links to its
+    blobs; renaming the copy over the link left the blob unchanged and the link a copy). -> "in place" or
+    "rewritten"."""
     import os
 
-    path = Path(path)
+    path = Path(os.path.realpath(path))
     h = read_header(path)
     types = h.types or {}
     if all(k in h.spans and types.get(k, (None,))[0] == t and

@@ -2085,3 +2085,29 @@ def test_sampling_values_the_samplers_cannot_take_are_one_line_on_mlx(mlx_base, 
     model = Work(tmp_path, mlx_base).mlx
     before = snapshot(tmp_path)
     assert_refused(clover("generate", model, "-p", PROMPT, "-n", "4", *argv), before, tmp_path, words)
+
+
+# ---- 11: check-block --write through a link ------------------------------------------------------------------------
+@pytest.mark.parametrize("keys", ["present", "absent"], ids=["in-place", "rewritten"])
+def test_check_block_write_through_a_link_stamps_the_file_it_names(base, tmp_path, keys):
+    """The Hugging Face cache keeps a model as a link to its blob: --write replaced the link with a stamped copy and
+    left the blob as it was (when the keys had to be added: the file rewritten). The file the link names is stamped,
+    in place or rewritten, and the link stays a link to it."""
+    from clover_gguf.check_block import CheckResult, stamp
+    from clover_gguf.gguf_header import read_header
+
+    blob = tmp_path / "blobs" / "0123abcd"
+    blob.parent.mkdir()
+    drop = {md.BLOCK_READING: None, md.BLOCK_READING_VERIFIED: None} if keys == "absent" else {}
+    edit_gguf(base["gguf"], blob, drop)
+    link = tmp_path / "snapshots" / "model.gguf"
+    link.parent.mkdir()
+    link.symlink_to(os.path.relpath(blob, link.parent))
+    winner = CheckResult(str(link), "clover-gguf-2", False, drafted=100, accepted=99)
+    assert winner.verdict == "holds"
+    done = stamp(link, winner, "clover-gguf-1", False)
+    assert done == ("rewritten" if keys == "absent" else "in place")
+    assert link.is_symlink() and link.resolve() == blob.resolve()
+    kv = read_header(blob).kv
+    assert kv[md.BLOCK_READING] == "clover-gguf-2" and kv[md.BLOCK_READING_VERIFIED] is True
+    assert sorted(p.name for p in blob.parent.iterdir()) == ["0123abcd"]  # no temporary file left
