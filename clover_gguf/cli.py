@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import signal
 import sys
 from enum import Enum
 from pathlib import Path
@@ -594,6 +595,8 @@ def main(argv: list[str] | None = None) -> None:
     if stdout is not None:  # None: started with stdout closed (`>&-`); click then writes nothing
         sys.stdout = _GuardedStdout(stdout)
     try:
+        if getattr(signal.getsignal(signal.SIGINT), "clover_early", False):  # __main__'s, for the imports before
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # now a KeyboardInterrupt, caught below
         rv = app(args=args, prog_name="clover-gguf", standalone_mode=False)
         if sys.stdout is not None:  # output still buffered fails here, not in the interpreter's flush at exit
             sys.stdout.flush()

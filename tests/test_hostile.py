@@ -2111,3 +2111,35 @@ def test_check_block_write_through_a_link_stamps_the_file_it_names(base, tmp_pat
     kv = read_header(blob).kv
     assert kv[md.BLOCK_READING] == "clover-gguf-2" and kv[md.BLOCK_READING_VERIFIED] is True
     assert sorted(p.name for p in blob.parent.iterdir()) == ["0123abcd"]  # no temporary file left
+
+
+# ---- 13: Ctrl-C while the command line is still importing --------------------------------------------------------
+@pytest.mark.parametrize("command", [["info", "M"], ["generate", "M", "-p", PROMPT], ["--help"]],
+                         ids=["info", "generate", "help"])
+def test_ctrl_c_while_the_imports_run_is_one_line(base, tmp_path, command):
+    """A Ctrl-C in the first quarter second came while numpy and typer were imported, before main's handling: a
+    KeyboardInterrupt traceback and death by SIGINT (exit -2). The handler is in place before those imports
+    (clover_gguf.__main__): the Ctrl-C is sent as soon as `-X importtime` shows numpy being imported."""
+    model = Work(tmp_path, base).gguf
+    argv = [sys.executable, "-X", "importtime", "-m", "clover_gguf", *[model if a == "M" else a for a in command]]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(), cwd=ROOT,
+                            preexec_fn=_limits())
+    lines = []
+    try:
+        for raw in proc.stderr:
+            lines.append(raw.decode(errors="replace"))
+            if lines[-1].rsplit("|", 1)[-1].strip().split(".")[0] == "numpy":  # "import time: self | total | name"
+                proc.send_signal(signal.SIGINT)
+                break
+        else:
+            raise AssertionError("numpy was never imported: " + "".join(lines[-5:]))
+        rest = proc.stderr.read().decode(errors="replace")
+        proc.wait(timeout=TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    err = [x for x in (*lines, *rest.splitlines(keepends=True)) if not x.startswith("import time:")]
+    assert "Traceback" not in "".join(err), "".join(err)[-3000:]
+    assert proc.returncode == 130 and [x.strip() for x in err] == ["clover-gguf: error: interrupted"], \
+        (proc.returncode, "".join(err)[-2000:])
