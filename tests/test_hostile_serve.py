@@ -411,3 +411,15 @@ def test_one_request_for_300_tokens_no_longer_kills_serve(random448_server):
         assert r.status_code == 200, (mode, r.text)
         assert r.json()["usage"]["completion_tokens"] > 128, (mode, r.json()["usage"])
         assert proc.poll() is None
+
+
+def test_a_block_longer_than_the_answer_is_cut_to_what_can_be_kept(random448):
+    """item 15: a block of 600 for 16 tokens was filled one position a pass (the random model) far past what could
+    be kept: up to 600 passes a block, over 300 s for -n 64. A block is now at most the tokens still wanted
+    (decoding._kept_block), and the stats count the blocks cut: a bound from the work done, not the clock."""
+    n = 16
+    p = _run("generate", str(random448), "-p", PROMPT, "-n", str(n), "--mode", "diffusion", "--block-size", "600",
+             "--json", "--threads", "2", timeout=120)
+    assert p.returncode == 0 and not p.err, (p.returncode, p.err[-2000:])
+    st = json.loads(p.out)["stats"]
+    assert st["short_blocks"] == 1 and st["block_passes"] <= n, st  # one block of n positions
