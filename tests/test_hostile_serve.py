@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -423,3 +424,68 @@ def test_a_block_longer_than_the_answer_is_cut_to_what_can_be_kept(random448):
     assert p.returncode == 0 and not p.err, (p.returncode, p.err[-2000:])
     st = json.loads(p.out)["stats"]
     assert st["short_blocks"] == 1 and st["block_passes"] <= n, st  # one block of n positions
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["sigint", "sigterm"])
+def test_serve_answers_every_open_request_when_it_is_stopped(random448, sig):
+    """item 12: stopped with requests open (one decoding, two waiting for the one slot), serve logged a CancelledError
+    traceback per request and answered a plain-text 500 after its 5 s grace (SIGINT), or dropped the connections
+    (SIGTERM). Now the waiting ones are refused at once and the running one finishes within the grace or is stopped,
+    each in the API's own form (503, a JSON error; a stream ends with an error event and [DONE])."""
+    import threading
+
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "clover_gguf", "serve", str(random448), "--port", str(port),
+                             "--threads", "2"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    results: dict[str, tuple[int, str]] = {}
+
+    def ask(name: str, stream: bool) -> None:
+        body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 2000, "mode": "diffusion",
+                "stream": stream}
+        try:
+            with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=120) as r:
+                results[name] = (r.status_code, r.read().decode())
+        except httpx.HTTPError as e:  # a dropped connection
+            results[name] = (0, repr(e))
+
+    try:
+        base = _wait_healthy(proc, port)
+        running = "stream" if sig == signal.SIGINT else "whole"  # the running one streams on one run, not the other
+        threads = [threading.Thread(target=ask, args=(running, running == "stream"))]
+        threads[0].start()
+        deadline = time.monotonic() + 60
+        while httpx.get(base + "/health", timeout=5).json()["slots_idle"] != 0:
+            assert time.monotonic() < deadline, "the first request never took the slot"
+            time.sleep(0.05)
+        for name, stream in (("waiting-whole", False), ("waiting-stream", True)):
+            threads.append(threading.Thread(target=ask, args=(name, stream)))
+            threads[-1].start()
+        while httpx.get(base + "/health", timeout=5).json()["requests_waiting"] != 2:
+            assert time.monotonic() < deadline, "the other two never queued"
+            time.sleep(0.05)
+        proc.send_signal(sig)
+        for t in threads:
+            t.join(timeout=60)
+        out = proc.communicate(timeout=60)[0].decode(errors="replace")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "Traceback" not in out and "CancelledError" not in out, out[-3000:]
+    assert proc.returncode == (130 if sig == signal.SIGINT else -signal.SIGTERM), (proc.returncode, out[-2000:])
+    for name, (status, text) in results.items():
+        if name.endswith("stream") and status == 200:  # a stream: its end is an error event (or the answer's end)
+            events = [x[6:] for x in text.split("\n\n") if x.startswith("data: ")]
+            assert events[-1] == "[DONE]", (name, text[-500:])
+            last = json.loads(events[-2])
+            assert "error" in last or last["choices"][0]["finish_reason"], (name, last)
+            if "error" in last:
+                assert last["error"]["message"] == "the server is shutting down", last
+            continue
+        if name == "whole" and status == 200:  # it finished within the grace
+            assert json.loads(text)["choices"][0]["finish_reason"], text
+            continue
+        assert status == 503, (name, status, text[-500:])
+        err = json.loads(text)["error"]
+        assert err["message"] == "the server is shutting down" and err["code"] == "server_shutting_down", err
+    assert set(results) == {"stream" if sig == signal.SIGINT else "whole", "waiting-whole", "waiting-stream"}

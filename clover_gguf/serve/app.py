@@ -40,6 +40,10 @@ except ImportError:  # importing this module needs no extra; create_app and serv
 log = logging.getLogger("clover_gguf.serve")
 
 POLL_S = 0.25  # how often a waiting request checks whether its client is still there
+# on SIGINT or SIGTERM uvicorn gives open requests GRACE_S to finish, then cancels them (a plain-text 500 after a
+# CancelledError traceback each): waiting requests are refused at once, running ones stopped STOP_S into it, each
+# answered in the API's own error form (ServerState.close)
+GRACE_S, STOP_S = 5.0, 4.0
 
 
 @dataclass
@@ -51,6 +55,25 @@ class ServerState:
     default_mode: str
     created: int
     first: Any  # one runtime, for /v1/models' metadata
+    refusing: bool = False  # shutting down: no request starts or waits for a slot any more
+    stopping: bool = False  # the grace is up: running requests stop too
+
+    def close(self) -> None:
+        """The server is shutting down (uvicorn's shutdown, on the event loop): refuse what waits now, stop what runs
+        STOP_S later (Watch and _sse look every POLL_S), so that every request is answered before uvicorn's grace."""
+        self.refusing = True
+        asyncio.get_running_loop().call_later(STOP_S, setattr, self, "stopping", True)
+
+
+class ServerClosing(Exception):
+    """The server is shutting down and this request is not (or no longer) served."""
+
+
+def _shutting_down() -> Any:
+    from starlette.responses import JSONResponse
+
+    return JSONResponse(error_body("the server is shutting down", "server_error", code="server_shutting_down"),
+                        status_code=503)
 
 
 def _state(request: Request) -> ServerState:
@@ -129,6 +152,7 @@ class Watch:
     def __init__(self, request: Request):
         self.request = request
         self.checked = time.monotonic()
+        self.running = False  # it has a slot: only the end of the shutdown's grace stops it (ServerState.close)
 
     async def gone(self) -> bool:
         self.checked = time.monotonic()
@@ -144,6 +168,9 @@ class Watch:
                     raise ClientGone()
                 if done:
                     return task.result()
+                state = _state(self.request)
+                if state.stopping or (state.refusing and not self.running):
+                    raise ServerClosing()
         except BaseException:
             if not task.done():
                 task.cancel()
@@ -196,6 +223,7 @@ async def _start(pool: Pool, watch: Watch, plan: Plan) -> tuple[Job, int]:
     Raises APIError for a refused request, ClientGone if the client left while waiting."""
     rt = await watch(pool.acquire(served_key(plan) if plan.messages is not None else None), orphan=pool.release)
     job = pool.start(rt, plan)
+    watch.running = True
     try:
         ev = await watch(job.events.get())
     except BaseException:
@@ -225,6 +253,8 @@ async def _respond(request: Request, req: Any, chat: bool) -> Any:
         raise
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     watch = Watch(request)
+    if state.refusing:
+        return _shutting_down()
     try:
         # off the event loop (a template over 100,000 messages takes a moment), and before any slot is taken
         await watch(asyncio.to_thread(precheck, state.first, plan, state.pool))
@@ -233,14 +263,18 @@ async def _respond(request: Request, req: Any, chat: bool) -> Any:
         raise APIError(400, str(e)) from None
     except ClientGone:
         return _client_gone()
+    except ServerClosing:
+        return _shutting_down()
     try:
         job, _ = await _start(state.pool, watch, plan)
     except ClientGone:
         return _client_gone()
+    except ServerClosing:
+        return _shutting_down()
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     now = int(time.time())
     if req.stream:
-        agen = _sse(job, rid, now, state.name, chat, include_usage, plan.logprobs is not None)
+        agen = _sse(job, rid, now, state, chat, include_usage, plan.logprobs is not None)
         return StreamingResponse(agen, media_type="text/event-stream", background=BackgroundTask(job.cancel),
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     reasoning, content, calls, logprobs = [], [], [], []
@@ -260,6 +294,9 @@ async def _respond(request: Request, req: Any, chat: bool) -> Any:
     except ClientGone:
         job.cancel()
         return _client_gone()
+    except ServerClosing:
+        job.cancel()
+        return _shutting_down()
     except BaseException:
         job.cancel()
         raise
@@ -282,9 +319,10 @@ async def _respond(request: Request, req: Any, chat: bool) -> Any:
     return JSONResponse(body, headers={"X-Clover-Stats": json.dumps(stats, separators=(",", ":"))})
 
 
-async def _sse(job: Job, rid: str, now: int, name: str, chat: bool, include_usage: bool,
+async def _sse(job: Job, rid: str, now: int, state: ServerState, chat: bool, include_usage: bool,
                logprobs: bool = False) -> AsyncIterator[str]:
     obj = "chat.completion.chunk" if chat else "text_completion"
+    name = state.name
     offset = 0  # completions: where the next token's text starts in the answer (logprobs' text_offset)
 
     def chunk(delta: dict | None, finish: str | None = None, lp: list | None = None, **extra) -> str:
@@ -305,7 +343,14 @@ async def _sse(job: Job, rid: str, now: int, name: str, chat: bool, include_usag
         if chat:
             yield chunk({"role": "assistant", "content": ""})
         while True:
-            ev = await job.events.get()
+            try:
+                ev = await asyncio.wait_for(job.events.get(), POLL_S)
+            except asyncio.TimeoutError:
+                ev = None
+            if state.stopping and (ev is None or ev[0] == "delta"):  # the shutdown's grace is up: the API's error
+                ev = ("error", 503, "the server is shutting down")
+            elif ev is None:
+                continue
             if ev[0] == "delta":
                 lp = ev[3] if logprobs else None
                 if ev[1] and chat:
@@ -500,7 +545,7 @@ def serve(model: str | Path, host: str = "127.0.0.1", port: int = 8080, mode: st
     try:
         app = create_app(model, mode=mode, api_key=api_key, parallel=parallel, ctx=ctx, model_id=model_id,
                          runtime_kwargs=runtime_kwargs)
-        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=GRACE_S)
         url = listen_url(host, sock)
 
         class Server(uvicorn.Server):  # uvicorn names no address for sockets it is given: say it once it serves
@@ -510,6 +555,10 @@ def serve(model: str | Path, host: str = "127.0.0.1", port: int = 8080, mode: st
                     logging.getLogger("uvicorn.error").info(
                         "listening on %s (OpenAI base URL %s/v1; Ctrl-C to stop)", url, url)
                     logging.getLogger("uvicorn.error").info("chat page: %s/ (open it in a browser)", url)
+
+            async def shutdown(self, sockets=None):  # SIGINT, SIGTERM: every open request answered in the grace
+                app.state.clover.close()
+                await super().shutdown(sockets=sockets)
 
         Server(config).run(sockets=[sock])
     finally:
