@@ -143,6 +143,11 @@ def offload_options(command):
     return wrapper
 
 
+# generate, chat and serve run a GGUF or a folder (runtime.open_runtime picks the backend); one text for all three
+RUNNABLE_MODEL_HELP = ("a Clover GGUF file, or a model folder (an MLX folder or the checkpoint's safetensors folder, "
+                       "run with MLX)")
+
+
 @app.command()
 def convert(
     src: Path = typer.Argument(..., help="checkpoint folder (config.json, safetensors, tokenizer)"),
@@ -229,7 +234,7 @@ def graft(
 def mlx_convert(
     src: Path = typer.Argument(..., help="a Clover checkpoint folder (config.json, safetensors, tokenizer)"),
     out: Path = typer.Option(..., "-o", "--out", help="output MLX folder"),
-    q_bits: Optional[int] = typer.Option(None, "--q-bits", help="quantize to 4 or 8 bits (mlx-lm's affine "
+    q_bits: Optional[int] = typer.Option(None, "--q-bits", help="quantize to 2, 3, 4, 5, 6 or 8 bits (mlx-lm's affine "
                                          "quantization; default: not quantized)"),
     q_group_size: int = typer.Option(64, "--q-group-size", help="weights per quantization group: 32, 64 or 128"),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="float32, bfloat16 or float16 for what is not "
@@ -421,7 +426,7 @@ EndRule = _choices("EndRule", END_RULES)
 @app.command()
 @offload_options
 def generate(
-    model: Path = typer.Argument(..., help="a Clover GGUF"),
+    model: Path = typer.Argument(..., help=RUNNABLE_MODEL_HELP),
     prompt: str = typer.Option(..., "-p", "--prompt", help="the user message"),
     mode: Optional[Mode] = typer.Option(None, "--mode", help="auto (the default: AR steps or draft-self "
                                         "blocks, whichever is faster here; ar for a file without the block-mode "
@@ -488,7 +493,7 @@ def generate(
 @app.command()
 @offload_options
 def chat(
-    model: Path = typer.Argument(..., help="a Clover GGUF"),
+    model: Path = typer.Argument(..., help=RUNNABLE_MODEL_HELP),
     mode: Optional[Mode] = typer.Option(None, "--mode", help="default: auto; ar for an AR-only file"),
     max_new_tokens: int = typer.Option(1024, "--max-new-tokens", "-n", min=1),
     think: bool = typer.Option(True, "--think/--no-think"),
@@ -519,7 +524,7 @@ def chat(
 @app.command()
 @offload_options
 def serve(
-    model: Path = typer.Argument(..., help="a Clover GGUF"),
+    model: Path = typer.Argument(..., help=RUNNABLE_MODEL_HELP),
     host: str = typer.Option("127.0.0.1", "--host", help="bind address (loopback by default)"),
     port: int = typer.Option(8080, "--port", min=0, max=65535),
     mode: Optional[Mode] = typer.Option(None, "--mode", help="the mode of requests that name none (default: auto; "

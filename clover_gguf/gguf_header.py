@@ -79,6 +79,16 @@ def tensor_bytes(qtype: QT, shape: tuple[int, ...]) -> int:
     return math.prod(shape) // block * size
 
 
+def check_gguf_file(path: Path, missing: str = "no such file") -> None:
+    """The one check that a path given as a GGUF is a file: a folder there gets its own line (a model folder runs
+    under generate, chat and serve, but the GGUF tools read files), anything else absent is `missing`."""
+    if Path(path).is_dir():
+        raise UserError(f"{path} is a folder, not a GGUF file: generate, chat and serve run model folders; this "
+                        "command takes a .gguf file")
+    if not Path(path).is_file():
+        raise UserError(f"{missing}: {path}")
+
+
 def read_header(path: Path, full: bool = False) -> GGUFHeader:
     """The header, checked as llama.cpp's gguf reader checks it (no nested arrays, no repeated key, known types,
     at most 4 dimensions, a power-of-two alignment) and with every tensor's data inside the file.
@@ -88,8 +98,7 @@ def read_header(path: Path, full: bool = False) -> GGUFHeader:
     path = Path(path)
     max_array = None if full else MAX_ARRAY
     errors = "surrogateescape" if full else "replace"
-    if not path.is_file():
-        raise UserError(f"no such file: {path}")
+    check_gguf_file(path)
     with open(path, "rb") as f:
         if f.read(4) != GGUF_MAGIC:
             raise UserError(f"{path} is not a GGUF file")
@@ -339,8 +348,7 @@ def read_clover(path: Path) -> GGUFHeader:
     there, its header reads, its architecture is Clover and check_model passes; one line naming the problem
     otherwise."""
     path = Path(path)
-    if not path.is_file():
-        raise UserError(f"no such model file: {path}")
+    check_gguf_file(path, "no such model file")
     try:
         h = read_header(path)
     except UserError as e:

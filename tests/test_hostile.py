@@ -2143,3 +2143,28 @@ def test_ctrl_c_while_the_imports_run_is_one_line(base, tmp_path, command):
     assert "Traceback" not in "".join(err), "".join(err)[-3000:]
     assert proc.returncode == 130 and [x.strip() for x in err] == ["clover-gguf: error: interrupted"], \
         (proc.returncode, "".join(err)[-2000:])
+
+
+# ---- 14: help and docs say what the commands take --------------------------------------------------------------
+@pytest.mark.parametrize("command", [["info", "F"], ["quantize", "F", "OUT", "--type", "Q8_0"], ["fit", "F"],
+                                     ["check-block", "F"], ["export-ar", "F", "OUT"]],
+                         ids=["info", "quantize", "fit", "check-block", "export-ar"])
+def test_a_gguf_only_command_given_a_folder_says_so(mlx_base, tmp_path, command):
+    """They said "no such model file" (or "no such file") for a folder that is there (gguf_header.check_gguf_file)."""
+    w = Work(tmp_path, mlx_base)
+    argv = [w.mlx if a == "F" else w.out if a == "OUT" else a for a in command]
+    before = snapshot(tmp_path)
+    assert_refused(clover(*argv), before, tmp_path, "is a folder, not a GGUF file: generate, chat and serve run")
+
+
+def test_help_and_docs_say_what_runs():
+    """generate, chat and serve said "a Clover GGUF" where folders run too; mlx-convert's --q-bits said 4 or 8 where
+    2-6 and 8 work; docs/serve.md gave --mode's default as draft-self, the code's is auto."""
+    for cmd in ("generate", "chat", "serve"):
+        text = " ".join(clover(cmd, "--help").stdout.split())
+        assert "a Clover GGUF file, or a model folder (an MLX folder or the checkpoint" in text, (cmd, text[:600])
+    text = " ".join(clover("mlx-convert", "--help").stdout.split())
+    assert "quantize to 2, 3, 4, 5, 6 or 8 bits" in text, text
+    row = next(x for x in (ROOT / "docs" / "serve.md").read_text().splitlines() if x.startswith("| `--mode` |"))
+    assert row.split("|")[2].strip() == "`auto`", row
+    assert "default mode (auto;" in " ".join(clover("serve", "--help").stdout.split())
