@@ -2167,4 +2167,4 @@ def test_help_and_docs_say_what_runs():
     assert "quantize to 2, 3, 4, 5, 6 or 8 bits" in text, text
     row = next(x for x in (ROOT / "docs" / "serve.md").read_text().splitlines() if x.startswith("| `--mode` |"))
     assert row.split("|")[2].strip() == "`auto`", row
-    assert "default mode (auto;" in " ".join(clover("serve", "--help").stdout.split())
+    assert "(default: auto; ar for an AR-only file)" in " ".join(clover("serve", "--help").stdout.split())
