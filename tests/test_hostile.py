@@ -2103,13 +2103,13 @@ def test_check_block_write_through_a_link_stamps_the_file_it_names(base, tmp_pat
     link = tmp_path / "snapshots" / "model.gguf"
     link.parent.mkdir()
     link.symlink_to(os.path.relpath(blob, link.parent))
-    winner = CheckResult(str(link), "clover-gguf-2", False, drafted=100, accepted=99)
+    winner = CheckResult(str(link), "hist-read-add", False, drafted=100, accepted=99)
     assert winner.verdict == "holds"
-    done = stamp(link, winner, "clover-gguf-1", False)
+    done = stamp(link, winner, "hist-sink-add", False)
     assert done == ("rewritten" if keys == "absent" else "in place")
     assert link.is_symlink() and link.resolve() == blob.resolve()
     kv = read_header(blob).kv
-    assert kv[md.BLOCK_READING] == "clover-gguf-2" and kv[md.BLOCK_READING_VERIFIED] is True
+    assert kv[md.BLOCK_READING] == "hist-read-add" and kv[md.BLOCK_READING_VERIFIED] is True
     assert sorted(p.name for p in blob.parent.iterdir()) == ["0123abcd"]  # no temporary file left
 
 
