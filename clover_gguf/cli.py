@@ -125,7 +125,8 @@ def offload_options(command):
 
     from clover_gguf.offload import OPTIONS, Offload
 
-    types = {"gpu_layers": str, "cpu_moe": bool, "n_cpu_moe": int, "threads": Optional[int], "mmap": bool}
+    types = {"gpu_layers": str, "cpu_moe": bool, "n_cpu_moe": int, "threads": Optional[int], "mmap": bool,
+             "poll": Optional[int]}
     extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=types[name],
                                default=typer.Option(default, *flags, help=help_, show_default=default is not None))
              for name, flags, default, help_ in OPTIONS]
