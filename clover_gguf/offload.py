@@ -179,10 +179,10 @@ OPTIONS: list[tuple[str, tuple[str, ...], Any, str]] = [
     ("cpu_moe", ("--cpu-moe",), False, "keep every layer's routed experts in host memory"),
     ("n_cpu_moe", ("--n-cpu-moe",), 0, "keep the routed experts of the first N layers in host memory"),
     ("threads", ("--threads",), None, f"CPU threads, 1..{MAX_THREADS} (default: the math cores, up to 8; one "
-     "for a model under 32 MiB)"),
+     "for a model of small layers, under 8 MiB of weights each)"),
     ("mmap", ("--mmap/--no-mmap",), True, "map the model file (default) or read it into memory"),
-    ("poll", ("--poll",), None, "how long a waiting CPU thread spins before it sleeps, 0..100 (llama.cpp's "
-     "--poll; default 0: at once, which keeps a busy machine from stalling the model)"),
+    ("poll", ("--poll",), None, "how long a waiting CPU thread spins before it sleeps, 0..100 (default: 0; 0 sleeps "
+     "at once, which keeps other programs from stalling the model; llama.cpp's --poll)"),
 ]
 
 

@@ -123,6 +123,21 @@ def default_threads(model_bytes: int, n_layer: int, cores: int | None = None) ->
     return n, f"default: this machine's {cores} math core{'s' * (cores > 1)}{capped}"
 
 
+def summary(openmp: bool | None) -> dict:
+    """This machine's defaults, for `doctor` (the model decides between the two counts: fit --measure says which):
+    {"math_cores", "threads", "poll", "openmp"} with "threads" and "poll" as sentences."""
+    cores = math_cores()
+    big, _ = default_threads(SMALL_LAYER_BYTES, 1, cores)
+    level, source = _loaded or (POLL_DEFAULT, DEFAULT_WHY)
+    how = ("OpenMP build: libgomp waits, GOMP_SPINCOUNT=" + os.environ.get("GOMP_SPINCOUNT", "unset") if openmp else
+           "ggml's threadpool" if openmp is not None else "the library was not loaded")
+    return {"math_cores": cores, "openmp": openmp,
+            "threads": f"1 for a model of small layers (under {SMALL_LAYER_BYTES >> 20} MiB of weights each), else "
+                       f"{big} (this machine's {cores} math core{'s' * (cores > 1)}, at most {MAX_DEFAULT_THREADS}); "
+                       "--threads sets it",
+            "poll": f"{'as the environment says' if level is None else level} ({source}; {how}); --poll sets it"}
+
+
 def choose(model_bytes: int, n_layer: int, n_threads: int | None = None, n_threads_batch: int | None = None,
            poll: int | None = None, openmp: bool = False) -> Threading:
     """The threads (given, else default_threads) and the poll level for one context. With OpenMP the waiting in

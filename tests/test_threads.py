@@ -114,3 +114,21 @@ def test_greedy_text_is_the_same_whatever_the_threads(bundled_gguf):
         finally:
             rt.close()
     assert texts[0] == texts[1]
+
+
+@pytest.mark.parametrize("env,poll", [({}, "0 (default: a waiting thread sleeps at once; OpenMP build"),
+                                      ({"OMP_WAIT_POLICY": "passive"},
+                                       "as the environment says (the environment's OMP_WAIT_POLICY=passive")])
+def test_doctor_says_the_defaults_and_where_the_waiting_comes_from(env, poll):
+    base = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    p = subprocess.run([sys.executable, "-m", "clover_gguf", "doctor", "--json"], capture_output=True, text=True,
+                       env={**base, **env}, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    t = json.loads(p.stdout)["threads"]
+    from clover_gguf.llama_context import load_binding
+    from clover_gguf.threads import has_openmp
+
+    assert t["math_cores"] == math_cores() and t["openmp"] == has_openmp(load_binding())  # llama_print_system_info
+    assert t["threads"].startswith("1 for a model of small layers (under 8 MiB of weights each), else "
+                                   f"{min(MAX_DEFAULT_THREADS, math_cores())} (")
+    assert t["poll"].startswith(poll), t["poll"]
