@@ -39,7 +39,9 @@ SPINS_PER_POLL = 6000  # GOMP_SPINCOUNT per poll level: 50 -> 300,000, libgomp's
 SMALL_LAYER_BYTES = 8 * 2**20  # weights per layer under this run on one thread (bundled 1.2 MiB, slice35b 53 MiB)
 MAX_DEFAULT_THREADS = 8  # the default's cap (more threads than this only help a CPU with the bandwidth for them)
 GOMP_ENV = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
-DEFAULT_WHY = f"default: a waiting thread {'sleeps at once' if POLL_DEFAULT == 0 else 'spins a while'}"
+# why, as fit --measure and doctor say it: a sleeping thread frees its core for the thread the others wait for
+DEFAULT_WHY = ("default: a waiting thread sleeps at once, leaving its core to the thread it waits for"
+               if POLL_DEFAULT == 0 else "default: a waiting thread spins a while")
 
 # how libgomp was told to wait when it loaded in this process: (poll or None, where it came from); None: not loaded
 _loaded: tuple[int | None, str] | None = None

@@ -116,7 +116,8 @@ def test_greedy_text_is_the_same_whatever_the_threads(bundled_gguf):
     assert texts[0] == texts[1]
 
 
-@pytest.mark.parametrize("env,poll", [({}, "0 (default: a waiting thread sleeps at once; OpenMP build"),
+@pytest.mark.parametrize("env,poll", [({}, "0 (default: a waiting thread sleeps at once, leaving its core to the "
+                                           "thread it waits for; OpenMP build"),
                                       ({"OMP_WAIT_POLICY": "passive"},
                                        "as the environment says (the environment's OMP_WAIT_POLICY=passive")])
 def test_doctor_says_the_defaults_and_where_the_waiting_comes_from(env, poll):
