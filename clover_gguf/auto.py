@@ -7,10 +7,15 @@ block tensors are read as the weights were trained (a wrong reading makes every 
 known in advance, so both are measured while answering:
 
 * `PassCosts`: seconds per pass of each kind (causal, block, rollback) as a function of its rows, measured on this
-  device from the passes themselves and kept current (an exponential average per row count, a least-squares line
-  a + b * rows across row counts). It lives as long as the model is loaded: the next answer starts knowing them.
-* `AutoPolicy`: per answer, the running acceptance of drafts (tokens kept per draft, block passes per draft, seconds
-  per draft, each an exponential average over the recent drafts) against the AR step's cost. A draft is chosen when
+  device from the passes themselves and kept current (the median of the last WINDOW timings per row count, a
+  least-squares line a + b * rows across row counts). A median, not a mean: on a machine that other programs share,
+  a pass whose thread was descheduled takes 10-1000x its price once in a while, and that is an outlier, not the new
+  price (a stall must not send auto to the slower move for hundreds of tokens). It lives as long as the model is
+  loaded: the next answer starts knowing them.
+* `AutoPolicy`: per answer, the running acceptance of drafts (tokens kept per draft, block passes per draft, each an
+  exponential average over the recent drafts; seconds per token of a draft, the median of the recent drafts) against
+  the AR step's cost (the median of the recent AR runs). When one of the two moves' cost drifts (DRIFT) while the
+  other is not being measured, the other is measured again: a few AR steps, or a probe draft. A draft is chosen when
   its measured (or, before any, predicted) tokens per second are at least AR's; otherwise a run of AR steps, and
   a probe draft after 1, 2, 4, ... PROBE_MAX runs, so that drafts that start to pay (code after prose) are noticed;
   where even a perfect draft could not pay on this device (one block pass costs more than a block of AR steps), a
@@ -26,11 +31,16 @@ text whatever it chooses).
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field
 
 KINDS = ("causal", "block", "rollback")
-DECAY = 0.7  # weight of the past in a pass cost's running average
-DRAFT_DECAY = 0.5  # the same for drafts: a change of topic (drafts that start or stop paying) shows within a few
+WINDOW = 9  # a pass cost is the median of this many timings (a lasting change moves it within WINDOW // 2 + 1)
+MOVE_WINDOW = 5  # the same for the cost of AR runs and of drafts: a change of topic shows within 3 drafts
+KNOWN = 3  # warm values a cost rests on before it decides for long (fewer: the lowest of them stands for it)
+DRIFT = 1.5  # a move's cost this far (either way) from where it was when the other move was last measured: re-measure
+DRAFT_DECAY = 0.5  # weight of the past in the drafts' running averages of tokens and acceptance (no clock in them):
+# a change of topic (drafts that start or stop paying) shows within a few
 PROBE_MAX = 8  # this many AR runs between two probe drafts when drafts do not pay (at least: see PROBE_SHARE)
 # while drafts do not pay, probes take at most this share of the time: a probe costs a draft's passes and the graph
 # rebuilds around them (about 10 AR steps on the bundled model on a CPU), so it waits at least that many AR steps / 0.02
@@ -46,9 +56,8 @@ PROBE_PASSES = 2  # block passes a draft may take while block passes have never 
 
 
 class _Average:
-    """An exponential running mean. The first value stands alone until the second replaces it: a process's first
-    pass of a kind builds and allocates its graph and touches cold memory (a 5-token pass measured 30 ms cold
-    against 1 ms warm on the bundled model), and it must not weigh on the figures that follow."""
+    """An exponential running mean, for counts (tokens, passes, acceptance), never for times. The first value stands
+    alone until the second replaces it (see _Recent)."""
 
     __slots__ = ("value", "n")
 
@@ -56,20 +65,66 @@ class _Average:
         self.value: float | None = None
         self.n = 0
 
-    def add(self, x: float, decay: float = DECAY) -> None:
+    def add(self, x: float, decay: float = DRAFT_DECAY) -> None:
         self.value = x if self.n < 2 else decay * self.value + (1.0 - decay) * x
         self.n += 1
 
+    def carry(self, src: "_Average") -> None:
+        """Start from another answer's figure: warm (two values or more), as one value that the next averages with;
+        a single one, perhaps cold, as one that the next replaces."""
+        self.value, self.n = src.value, min(src.n, 2)
+
+
+class _Recent:
+    """The median of the last `size` values: what a time costs on a machine whose other programs now and then take
+    the core from the one that runs the model (an outlier then moves nothing, a lasting change moves it within
+    size // 2 + 1 values). With fewer than 3 values, the lowest: a stall only ever makes a pass longer, so of two
+    values the higher is the likelier outlier. The first value stands alone until the second replaces it: a process's
+    first pass of a kind builds and allocates its graph and touches cold memory (a 5-token pass measured 30 ms cold
+    against 1 ms warm on the bundled model), and it must not weigh on the figures that follow."""
+
+    __slots__ = ("values", "n", "size")
+
+    def __init__(self, size: int = WINDOW) -> None:
+        self.values: list[float] = []
+        self.n = 0
+        self.size = size
+
+    def add(self, x: float) -> None:
+        if self.n == 1:  # the cold first value
+            self.values.clear()
+        self.values.append(float(x))
+        del self.values[:-self.size]
+        self.n += 1
+
+    @property
+    def value(self) -> float | None:
+        if len(self.values) < KNOWN:
+            return min(self.values) if self.values else None
+        return statistics.median(self.values)
+
+    def spread(self) -> tuple[float, float] | None:
+        """(lowest, highest) of the values the median is taken over."""
+        return (min(self.values), max(self.values)) if self.values else None
+
+    def carry(self, src: "_Recent") -> None:
+        """Start from another answer's values: warm ones as they are, a single (perhaps cold) one to be replaced."""
+        self.values, self.n = list(src.values), min(src.n, 2)
+
+    def restart(self) -> None:
+        """Forget the values (they were measured on a machine that has changed since): the next value stands alone."""
+        self.values.clear()
+        self.n = 2 if self.n else 0  # a re-measurement is a warm one
 
 @dataclass
 class PassCosts:
     """Seconds per pass by kind ("causal", "block", "rollback") and rows, measured on the running device.
 
-    predict(kind, rows): the least-squares line through the kind's per-row-count averages (each weighted by how often
-    it was seen, at most 8), or the one average when a single row count was seen; None before any pass of the kind.
+    predict(kind, rows): the least-squares line through the kind's per-row-count medians (each weighted by how often
+    it was seen, at most 8), or the one median when a single row count was seen; None before any pass of the kind.
     A line's slope is never taken below 0 (a pass with more rows never costs less)."""
 
-    buckets: dict[tuple[str, int], _Average] = field(default_factory=dict)
+    buckets: dict[tuple[str, int], _Recent] = field(default_factory=dict)
 
     def observe(self, kind: str, rows: int, seconds: float) -> None:
         if kind not in KINDS:
@@ -79,7 +134,7 @@ class PassCosts:
         key = (kind, int(rows))
         avg = self.buckets.get(key)
         if avg is None:
-            avg = self.buckets[key] = _Average()
+            avg = self.buckets[key] = _Recent()
         avg.add(float(seconds))
 
     def warm(self, kind: str) -> bool:
@@ -103,10 +158,18 @@ class PassCosts:
         return max(0.0, mv + slope * (rows - mr))
 
     def to_json(self) -> dict[str, dict[str, float]]:
-        """{kind: {rows: milliseconds}}, as fit --measure and --json print them."""
+        """{kind: {rows: milliseconds}} (the medians), as fit --measure and --json print them."""
         out: dict[str, dict[str, float]] = {}
         for (k, r), a in sorted(self.buckets.items()):
             out.setdefault(k, {})[str(r)] = round(a.value * 1e3, 4)
+        return out
+
+    def spread_json(self) -> dict[str, dict[str, list[float]]]:
+        """{kind: {rows: [lowest ms, highest ms, timings]}} over the values each median is taken over."""
+        out: dict[str, dict[str, list[float]]] = {}
+        for (k, r), a in sorted(self.buckets.items()):
+            lo, hi = a.spread()
+            out.setdefault(k, {})[str(r)] = [round(lo * 1e3, 4), round(hi * 1e3, 4), len(a.values)]
         return out
 
 
@@ -122,8 +185,9 @@ class Plan:
     predicted_tok_s: float | None = None
 
 
-# what a new answer takes over as it is from the previous answer's policy (besides the averages, taken as warm ones)
-CARRIED = ("gap", "steps_since_draft", "probe_seconds", "drafts_seen", "last_kind")
+# what a new answer takes over as it is from the previous answer's policy (besides the figures, taken as warm ones)
+CARRIED = ("gap", "steps_since_draft", "probe_seconds", "drafts_seen", "last_kind", "draft_at_ar", "ar_at_draft")
+FIGURES = ("ar_step", "kept", "passes", "per_token", "ok", "cut")
 
 
 class AutoPolicy:
@@ -139,9 +203,10 @@ class AutoPolicy:
         self.costs = costs
         self.block_size = int(block_size)
         self.ar_run = int(ar_run or block_size)
-        self.ar_step = _Average()  # seconds per AR step, the host's work for it included
-        # per draft: tokens it yielded (the pending causal token plus accepted proposals), block passes, seconds
-        self.kept, self.passes, self.seconds = _Average(), _Average(), _Average()
+        self.ar_step = _Recent(MOVE_WINDOW)  # seconds per AR step (per run), the host's work for it included
+        # per draft: tokens it yielded (the pending causal token plus accepted proposals), block passes; and its
+        # seconds per token yielded (its block passes, verification and rollback)
+        self.kept, self.passes, self.per_token = _Average(), _Average(), _Recent(MOVE_WINDOW)
         # acceptance per proposal, geometric: accepted proposals against drafts cut by a rejection (recent first)
         self.ok, self.cut = _Average(), _Average()
         self.gap = 1  # AR runs before the next probe draft, doubled after each probe that did not pay
@@ -151,13 +216,15 @@ class AutoPolicy:
         self.probe_seconds = 0.0  # what the last probe that did not pay cost
         self.last_kind = ""  # the kind of the last move ("ar" or "draft")
         self.drafts_seen = 0  # drafts this model's answers made so far (this one's and, with a prior, the earlier)
-        if prior is not None:  # the last answer's view of the drafts, as one observation's weight
-            for name in ("ar_step", "kept", "passes", "seconds", "ok", "cut"):
-                src, dst = getattr(prior, name), getattr(self, name)
-                # warm (two values or more): this answer's first value averages with it; a single value, perhaps a
-                # cold one (a process's first draft: 47 ms against 5 on the bundled model), stays one that the next
-                # value replaces, as it would have in the answer that measured it
-                dst.value, dst.n = src.value, min(src.n, 2)
+        # where each move's cost stood when the other was last measured (DRIFT: re-measure the other when it moved)
+        self.draft_at_ar: float | None = None  # seconds per drafted token when the AR step was last measured
+        self.ar_at_draft: float | None = None  # seconds per AR step when a draft was last measured
+        if prior is not None:  # the last answer's view of the moves
+            for name in FIGURES:
+                # warm (two values or more): this answer's values join them; a single value, perhaps a cold one (a
+                # process's first draft: 47 ms against 5 on the bundled model), stays one that the next value
+                # replaces, as it would have in the answer that measured it
+                getattr(self, name).carry(getattr(prior, name))
             for name in CARRIED:  # where the probes and the last move stand
                 setattr(self, name, getattr(prior, name))
 
@@ -166,6 +233,7 @@ class AutoPolicy:
         """A run of `steps` AR steps that took `seconds` (the steps alone)."""
         if steps:
             self.ar_step.add(seconds / steps)
+            self.draft_at_ar = _warm(self.per_token)
         self.steps_since_draft += steps
         self.last_kind = "ar"
 
@@ -175,11 +243,14 @@ class AutoPolicy:
         `accepted`, after `passes` block passes, in `seconds` (its block passes, verification and rollback)."""
         self.drafts_seen += 1
         self.last_kind = "draft"
-        self.kept.add(kept, DRAFT_DECAY)
-        self.passes.add(passes, DRAFT_DECAY)
-        self.seconds.add(seconds, DRAFT_DECAY)
-        self.ok.add(accepted, DRAFT_DECAY)
-        self.cut.add(1.0 if accepted < proposed else 0.0, DRAFT_DECAY)
+        self.kept.add(kept)
+        self.passes.add(passes)
+        self.per_token.add(seconds / max(kept, 1))
+        self.ar_at_draft = _warm(self.ar_step)
+        if self.draft_at_ar is None:  # drafts since the AR step was measured: their first warm level
+            self.draft_at_ar = _warm(self.per_token)
+        self.ok.add(accepted)
+        self.cut.add(1.0 if accepted < proposed else 0.0)
         self.steps_since_draft = 0
         if probe:  # did it pay? a probe whose proposals were rejected waits twice as long for the next one (one whose
             # proposals were accepted lost on its cost, which varies from block to block: the next one comes soon)
@@ -216,10 +287,10 @@ class AutoPolicy:
         return float(length) if a >= 1.0 else (1.0 - a ** length) / (1.0 - a)
 
     def draft_rate(self) -> float | None:
-        """Tokens per second of drafts: measured (the averages of this answer's drafts), else predicted from pass
-        costs and the acceptance; None while the block pass was never timed."""
-        if self.kept.value is not None and self.seconds.value:
-            return self.kept.value / self.seconds.value
+        """Tokens per second of drafts: measured (the median of the recent drafts' seconds per token), else predicted
+        from pass costs and the acceptance; None while the block pass was never timed."""
+        if self.per_token.value:
+            return 1.0 / self.per_token.value
         t = self.predict_draft_seconds()
         return self.expected_tokens(self.block_size) / t if t else None
 
@@ -261,7 +332,24 @@ class AutoPolicy:
             return Plan("draft", max_passes=PROBE_PASSES, probe=True, predicted_tok_s=None)
         if self.drafts_seen < 2:  # the first draft of a process is a cold one: a second, warm one before judging
             return Plan("draft", max_passes=self.max_passes(), probe=True, predicted_tok_s=draft)
+        # the machine changed under the move being made (other programs started or stopped): the other move's figure
+        # is from before, measure it again (its old values would decide against a machine that is gone)
+        if self.last_kind == "draft" and _drifted(self.per_token.value, self.draft_at_ar):
+            self.ar_step.restart()
+            self.draft_at_ar = self.per_token.value
+            return Plan("ar", steps=FIRST_AR_STEPS, predicted_tok_s=ar)
+        if self.last_kind == "ar" and self.steps_since_draft >= self.ar_run and \
+                _drifted(self.ar_step.value, self.ar_at_draft):
+            self.per_token.restart()
+            self.ar_at_draft = self.ar_step.value
+            return Plan("draft", max_passes=self.max_passes(), probe=True, predicted_tok_s=draft)
         if draft >= ar * (HYSTERESIS if self.last_kind == "draft" else 1.0):
+            pass_only = self.costs.predict("causal", 1)  # an AR step's pass alone (robust: a median over steps)
+            if self.last_kind == "draft" and len(self.ar_step.values) < KNOWN and \
+                    (not pass_only or draft < 1.0 / pass_only):
+                # a lasting choice of drafts rests on the AR step's cost, which one stalled AR run can have set: time
+                # AR again until KNOWN values say it (unless drafts beat even the AR step's bare pass)
+                return Plan("ar", steps=FIRST_AR_STEPS, predicted_tok_s=ar)
             return Plan("draft", max_passes=self.max_passes(), predicted_tok_s=draft)
         # long waits only on warm figures: a process's first block pass builds its graph cold (20 ms against 2 ms), and
         # its first draft is a cold one (23 ms against 4 ms on the bundled model)
@@ -275,3 +363,13 @@ class AutoPolicy:
             return Plan("draft", max_passes=1 if gap == COST_PROBE_GAP else self.max_passes(), probe=True,
                         predicted_tok_s=draft)
         return Plan("ar", steps=self.ar_run, predicted_tok_s=ar)
+
+
+def _warm(r: _Recent) -> float | None:
+    """A figure to compare later ones with: the median, once it rests on 3 warm values or more."""
+    return r.value if r.n >= 2 and len(r.values) >= KNOWN else None
+
+
+def _drifted(now: float | None, then: float | None) -> bool:
+    """A cost that moved by more than DRIFT either way since `then` (False while either is unknown)."""
+    return bool(now and then) and not 1.0 / DRIFT <= now / then <= DRIFT

@@ -15,6 +15,7 @@ import typer
 
 from clover_gguf.decoding import ACCEPT_MODES, DEFAULT_END_RULE, DRAFT_THRESHOLD, END_RULES, MODES
 from clover_gguf.errors import UserError
+from clover_gguf.offload import OPTIONS as _OFFLOAD_OPTIONS
 from clover_gguf.runtime import ROLLBACKS
 from clover_gguf.state_cache import DEFAULT_CACHE_RAM_MIB
 
@@ -118,6 +119,9 @@ def _stdout_failed(stream, error: OSError) -> int:
     return 2
 
 
+_OFFLOAD_HELP = {name: help_ for name, _, _, help_ in _OFFLOAD_OPTIONS}  # fit names two of them itself
+
+
 def offload_options(command):
     """Adds the offload options every model-running command shares (clover_gguf.offload.OPTIONS, their one
     definition); the command receives them as one `offload` argument."""
@@ -126,7 +130,8 @@ def offload_options(command):
 
     from clover_gguf.offload import OPTIONS, Offload
 
-    types = {"gpu_layers": str, "cpu_moe": bool, "n_cpu_moe": int, "threads": Optional[int], "mmap": bool}
+    types = {"gpu_layers": str, "cpu_moe": bool, "n_cpu_moe": int, "threads": Optional[int], "mmap": bool,
+             "poll": Optional[int]}
     extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=types[name],
                                default=typer.Option(default, *flags, help=help_, show_default=default is not None))
              for name, flags, default, help_ in OPTIONS]
@@ -394,6 +399,7 @@ def doctor(
     from clover_gguf.mlx_runtime import mlx_status
 
     d["mlx"] = mlx_status()  # reported; llama.cpp's readiness alone decides "ok"
+    d["threads"] = _threads_summary(d["ok"])
     if as_json:
         typer.echo(json.dumps(d))
     else:
@@ -401,6 +407,8 @@ def doctor(
                     "sampler_library", "binding_version", "cache_dir"):
             typer.echo(f"{key:<16} {d.get(key)}")
         typer.echo(f"{'mlx':<16} {d['mlx']['summary']}")
+        typer.echo(f"{'threads':<16} {d['threads']['threads']}")
+        typer.echo(f"{'poll':<16} {d['threads']['poll']}")
         for w in d.get("warnings", []):
             typer.echo(f"warning: {w}")
         for m in d.get("missing", []):
@@ -408,6 +416,21 @@ def doctor(
         typer.echo("ok" if d["ok"] else "not ready")
     if not d["ok"]:
         raise typer.Exit(2)
+
+
+def _threads_summary(ready: bool) -> dict:
+    """doctor's threads and poll defaults (clover_gguf.threads), the library loaded to see how it waits when ready."""
+    from clover_gguf.threads import has_openmp, summary
+
+    openmp = None
+    if ready:
+        from clover_gguf.llama_context import load_binding
+
+        try:
+            openmp = has_openmp(load_binding())
+        except UserError:
+            pass
+    return summary(openmp)
 
 
 def _choices(name: str, values: tuple[str, ...]) -> type[Enum]:
@@ -577,7 +600,11 @@ def fit(
     rollback: Rollback = typer.Option(Rollback.redecode, "--rollback", help="draft-self rollback strategy"),
     mmap: bool = typer.Option(True, "--mmap/--no-mmap", help="as the run would load the file"),
     measure: bool = typer.Option(False, "--measure", help="also load MODEL.gguf here and show what llama.cpp "
-                                 "allocates next to the prediction"),
+                                 "allocates next to the prediction, the threads it runs on and its pass times"),
+    threads: Optional[int] = typer.Option(None, "--threads", help=_OFFLOAD_HELP["threads"] + "; for --measure and "
+                                          "the command printed"),
+    poll: Optional[int] = typer.Option(None, "--poll", help=_OFFLOAD_HELP["poll"] + "; for --measure and the "
+                                       "command printed"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Which offload and context fit a GPU or Mac, the predicted memory part by part, and the command to run."""
@@ -585,7 +612,7 @@ def fit(
 
     res = run(model, config=config, qtype=qtype, vram=vram, ram=ram, ctx=ctx, mode=mode.value if mode else None,
               parallel=parallel,
-              rollback=rollback.value, mmap=mmap, unified=unified, do_measure=measure)
+              rollback=rollback.value, mmap=mmap, unified=unified, do_measure=measure, threads=threads, poll=poll)
     typer.echo(json.dumps(res.to_json()) if as_json else res.format())
 
 

@@ -163,6 +163,8 @@ class Setup:
     mmap: bool = True
     n_gpu_layers: int = 0  # llama.cpp's meaning: ALL (-1) or a count, the output layer counting as one
     n_cpu_moe: int = 0
+    threads: int | None = None  # --threads / --poll: the run's (None: its defaults, clover_gguf.threads)
+    poll: int | None = None
 
 
 @dataclass
@@ -298,6 +300,8 @@ class FitResult:
     llama_fit: str | None = None
     measured: dict[str, int] | None = None
     pass_costs: dict[str, dict[str, float]] | None = None  # --measure: ms per pass by kind and rows (auto.PassCosts)
+    pass_spread: dict[str, dict[str, list[float]]] | None = None  # --measure: [lowest, highest ms, timings] of each
+    threading: dict | None = None  # --measure: the threads and poll the run chose, and why (threads.Threading)
     ctx_asked: int | None = None  # a --ctx above the model's context (planned for the model's): the plan line says so
 
     def to_json(self) -> dict:
@@ -313,6 +317,8 @@ class FitResult:
             out["measured"] = dict(self.measured)
         if self.pass_costs is not None:
             out["pass_ms"] = self.pass_costs
+            out["pass_ms_spread"] = self.pass_spread
+            out["threads"] = self.threading
         return out
 
     def format(self) -> str:
@@ -346,8 +352,10 @@ class FitResult:
         lines += [f"note     {n}" for n in self.notes if not (said and n.startswith(said))]
         if self.llama_fit is not None:
             lines.append(f"llama.cpp's own fit (llama-fit-params): {self.llama_fit}")
+        if self.threading is not None:
+            lines.append(f"threads  {self.threading['describe']}")
         if self.pass_costs is not None:
-            lines.append(f"passes   {passes_line(self.pass_costs)}")
+            lines.append(f"passes   {passes_line(self.pass_costs, self.pass_spread)}")
         lines.append(f"run      {self.command}")
         return "\n".join(lines)
 
@@ -481,7 +489,8 @@ def _default_ctx() -> int:
 def _command(model: Model, setup: Setup, ctx: int, ngl: int, k: int, gpu: bool) -> str:
     """The command line to run; --gpu-layers left at its default (auto) when that is what the plan says."""
     off = Offload(gpu_layers="auto" if ngl == ALL or not gpu else ngl, n_cpu_moe=k if k < model.shape.n_layer else 0,
-                  cpu_moe=k >= model.shape.n_layer and k > 0, mmap=setup.mmap)
+                  cpu_moe=k >= model.shape.n_layer and k > 0, mmap=setup.mmap, threads=setup.threads,
+                  poll=setup.poll)
     cmd = ["clover-gguf", "serve" if setup.parallel > 1 else "chat", model.file_name, "--mode", setup.mode,
            "--ctx", str(ctx), *off.cli_args()]
     if setup.parallel > 1:
@@ -521,24 +530,35 @@ def check_slots(parallel: int, breakdown: dict[str, dict[str, int]], host_bytes:
 
 
 # ---- measuring ------------------------------------------------------------------------------------------------
-def passes_line(ms: dict[str, dict[str, float]]) -> str:
-    """--measure's pass costs for a person: the AR step, the largest causal and block passes timed, and what a draft
-    must yield to pay on this machine (auto's rule: clover_gguf.auto)."""
+def passes_line(ms: dict[str, dict[str, float]], spread: dict[str, dict[str, list[float]]] | None = None) -> str:
+    """--measure's pass costs for a person: the AR step, the largest causal and block passes timed (medians, with the
+    range of the timings each is taken over), and what a draft must yield to pay on this machine (auto's rule:
+    clover_gguf.auto), or that none can: a block holds no more tokens than its rows."""
     def largest(kind: str) -> tuple[int, float] | None:
         rows = ms.get(kind, {})
         return max(((int(r), v) for r, v in rows.items()), default=None)
 
+    def span(kind: str, rows: int) -> str:
+        lo_hi = (spread or {}).get(kind, {}).get(str(rows))
+        return f" ({lo_hi[0]:.2f}-{lo_hi[1]:.2f} over {lo_hi[2]})" if lo_hi else ""
+
     ar = ms.get("causal", {}).get("1")
     causal, block = largest("causal"), largest("block")
-    parts = [f"AR step {ar:.2f} ms" if ar is not None else "AR step not timed"]
+    parts = [f"AR step {ar:.2f} ms{span('causal', 1)}" if ar is not None else "AR step not timed"]
     if causal is not None and causal[0] > 1:
-        parts.append(f"{causal[0]}-token causal pass {causal[1]:.2f} ms")
+        parts.append(f"{causal[0]}-token causal pass {causal[1]:.2f} ms{span('causal', causal[0])}")
     if block is not None:
-        parts.append(f"{block[0]}-token block pass {block[1]:.2f} ms"
+        parts.append(f"{block[0]}-token block pass {block[1]:.2f} ms{span('block', block[0])}"
                      + (f" ({block[1] / ar:.1f} AR steps)" if ar else ""))
         if ar and causal is not None:
-            parts.append(f"a draft pays here from {(block[1] + causal[1]) / ar:.1f} tokens per block pass")
-    return ", ".join(parts)
+            need = (block[1] + causal[1]) / ar
+            parts.append(f"a draft pays here from {need:.1f} tokens per block pass" if need <= block[0] else
+                         f"no draft can pay here: a block pass and its verification cost {need:.1f} AR steps, more "
+                         f"than the {block[0]} tokens a block holds (auto decodes AR)")
+    return ", ".join(parts) + " (medians)"
+
+
+MEASURE_ROUNDS = 5  # answers per mode whose passes --measure times: its medians rest on that many passes or more
 
 
 def measure(model: Model, result: FitResult, setup: Setup) -> tuple[dict[str, int], dict[str, dict[str, float]]]:
@@ -546,14 +566,16 @@ def measure(model: Model, result: FitResult, setup: Setup) -> tuple[dict[str, in
     block modes), and read what llama.cpp allocated: its buffer-size lines at load, and the compute size llama_free
     reports after the passes. The logits output buffer grows at the first call that asks for more rows than the
     sequences; a Release build of llama.cpp does not log that, so it is taken as rows x n_vocab floats with the
-    rows the run asked for (LlamaContext.max_outputs). Then a few AR steps (and, on a block-capable file, a draft)
-    time the passes auto chooses from. -> (bytes by part, ms per pass by kind and rows)."""
+    rows the run asked for (LlamaContext.max_outputs). Then MEASURE_ROUNDS short answers per mode (AR, and draft-self
+    on a block-capable file), after one that warms it, time the passes auto chooses from: their medians and ranges.
+    -> (bytes by part, ms per pass by kind and rows, [lowest, highest, timings] of each, the threads chosen)."""
+    from clover_gguf.auto import PassCosts
     from clover_gguf.llama_context import capture_llama_log
     from clover_gguf.llama_memory import buffer_sizes, is_host_buffer
     from clover_gguf.runtime import CloverRuntime
 
     off = Offload(gpu_layers="all" if setup.n_gpu_layers == ALL else setup.n_gpu_layers,
-                  n_cpu_moe=setup.n_cpu_moe, mmap=setup.mmap)
+                  n_cpu_moe=setup.n_cpu_moe, mmap=setup.mmap, threads=setup.threads, poll=setup.poll)
     with capture_llama_log() as load_log:
         rt = CloverRuntime(model.gguf, n_ctx=result.ctx, rollback=setup.rollback, offload=off,
                            keep_prefix=setup.parallel > 1, keep_prompt=setup.parallel > 1,
@@ -567,10 +589,14 @@ def measure(model: Model, result: FitResult, setup: Setup) -> tuple[dict[str, in
         new = {"ar": 4, "draft-self": 1}.get(mode, rt.block_size + 1)
         rt.generate("Hello", mode=mode, max_new_tokens=new, threshold=0.0, think=False)
         rows = rt.ctx.max_outputs
-        for m in ("ar", "draft-self") if rt.default_mode != "ar" else ("ar",):  # warm, then timed again
-            for _ in range(2):
-                rt.generate("Hello", mode=m, max_new_tokens=8, think=False)
-        costs = rt.pass_costs.to_json()
+        modes = ("ar", "draft-self") if rt.default_mode != "ar" else ("ar",)
+        for r in range(1 + MEASURE_ROUNDS):  # one round to warm, whose passes (cold graphs) the medians leave out
+            if r == 1:
+                rt.pass_costs = PassCosts()
+            for m in modes:  # drafts of one block pass each (threshold 0): the passes' costs, whatever they propose
+                rt.generate("Hello", mode=m, max_new_tokens=8, think=False, threshold=0.0 if m != "ar" else None)
+        costs, spread = rt.pass_costs.to_json(), rt.pass_costs.spread_json()
+        threading = _threading(rt)
     finally:
         with capture_llama_log() as free_log:
             rt.close()
@@ -580,7 +606,14 @@ def measure(model: Model, result: FitResult, setup: Setup) -> tuple[dict[str, in
     return {"weights_device": sum(v for k, v in model_b.items() if not is_host_buffer(k)),
             "weights_host": sum(v for k, v in model_b.items() if is_host_buffer(k)),
             "kv": sum(at_load.get("KV", {}).values()), "recurrent": sum(at_load.get("RS", {}).values()),
-            "compute": sum((at_free.get("compute") or at_load.get("compute", {})).values()) + output}, costs
+            "compute": sum((at_free.get("compute") or at_load.get("compute", {})).values()) + output}, costs, spread, \
+        threading
+
+
+def _threading(rt: Any) -> dict | None:
+    """The runtime's context's threads and poll (threads.Threading), with its sentence."""
+    t = getattr(rt.ctx, "threading", None)  # a serve slot's context passes it through from the shared one
+    return None if t is None else dict(t.to_json(), describe=t.describe())
 
 
 # ---- llama.cpp's own fitting -------------------------------------------------------------------------------------
@@ -618,7 +651,7 @@ def llama_fit_params(model: Model, setup: Setup, ctx: int | None, floor: int) ->
 def fit(model_path: Path | None = None, config: Path | None = None, qtype: str | None = None,
         vram: str | None = None, ram: str | None = None, ctx: int | None = None, mode: str | None = None,
         parallel: int = 1, rollback: str = "redecode", mmap: bool = True, unified: bool | None = None,
-        do_measure: bool = False) -> FitResult:
+        do_measure: bool = False, threads: int | None = None, poll: int | None = None) -> FitResult:
     from clover_gguf.llama_context import gpu_devices
     from clover_gguf.llama_memory import DryRun
 
@@ -647,7 +680,7 @@ def fit(model_path: Path | None = None, config: Path | None = None, qtype: str |
             from clover_gguf.runtime import no_block_tensors
 
             raise UserError(no_block_tensors(Path(model.label), mode))
-        setup = Setup(mode=mode, rollback=rollback, parallel=parallel, mmap=mmap)
+        setup = Setup(mode=mode, rollback=rollback, parallel=parallel, mmap=mmap, threads=threads, poll=poll)
         devices = gpu_devices()
         if do_measure and vram is not None and not devices:
             raise UserError("--measure loads the model on this machine, which has no GPU: leave out --vram")
@@ -658,5 +691,5 @@ def fit(model_path: Path | None = None, config: Path | None = None, qtype: str |
             result.llama_fit = llama_fit_params(model, setup, ctx, min(ctx or _default_ctx(),
                                                                       model.shape.context_length))
         if do_measure:
-            result.measured, result.pass_costs = measure(model, result, setup)
+            result.measured, result.pass_costs, result.pass_spread, result.threading = measure(model, result, setup)
     return result

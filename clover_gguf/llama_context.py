@@ -29,6 +29,7 @@ import numpy as np
 from clover_gguf.controls import Gather, GraphRows
 from clover_gguf.errors import UserError
 from clover_gguf.offload import Offload, no_offload_notice
+from clover_gguf.threads import attach_threadpools, choose, has_openmp, prepare_wait
 
 GGML_TYPE_F32 = 0
 # enum ggml_backend_dev_type
@@ -52,8 +53,10 @@ def padded_n_ctx(n_ctx: int) -> int:
     return -(-max(1, int(n_ctx)) // N_CTX_PAD) * N_CTX_PAD
 
 
-def load_binding() -> Any:
-    """Import llama_cpp bound to the patched library; one clear error when either is missing."""
+def load_binding(poll: int | None = None) -> Any:
+    """Import llama_cpp bound to the patched library; one clear error when either is missing. The first call of a
+    process also sets how libgomp's threads wait (`poll`, clover_gguf.threads.prepare_wait) before it loads."""
+    prepare_wait(poll)
     if not os.environ.get("LLAMA_CPP_LIB_PATH"):
         from clover_gguf.build import find_library
 
@@ -350,18 +353,21 @@ class LlamaContext:
                  n_outputs_max_per_seq: int = 0):
         """eval_callback: llama.cpp's graph eval callback (a GraphProbe's .callback, clover_gguf.graph_probe).
         Several runtimes share one context through clover_gguf.batching (serve's slots)."""
-        L = self.L = load_binding()
+        offload = offload or Offload()
+        L = self.L = load_binding(offload.poll)
         path = Path(gguf)
         if not path.is_file():
             raise UserError(f"no such model file: {path}")
-        offload = offload or Offload()
         keep: list[Any] = []  # buffers llama.cpp reads through pointers, alive as long as the model
         handle = _load_model(L, path, offload, overrides, keep, rpc=rpc)
         if not handle:
             raise UserError(f"llama.cpp could not load {path} (not a Clover GGUF, or the library is not patched)")
         self.model, self._model_keep = handle, keep
-        cp = _context_params(L, n_ctx, n_ubatch, n_batch, n_seq_max, n_rs_seq, exact, n_threads or offload.threads,
-                             n_threads_batch, n_outputs_max, n_outputs_max_per_seq)
+        # the threads and their waiting, from the model's size unless given (clover_gguf.threads)
+        self.threading = choose(int(L.llama_model_size(handle)), int(L.llama_model_n_layer(handle)),
+                                n_threads or offload.threads, n_threads_batch, offload.poll, openmp=has_openmp(L))
+        cp = _context_params(L, n_ctx, n_ubatch, n_batch, n_seq_max, n_rs_seq, exact, self.threading.n_threads,
+                             self.threading.n_threads_batch, n_outputs_max, n_outputs_max_per_seq)
         if eval_callback is not None:
             self._eval_callback = eval_callback  # kept alive for as long as the context may call it
             cp.cb_eval = eval_callback
@@ -373,6 +379,7 @@ class LlamaContext:
             self.model = None
             raise ContextError("llama.cpp could not create a context (too little memory for n_ctx?)")
         self._api = _clover_api(L)
+        self._pools = attach_threadpools(L, self.ctx, self.threading)  # freed after the context (close)
         self._sampler = sampler_library(L)
         self.has_block_attn = bool(self._api.llama_model_has_block_attn(self.model))
         self.vocab = L.llama_model_get_vocab(self.model)
@@ -732,6 +739,9 @@ class LlamaContext:
         if getattr(self, "ctx", None):
             self.L.llama_free(self.ctx)
             self.ctx = None
+        for pool in getattr(self, "_pools", ()):  # after the context that computed with them
+            self.L.llama_cpp._lib.ggml_threadpool_free(pool)
+        self._pools = []
         for _, chain in getattr(self, "_selectors", {}).values():  # after the context that held them
             self.L.llama_sampler_free(chain)
         self._selectors = {}

@@ -2,7 +2,10 @@
 
     --gpu-layers N|all|auto (-ngl)   layers on the GPU; auto = all when the library can offload, else 0
     --cpu-moe / --n-cpu-moe N        routed-expert tensors of every layer / of the first N layers in host memory
-    --threads N                      CPU threads, 1..MAX_THREADS (512, ggml's GGML_MAX_N_THREADS)
+    --threads N                      CPU threads, 1..MAX_THREADS (512, ggml's GGML_MAX_N_THREADS); default
+                                     clover_gguf.threads' rule (math cores, one for a tiny model)
+    --poll N                         how long a waiting CPU thread spins before it sleeps, 0..100 (llama.cpp's
+                                     --poll; default 0, sleep at once: clover_gguf.threads)
     --mmap / --no-mmap               map the file (llama.cpp's load mode auto) or read it into memory (none)
 
 The expert options match llama.cpp's options of the same names (common/arg.cpp): tensors matching
@@ -39,6 +42,15 @@ def check_threads(n: int | None, flag: str = "--threads") -> None:
         raise UserError(f"{flag} must be 1..{MAX_THREADS} (ggml's thread limit), not {n}")
 
 
+MAX_POLL = 100  # llama.cpp's --poll range (0: no polling, 100: aggressive); its meaning: clover_gguf.threads
+
+
+def check_poll(n: int | None, flag: str = "--poll") -> None:
+    """The one bound on a poll level: None or 0..MAX_POLL."""
+    if n is not None and not 0 <= n <= MAX_POLL:
+        raise UserError(f"{flag} must be 0..{MAX_POLL} (0: a waiting thread sleeps at once), not {n}")
+
+
 def parse_gpu_layers(value: str | int) -> str | int:
     """'auto', 'all' or a layer count >= 0; anything else is a usage error."""
     if isinstance(value, int):
@@ -65,12 +77,14 @@ class Offload:
     n_cpu_moe: int = 0
     threads: int | None = None
     mmap: bool = True
+    poll: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "gpu_layers", parse_gpu_layers(self.gpu_layers))
         if self.n_cpu_moe < 0:
             raise UserError(f"--n-cpu-moe must be at least 0, not {self.n_cpu_moe}")
         check_threads(self.threads)
+        check_poll(self.poll)
         if self.cpu_moe and self.n_cpu_moe:
             raise UserError("give --cpu-moe (every layer's experts in host memory) or --n-cpu-moe N (the first N "
                             "layers'), not both")
@@ -110,6 +124,8 @@ class Offload:
             args += ["--n-cpu-moe", str(self.n_cpu_moe)]
         if self.threads:
             args += ["-t", str(self.threads)]
+        if self.poll is not None:
+            args += ["--poll", str(self.poll)]
         args += ["--load-mode", "auto" if self.mmap else "none"]
         return args
 
@@ -122,6 +138,8 @@ class Offload:
             out += ["--n-cpu-moe", str(self.n_cpu_moe)]
         if self.threads:
             out += ["--threads", str(self.threads)]
+        if self.poll is not None:
+            out += ["--poll", str(self.poll)]
         if not self.mmap:
             out.append("--no-mmap")
         return out
@@ -160,8 +178,11 @@ OPTIONS: list[tuple[str, tuple[str, ...], Any, str]] = [
      "layers on the GPU: a number, 'all', or 'auto' (all when the llama.cpp build can offload, else 0)"),
     ("cpu_moe", ("--cpu-moe",), False, "keep every layer's routed experts in host memory"),
     ("n_cpu_moe", ("--n-cpu-moe",), 0, "keep the routed experts of the first N layers in host memory"),
-    ("threads", ("--threads",), None, f"CPU threads, 1..{MAX_THREADS} (default: up to 8)"),
+    ("threads", ("--threads",), None, f"CPU threads, 1..{MAX_THREADS} (default: the math cores, up to 8; one "
+     "for a model of small layers, under 8 MiB of weights each)"),
     ("mmap", ("--mmap/--no-mmap",), True, "map the model file (default) or read it into memory"),
+    ("poll", ("--poll",), None, "how long a waiting CPU thread spins before it sleeps, 0..100 (default: 0; 0 sleeps "
+     "at once, which keeps other programs from stalling the model; llama.cpp's --poll)"),
 ]
 
 

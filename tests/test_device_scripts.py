@@ -124,7 +124,9 @@ def test_trim_keeps_the_cuda_and_cpu_build_and_drops_the_rest(tmp_path):
 def test_pack_then_run_on_the_cpu(tmp_path):
     """The scripts end to end on the CPU: pack a kit, then every step of run.sh's CPU profile from the kit's own copy
     of the project, with the cached build (`--reuse-build`): each step ends ok or skipped with a reason, and each
-    section holds its figures. About 2 minutes on 2 cores."""
+    section holds its figures. About 2 minutes on 2 quiet cores. `--budget 0`: no step is skipped for time or stopped
+    at a cap (the GPU run's limits; on a busy machine a step took 270 s against its 90, issue 50): the profile fixes
+    the work, and the subprocess timeout is a hang guard far above it (30x)."""
     import json
     import os
     import subprocess
@@ -138,8 +140,8 @@ def test_pack_then_run_on_the_cpu(tmp_path):
     assert manifest["total_bytes"] <= kit.MAX_KIT_BYTES
     assert {"llama.cpp.tar.xz", "binding.tar.xz", "project.tar.xz"} <= set(manifest["bytes"])
     p = subprocess.run(["bash", str(ROOT / "bench/device/run.sh"), str(kit_dir), "--backend", "cpu", "--reuse-build",
-                        "--work", str(work), "--out", str(out)], env=env, capture_output=True, text=True,
-                       timeout=1800)
+                        "--budget", "0", "--work", str(work), "--out", str(out)], env=env, capture_output=True,
+                       text=True, timeout=3600)
     assert p.returncode == 0, p.stdout[-3000:]
     res = json.loads((out / "results.json").read_text())
     status = {s["step"]: s for s in res["steps"]}

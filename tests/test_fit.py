@@ -103,6 +103,31 @@ def test_prediction_is_within_5_percent_of_what_llama_cpp_allocates(ggufs, name,
         else:
             assert abs(pred - meas) <= 0.05 * meas, (part, pred, meas)
     assert r.measured["kv"] > 0 and r.measured["recurrent"] > 0 and r.measured["compute"] > 0
+    # the pass times: medians, each with the range of the timings it rests on; the threads the run chose
+    assert r.pass_costs and {k: set(v) for k, v in r.pass_costs.items()} == \
+        {k: set(v) for k, v in r.pass_spread.items()}
+    for kind, rows in r.pass_costs.items():
+        for n, ms in rows.items():
+            lo, hi, count = r.pass_spread[kind][n]
+            assert lo <= ms <= hi and count >= 1, (kind, n)
+    assert r.pass_spread["causal"]["1"][2] >= fit.MEASURE_ROUNDS  # every timed answer's AR steps
+    assert r.threading["n_threads"] == 1 and "per layer" in r.threading["why_threads"]  # small layers: one
+    text = r.format()
+    assert f"threads  {r.threading['describe']}" in text and "(medians)" in text
+    assert r.to_json()["threads"]["poll"] == 0
+
+
+def test_the_measured_passes_never_ask_a_draft_for_more_than_a_block_holds():
+    ms = {"causal": {"1": 1.0, "32": 6.0}, "block": {"32": 9.0}}
+    spread = {"causal": {"1": [0.9, 40.0, 9], "32": [5.0, 7.0, 5]}, "block": {"32": [8.0, 300.0, 5]}}
+    line = fit.passes_line(ms, spread)
+    assert "AR step 1.00 ms (0.90-40.00 over 9)" in line and "32-token block pass 9.00 ms (8.00-300.00 over 5)" in line
+    assert "a draft pays here from 15.0 tokens per block pass" in line
+    ms["block"]["32"] = 30.0  # a block pass and its verification: 36 AR steps, for at most 32 tokens
+    line = fit.passes_line(ms, spread)
+    assert "pays here from" not in line
+    assert "no draft can pay here: a block pass and its verification cost 36.0 AR steps, more than the 32 tokens" \
+        in line
 
 
 def test_rollback_snapshot_and_parallel_scale_the_states(ggufs):

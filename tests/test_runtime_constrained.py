@@ -17,9 +17,25 @@ from clover_gguf.testing.automaton import TokenAutomaton, char_pattern, replay
 PROMPTS = ["What is 34 + 58?", "Count from 12 to 17.", "Reverse: c l o v e r", "What is 7 + 8?"]
 
 
+class _Ticks:
+    """auto's clock here: one tick a reading, so a pass costs what the passes made say, never what the machine did
+    meanwhile. On the wall clock the two runtimes' autos chose differently when the machine was busy (a kept token
+    then came from a verification in one and an AR step in the other: logprobs 1e-4 apart; issue 50, no test that
+    fails because the machine is busy)."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        self.t += 1e-3
+        return self.t
+
+
 @pytest.fixture(scope="module")
 def runtimes(bundled_gguf):
     rts = {s: CloverRuntime(bundled_gguf, n_ctx=512, n_threads=1, selection=s) for s in ("graph", "numpy")}
+    for rt in rts.values():
+        rt.ctx.cost_clock = _Ticks()  # the runtime times auto's passes on its context's cost_clock where it has one
     yield rts
     for rt in rts.values():
         rt.close()
@@ -77,8 +93,8 @@ MODES = [("ar", "exact", "prefix"), ("diffusion", "exact", "prefix"), ("diffusio
 
 @pytest.mark.parametrize("mode, accept, end_rule", MODES)
 def test_every_kept_token_is_allowed_and_the_graph_decodes_as_numpy(runtimes, mode, accept, end_rule):
-    """Greedy: the graph's answers are the numpy path's, token for token, pass for pass (auto: its passes follow
-    measured times); greedy and sampled (temperature 1, two seeds each): every answer follows its grammar."""
+    """Greedy: the graph's answers are the numpy path's, token for token, pass for pass (auto too: its clock ticks
+    by the passes made); greedy and sampled (temperature 1, two seeds each): every answer follows its grammar."""
     kw = dict(mode=mode, accept=accept, end_rule=end_rule, threshold=0.9)
     for name in ("json", "no_e"):
         for prompt in PROMPTS[:2]:
@@ -87,8 +103,7 @@ def test_every_kept_token_is_allowed_and_the_graph_decodes_as_numpy(runtimes, mo
                 g = grammars(rt)[name]
                 got, st, _ = _answer(rt, prompt, g, **kw)
                 assert replay(g, got, st.finish_reason == "stop") is None, (selection, name, prompt, got)
-                runs[selection] = (got,) if mode == "auto" else \
-                    (got, st.forward_passes, st.block_passes, st.accepted_tokens)
+                runs[selection] = (got, st.forward_passes, st.block_passes, st.accepted_tokens)
                 for seed in range(2):
                     got, st, _ = _answer(rt, prompt, g, temp=1.0, seed=seed, **kw)
                     assert replay(g, got, st.finish_reason == "stop") is None, (selection, name, seed, got)

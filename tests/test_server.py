@@ -69,7 +69,7 @@ class _Server:
     def health(self) -> dict:
         return httpx.get(self.base + "/health", timeout=10).json()
 
-    def wait_idle(self, seconds: float = 10.0) -> dict:
+    def wait_idle(self, seconds: float = 60.0) -> dict:  # a hang guard: it returns as soon as the slots are idle
         deadline = time.monotonic() + seconds
         while True:
             h = self.health()

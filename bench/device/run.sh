@@ -5,7 +5,9 @@
 #   on the device (CUDA, sm_90, 16 jobs, 540 s):  bash bench/device/run.sh out/device-kit
 #   here, as a test of the scripts (CPU):         bash bench/device/run.sh out/device-kit --backend cpu --reuse-build
 #
-# options: --backend cuda|cpu (cuda)  --cuda-arch A (90)  --jobs N (all cores)  --budget SECONDS (540; cpu: 1500)
+# options: --backend cuda|cpu (cuda)  --cuda-arch A (90)  --jobs N (all cores)  --budget SECONDS (540; cpu: 1500;
+#          0: no budget and no caps, every planned step runs to its end: a test of the scripts on a slow or busy
+#          machine, whose work the profile fixes, must not fail on a clock)
 #          --reuse-build: use the cached `make llama` build of the backend instead of compiling the kit's sources
 #          --work DIR (/tmp/clover-device-BACKEND)  --out DIR ($OUT, else out/device-run-BACKEND)
 #          --steps a,b,c: only these measuring steps (a second try on a warm machine: the build and the slice are
@@ -88,6 +90,9 @@ step() {
         return 0  # not among --steps
     fi
     local left=$((BUDGET - $(elapsed)))
+    if ((BUDGET == 0)); then
+        left=$((expected + cap + 1))  # no budget: every step starts, none is stopped
+    fi
     if ((expected > left)); then
         echo "== $name: skipped, expected ${expected} s, ${left} s of the ${BUDGET} s budget left"
         "$PY" "$STEPS_PY" record "$name" skipped 0 "$expected" "$cap" "expected ${expected} s, only ${left} s left"
@@ -95,9 +100,13 @@ step() {
         return 0
     fi
     ((cap > left)) && cap=$left
-    echo "== $name (expected ${expected} s, stopped at ${cap} s; $(elapsed) s of ${BUDGET} s used)"
+    if ((BUDGET == 0)); then
+        echo "== $name (expected ${expected} s, no cap; $(elapsed) s used)"
+    else
+        echo "== $name (expected ${expected} s, stopped at ${cap} s; $(elapsed) s of ${BUDGET} s used)"
+    fi
     t=$(date +%s)
-    if declare -F "$1" >/dev/null; then  # a function of this script (unpack): bounded by itself
+    if declare -F "$1" >/dev/null || ((BUDGET == 0)); then  # a function of this script (unpack): bounded by itself
         ("$@") 2>&1 | tee "$WORK/logs/$name.log" || rc=${PIPESTATUS[0]}
     else
         timeout --kill-after=15 "$cap" "$@" 2>&1 | tee "$WORK/logs/$name.log" || rc=${PIPESTATUS[0]}
@@ -146,7 +155,7 @@ else
     SLICE=(--num-experts 8 --vocab-size 4096)      # the slice's layers with 8 experts, a 4k vocabulary: 0.5 GB
     DECODE_PROMPTS=2 SLICE_PROMPTS=1 MAX_NEW=8 MEM_CTX=4096 HOST_HISTORY=32 BLOCK_PASSES=4
     SLICE_DECODE=(--threshold 0)                   # a whole block per pass: few passes on a slow machine
-    THREADS=(--threads 1)                          # on a shared machine two threads spin waiting for each other
+    THREADS=(--threads 1)                          # a test of the scripts: one thread, the same work everywhere
     PARITY_K="test_causal_parity or block_parity_and_prefix_untouched"
     RUNTIME_K="rejection"
     REAL_SHAPE_K=""                                # tests/test_slice35b.py takes minutes here: CI runs it
