@@ -116,28 +116,26 @@ class Work:
         (folder / "out").mkdir()
         self.out = folder / "out" / "m.gguf"
 
+    def _copy(self, name: str) -> Path:
+        """This test's own copy of base[name] (a folder), made the first time it is asked for."""
+        p = self.folder / name
+        if not p.exists():
+            shutil.copytree(self.base[name], p)
+        return p
+
     @property
     def ck(self) -> Path:
-        ck = self.folder / "ck"
-        if not ck.exists():
-            shutil.copytree(self.base["ck"], ck)
-        return ck
+        return self._copy("ck")
 
     @property
     def mlx(self) -> Path:
         """A copy of mlx-convert's folder of the base checkpoint (the `mlx_folder` fixture, given as base["mlx"])."""
-        m = self.folder / "mlx"
-        if not m.exists():
-            shutil.copytree(self.base["mlx"], m)
-        return m
+        return self._copy("mlx")
 
     @property
     def q4(self) -> Path:
         """A copy of mlx-convert's 4-bit folder of the base checkpoint (base["q4"]: per-module quantization)."""
-        m = self.folder / "q4"
-        if not m.exists():
-            shutil.copytree(self.base["q4"], m)
-        return m
+        return self._copy("q4")
 
     @property
     def community(self) -> Path:

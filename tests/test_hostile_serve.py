@@ -192,17 +192,7 @@ def server(model):
     proc = subprocess.Popen([sys.executable, "-m", "clover_gguf", "serve", str(model), "--port", str(port),
                              "--ctx", "64", "--api-key", KEY, "--mode", "ar", "--threads", "2"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, proc.stdout.read().decode()
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.1)
+    base = _wait_healthy(proc, port)
     yield proc, base, port
     proc.terminate()
     proc.wait(timeout=30)
