@@ -618,8 +618,9 @@ def test_the_sampler_keeps_to_llama_cpps_sampler_interface():
     call, a 3-D tensor, an I32 row, a view of a row of a 3-D tensor, an announced row of another length, a row a
     sampler before it narrowed) are refused, the data left as it was, the reason in llama.cpp's log and kept; the
     calls of both trees' build_sampling (rows of the padded logits copy, a newer tree's unselected chains on row 0,
-    llama.cpp's probe row, a sampler without rows) are known; the greedy choices are the rows' argmax, with
-    coefficients and a bitmask row that decide; a clone (settings, inputs, restrictions, row limit) gives the same.
+    llama.cpp's probe row, a sampler without rows) are known; the greedy choices are the rows' argmax (a sequence's
+    rows interleaved with another's too), with coefficients and a bitmask row that decide; a clone (settings, inputs,
+    restrictions, row limit) gives the same.
     Planted break: the old fallback (a call of n rows read as one row of V * n values) -> 6 checks FAILED."""
     import subprocess
 

@@ -9,8 +9,9 @@
 //    no computation, rows of ggml_pad's copy are read from the pad's source, a row that is no view (llama.cpp's
 //    probe) is a computation of its own, a sampler without announced rows builds nothing; at most
 //    n_outputs_max_per_seq rows may be announced;
-//  - outputs: each row's greedy choice is its argmax, coefficients that decide and a bitmask row restricting it
-//    change it as they should; a clone (settings, inputs, restrictions, the per-sequence row limit) computes the same.
+//  - outputs: each row's greedy choice is its argmax, also for a sequence's rows interleaved with another's;
+//    coefficients that decide and a bitmask row restricting it change it as they should; a clone (settings, inputs,
+//    restrictions, the per-sequence row limit) computes the same.
 #include "clover_sampler.h"
 
 #include "ggml-alloc.h"
@@ -111,18 +112,23 @@ void announce(llama_sampler * smpl, int32_t n_rows) {
     }
 }
 
-// the greedy tokens of rows [0, n) of values ([V, n]) computed by the graph `smpl` builds on views of them, as
-// build_sampling passes them (a row of ggml_pad's copy each)
+// the greedy tokens of the rows `order` of values ([V, n]) computed by the graph `smpl` builds on views of them, as
+// build_sampling passes them (a row of ggml_pad's copy each, in the order given; default: 0..n-1)
 std::vector<int32_t> greedy(llama_sampler * smpl, ggml_backend_t backend, const std::vector<float> & values,
-                            int64_t n) {
+                            int64_t n, std::vector<int64_t> order = {}) {
+    if (order.empty()) {
+        for (int64_t i = 0; i < n; ++i) {
+            order.push_back(i);
+        }
+    }
     graph_ctx g;
     ggml_tensor * rows = ggml_new_tensor_2d(g.ctx, GGML_TYPE_F32, V, n);
     ggml_set_input(rows);
     ggml_tensor * padded = ggml_pad(g.ctx, rows, 0, 1, 0, 0);
     smpl->iface->backend_reset(smpl);
-    std::vector<ggml_tensor *> cand(n);
-    for (int64_t i = 0; i < n; ++i) {
-        cand[i] = apply(smpl, g, ggml_view_1d(g.ctx, padded, V, i * padded->nb[1])).candidates;
+    std::vector<ggml_tensor *> cand(order.size());
+    for (size_t i = 0; i < order.size(); ++i) {
+        cand[i] = apply(smpl, g, ggml_view_1d(g.ctx, padded, V, order[i] * padded->nb[1])).candidates;
         if (cand[i] == nullptr) {
             return {};
         }
@@ -132,8 +138,8 @@ std::vector<int32_t> greedy(llama_sampler * smpl, ggml_backend_t backend, const 
     ggml_backend_tensor_set(rows, values.data(), 0, ggml_nbytes(rows));
     smpl->iface->backend_set_input(smpl);
     ggml_backend_graph_compute(backend, g.gf);
-    std::vector<int32_t> out(n);
-    for (int64_t i = 0; i < n; ++i) {
+    std::vector<int32_t> out(order.size());
+    for (size_t i = 0; i < order.size(); ++i) {
         std::vector<int32_t> c(cand[i]->ne[0]);
         ggml_backend_tensor_get(cand[i], c.data(), 0, ggml_nbytes(cand[i]));
         out[i] = c.back(); // the last candidate: the choice (clover_sampler.h)
@@ -291,6 +297,11 @@ int main() {
         check(greedy(smpl, backend, values, n) == want, "the greedy choices are the rows' argmax");
         llama_sampler * copy = llama_sampler_clone(smpl);
         check(copy != nullptr && greedy(copy, backend, values, n) == want, "a clone computes the same choices");
+        // a sequence's rows interleaved with another's (rows 0, 2, 3 of the ubatch): a run per stretch of rows
+        announce(smpl, 3);
+        check(greedy(smpl, backend, values, n, { 0, 2, 3 }) == std::vector<int32_t>{ want[0], want[2], want[3] },
+              "rows that do not follow each other are each computed as their own");
+        announce(smpl, (int32_t) n);
 
         // coefficients that decide (id 17 +100 in every row) and a row restricted to ids {2500, 999} (an allow mask)
         const int32_t      ids[WIDTH] = { 5, 17, 2500, 999 };
