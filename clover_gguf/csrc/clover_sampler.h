@@ -70,9 +70,10 @@ CLOVER_SAMPLER_API struct llama_sampler * clover_sampler_init_ext(
 // into the graph. smpl: the sampler or a chain holding it. ids[n_ids]: token ids in [0, n_vocab),
 // 1 <= n_ids <= width (n_ids may be 0 when n_rows is 0); n_rows: the output rows of the sampler's sequence in the
 // next decode, in batch order (they must lie in one ubatch; at most the context's n_outputs_max_per_seq once the
-// sampler is attached), 0 for a sequence outside it (the sampler then builds nothing on llama.cpp's rows); coef[3 * n_rows * n_ids] (c0 for every row and id, then c1, then c2), NULL for none
-// (greedy only); with temp > 0 also uniform[n_rows]. Returns 0, or -1 (and keeps the previous inputs) for a sampler
-// that is not ours, an id out of range, a bad count, missing arrays or a uniform outside [0, 1].
+// sampler is attached), 0 for a sequence outside it (the sampler then builds nothing on llama.cpp's rows);
+// coef[3 * n_rows * n_ids] (c0 for every row and id, then c1, then c2), NULL for none (greedy only); with temp > 0
+// also uniform[n_rows]. Returns 0, or -1 (and keeps the previous inputs) for a sampler that is not ours, an id out of
+// range, a bad count (more rows than n_outputs_max_per_seq too), missing arrays or a uniform outside [0, 1].
 CLOVER_SAMPLER_API int32_t clover_sampler_set_inputs(
         struct llama_sampler * smpl, const int32_t * ids, int32_t n_ids, int32_t n_rows,
         const float * coef, const float * uniform);
