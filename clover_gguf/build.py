@@ -76,6 +76,7 @@ BUILD_DISK_BYTES = 2 * 2**30
 # our selection sampler (clover_gguf/csrc/clover_sampler.h): its sources and the library it builds
 SAMPLER_DIR = Path(__file__).resolve().parent / "csrc"
 SAMPLER_LIB = "clover_sampler"
+SAMPLER_TEST = "clover-sampler-test"  # its contract with llama.cpp's sampler interface (tests/test_sampler_lib.py)
 
 ENV_CACHE = "CLOVER_GGUF_CACHE_DIR"
 ENV_PATCHES = "CLOVER_GGUF_PATCHES"
@@ -548,7 +549,7 @@ def stage_install(built_bin: Path, stage: Path) -> Path:
     bin_dir = Path(stage) / "bin"
     bin_dir.parent.mkdir(parents=True, exist_ok=True)
     os.replace(built_bin, bin_dir)
-    names = [_shared_lib_name("llama"), _shared_lib_name("ggml"), _shared_lib_name(SAMPLER_LIB),
+    names = [_shared_lib_name("llama"), _shared_lib_name("ggml"), _shared_lib_name(SAMPLER_LIB), _exe(SAMPLER_TEST),
              *map(_exe, TOOL_TARGETS)]
     missing = [n for n in names if not (bin_dir / n).exists()]
     if missing:
@@ -713,7 +714,7 @@ def build_llama(backend: str = "cpu", jobs: int | None = None, prefix: Path | st
                 apply_patches(tree, [snapshot / p.name for p in patches], include=HEADER_GLOBS, src=src)
                 built_bin = work / "build" / "bin"
                 shutil.copytree(donor.bin_dir, built_bin, symlinks=True,
-                                ignore=shutil.ignore_patterns(_shared_lib_name(SAMPLER_LIB)))
+                                ignore=shutil.ignore_patterns(_shared_lib_name(SAMPLER_LIB), _exe(SAMPLER_TEST)))
             else:
                 if not quiet:
                     print(f"preparing llama.cpp {src.commit} with {len(patches)} patch(es) ...", file=sys.stderr)

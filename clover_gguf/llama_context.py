@@ -163,6 +163,8 @@ def sampler_library(L: Any) -> ctypes.CDLL:
         lib.clover_sampler_set_inputs_ext.restype = ctypes.c_int32
         lib.clover_sampler_saved_logit.argtypes = [smpl, ctypes.c_int32, ctypes.POINTER(ctypes.c_float)]
         lib.clover_sampler_saved_logit.restype = ctypes.c_int32
+        lib.clover_sampler_error.argtypes = [smpl]
+        lib.clover_sampler_error.restype = ctypes.c_char_p
     except (OSError, AttributeError) as e:
         raise UserError(f"the selection sampler {path} does not load ({e}): run `clover-gguf build-llama`") from None
     return lib
@@ -462,7 +464,10 @@ class LlamaContext:
             self._disarm(tuple(seqs))
         self._run(batch, n, n_out)
         if gather is not None:  # llama.cpp finds a decode's rows by the batch index of the first
-            return self._graph_rows(int(np.argmax(want)), n_out, gather, seq) if n_out else None
+            if not n_out:
+                return None
+            self._check_selection(seq)
+            return self._graph_rows(int(np.argmax(want)), n_out, gather, seq)
         if not n_out:
             return np.empty((0, self.n_vocab), dtype=np.float32)
         # llama.cpp stores the requested rows contiguously, in batch order
@@ -499,6 +504,9 @@ class LlamaContext:
                 self._select_on(seq, g, 1, 1)
         self._disarm(seqs)
         self._run(batch, n, n_out)
+        for _, _, seq, g in parts:
+            if g is not None:
+                self._check_selection(int(seq))
         # llama.cpp finds a row by its token's batch index
         return [self._graph_rows(int(last), 1, p[3], p[2]) if p[3] is not None else None
                 for last, p in zip(lasts, parts)]
@@ -573,6 +581,16 @@ class LlamaContext:
         if held is not None:
             self.L.llama_set_sampler(self.ctx, seq, None)
             self.L.llama_sampler_free(held[1])
+
+    def _check_selection(self, seq: int) -> None:
+        """The decode's rows of `seq` are its sampler's: when the sampler refused a call of the decode's graph (a way
+        of passing rows it does not know: clover_sampler_error, also in llama.cpp's log), the rows are llama.cpp's
+        own, and reading them as its outputs would read garbage: the decode fails naming why."""
+        why = self._sampler.clover_sampler_error(self._selectors[seq][1])
+        if why:
+            raise RuntimeError(f"the selection sampler refused sequence {seq}'s rows in this decode: "
+                               f"{why.decode(errors='replace')} (this llama.cpp passes them in a way it does not "
+                               "know; selection='numpy' selects on the host)")
 
     def _graph_rows(self, first: int, n_out: int, g: Gather, seq: int | None = None) -> GraphRows:
         """The sampler's outputs for the decode's rows, the first at batch index `first` (llama.cpp keeps the rows in

@@ -126,6 +126,7 @@ def fake_sampler(calls: list):
                       "lib_dir_has_llama": (Path(lib_dir) / "libllama.so").is_file()})
         lib = Path(lib_dir) / "libclover_sampler.so"
         lib.write_bytes(b"fake sampler " + build.sampler_hash().encode())
+        (Path(lib_dir) / build._exe(build.SAMPLER_TEST)).write_bytes(b"fake sampler test")
         return lib
 
     return run

@@ -312,14 +312,11 @@ def test_bad_inputs_are_refused_not_read(small_gguf):
 
 
 def test_a_block_pass_selects_its_rows_in_one_computation_as_a_causal_pass_does(bundled_gguf):
-    """The sampler computes all of a sequence's rows at once when it knows how many there are (one "run": one
-    `clover_token` tensor for all rows). Block graphs are built with a clone of it (patch 0006), which must hold the
-    decode's row count when the graph is built, not the count of the pass before: else every row of a 32-token block
-    is a computation of its own (2,293 graph nodes instead of 619 on the bundled model: a block pass reusing that
-    graph cost 2.4 ms against 1.9, a causal pass of as many rows 1.8, on a 2-core CPU). Counted when the block graph is first built and when it is reused, beside a
-    causal pass of many rows, where the block sequence's sampler, set to no rows, builds nothing (build_sampling
-    would have it build a run on a dummy row that is never computed); the rows still equal numpy's on the block's
-    raw logits."""
+    """The sampler computes all of a sequence's announced rows at once (one "run": one `clover_token` tensor for all
+    rows), not each row on its own (2,293 graph nodes instead of 619 on the bundled model for a 32-token block: a
+    block pass cost 2.4 ms against 1.9 on a 2-core CPU). Counted when the block graph is first built and when it is
+    reused, beside a causal pass of many rows, where the block sequence's sampler (no rows announced) builds nothing
+    on llama.cpp's dummy row; the rows still equal numpy's on the block's raw logits."""
     from clover_gguf.graph_probe import GraphProbe
 
     probe = GraphProbe(r"clover_token", read_data=False)
@@ -613,3 +610,53 @@ def test_selection_with_masks_and_logprobs_in_the_graph_equals_numpy(big_gguf):
         assert [t for t, _ in top_g] == [t for t, _ in top_d], i
         np.testing.assert_allclose([v for _, v in top_g], [v for _, v in top_d], atol=2e-5)
         assert len(top_d) == (20 if masks[i] is None or masks[i].n_allowed > 20 else masks[i].n_allowed)
+
+
+def test_the_sampler_keeps_to_llama_cpps_sampler_interface():
+    """clover-sampler-test (clover_gguf/csrc/clover_sampler_test.cpp, built beside the library by build-llama) drives
+    the sampler through llama.cpp's public sampler interface alone: the calls it does not know (several rows in one
+    call, a 3-D tensor, an I32 row, a view of a row of a 3-D tensor, an announced row of another length, a row a
+    sampler before it narrowed) are refused, the data left as it was, the reason in llama.cpp's log and kept; the
+    calls of both trees' build_sampling (rows of the padded logits copy, a newer tree's unselected chains on row 0,
+    llama.cpp's probe row, a sampler without rows) are known; the greedy choices are the rows' argmax (a sequence's
+    rows interleaved with another's too), with coefficients and a bitmask row that decide; a clone (settings, inputs,
+    restrictions, row limit) gives the same.
+    Planted break: the old fallback (a call of n rows read as one row of V * n values) -> 6 checks FAILED."""
+    import subprocess
+
+    from clover_gguf.build import SAMPLER_TEST, find_library
+
+    info = find_library()
+    assert info is not None, "no llama.cpp build: run `clover-gguf build-llama`"
+    p = subprocess.run([str(info.tool(SAMPLER_TEST))], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and "all checks passed" in p.stdout, p.stdout + p.stderr
+
+
+def test_a_call_the_sampler_does_not_know_fails_the_decode_naming_why(small_gguf, monkeypatch):
+    """Through llama.cpp itself: a chain with upstream's top-k before our sampler makes build_sampling pass it a row
+    already narrowed to 50 candidates, a call it does not know. It refuses (nothing computed on a guess), llama.cpp's
+    log says why, and the decode is a RuntimeError naming the reason instead of rows read as if they were ours."""
+    from clover_gguf.llama_context import capture_llama_log
+
+    with LlamaContext(small_gguf, n_ctx=128, n_threads=2) as ctx:
+        ids = ctx.tokenize("Count from 3 to 9.")
+        last = [False] * (len(ids) - 1) + [True]
+        g = Gather(ids=np.array([3, 5], dtype=np.int32), n_rows=1, width=32)
+        rows = ctx.decode(ids, 0, logits=last, gather=g)  # a chain of its own: known calls, no refusal
+        assert rows.tokens.shape == (1,) and ctx._sampler.clover_sampler_error(ctx._selectors[0][1]) is None
+        ctx.clear()
+        ctx._select_off(0)
+
+        L = ctx.L
+        chain_init = L.llama_sampler_chain_init
+
+        def with_top_k_first(params):
+            chain = chain_init(params)
+            L.llama_sampler_chain_add(chain, L.llama_sampler_init_top_k(50))
+            return chain
+
+        monkeypatch.setattr(L, "llama_sampler_chain_init", with_top_k_first)
+        with capture_llama_log() as log, pytest.raises(RuntimeError, match=r"refused sequence 0's rows in this "
+                                                       r"decode: .*a sampler before it in its chain narrowed"):
+            ctx.decode(ids, 0, logits=last, gather=Gather(ids=np.array([3, 5], dtype=np.int32), n_rows=1, width=32))
+        assert log.grep(r"clover_sampler: refused call 0 of a sampling graph \(1 rows announced\): a sampler before")

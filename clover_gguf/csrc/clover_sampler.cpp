@@ -1,19 +1,32 @@
 // clover_sampler: see clover_sampler.h for what it computes.
 //
-// How it sits in llama.cpp's sampling graph (the pinned tree's build_sampling, read, not changed): backend_apply is
-// called once per output row of the sampler's sequence, with data->logits a 1-D view of that row in a copy of the
-// logits tensor padded by one row (t_logits -> ggml_pad). This sampler reads the rows from t_logits itself (the pad's
-// source: a read, so the pad copy is never computed for its rows, and it writes nothing into rows llama.cpp may
-// still copy out) and computes all of a sequence's rows at once: the first call builds one computation (a "run")
-// over the rows from its own to the last one the caller announced, and each later call whose row follows the run's
-// previous one gets views of its slot. A row that does not follow (the sequence's rows interleaved with other
-// sequences') starts a new run, so the result is right for any row layout and fast for the usual one (a sequence's
-// rows consecutive in its ubatch). A layout it does not recognise (no view of a padded 2-D tensor) gets a run of
-// its own row. Per-decode inputs (ids, coefficients, uniforms) are the sampler's own state, set with
-// clover_sampler_set_inputs, copied into the graph's input tensors by backend_set_input. A sampler set to no rows
-// (its sequence outside the next decode) builds nothing: build_sampling would have it build a computation on a
-// dummy row that is never computed, and every graph rebuilt beside it (an answer's prompt pass, a verification)
-// paid for building and allocating it.
+// Its contract with llama.cpp is the public backend sampling interface (include/llama.h, struct llama_sampler_i):
+// backend_init(buft, n_outputs_max_per_seq) once per attach, then for each sampling graph backend_reset, one
+// backend_apply per chain llama.cpp builds for the sampler's sequence (data->logits: the row of that chain), and
+// backend_set_input before the graph runs. The k-th call of a graph is the sequence's k-th output row for k below the
+// rows the caller announced (clover_sampler_set_inputs: n_rows, in batch order); later calls are chains llama.cpp
+// builds but does not select (the pinned tree's dummy row of a sampler without rows in the ubatch, a newer tree's
+// n_outputs_max_per_seq chains per sampler, the ones past the sequence's rows on row 0) or a reserve graph's rows.
+// The calls it knows, each a contiguous one-row F32 data->logits with nothing set by a sampler before it:
+//  - a 1-D view of one row of a contiguous 2-D F32 tensor of rows (both trees' build_sampling): the rows are read
+//    from that tensor, one computation (a "run") over consecutive announced rows, each call getting views of its
+//    slot; an announced row that does not follow the run's previous one (a sequence's rows interleaved with another's)
+//    starts a new run, so any layout is right. When that tensor is ggml_pad's copy of another with rows appended
+//    (GGML_OP_PAD padding only the second dimension on the right: build_sampling's), rows below the source's count
+//    are read from the source: the same values by the op's definition, so the copy is not computed for them (on a
+//    CPU about 1 ms per row at V = 248k) and nothing is written into rows llama.cpp may still copy out;
+//  - a row that is no view (llama.cpp's probe graphs in backend_init, which count a chain's nodes): a run of its
+//    own, built as a real row's would be.
+// An announced row must be a view of n_vocab values. Anything else (several rows in one call, a strided, non-F32 or
+// deeper tensor, a row narrowed or sampled by a sampler before it, an announced row that is no view or of another
+// length) is refused: the data is left as llama.cpp gave it, the reason goes to llama.cpp's log (llama_log_get's
+// callback, level error) and stays readable until the next graph (clover_sampler_error), and nothing is computed on a
+// guess; the runtime then fails the decode naming it. A run never holds more rows than n_outputs_max_per_seq (the
+// rows one sequence may output in a ubatch, from backend_init; set_inputs refuses more); unannounced calls reuse the
+// run holding their row (a newer tree's repeated row 0) or get one run of the rest of the tensor (reserve graphs),
+// and a sampler with no announced rows builds nothing on llama.cpp's row views (its chain is not selected). Per-decode
+// inputs (ids, coefficients, uniforms, restrictions) are the sampler's own state, set with
+// clover_sampler_set_inputs[_ext], copied into the graph's input tensors by backend_set_input.
 
 #include "clover_sampler.h"
 
@@ -21,9 +34,12 @@
 #include "ggml-backend.h"
 
 #include <algorithm>
+#include <cinttypes>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <new>
+#include <string>
 #include <vector>
 
 #include "ggml-alloc.h"
@@ -105,15 +121,21 @@ struct clover_sampler {
     std::vector<float>   uniform; // [n_rows]
     std::vector<int32_t> row_mode, row_start, row_count, row_cols; // [n_rows] x 3, [n_cols]: the restrictions
 
-    // the last row kept (save_last): a tensor of its own on the output device, made at the first graph that saves
+    // what backend_init was told: the most output rows of one sequence in a ubatch (0: not attached yet)
+    int64_t n_outputs_max_per_seq = 0;
+
+    // the last row kept (save_last): a tensor of its own on the output device, made at the first graph that saves;
+    // a clone holds its source's row on the host until it saves one of its own
     ggml_backend_buffer_type_t buft      = nullptr;
     ggml_context *             saved_ctx = nullptr;
     ggml_backend_buffer_t      saved_buf = nullptr;
     ggml_tensor *              saved     = nullptr;
+    std::vector<float>         saved_host;
 
     // the current sampling graph
     std::vector<run> runs;
     int64_t          k_next = 0; // the caller's row index of the next backend_apply call
+    std::string      refused;    // why a call of the current graph was refused ("": none)
 
     std::vector<int32_t>  buf_i;
     std::vector<float>    buf_f;
@@ -307,29 +329,64 @@ run build_run(const clover_sampler * s, ggml_context * ctx, ggml_tensor * rows) 
     return r;
 }
 
-// the row view build_sampling gives -> the 2-D tensor to read it from and its row there; false when not recognised
-bool locate_row(const ggml_tensor * row, ggml_tensor ** base, int64_t * i_row) {
-    ggml_tensor * vs = row->view_src;
-    if (vs == nullptr || vs->type != GGML_TYPE_F32 || !ggml_is_contiguous(vs) || vs->ne[0] != row->ne[0] ||
-        vs->ne[2] != 1 || vs->ne[3] != 1 || ggml_nelements(row) != row->ne[0] || vs->nb[1] == 0 ||
-        row->view_offs % vs->nb[1] != 0) {
-        return false;
+std::string shape_of(const ggml_tensor * t) {
+    char buf[160];
+    snprintf(buf, sizeof(buf), "%s [%" PRId64 ", %" PRId64 ", %" PRId64 ", %" PRId64 "]%s", ggml_type_name(t->type),
+             t->ne[0], t->ne[1], t->ne[2], t->ne[3], ggml_is_contiguous(t) ? "" : " (not contiguous)");
+    return buf;
+}
+
+// where a call's row is: the tensor to read it from (a 2-D tensor of rows, or the row itself when it is no view) and
+// its row there. "" for a call this sampler knows (the file's header), else why not
+std::string locate_row(ggml_tensor * row, ggml_tensor ** base, int64_t * i_row) {
+    if (row->type != GGML_TYPE_F32 || row->ne[1] != 1 || row->ne[2] != 1 || row->ne[3] != 1 ||
+        !ggml_is_contiguous(row)) {
+        return "its logits are " + shape_of(row) + ", not one contiguous f32 row";
+    }
+    ggml_tensor * vs = row->view_src; // ggml keeps the root: a view of a view points at the first tensor
+    if (vs == nullptr) {
+        *base  = row;
+        *i_row = 0;
+        return "";
+    }
+    if (vs->type != GGML_TYPE_F32 || !ggml_is_contiguous(vs) || vs->ne[0] != row->ne[0] || vs->ne[2] != 1 ||
+        vs->ne[3] != 1 || vs->nb[1] == 0 || row->view_offs % vs->nb[1] != 0 ||
+        (int64_t) (row->view_offs / vs->nb[1]) >= vs->ne[1]) {
+        return "its row is a view at byte " + std::to_string(row->view_offs) + " of " + shape_of(vs) +
+               ", not a row of a contiguous 2-D f32 tensor of rows of its length";
     }
     const int64_t i = (int64_t) (row->view_offs / vs->nb[1]);
-    if (i < 0 || i >= vs->ne[1]) {
-        return false;
-    }
     *base  = vs;
     *i_row = i;
-    // a copy of t_logits with rows appended at the end (ggml_pad(t, 0, 1, 0, 0)): read the row from t_logits
-    ggml_tensor * src = vs->src[0];
-    const int32_t * pad = vs->op_params; // lp0, rp0, lp1, rp1, lp2, rp2, lp3, rp3
+    // ggml_pad's copy with rows appended (op params lp0, rp0, lp1, rp1, lp2, rp2, lp3, rp3; rp1 only): its rows
+    // below the source's count are the source's, whatever the padding (zeros or circular)
+    ggml_tensor *   src = vs->src[0];
+    const int32_t * pad = vs->op_params;
     if (vs->op == GGML_OP_PAD && src != nullptr && src->type == GGML_TYPE_F32 && ggml_is_contiguous(src) &&
         src->ne[0] == vs->ne[0] && src->ne[2] == 1 && src->ne[3] == 1 && pad[0] == 0 && pad[1] == 0 && pad[2] == 0 &&
         pad[4] == 0 && pad[5] == 0 && pad[6] == 0 && pad[7] == 0 && i < src->ne[1]) {
         *base = src;
     }
-    return true;
+    return "";
+}
+
+// a call this sampler does not know: the data stays as llama.cpp gave it, the reason is kept (the first of the graph)
+// and written to llama.cpp's log
+void refuse(clover_sampler * s, int64_t k, const std::string & why) {
+    const std::string line = "clover_sampler: refused call " + std::to_string(k) + " of a sampling graph (" +
+                             std::to_string(s->n_rows) + " rows announced): " + why +
+                             "; the row is left as llama.cpp computed it, nothing selected\n";
+    if (s->refused.empty()) {
+        s->refused = line.substr(0, line.size() - 1);
+    }
+    ggml_log_callback cb = nullptr;
+    void *            ud = nullptr;
+    llama_log_get(&cb, &ud);
+    if (cb != nullptr) {
+        cb(GGML_LOG_LEVEL_ERROR, line.c_str(), ud);
+    } else {
+        fputs(line.c_str(), stderr);
+    }
 }
 
 // ---- llama_sampler_i ----------------------------------------------------------------------------------------------
@@ -353,10 +410,19 @@ void cs_apply(llama_sampler *, llama_token_data_array * cur_p) {
     cur_p->selected = (int64_t) best;
 }
 
+void cs_copy_state(const llama_sampler * src, llama_sampler * dst);
+
+// a sampler of the same settings, inputs (ids, coefficients, uniforms, row restrictions), per-sequence row limit and
+// kept row; the graph's tensors are the clone's own, built when llama.cpp applies it
 llama_sampler * cs_clone(const llama_sampler * smpl) {
     const auto * s = (const clover_sampler *) smpl->ctx;
-    return clover_sampler_init_ext(s->n_vocab, s->width, s->probs, s->temp, s->top_k, s->top_p, s->top_n,
-                                   s->save_last);
+    llama_sampler * copy = clover_sampler_init_ext(s->n_vocab, s->width, s->probs, s->temp, s->top_k, s->top_p,
+                                                   s->top_n, s->save_last);
+    if (copy != nullptr) {
+        cs_copy_state(smpl, copy);
+        self(copy)->n_outputs_max_per_seq = s->n_outputs_max_per_seq;
+    }
+    return copy;
 }
 
 void cs_free(llama_sampler * smpl) {
@@ -392,11 +458,16 @@ ggml_tensor * saved_row(clover_sampler * s, int64_t n) {
 }
 
 void cs_backend_reset(llama_sampler * smpl) {
-    self(smpl)->runs.clear();
-    self(smpl)->k_next = 0;
+    clover_sampler * s = self(smpl);
+    s->runs.clear();
+    s->k_next = 0;
+    s->refused.clear();
 }
 
-bool cs_backend_init(llama_sampler * smpl, ggml_backend_buffer_type_t buft, uint32_t /*n_outputs_max_per_seq*/) {
+bool cs_backend_init(llama_sampler * smpl, ggml_backend_buffer_type_t buft, uint32_t n_outputs_max_per_seq) {
+    // the most rows of one sequence a ubatch holds (llama.cpp fails a decode with more): a run never holds more, and
+    // set_inputs refuses to announce more
+    self(smpl)->n_outputs_max_per_seq = std::max<int64_t>(1, n_outputs_max_per_seq);
     self(smpl)->buft = buft;
     ggml_backend_dev_t dev = ggml_backend_buft_get_device(buft);
     if (dev == nullptr) {
@@ -427,44 +498,67 @@ bool cs_backend_init(llama_sampler * smpl, ggml_backend_buffer_type_t buft, uint
 
 void cs_backend_apply(llama_sampler * smpl, ggml_context * ctx, ggml_cgraph * gf, llama_sampler_data * data) {
     clover_sampler * s = self(smpl);
+    const int64_t k = s->k_next++; // the caller's row index of this call (its inputs' row when announced)
     ggml_tensor * row = data->logits;
-    if (row == nullptr || data->candidates != nullptr || row->type != GGML_TYPE_F32) {
-        return; // not the first in its chain (llama.h): leave the data as it is
+    if (row == nullptr || data->candidates != nullptr || data->probs != nullptr || data->sampled != nullptr) {
+        refuse(s, k, "a sampler before it in its chain narrowed or sampled the row (it must come first)");
+        return;
     }
-    if (s->n_rows == 0) {
-        return; // no rows announced: a sequence outside the decode (the row stays as llama.cpp computed it)
-    }
-    const int64_t k = s->k_next++; // the caller's row index of this call
-
     ggml_tensor * base  = nullptr;
     int64_t       i_row = 0;
-    const bool    found = locate_row(row, &base, &i_row);
-
-    run * r = s->runs.empty() ? nullptr : &s->runs.back();
-    if (!(found && r != nullptr && r->base == base && r->seen < r->n && i_row == r->first + r->seen &&
-          k == r->k0 + r->seen)) {
-        run fresh;
-        if (found) {
-            // from this row to the last the caller announced; past those (a graph built for another decode: the
-            // scheduler's reserve) to the end of the tensor
-            const int64_t left = base->ne[1] - i_row;
-            const int64_t n    = k < s->n_rows ? std::min<int64_t>(s->n_rows - k, left) : left;
-            ggml_tensor * rows = ggml_view_2d(ctx, base, base->ne[0], n, base->nb[1], i_row * base->nb[1]);
-            fresh = build_run(s, ctx, rows);
-        } else {
-            fresh = build_run(s, ctx, ggml_reshape_2d(ctx, row, ggml_nelements(row), 1));
+    const std::string why = locate_row(row, &base, &i_row);
+    if (!why.empty()) {
+        refuse(s, k, why);
+        return;
+    }
+    const bool announced = k < s->n_rows;
+    if (announced && (base == row || row->ne[0] != s->n_vocab)) {
+        refuse(s, k, base == row ? "an announced row is no view of a tensor of rows (" + shape_of(row) + ")"
+                                 : "an announced row of " + std::to_string(row->ne[0]) + " values, the sampler was "
+                                   "made for " + std::to_string(s->n_vocab));
+        return;
+    }
+    if (!announced && s->n_rows == 0 && base != row) {
+        return; // a sampler without rows (its sequence outside the decode): its chain is not selected
+    }
+    const int64_t limit = s->n_outputs_max_per_seq > 0 ? s->n_outputs_max_per_seq : INT64_MAX;
+    run *   r = nullptr;
+    int64_t j = 0;
+    if (announced) {
+        run * last = s->runs.empty() ? nullptr : &s->runs.back();
+        if (last != nullptr && last->base == base && last->seen < last->n && i_row == last->first + last->seen &&
+            k == last->k0 + last->seen) {
+            r = last; // the next row of the run
         }
-        fresh.base  = found ? base : nullptr;
+    } else {
+        for (run & cand : s->runs) { // a chain llama.cpp does not select: any slot of its row will do
+            if (cand.base == base && i_row >= cand.first && i_row < cand.first + cand.n) {
+                r = &cand;
+                j = i_row - cand.first;
+                break;
+            }
+        }
+    }
+    if (r == nullptr) {
+        // announced: from this row to the last announced one; else (a reserve graph) to the tensor's end
+        const int64_t left = base->ne[1] - i_row;
+        const int64_t n    = std::min({ announced ? s->n_rows - k : left, left, limit });
+        ggml_tensor * rows = ggml_view_2d(ctx, base, base->ne[0], n, base->nb[1], i_row * base->nb[1]);
+        run fresh   = build_run(s, ctx, rows);
+        fresh.base  = base;
         fresh.first = i_row;
         fresh.k0    = k;
         s->runs.push_back(fresh);
         r = &s->runs.back();
+        j = 0;
     }
-    const int64_t j = r->seen++;
+    if (announced) {
+        j = r->seen++;
+    }
 
-    if (s->save_last && k == s->n_rows - 1) {
+    if (announced && s->save_last && k == s->n_rows - 1) {
         // the last announced row, raw, into the sampler's own tensor (read later: clover_sampler_saved_logit)
-        ggml_tensor * src = found ? ggml_view_1d(ctx, base, base->ne[0], i_row * base->nb[1]) : row;
+        ggml_tensor * src = ggml_view_1d(ctx, base, base->ne[0], i_row * base->nb[1]);
         ggml_tensor * dst = saved_row(s, src->ne[0]);
         if (dst != nullptr) {
             ggml_build_forward_expand(gf, ggml_cpy(ctx, src, dst));
@@ -588,6 +682,7 @@ void cs_backend_set_input(llama_sampler * smpl) {
     }
 }
 
+// the state that is not the current graph's: the inputs and the kept row (upstream's copy_state contract)
 void cs_copy_state(const llama_sampler * src, llama_sampler * dst) {
     const auto * a = (const clover_sampler *) src->ctx;
     clover_sampler * b = self(dst);
@@ -600,22 +695,32 @@ void cs_copy_state(const llama_sampler * src, llama_sampler * dst) {
     b->row_start = a->row_start;
     b->row_count = a->row_count;
     b->row_cols  = a->row_cols;
+    b->saved_host = a->saved_host;
+    if (a->saved != nullptr) {
+        b->saved_host.resize(a->saved->ne[0]);
+        ggml_backend_tensor_get(a->saved, b->saved_host.data(), 0, ggml_nbytes(a->saved));
+    }
 }
 
-llama_sampler_i clover_sampler_i = {
-    /* .name              = */ cs_name,
-    /* .accept            = */ nullptr,
-    /* .apply             = */ cs_apply,
-    /* .reset             = */ nullptr,
-    /* .clone             = */ cs_clone,
-    /* .free              = */ cs_free,
-    /* .backend_init      = */ cs_backend_init,
-    /* .backend_accept    = */ nullptr,
-    /* .backend_apply     = */ cs_backend_apply,
-    /* .backend_set_input = */ cs_backend_set_input,
-    /* .backend_reset     = */ cs_backend_reset,
-    /* .copy_state        = */ cs_copy_state,
-};
+// filled by member name: the order of llama_sampler_i is llama.h's business
+llama_sampler_i make_interface() {
+    llama_sampler_i i{};
+    i.name              = cs_name;
+    i.accept            = nullptr;
+    i.apply             = cs_apply;
+    i.reset             = nullptr;
+    i.clone             = cs_clone;
+    i.free              = cs_free;
+    i.backend_init      = cs_backend_init;
+    i.backend_accept    = nullptr;
+    i.backend_apply     = cs_backend_apply;
+    i.backend_set_input = cs_backend_set_input;
+    i.backend_reset     = cs_backend_reset;
+    i.copy_state        = cs_copy_state;
+    return i;
+}
+
+llama_sampler_i clover_sampler_i = make_interface();
 
 } // namespace
 
@@ -654,9 +759,17 @@ llama_sampler * clover_sampler_init(int32_t n_vocab, int32_t width, bool probs, 
     return clover_sampler_init_ext(n_vocab, width, probs, temp, top_k, top_p, 0, false);
 }
 
+// the sampler, or the first of a chain's samplers that is ours (not first in its chain, it refuses its calls at graph
+// time, saying why: clover_sampler_error)
 static clover_sampler * ours(llama_sampler * smpl) {
-    if (smpl != nullptr && llama_sampler_chain_get(smpl, -1) != nullptr) { // a chain: its first sampler
-        smpl = llama_sampler_chain_n(smpl) > 0 ? llama_sampler_chain_get(smpl, 0) : nullptr;
+    if (smpl != nullptr && llama_sampler_chain_get(smpl, -1) != nullptr) { // a chain
+        for (int32_t i = 0; i < llama_sampler_chain_n(smpl); ++i) {
+            llama_sampler * s = llama_sampler_chain_get(smpl, i);
+            if (s != nullptr && s->iface == &clover_sampler_i) {
+                return self(s);
+            }
+        }
+        return nullptr;
     }
     return smpl != nullptr && smpl->iface == &clover_sampler_i ? self(smpl) : nullptr;
 }
@@ -671,6 +784,9 @@ int32_t clover_sampler_set_inputs_ext(llama_sampler * smpl, const int32_t * ids,
     }
     if (n_rows < 0 || n_ids < 0 || n_ids > s->width || (n_rows > 0 && n_ids < 1) || (n_ids > 0 && ids == nullptr)) {
         return -1;
+    }
+    if (s->n_outputs_max_per_seq > 0 && n_rows > s->n_outputs_max_per_seq) {
+        return -1; // more rows than a ubatch may hold of one sequence (the context's n_outputs_max_per_seq)
     }
     for (int32_t i = 0; i < n_ids; ++i) {
         if (ids[i] < 0 || ids[i] >= s->n_vocab) {
@@ -811,11 +927,26 @@ int32_t clover_sampler_set_inputs(llama_sampler * smpl, const int32_t * ids, int
 
 int32_t clover_sampler_saved_logit(llama_sampler * smpl, int32_t token, float * out) {
     clover_sampler * s = ours(smpl);
-    if (s == nullptr || s->saved == nullptr || out == nullptr || token < 0 || token >= s->saved->ne[0]) {
+    if (s == nullptr || out == nullptr || token < 0) {
         return -1;
     }
-    ggml_backend_tensor_get(s->saved, out, (size_t) token * sizeof(float), sizeof(float));
+    if (s->saved != nullptr) {
+        if (token >= s->saved->ne[0]) {
+            return -1;
+        }
+        ggml_backend_tensor_get(s->saved, out, (size_t) token * sizeof(float), sizeof(float));
+        return 0;
+    }
+    if (token >= (int64_t) s->saved_host.size()) {
+        return -1; // nothing kept (also a clone of a sampler that kept nothing)
+    }
+    *out = s->saved_host[token];
     return 0;
+}
+
+const char * clover_sampler_error(llama_sampler * smpl) {
+    const clover_sampler * s = ours(smpl);
+    return s == nullptr ? "not a clover sampler" : s->refused.empty() ? nullptr : s->refused.c_str();
 }
 
 int32_t clover_sampler_chunk(int32_t n_vocab) {

@@ -26,10 +26,14 @@
 //    top_n > 0: probs/candidates [W + 1 + top_n] and logits [W + 1 + top_n], the corrected logits (temperature 1) at
 //    the ids, the drawn token and the top_n;
 //  - save_last: the raw logits of the last announced row of each decode are kept on the backend
-//    (clover_sampler_saved_logit), for a token known only after the pass.
+//    (clover_sampler_saved_logit), for a token known only after the pass; a clone keeps its source's row.
 // A width whose outputs would not fit llama.cpp's output row of n_vocab values is refused (init returns NULL):
 // greedy W + m + 1 + top_n, sampled W + 1 + top_n at most n_vocab (llama.cpp aborts on more).
-// The sampler must be the first in its chain (a sampler before it that narrows the candidates makes it a no-op).
+// The sampler must be the first in its chain (after a sampler that narrows or samples the row it refuses the call).
+// It knows the calls llama.cpp's build_sampling makes (one row per call, a view of a row of the ubatch's logits) and
+// refuses any other (clover_sampler.cpp's header lists them): the row is then left as llama.cpp gave it, the reason
+// goes to llama.cpp's log and clover_sampler_error returns it, and the caller must not read that decode's outputs of
+// the sequence as this sampler's.
 #pragma once
 
 #include "llama.h"
@@ -63,12 +67,13 @@ CLOVER_SAMPLER_API struct llama_sampler * clover_sampler_init_ext(
         bool save_last);
 
 // The inputs of the next decode, copied (the arrays may be freed when this returns); backend_set_input puts them
-// into the graph. smpl: the sampler or a chain whose first sampler it is. ids[n_ids]: token ids in [0, n_vocab),
+// into the graph. smpl: the sampler or a chain holding it. ids[n_ids]: token ids in [0, n_vocab),
 // 1 <= n_ids <= width (n_ids may be 0 when n_rows is 0); n_rows: the output rows of the sampler's sequence in the
-// next decode, in batch order (they must lie in one ubatch), 0 for a sequence outside it (the sampler then builds
-// nothing into the graph); coef[3 * n_rows * n_ids] (c0 for every row and id, then c1, then c2), NULL for none
-// (greedy only); with temp > 0 also uniform[n_rows]. Returns 0, or -1 (and keeps the previous inputs) for a sampler
-// that is not ours, an id out of range, a bad count, missing arrays or a uniform outside [0, 1].
+// next decode, in batch order (they must lie in one ubatch; at most the context's n_outputs_max_per_seq once the
+// sampler is attached), 0 for a sequence outside it (the sampler then builds nothing on llama.cpp's rows);
+// coef[3 * n_rows * n_ids] (c0 for every row and id, then c1, then c2), NULL for none (greedy only); with temp > 0
+// also uniform[n_rows]. Returns 0, or -1 (and keeps the previous inputs) for a sampler that is not ours, an id out of
+// range, a bad count (more rows than n_outputs_max_per_seq too), missing arrays or a uniform outside [0, 1].
 CLOVER_SAMPLER_API int32_t clover_sampler_set_inputs(
         struct llama_sampler * smpl, const int32_t * ids, int32_t n_ids, int32_t n_rows,
         const float * coef, const float * uniform);
@@ -91,6 +96,11 @@ CLOVER_SAMPLER_API int32_t clover_sampler_set_inputs_ext(
 // (the row as llama.cpp computed it, before any coefficient). 0, or -1 for a sampler without a saved row, a token
 // out of range or no output pointer.
 CLOVER_SAMPLER_API int32_t clover_sampler_saved_logit(struct llama_sampler * smpl, int32_t token, float * out);
+
+// Why the sampler refused a call of the current sampling graph (the first such call), NULL when it refused none;
+// cleared when the next graph is built. A refused call's row is left as llama.cpp gave it. "not a clover sampler" for
+// a sampler that is not ours. smpl: the sampler or a chain holding it.
+CLOVER_SAMPLER_API const char * clover_sampler_error(struct llama_sampler * smpl);
 
 // c, the chunk length of a vocabulary of n_vocab ids: the largest divisor of n_vocab up to 1024 (n_vocab itself
 // when there is none from 64 up); 0 for n_vocab < 1.

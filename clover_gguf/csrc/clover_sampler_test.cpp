@@ -1,0 +1,342 @@
+// clover-sampler-test: the sampler's contract with llama.cpp's backend sampling interface (clover_sampler.cpp's
+// header), driven through that interface alone (struct llama_sampler_i by member, ggml tensors) on the CPU backend.
+// Built beside the library (CMakeLists.txt); tests/test_sampler_lib.py runs it. Exit status 0 when every check holds;
+// each failed check prints one line "FAILED: ...".
+//  - calls it does not know are refused: the data is left as llama.cpp gave it, the reason is written to llama.cpp's
+//    log and kept (clover_sampler_error) until the next graph: several rows in one call, a 3-D tensor, an I32 row, a
+//    view of a row of a 3-D tensor, an announced row of another length, a row a sampler before it narrowed;
+//  - calls it knows: consecutive announced rows share one computation, a newer tree's unselected chains on row 0 add
+//    no computation, rows of ggml_pad's copy are read from the pad's source, a row that is no view (llama.cpp's
+//    probe) is a computation of its own, a sampler without announced rows builds nothing; at most
+//    n_outputs_max_per_seq rows may be announced;
+//  - outputs: each row's greedy choice is its argmax, also for a sequence's rows interleaved with another's;
+//    coefficients that decide and a bitmask row restricting it change it as they should; a clone (settings, inputs,
+//    restrictions, the per-sequence row limit) computes the same.
+#include "clover_sampler.h"
+
+#include "ggml-alloc.h"
+#include "ggml-backend.h"
+#include "ggml.h"
+#include "llama.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+namespace {
+
+int n_failed = 0;
+
+void check(bool ok, const std::string & what) {
+    if (!ok) {
+        fprintf(stderr, "FAILED: %s\n", what.c_str());
+        n_failed++;
+    }
+}
+
+const int64_t V     = 3000; // a vocabulary of 3 chunks of 1000
+const int32_t WIDTH = 4;
+
+std::string log_text; // what the sampler wrote to llama.cpp's log
+
+void on_log(ggml_log_level level, const char * text, void *) {
+    if (level == GGML_LOG_LEVEL_ERROR || level == GGML_LOG_LEVEL_CONT) {
+        log_text += text;
+    }
+}
+
+struct graph_ctx {
+    ggml_context * ctx = nullptr;
+    ggml_cgraph *  gf  = nullptr;
+
+    graph_ctx() {
+        ggml_init_params params = { 8192 * ggml_tensor_overhead() + ggml_graph_overhead_custom(8192, false), nullptr,
+                                    true };
+        ctx = ggml_init(params);
+        gf  = ggml_new_graph_custom(ctx, 8192, false);
+    }
+    ~graph_ctx() { ggml_free(ctx); }
+    graph_ctx(const graph_ctx &)             = delete;
+    graph_ctx & operator=(const graph_ctx &) = delete;
+};
+
+llama_sampler_data apply(llama_sampler * smpl, graph_ctx & g, ggml_tensor * logits) {
+    llama_sampler_data data = { logits, nullptr, nullptr, nullptr };
+    smpl->iface->backend_apply(smpl, g.ctx, g.gf, &data);
+    return data;
+}
+
+// refused: the data as it was, the reason kept and in the log
+bool refused(llama_sampler * smpl, const llama_sampler_data & data, ggml_tensor * logits) {
+    return data.logits == logits && data.candidates == nullptr && data.sampled == nullptr && data.probs == nullptr &&
+           clover_sampler_error(smpl) != nullptr && log_text.find("clover_sampler: refused") != std::string::npos;
+}
+
+bool in_graph(ggml_cgraph * gf, ggml_op op) {
+    for (int i = 0; i < ggml_graph_n_nodes(gf); ++i) {
+        if (ggml_graph_node(gf, i)->op == op) {
+            return true;
+        }
+    }
+    return false;
+}
+
+// the distinct computations (runs) a set of outputs are views of
+size_t n_runs(const std::vector<llama_sampler_data> & outs) {
+    std::set<const ggml_tensor *> runs;
+    for (const auto & d : outs) {
+        runs.insert(d.candidates ? d.candidates->view_src : nullptr);
+    }
+    return runs.size();
+}
+
+llama_sampler * make(ggml_backend_buffer_type_t buft, uint32_t n_outputs_max_per_seq) {
+    llama_sampler * smpl = clover_sampler_init((int32_t) V, WIDTH, false, 0.0f, 0, 1.0f);
+    if (smpl == nullptr || !smpl->iface->backend_init(smpl, buft, n_outputs_max_per_seq)) {
+        fprintf(stderr, "FAILED: clover_sampler_init / backend_init\n");
+        exit(1);
+    }
+    return smpl;
+}
+
+void announce(llama_sampler * smpl, int32_t n_rows) {
+    const int32_t ids[WIDTH] = { 5, 17, 2500, 999 };
+    if (clover_sampler_set_inputs(smpl, ids, n_rows > 0 ? WIDTH : 0, n_rows, nullptr, nullptr) != 0) {
+        fprintf(stderr, "FAILED: set_inputs of %d rows\n", n_rows);
+        exit(1);
+    }
+}
+
+// the greedy tokens of the rows `order` of values ([V, n]) computed by the graph `smpl` builds on views of them, as
+// build_sampling passes them (a row of ggml_pad's copy each, in the order given; default: 0..n-1)
+std::vector<int32_t> greedy(llama_sampler * smpl, ggml_backend_t backend, const std::vector<float> & values,
+                            int64_t n, std::vector<int64_t> order = {}) {
+    if (order.empty()) {
+        for (int64_t i = 0; i < n; ++i) {
+            order.push_back(i);
+        }
+    }
+    graph_ctx g;
+    ggml_tensor * rows = ggml_new_tensor_2d(g.ctx, GGML_TYPE_F32, V, n);
+    ggml_set_input(rows);
+    ggml_tensor * padded = ggml_pad(g.ctx, rows, 0, 1, 0, 0);
+    smpl->iface->backend_reset(smpl);
+    std::vector<ggml_tensor *> cand(order.size());
+    for (size_t i = 0; i < order.size(); ++i) {
+        cand[i] = apply(smpl, g, ggml_view_1d(g.ctx, padded, V, order[i] * padded->nb[1])).candidates;
+        if (cand[i] == nullptr) {
+            return {};
+        }
+        ggml_build_forward_expand(g.gf, cand[i]);
+    }
+    ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors(g.ctx, backend);
+    ggml_backend_tensor_set(rows, values.data(), 0, ggml_nbytes(rows));
+    smpl->iface->backend_set_input(smpl);
+    ggml_backend_graph_compute(backend, g.gf);
+    std::vector<int32_t> out(order.size());
+    for (size_t i = 0; i < order.size(); ++i) {
+        std::vector<int32_t> c(cand[i]->ne[0]);
+        ggml_backend_tensor_get(cand[i], c.data(), 0, ggml_nbytes(cand[i]));
+        out[i] = c.back(); // the last candidate: the choice (clover_sampler.h)
+    }
+    ggml_backend_buffer_free(buf);
+    return out;
+}
+
+} // namespace
+
+int main() {
+    llama_log_set(on_log, nullptr);
+    ggml_backend_t backend = ggml_backend_init_by_type(GGML_BACKEND_DEVICE_TYPE_CPU, nullptr);
+    if (backend == nullptr) {
+        fprintf(stderr, "FAILED: no CPU backend\n");
+        return 1;
+    }
+    ggml_backend_buffer_type_t buft = ggml_backend_get_default_buffer_type(backend);
+
+    // ---- the interface, filled by member
+    {
+        llama_sampler * smpl = make(buft, 4);
+        const llama_sampler_i * i = smpl->iface;
+        check(i->name != nullptr && strcmp(i->name(smpl), "clover") == 0, "iface.name is the sampler's name");
+        check(i->apply != nullptr && i->clone != nullptr && i->free != nullptr && i->accept == nullptr &&
+                  i->reset == nullptr, "iface's host members");
+        check(i->backend_init != nullptr && i->backend_apply != nullptr && i->backend_set_input != nullptr &&
+                  i->backend_reset != nullptr && i->copy_state != nullptr && i->backend_accept == nullptr,
+              "iface's backend members");
+        llama_sampler_free(smpl);
+    }
+
+    // ---- calls it does not know: refused, nothing computed
+    {
+        llama_sampler * smpl = make(buft, 4);
+        announce(smpl, 2);
+        graph_ctx g;
+        smpl->iface->backend_reset(smpl);
+        log_text.clear();
+        ggml_tensor * two = ggml_new_tensor_2d(g.ctx, GGML_TYPE_F32, V, 2);
+        const int n_nodes = ggml_graph_n_nodes(g.gf);
+        check(refused(smpl, apply(smpl, g, two), two), "two rows in one call are refused, the data left as it was");
+        check(ggml_graph_n_nodes(g.gf) == n_nodes, "a refused call adds nothing to the graph");
+        const char * why = clover_sampler_error(smpl);
+        check(why != nullptr && strstr(why, "f32 [3000, 2, 1, 1]") != nullptr, "the reason names the call's shape");
+        check(log_text.find("f32 [3000, 2, 1, 1]") != std::string::npos, "the reason is in llama.cpp's log");
+        smpl->iface->backend_reset(smpl);
+        check(clover_sampler_error(smpl) == nullptr, "the next graph clears the refusal");
+
+        struct bad {
+            ggml_tensor * t;
+            const char *  what;
+        };
+        ggml_tensor * deep = ggml_new_tensor_3d(g.ctx, GGML_TYPE_F32, V, 2, 2);
+        ggml_tensor * rows = ggml_new_tensor_2d(g.ctx, GGML_TYPE_F32, V - 1, 3);
+        const bad cases[] = {
+            { ggml_new_tensor_3d(g.ctx, GGML_TYPE_F32, V, 1, 2), "a 3-D tensor" },
+            { ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, V), "an I32 row" },
+            { ggml_view_1d(g.ctx, deep, V, deep->nb[2]), "a view of a row of a 3-D tensor" },
+            { ggml_view_1d(g.ctx, rows, V - 1, rows->nb[1]), "an announced row of another length" },
+        };
+        for (const bad & b : cases) {
+            smpl->iface->backend_reset(smpl);
+            log_text.clear();
+            check(refused(smpl, apply(smpl, g, b.t), b.t), std::string(b.what) + " is refused");
+        }
+        smpl->iface->backend_reset(smpl);
+        log_text.clear();
+        ggml_tensor *      row   = ggml_view_1d(g.ctx, ggml_new_tensor_2d(g.ctx, GGML_TYPE_F32, V, 2), V, 0);
+        ggml_tensor *      nar   = ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, 5);
+        llama_sampler_data after = { row, nullptr, nullptr, nar };
+        smpl->iface->backend_apply(smpl, g.ctx, g.gf, &after);
+        check(after.logits == row && after.candidates == nar && clover_sampler_error(smpl) != nullptr,
+              "a row a sampler before it narrowed is refused");
+        llama_sampler_free(smpl);
+    }
+
+    // ---- calls it knows
+    {
+        llama_sampler * smpl = make(buft, 4);
+        const int32_t one[1] = { 5 };
+        check(clover_sampler_set_inputs(smpl, one, 1, 5, nullptr, nullptr) == -1,
+              "more rows than n_outputs_max_per_seq cannot be announced");
+        announce(smpl, 3);
+        graph_ctx g;
+        ggml_tensor * rows = ggml_new_tensor_2d(g.ctx, GGML_TYPE_F32, V, 4);
+        auto row = [&](int64_t i) { return ggml_view_1d(g.ctx, rows, V, i * rows->nb[1]); };
+        smpl->iface->backend_reset(smpl);
+        std::vector<llama_sampler_data> out;
+        for (int64_t i = 0; i < 3; ++i) {
+            out.push_back(apply(smpl, g, row(i)));
+        }
+        check(clover_sampler_error(smpl) == nullptr && out[0].candidates && out[1].candidates && out[2].candidates,
+              "views of rows of a 2-D tensor are known calls");
+        check(n_runs(out) == 1 && out[0].candidates->view_src->ne[1] == 3,
+              "consecutive announced rows share one computation of their count");
+        // a newer tree's chains past the sequence's rows: on row 0, not selected
+        for (const auto & d : out) {
+            ggml_build_forward_expand(g.gf, d.candidates);
+        }
+        const int n_nodes = ggml_graph_n_nodes(g.gf);
+        std::vector<llama_sampler_data> extra;
+        for (int i = 0; i < 5; ++i) {
+            extra.push_back(apply(smpl, g, row(0)));
+            ggml_build_forward_expand(g.gf, extra.back().candidates);
+        }
+        check(clover_sampler_error(smpl) == nullptr && n_runs(extra) == 1 &&
+                  extra[0].candidates->view_src == out[0].candidates->view_src,
+              "unselected chains on a row already computed reuse its computation");
+        check(ggml_graph_n_nodes(g.gf) == n_nodes + 5, "... adding one view node each");
+
+        // a row of ggml_pad's copy (build_sampling's): read from the pad's source
+        graph_ctx gp;
+        ggml_tensor * src    = ggml_new_tensor_2d(gp.ctx, GGML_TYPE_F32, V, 2);
+        ggml_tensor * padded = ggml_pad(gp.ctx, src, 0, 1, 0, 0);
+        announce(smpl, 2);
+        smpl->iface->backend_reset(smpl);
+        llama_sampler_data p0 = apply(smpl, gp, ggml_view_1d(gp.ctx, padded, V, 0));
+        check(p0.candidates != nullptr, "a row of a padded copy is a known call");
+        if (p0.candidates != nullptr) {
+            ggml_build_forward_expand(gp.gf, p0.candidates);
+            check(!in_graph(gp.gf, GGML_OP_PAD), "a row of a padded copy is read from the pad's source");
+        }
+
+        // no rows announced: nothing built on llama.cpp's rows; a row that is no view (the probe) is computed
+        announce(smpl, 0);
+        smpl->iface->backend_reset(smpl);
+        ggml_tensor *      r0    = ggml_view_1d(gp.ctx, padded, V, 0);
+        llama_sampler_data dummy = apply(smpl, gp, r0);
+        check(dummy.logits == r0 && dummy.candidates == nullptr && clover_sampler_error(smpl) == nullptr,
+              "a sampler without announced rows leaves llama.cpp's row as it is, without a refusal");
+        smpl->iface->backend_reset(smpl);
+        ggml_tensor *      alone = ggml_new_tensor_1d(gp.ctx, GGML_TYPE_F32, 128 * 1024);
+        llama_sampler_data a     = apply(smpl, gp, alone);
+        check(a.candidates != nullptr && clover_sampler_error(smpl) == nullptr, "a row that is no view is computed");
+        llama_sampler_free(smpl);
+    }
+
+    // ---- the outputs: the greedy choice of each row
+    {
+        std::mt19937                    rng(7);
+        std::normal_distribution<float> normal;
+        const int64_t                   n = 4;
+        std::vector<float>              values(V * n);
+        for (float & x : values) {
+            x = normal(rng);
+        }
+        std::vector<int32_t> want(n);
+        for (int64_t i = 0; i < n; ++i) {
+            const float * r = values.data() + i * V;
+            want[i]         = (int32_t) (std::max_element(r, r + V) - r);
+        }
+        llama_sampler * smpl = make(buft, 4);
+        announce(smpl, (int32_t) n);
+        check(greedy(smpl, backend, values, n) == want, "the greedy choices are the rows' argmax");
+        llama_sampler * copy = llama_sampler_clone(smpl);
+        check(copy != nullptr && greedy(copy, backend, values, n) == want, "a clone computes the same choices");
+        // a sequence's rows interleaved with another's (rows 0, 2, 3 of the ubatch): a run per stretch of rows
+        announce(smpl, 3);
+        check(greedy(smpl, backend, values, n, { 0, 2, 3 }) == std::vector<int32_t>{ want[0], want[2], want[3] },
+              "rows that do not follow each other are each computed as their own");
+        announce(smpl, (int32_t) n);
+
+        // coefficients that decide (id 17 +100 in every row) and a row restricted to ids {2500, 999} (an allow mask)
+        const int32_t      ids[WIDTH] = { 5, 17, 2500, 999 };
+        std::vector<float> coef(3 * n * WIDTH, 0.0f);
+        for (int64_t i = 0; i < n * WIDTH; ++i) {
+            coef[i] = coef[n * WIDTH + i] = 1.0f;
+        }
+        for (int64_t i = 0; i < n; ++i) {
+            coef[2 * n * WIDTH + i * WIDTH + 1] = 100.0f;
+        }
+        std::vector<int32_t> mask((V + 31) / 32, 0);
+        for (int32_t t : { 2500, 999 }) {
+            mask[t / 32] |= int32_t(1u << (t % 32));
+        }
+        const int32_t row_mask[n] = { -1, 0, -1, -1 };
+        check(clover_sampler_set_inputs_ext(smpl, ids, WIDTH, (int32_t) n, coef.data(), WIDTH, nullptr, mask.data(),
+                                            (int32_t) mask.size(), 1, row_mask) == WIDTH,
+              "set_inputs_ext with a mask");
+        const float * r1 = values.data() + 1 * V;
+        const std::vector<int32_t> decided = { 17, r1[2500] >= r1[999] ? 2500 : 999, 17, 17 };
+        llama_sampler * copy2 = llama_sampler_clone(smpl);
+        check(greedy(smpl, backend, values, n) == decided, "the coefficients and the restriction decide the choice");
+        check(copy2 != nullptr && greedy(copy2, backend, values, n) == decided,
+              "a clone holds the inputs and the restriction");
+        const int32_t one[1] = { 5 };
+        check(copy2 != nullptr && clover_sampler_set_inputs(copy2, one, 1, 5, nullptr, nullptr) == -1,
+              "a clone keeps the per-sequence row limit");
+        llama_sampler_free(copy);
+        llama_sampler_free(copy2);
+        llama_sampler_free(smpl);
+    }
+
+    ggml_backend_free(backend);
+    if (n_failed == 0) {
+        printf("clover-sampler-test: all checks passed\n");
+    }
+    return n_failed == 0 ? 0 : 1;
+}
