@@ -367,8 +367,8 @@ def test_forced_tokens_with_sampling_and_logprobs():
     for seed in range(6):
         m = _Model(seed)
         for mode in ("ar", "diffusion", "draft-self", "auto"):
-            got, reason, _, _, st = _run(Float32(m.causal, m.block), form(), mode=mode, sampler=Sampling(1.5, seed=seed),
-                                         max_new_tokens=30)
+            got, reason, _, _, st = _run(Float32(m.causal, m.block), form(), mode=mode,
+                                         sampler=Sampling(1.5, seed=seed), max_new_tokens=30)
             assert replay(form(), got, reason == "stop") is None and st.forced_tokens > 0, (seed, mode)
             got, reason, lps, _, st = _run(Float32(m.causal, m.block), form(), mode=mode, threshold=0.9,
                                            max_new_tokens=30, logits_processors=procs, logprobs=2)
