@@ -583,6 +583,7 @@ def resolve_block(backend: Backend, block: list[int], resolved: list[bool], gene
     stats = stats if stats is not None else GenerationStats(mode="diffusion")
     eos = backend.eos_ids
     done = 0
+
     def report() -> None:  # the positions forced tokens filled since the last report
         if track.placed and passes.observe is not None:
             passes.observe({"type": "forced", "filled": list(track.placed),
@@ -648,7 +649,6 @@ def resolve_block(backend: Backend, block: list[int], resolved: list[bool], gene
             passes.observe(event)
         if track is not None:
             track.refusals = []
-        if track is not None:
             report()
 
 
