@@ -100,6 +100,15 @@ class Mask:
         """The mask that allows exactly `ids`."""
         return cls(mask_of(ids, n_vocab), n_vocab)
 
+    @classmethod
+    def one(cls, token: int, n_vocab: int) -> "Mask":
+        """The mask that allows `token` alone (a forced token's row), without a pass over the vocabulary's bits."""
+        m = cls.__new__(cls)
+        m.words = np.zeros(-(-n_vocab // 32), dtype="<i4")
+        m.words[token >> 5] = np.uint32(1 << (token & 31)).view(np.int32)
+        m.n_vocab, m.n_allowed = int(n_vocab), 1
+        return m
+
     def allows(self, token: int) -> bool:
         return 0 <= token < self.n_vocab and allowed(self.words, token)
 

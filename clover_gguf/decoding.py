@@ -311,7 +311,7 @@ class _Grammar:
             run, self._run, self._now = self._run, None, None
             if run and run[0] == int(token) and len(run) > 1:  # on along a forced run: the next state's mask is
                 self._run = run[1:]  # its next token alone (constraint.Forcing's contract), no engine call
-                self._now = Mask.of(run[1:2], self._run_width)
+                self._now = Mask.one(run[1], self._run_width)
         return ok
 
     def forced(self, limit: int) -> list[int]:
