@@ -26,6 +26,8 @@ xgrammar against llguidance, the two engines on the registry made for token mask
    - draft verification (the decoders' draft-self and auto): from every 32nd position, a mask, then 32 times (accept
      the drafted token, a mask), then a rollback of 32: ms per verification (33 masks, 32 accepts, one rollback).
    Masks are written into one int32 bitmask of ceil(V / 32) words, the layout clover_gguf.constraint takes.
+4. Forced tokens (issue 54 item 3): how many of each answer's tokens the grammar forces at this vocabulary (llguidance's
+   fast-forward tokens at each state along the answer): the passes an AR decode saves on it.
 Figures are printed (and written to WORKDIR/grammar.json); nothing is asserted.
 """
 
@@ -355,6 +357,24 @@ def verifications(engine, compiled, ids: list[int], bitmask) -> list[float]:
     return out
 
 
+def forced_share(engine, compiled, ids: list[int]) -> dict | None:
+    """How many of the answer's tokens the grammar forces (llguidance's fast-forward tokens, what the decoders place
+    without a pass: docs/runtime.md, "Forced tokens"): positions whose state forces a token, and of them the ones
+    where the answer's own token is another (a tokenization the forcing would not give); None for an engine without
+    them."""
+    m = engine.matcher(compiled)
+    if not hasattr(m, "compute_ff_tokens"):
+        return None
+    forced = other = 0
+    for t in ids:
+        ff = [] if m.is_accepting() else m.compute_ff_tokens()
+        if ff:
+            forced += 1
+            other += ff[0] != t
+        engine.accept(m, t)
+    return {"forced": forced, "other": other}
+
+
 def ms(xs: list[float]) -> dict:
     xs = sorted(xs)
     return {"mean": 1e3 * statistics.fmean(xs), "median": 1e3 * statistics.median(xs),
@@ -387,7 +407,7 @@ def bench(engine_cls, tokens, special, tok, rounds: int, threads: int) -> dict:
                   f"verification mean {rows[-1]['verify']['mean']:.2f} ms", file=sys.stderr, flush=True)
         med = lambda f: statistics.median(f(x) for x in rows)  # noqa: E731
         out["grammars"][kind] = {
-            "tokens": len(ids), "rounds": rows,
+            "tokens": len(ids), "rounds": rows, "forced": forced_share(engine, engine.compile(source), ids),
             "median": {"compile_ms": med(lambda x: x["compile_ms"]), "matcher_ms": med(lambda x: x["matcher_ms"]),
                        "mask_mean_ms": med(lambda x: x["mask"]["mean"]),
                        "mask_median_ms": med(lambda x: x["mask"]["median"]),
@@ -427,6 +447,14 @@ def main() -> None:
             print(f"{name:<11} {kind:<12} {g['tokens']:>6} {1e3 * e['vocabulary_s']:7.0f} {w['compile_ms']:8.2f} "
                   f"{w['matcher_ms']:7.3f} {w['mask_mean_ms']:9.4f} {w['mask_median_ms']:7.4f} {w['mask_p90_ms']:6.3f} "
                   f"{w['mask_max_ms']:6.2f} {w['answer_ms']:7.1f} {w['verify_mean_ms']:9.3f} {w['verify_max_ms']:6.2f}")
+    print("\ntokens the grammar forces (placed without a pass by the decoders; 'other': the answer's own token differs "
+          "from the forced one there):")
+    for name, e in results["engines"].items():
+        for kind, g in e["grammars"].items():
+            if g.get("forced"):
+                f = g["forced"]
+                print(f"{name:<11} {kind:<12} {f['forced']:>4} of {g['tokens']:>4} tokens "
+                      f"({f['forced'] / g['tokens']:.0%}), other {f['other']}")
     print(f"\nfigures in {a.workdir / 'grammar.json'}")
 
 

@@ -5,7 +5,7 @@ through `clover-gguf generate` against llama.cpp's own `llama-bench` on the same
 
     python bench/host.py [--workdir out/bench-host] [--vocab-size 248320] [--threads 2] [--rounds 5]
         [--history 400] [--gguf PATH] [--bench-rounds 5] [--bench-tokens 256] [--constrained-rounds 3]
-        [--constrained-tps-rounds 3] [--constrained-tokens 96]
+        [--constrained-tps-rounds 3] [--constrained-tokens 96] [--forced-rounds 3] [--forced-tokens 200]
 
 1. The model: a random tiny Clover (make_tiny's `tiny`: hidden 64, 4 layers, 8 experts) grown to the 35B's vocabulary,
    F32 GGUF, made once in the work folder: its step is short, so the host's share shows (the slice's 70 ms CPU step
@@ -28,6 +28,10 @@ through `clover-gguf generate` against llama.cpp's own `llama-bench` on the same
    tok/s of the same request constrained (json) against unconstrained, in each mode, one runtime, rounds
    interleaved; and on the bundled trained model (drafts it would make) with a character grammar (text without the
    letter e: most of its vocabulary allowed) and a JSON pattern.
+5. Forced tokens (issue 54 item 3): on the bundled trained model, the grammars serve builds with llguidance (a
+   json_schema answer, a tool_choice "required" call), each mode, forced tokens on and off (decoding.generate's
+   `forced`), --forced-rounds interleaved: tokens per pass after the prompt's, decode tok/s, forced tokens per answer,
+   and whether greedy text was the same; the load average beside them.
 Goals (issue 23, issue 49 item 5): after, at most 0.5 ms of host time per AR step and 2 ms per 32-token block pass,
 with a grammar's mask too; generate at least 0.95x llama-bench's tg. Figures are printed, nothing is asserted.
 """
@@ -355,6 +359,93 @@ def bench_constrained_tps(gguf: Path, threads: int | None, rounds: int, n: int, 
     return {m: {k: statistics.median(xs) for k, xs in d.items()} for m, d in tps.items()}
 
 
+# ---- forced tokens (issue 54 item 3) ---------------------------------------------------------------------------
+FORCED_PROMPTS = ("What is 34 + 58?", "Count from 12 to 17.", "Reverse: c l o v e r")
+
+
+def forced_grammars(rt) -> dict:
+    """The grammars serve builds (clover_gguf.grammar, llguidance) over the model's vocabulary: "schema", a
+    json_schema answer (an integer 0-999, an enum, a boolean); "tool_call", tool_choice "required" over one tool of
+    two integer parameters (serve.tools.calls_rules) -> {name: constraint factory}."""
+    from clover_gguf import grammar
+    from clover_gguf.serve import tools as T
+
+    engine = grammar.Engine(grammar.Vocabulary.of(rt))
+    small = {"type": "integer", "minimum": 0, "maximum": 999}
+    schema = {"type": "object", "properties": {"answer": small, "unit": {"enum": ["apples", "pears"]},
+                                               "exact": {"type": "boolean"}}, "required": ["answer", "unit", "exact"]}
+    add = {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": small, "b": small}, "required": ["a", "b"]}}}
+    sources = {"schema": grammar.source(f"body: {grammar.json_value(schema)}\n", "none"),
+               "tool_call": grammar.source(T.calls_rules(T.read_tools([add]), None, parallel=False), "none")}
+    return {k: (lambda src=src: engine.constraint(src)) for k, src in sources.items()}
+
+
+def bench_forced(gguf: Path, threads: int | None, rounds: int, n: int,
+                 prompts: tuple[str, ...] = FORCED_PROMPTS) -> dict:
+    """Each grammar and mode, forced tokens on and off (decoding.generate's `forced`), rounds interleaved (on and off
+    in turn, which first alternating), one runtime: decode tok/s (median over rounds and prompts), tokens per pass
+    after the prompt's and forced tokens per answer (means: greedy, the same every round), and whether the text was
+    the same with and without."""
+    from clover_gguf.runtime import CloverRuntime
+
+    rt = CloverRuntime(gguf, n_ctx=n + 512, n_threads=threads, selection="graph")
+    grammars = forced_grammars(rt)
+    keys = [(g, m) for g in grammars for m in MODES]
+    runs = {k: {True: [], False: []} for k in keys}
+    texts = {k: {True: {}, False: {}} for k in keys}
+    load = [os.getloadavg()]
+    try:
+        for g, m in keys:  # warm-up: every graph shape once
+            for forced in (True, False):
+                for _ in rt.stream_pieces(rt.prompt_ids(prompts[0], think=False), mode=m, max_new_tokens=n,
+                                          constraint=grammars[g](), forced=forced):
+                    pass
+        for r in range(rounds):
+            for g, m in keys:
+                for forced in ((True, False) if r % 2 == 0 else (False, True)):
+                    for p in prompts:
+                        toks, st = [], None
+                        for piece in rt.stream_pieces(rt.prompt_ids(p, think=False), mode=m, max_new_tokens=n,
+                                                      constraint=grammars[g](), forced=forced):
+                            toks += piece.tokens
+                            st = piece.stats
+                        runs[(g, m)][forced].append((st.decode_tokens_per_s, st.generated_tokens, st.decode_passes,
+                                                     st.forced_tokens))
+                        texts[(g, m)][forced][p] = toks
+            load.append(os.getloadavg())
+            print(f"  forced-tokens round {r + 1}/{rounds} done", file=sys.stderr, flush=True)
+    finally:
+        rt.close()
+    res = {}
+    for (g, m), d in runs.items():
+        row = {}
+        for forced, xs in d.items():
+            row["on" if forced else "off"] = {
+                "tok_s": statistics.median(x[0] for x in xs),
+                "tokens_per_decode_pass": sum(x[1] for x in xs) / max(1, sum(x[2] for x in xs)),
+                "tokens": sum(x[1] for x in xs) / len(xs), "forced": sum(x[3] for x in xs) / len(xs)}
+        row["same_text"] = texts[(g, m)][True] == texts[(g, m)][False]
+        res.setdefault(g, {})[m] = row
+    return {"figures": res, "loadavg": [list(x) for x in load], "rounds": rounds, "max_tokens": n,
+            "prompts": list(prompts)}
+
+
+def print_forced(out: dict) -> None:
+    la = out["loadavg"]
+    print(f"\nforced tokens: the same constrained requests with and without ({out['rounds']} interleaved rounds, "
+          f"{len(out['prompts'])} prompts, max {out['max_tokens']} tokens; load average "
+          f"{la[0][0]:.1f} at the start, {max(x[0] for x in la):.1f} at most):")
+    print(f"{'grammar':<10} {'mode':<11} {'tokens':>6} {'forced':>6} {'tok/pass off':>12} {'on':>6} "
+          f"{'tok/s off':>10} {'on':>8} {'x':>6} {'same text':>9}")
+    for g, modes in out["figures"].items():
+        for m, r in modes.items():
+            on, off = r["on"], r["off"]
+            print(f"{g:<10} {m:<11} {on['tokens']:6.0f} {on['forced']:6.0f} {off['tokens_per_decode_pass']:12.2f} "
+                  f"{on['tokens_per_decode_pass']:6.2f} {off['tok_s']:10.0f} {on['tok_s']:8.0f} "
+                  f"{on['tok_s'] / off['tok_s']:6.2f} {'yes' if r['same_text'] else 'no':>9}")
+
+
 def print_constrained(res: dict, tps: dict, bundled: dict | None, vocab: int, history: int) -> None:
     names = {"none": "none", "structure": "structure (60 allowed)", "string": "string (8,300 excluded)",
              "json": "json (4 structure, 12 string)"}
@@ -394,12 +485,16 @@ def main() -> None:
     ap.add_argument("--constrained-tps-rounds", type=int, default=3,
                     help="rounds of constrained against unconstrained tok/s, each mode (0: none)")
     ap.add_argument("--constrained-tokens", type=int, default=96, help="tokens per answer of those")
+    ap.add_argument("--forced-rounds", type=int, default=3,
+                    help="interleaved rounds of forced tokens on against off, on the bundled model (0: none)")
+    ap.add_argument("--forced-tokens", type=int, default=200, help="tokens per answer of those at most")
     a = ap.parse_args()
     from clover_gguf.llama_context import load_binding
 
     load_binding()  # sets LLAMA_CPP_LIB_PATH for this process and the ones it starts
     a.workdir.mkdir(parents=True, exist_ok=True)
-    gguf = a.gguf or make_model(a.workdir, a.vocab_size)
+    grown = a.rounds or a.bench_rounds or a.constrained_rounds or a.constrained_tps_rounds  # the forced section
+    gguf = a.gguf or (make_model(a.workdir, a.vocab_size) if grown else bundled_gguf(a.workdir))  # runs the bundled
     print(f"model: {gguf} ({gguf.stat().st_size / 2**20:.0f} MiB), {a.threads} threads", flush=True)
     res = bench_passes(gguf, a.threads, a.rounds, a.history) if a.rounds else {}
     if res:
@@ -439,6 +534,9 @@ def main() -> None:
                                                      "Reverse: c l o v e r"))
         print_constrained(cres, tps, bundled, a.vocab_size, a.history)
         out["constrained"] = {"passes": cres, "tok_s": tps, "bundled_tok_s": bundled}
+    if a.forced_rounds:
+        out["forced"] = bench_forced(bundled_gguf(a.workdir), a.threads, a.forced_rounds, a.forced_tokens)
+        print_forced(out["forced"])
     (a.workdir / "host.json").write_text(json.dumps(out, indent=1) + "\n")
     print(f"\nfigures in {a.workdir / 'host.json'}")
 

@@ -13,6 +13,12 @@ How the decoders use it (docs/runtime.md, "Constrained output"): they copy each 
 never pass an end token to `accept` (it ends the answer), call `accept` only with tokens a mask of the same state
 allowed (its False is then an engine's inconsistency, except while a block is validated: there it rejects a token),
 and roll back only tokens they accepted. Once `finished()`, only the end tokens may follow, whatever the mask says.
+
+Forced tokens (optional, `Forcing`): where the grammar allows exactly one continuation (a closing tag, a schema's
+fixed key), `forced()` names its tokens, so the decoders place them without a model pass of their own (docs/runtime.md,
+"Forced tokens"). Its contract: each token of the run is the only token the mask of the state before it allows (the
+first: the current state's), so a row restricted there can choose nothing else, greedy or sampled. A constraint without
+`forced` still has its one-token masks used: the decoders take such a mask's token as a run of one.
 """
 
 from __future__ import annotations
@@ -40,6 +46,16 @@ class Constraint(Protocol):
 
     def finished(self) -> bool:
         """The grammar is complete and allows nothing but the end of the answer."""
+        ...
+
+
+@runtime_checkable
+class Forcing(Constraint, Protocol):
+    """A Constraint that names the run of tokens its grammar forces from the current state."""
+
+    def forced(self) -> list[int]:
+        """The tokens forced from here on, in order ([] where the grammar leaves a choice): each the only token its
+        state allows (see the module's doc). The state is unchanged."""
         ...
 
 
@@ -84,6 +100,15 @@ class Mask:
         """The mask that allows exactly `ids`."""
         return cls(mask_of(ids, n_vocab), n_vocab)
 
+    @classmethod
+    def one(cls, token: int, n_vocab: int) -> "Mask":
+        """The mask that allows `token` alone (a forced token's row), without a pass over the vocabulary's bits."""
+        m = cls.__new__(cls)
+        m.words = np.zeros(-(-n_vocab // 32), dtype="<i4")
+        m.words[token >> 5] = np.uint32(1 << (token & 31)).view(np.int32)
+        m.n_vocab, m.n_allowed = int(n_vocab), 1
+        return m
+
     def allows(self, token: int) -> bool:
         return 0 <= token < self.n_vocab and allowed(self.words, token)
 
@@ -99,6 +124,13 @@ class Mask:
         bits = np.unpackbits(self.words.view(np.uint8), bitorder="little")[:min(width, self.n_vocab)]
         out[:bits.size] = bits
         return out
+
+    def only(self) -> int | None:
+        """The one id this mask allows, or None where it allows none or several."""
+        if self.n_allowed != 1:
+            return None
+        word = int(np.flatnonzero(self.words)[0])
+        return 32 * word + (int(self.words[word]) & 0xFFFFFFFF).bit_length() - 1
 
     def same(self, other: "Mask | None") -> bool:
         """Whether `other` allows exactly the same ids."""

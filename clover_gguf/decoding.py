@@ -23,7 +23,7 @@ Conventions
   never chosen: every selection gives it -inf (controls.Selector's `never`).
 * Forward passes count every model evaluation the decoder asks for, the prompt's prefill included: one per
   `prefill`, `commit` and `block_logits` call. AR decoding therefore takes one pass per token, the end token
-  included (n answer tokens + 1 passes).
+  included (n answer tokens + 1 passes, less the tokens a grammar forced).
 * Pass costs: every pass but the prompt's is timed (`clock`, time.perf_counter unless a test injects one) into the
   answer's `auto.PassCosts` when one is given (the runtime keeps one per loaded model): causal passes by their
   tokens, block passes by the block's, rollbacks (draft-self's rejected tokens) by the tokens they keep.
@@ -35,6 +35,15 @@ Conventions
   first refused token; its verification restricts row i to the grammar's state after the draft's first i + 1
   tokens, so greedy draft-self and auto keep AR's constrained text, and the grammar is rolled back to what is kept.
   Once the grammar is finished only the end tokens may follow. Wide masks: CHEAP_MASK_IDS.
+* Forced tokens (`forced`, on by default): where the grammar allows one token alone, state after state (a closing
+  tag, a schema's fixed keys and punctuation: constraint.Forcing), those tokens cost no pass of their own. An AR step
+  commits the answer's last token and the forced run after it in one pass, each forced row restricted to its one
+  token, and takes its choice from the row after the run: the k forced tokens save k steps. A block (diffusion's, a
+  draft) has its masked positions from the head on filled with the run before a pass and between passes, up to the
+  first position already filled or the block's end (what lies past needs a pass); a draft's verification checks them
+  as it checks every draft token (a row restricted to one token chooses it). Greedy text is the same with and without
+  (draft-self and auto keep AR's), and a sampled answer's distribution too (a forced token has probability 1 under the
+  grammar; the draws themselves differ: fewer rows draw). Counted in stats.forced_tokens.
 * Logprobs (`logprobs`: None off, 0 the kept tokens' own, 1..TOP_LOGPROBS_MAX and that many alternatives): each kept
   token's log-probability under the processed row of the causal pass that kept it (an AR step's row, a draft's
   verification row, diffusion's commit pass, the prompt's row for the first token) and the row's most likely
@@ -255,13 +264,17 @@ class _Grammar:
     finished or allows nothing a row may choose), acceptance, rollback, and which rows of a pass apply their
     restriction (CHEAP_MASK_IDS)."""
 
-    def __init__(self, constraint: Constraint, eos: frozenset[int], never: Sequence[int], n_vocab: int | None):
+    def __init__(self, constraint: Constraint, eos: frozenset[int], never: Sequence[int], n_vocab: int | None,
+                 forced: bool = True):
         self.c, self.eos = constraint, frozenset(int(t) for t in eos)
         self.never = [int(t) for t in never if t is not None and int(t) >= 0]
         self.n_vocab = n_vocab
+        self.forcing = forced  # forced tokens are placed without a pass (forced())
         self._now: Mask | None = None  # the current state's mask (None: not fetched since the state changed)
         self._last: Mask | None = None  # the mask fetched last
         self._ends: Mask | None = None
+        self._run: list[int] | None = None  # the forced run from the current state, as forced() found it
+        self._run_width = 0
 
     def mask(self) -> Mask | None:
         """What the current state allows next (None: anything; only an answer without end tokens)."""
@@ -295,8 +308,31 @@ class _Grammar:
         """Advance by `token` (never an end token); False: the grammar refuses it here (the state unchanged)."""
         ok = bool(self.c.accept(int(token)))
         if ok:
-            self._now = None
+            run, self._run, self._now = self._run, None, None
+            if run and run[0] == int(token) and len(run) > 1:  # on along a forced run: the next state's mask is
+                self._run = run[1:]  # its next token alone (constraint.Forcing's contract), no engine call
+                self._now = Mask.one(run[1], self._run_width)
         return ok
+
+    def forced(self, limit: int) -> list[int]:
+        """The tokens the grammar forces from the current state (at most `limit`; not accepted): where the state's
+        mask allows one token alone, the constraint's forced run when it names one that starts with that token
+        (constraint.Forcing), else that token. [] where the grammar leaves a choice, where forced tokens are off,
+        where the token is an end token or one no row may choose."""
+        if limit <= 0 or not self.forcing:
+            return []
+        if self._run is None:
+            m = self.mask()
+            t = None if m is None else m.only()
+            if t is None or t in self.eos or t in self.never:
+                return []
+            name = getattr(self.c, "forced", None)
+            run = [int(x) for x in name()] if name is not None else []
+            self._run = run if run and run[0] == t else [t]
+            bad = next((i for i, x in enumerate(self._run) if x in self.eos or x in self.never), len(self._run))
+            self._run = self._run[:max(1, bad)]
+            self._run_width = m.n_vocab
+        return self._run[:limit]
 
     def take(self, token: int) -> None:
         """Advance by a token a pass chose under this state's mask: the grammar must take it."""
@@ -306,15 +342,16 @@ class _Grammar:
     def rollback(self, n: int) -> None:
         if n > 0:
             self.c.rollback(n)
-            self._now = None
+            self._now = self._run = None
 
     @staticmethod
     def split(masks: Sequence[Mask | None], probs: bool) -> tuple[list[Mask | None], list[Mask | None]]:
         """A pass's row masks -> (the ones its selection applies, the ones its choices are checked against after
         it): a cheap restriction always applies; a wide one where the pass has one row or needs the restricted
         probabilities (probs)."""
-        eager = probs or len(masks) == 1
-        applied = [m if m is not None and (eager or m.n_ids() <= CHEAP_MASK_IDS) else None for m in masks]
+        eager = probs or len(masks) == 1  # (a forced row's mask, one id, is applied whatever CHEAP_MASK_IDS says)
+        applied = [m if m is not None and (eager or m.n_ids() <= CHEAP_MASK_IDS or m.n_allowed == 1) else None
+                   for m in masks]
         return applied, [m if a is None else None for m, a in zip(masks, applied)]
 
 
@@ -333,6 +370,9 @@ class _Track:
         self.ended = False  # an end token validated (at position n - 1)
         self.strict = False  # a pass chose a token the head does not allow: the next restricts the head, wide or not
         self.refused = False  # the grammar refused a resolved token
+        self.forced: set[int] = set()  # positions the grammar's forced tokens filled (never refused, never re-masked)
+        self.placed: list[int] = []  # of them, the ones not yet reported (resolve_block's "forced" event)
+        self.refusals: list[int] = []  # positions refused since the last pass event (its "refused")
 
     @property
     def accepted(self) -> int:
@@ -343,20 +383,40 @@ class _Track:
         return self.masks[self.n]
 
     def validate(self, block: list[int], resolved: list[bool], mask_token: int) -> None:
+        """Validate the resolved positions from the head on; where the head is masked and the grammar forces
+        tokens there, fill the masked positions from the head with them (up to the first resolved one or the
+        block's end: what lies past needs a pass) and go on validating."""
         gram = self.gram
-        while not self.ended and self.n < len(block) and resolved[self.n]:
-            t = int(block[self.n])
-            end = t in gram.eos
-            if not (gram.allows(self.masks[self.n], t) if end else gram.accept(t)):
-                block[self.n], resolved[self.n] = mask_token, False
-                self.strict = self.refused = True
+        while True:
+            while not self.ended and self.n < len(block) and resolved[self.n]:
+                t = int(block[self.n])
+                end = t in gram.eos
+                if not (gram.allows(self.masks[self.n], t) if end else gram.accept(t)):
+                    block[self.n], resolved[self.n] = mask_token, False
+                    self.strict = self.refused = True
+                    self.refusals.append(self.n)
+                    if self.draft:
+                        return
+                    break
+                self.n += 1
+                self.strict = False
+                if end:
+                    self.ended = True
+                else:
+                    self.masks.append(gram.mask())
+            if self.ended or self.n >= len(block):
                 return
-            self.n += 1
-            self.strict = False
-            if end:
-                self.ended = True
-            else:
-                self.masks.append(gram.mask())
+            filled = 0
+            for t in gram.forced(len(block) - self.n):
+                i = self.n + filled
+                if resolved[i]:
+                    break
+                block[i], resolved[i] = t, True
+                self.forced.add(i)
+                self.placed.append(i)
+                filled += 1
+            if not filled:
+                return
 
     def row_masks(self, d: int) -> list[Mask | None]:
         """The restrictions of a causal pass over the block's first d (validated) tokens: row i predicts the token
@@ -393,7 +453,12 @@ class GenerationStats:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     drafts: int = 0  # draft-self blocks verified (draft-self, auto)
-    ar_steps: int = 0  # one-token causal steps (ar, auto)
+    ar_steps: int = 0  # causal steps after a kept token (ar, auto): one token each, and the forced tokens after it
+    # tokens the grammar forced (a constraint allowing one continuation alone) that the answer kept, placed without a
+    # pass of their own: carried by an AR step's pass after its token, or filling a block's masked positions before a
+    # block pass; in generated_tokens, so tokens_per_pass counts them (they are not in drafted_tokens or
+    # accepted_tokens, which count the tokens the model proposed)
+    forced_tokens: int = 0
     # auto: tokens per second its choices were predicted to give, and gave, both over the moves it made (AR runs and
     # drafts, timed by the decoder's clock); None in the other modes
     predicted_tokens_per_s: float | None = None
@@ -518,9 +583,17 @@ def resolve_block(backend: Backend, block: list[int], resolved: list[bool], gene
     stats = stats if stats is not None else GenerationStats(mode="diffusion")
     eos = backend.eos_ids
     done = 0
+
+    def report() -> None:  # the positions forced tokens filled since the last report
+        if track.placed and passes.observe is not None:
+            passes.observe({"type": "forced", "filled": list(track.placed),
+                            "tokens": [block[i] for i in track.placed]})
+        track.placed = []
+
     while True:
         if track is not None:
             track.validate(block, resolved, backend.mask_token_id)
+            report()
             if track.draft and track.refused:  # a draft ends at its first refused token
                 return track.n
         end = _first_end(block, resolved, eos)
@@ -566,13 +639,17 @@ def resolve_block(backend: Backend, block: list[int], resolved: list[bool], gene
         if track is not None:  # validated at once: a token the grammar refuses is never shown filled
             track.validate(block, resolved, backend.mask_token_id)
         if passes.observe is not None:
-            filled = [i for i in masked if resolved[i]]
+            new = set(track.placed) if track is not None else ()  # filled by forced tokens after the pass
+            filled = [i for i in masked if resolved[i] and i not in new]
             event = {"type": "pass", "filled": filled, "tokens": [block[i] for i in filled],
                      "masked": [i for i in masked if not resolved[i]]}
             if track is not None:  # positions filled by an earlier pass that the grammar refused now: masked again
-                gone = set(masked)
-                event["refused"] = [i for i, r in enumerate(resolved) if not r and i not in gone]
+                gone = set(masked)  # (and maybe filled by forced tokens since: a "forced" event follows)
+                event["refused"] = sorted({i for i in track.refusals if i not in gone})
             passes.observe(event)
+        if track is not None:
+            track.refusals = []
+            report()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -585,7 +662,7 @@ def generate(backend: Backend, prompt_ids: Sequence[int], mode: str = "diffusion
              costs: PassCosts | None = None, policy: AutoPolicy | None = None,
              clock: Callable[[], float] = time.perf_counter, draft_threshold: float | None = None,
              observe: Callable[[dict], None] | None = None, constraint: Constraint | None = None,
-             logprobs: int | None = None, never: Sequence[int] = ()) -> Iterator[Chunk]:
+             logprobs: int | None = None, never: Sequence[int] = (), forced: bool = True) -> Iterator[Chunk]:
     """Decode an answer after `prompt_ids`, yielding Chunks as tokens resolve; the last one has finished=True.
 
     mode "ar": one causal pass per token. "diffusion": blocks of `block_size` positions start all-mask and are
@@ -616,6 +693,8 @@ def generate(backend: Backend, prompt_ids: Sequence[int], mode: str = "diffusion
     constraint: the grammar every kept token must follow (module doc, "Constrained output"), in the state before the
     answer. logprobs: None (off), or the alternatives (0..TOP_LOGPROBS_MAX) each kept token's logprob comes with
     (Chunk.logprobs).
+    forced: where the constraint allows one continuation alone, its tokens are placed without a pass of their own
+    (module doc, "Forced tokens"); False: every token costs its pass, as without a grammar (the benches' comparison).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
@@ -639,13 +718,13 @@ def generate(backend: Backend, prompt_ids: Sequence[int], mode: str = "diffusion
     passes = _Passes(backend, _selector(backend, logits_processors, sampler, never), costs, clock, observe,
                      None if logprobs is None else int(logprobs))  # one per answer
     gram = None if constraint is None else _Grammar(constraint, backend.eos_ids, [backend.mask_token_id, *never],
-                                                    getattr(backend, "n_vocab", None))
+                                                    getattr(backend, "n_vocab", None), forced=forced)
     # a draft's fill threshold (with accept="threshold" the one threshold is also the acceptance's: kept as given)
     fill = threshold if draft_threshold is None or accept != "exact" else draft_threshold
     if mode == "auto":
         gen = _auto(passes, prompt_ids, max_new_tokens, block_size, fill, accept, stats, end_rule, policy, gram)
     elif mode == "ar":
-        gen = _ar(passes, prompt_ids, max_new_tokens, stats, gram)
+        gen = _ar(passes, prompt_ids, max_new_tokens, stats, gram, block_size)
     elif mode == "diffusion":
         gen = _diffusion(passes, prompt_ids, max_new_tokens, block_size, threshold, stats, end_rule, gram)
     else:
@@ -691,7 +770,8 @@ def _first(passes: _Passes, prompt_ids, out: list[int], gram: _Grammar | None, s
     return t, (_token_lp(choice, 0, t, passes.logprobs) if lp else None)
 
 
-def _ar(passes: _Passes, prompt_ids, max_new, stats, gram: _Grammar | None = None) -> Iterator[Chunk]:
+def _ar(passes: _Passes, prompt_ids, max_new, stats, gram: _Grammar | None = None, block_size: int = 1
+        ) -> Iterator[Chunk]:
     out = []
     pending, pending_lp = _first(passes, prompt_ids, out, gram, stats)  # predicts the first answer token
     while True:
@@ -706,21 +786,61 @@ def _ar(passes: _Passes, prompt_ids, max_new, stats, gram: _Grammar | None = Non
         if gram is not None:
             gram.take(pending)
         yield _chunk(took, stats, lps)
-        pending, pending_lp = _ar_step(passes, out, stats, gram)
+        step = _ar_step(passes, out, stats, gram, _forced_room(block_size, max_new, out))
+        pending, pending_lp = step.next, step.next_lp
+        if step.forced:
+            yield _chunk(_emit(step.forced, out, max_new, stats)[0], stats, step.forced_lps)
 
 
-def _ar_step(passes: _Passes, out: list[int], stats: GenerationStats, gram: _Grammar | None = None
-             ) -> tuple[int, TokenLogprob | None]:
-    """Commit the answer's last token (out[-1], already emitted) -> the causal choice after it and its logprob."""
+def _forced_room(block_size: int, max_new: int, out: list[int]) -> int:
+    """The forced tokens an AR step may carry after the answer's last token: its pass holds a block's rows at most,
+    and the answer keeps room for the choice after them (its last token is chosen, never committed, as without)."""
+    return max(0, min(block_size - 1, max_new - len(out) - 1))
+
+
+@dataclass
+class _Step:
+    """One AR step: the forced tokens it committed after the answer's last token (accepted into the grammar, not
+    yet in the answer) and their logprobs, and the causal choice after them and its logprob."""
+
+    next: int
+    next_lp: TokenLogprob | None = None
+    forced: list[int] = field(default_factory=list)
+    forced_lps: list[TokenLogprob] | None = None
+
+
+def _ar_step(passes: _Passes, out: list[int], stats: GenerationStats, gram: _Grammar | None = None,
+             room: int = 0) -> _Step:
+    """Commit the answer's last token (out[-1], already emitted; taken by the grammar) and, where the grammar forces
+    the tokens after it, up to `room` of them in the same pass (accepted into the grammar here): row i restricted to
+    the grammar's state after the first i of them, so a forced row can choose only its forced token (checked), and
+    the last row's choice is the one AR would make after them, one step per token. -> the _Step."""
     lp = passes.logprobs is not None
-    # out holds the token: the history of the next one
-    choice = passes.commit([out[-1]], Histories(out), masks=None if gram is None else [gram.mask()], lp=lp)
+    forced: list[int] = []
+    rows = None if gram is None else [gram.mask()]
+    while gram is not None and len(forced) < room:
+        run = gram.forced(room - len(forced))
+        if not run:
+            break
+        for t in run:
+            gram.take(t)
+            forced.append(t)
+            rows.append(gram.mask())
+    # out holds the token: the history of the next one; row i's also holds the first i forced tokens
+    choice = passes.commit([out[-1], *forced], Histories(out, forced, range(len(forced) + 1)), masks=rows, lp=lp)
     stats.forward_passes += 1
     stats.ar_steps += 1
+    stats.forced_tokens += len(forced)
+    for i, f in enumerate(forced):
+        if int(choice.tokens[i]) != f:
+            raise RuntimeError(f"a row restricted to the forced token {f} chose {int(choice.tokens[i])}")
     if passes.observe is not None:
-        passes.observe({"type": "ar", "token": out[-1]})
-    t = int(choice.tokens[0])
-    return t, (_token_lp(choice, 0, t, passes.logprobs) if lp else None)
+        passes.observe({"type": "ar", "token": out[-1], "forced": forced} if forced else
+                       {"type": "ar", "token": out[-1]})
+    k = len(forced)
+    t = int(choice.tokens[k])
+    return _Step(t, _token_lp(choice, k, t, passes.logprobs) if lp else None, forced,
+                 [_token_lp(choice, i, f, passes.logprobs) for i, f in enumerate(forced)] if lp else None)
 
 
 def _kept_block(block_size: int, room: int, stats: GenerationStats) -> int:
@@ -774,8 +894,9 @@ def _diffusion(passes: _Passes, prompt_ids, max_new, block_size, threshold, stat
                 lps += [_token_lp(choice, i, took[i + 1], n_top) for i in range(len(took) - 1)]
                 if going_on:
                     pending = (choice, len(block) - 1)
-                    _count_commit(passes, stats, block, choice.tokens)
+                    _count_commit(passes, stats, block, choice.tokens, _forced_at(track))
         took, full = _emit(body, out, max_new, stats)
+        stats.forced_tokens += sum(1 for i in _forced_at(track) if i < len(took))
         if ended and len(took) == len(body):
             yield _finish(stats, took, "stop", lps)
             return
@@ -791,15 +912,21 @@ def _diffusion(passes: _Passes, prompt_ids, max_new, block_size, threshold, stat
         rows = None if track is None else _Grammar.split(track.row_masks(len(block)), probs=False)[0]
         target = passes.commit(block, Histories(out[:start], block, range(1, len(block) + 1)), masks=rows).tokens
         stats.forward_passes += 1
-        _count_commit(passes, stats, block, target)
+        _count_commit(passes, stats, block, target, _forced_at(track))
 
 
-def _count_commit(passes: _Passes, stats: GenerationStats, block: list[int], target: np.ndarray) -> None:
+def _forced_at(track: "_Track | None") -> set[int]:
+    """The block positions forced tokens filled."""
+    return set() if track is None else track.forced
+
+
+def _count_commit(passes: _Passes, stats: GenerationStats, block: list[int], target: np.ndarray,
+                  forced: frozenset[int] | set[int] = frozenset()) -> None:
     """A diffusion block's commit pass, counted: how far its rows' own choices agree with the block (the block
-    tokens, after the first, its rows chose)."""
+    tokens, after the first, its rows chose; the `forced` positions, which a grammar placed, are not counted)."""
     agreed = next((i for i in range(len(block) - 1) if block[i + 1] != int(target[i])), len(block) - 1)
-    stats.drafted_tokens += len(block) - 1
-    stats.accepted_tokens += agreed
+    stats.drafted_tokens += len(block) - 1 - sum(1 for i in forced if i >= 1)
+    stats.accepted_tokens += agreed - sum(1 for i in forced if 1 <= i <= agreed)
     if passes.observe is not None:
         passes.observe({"type": "commit", "size": len(block), "agreed": agreed})
 
@@ -812,11 +939,12 @@ class _Draft:
 
     kept: list[int]
     next_pending: int
-    proposed: int  # draft tokens the causal pass checked
+    proposed: int  # draft tokens the model proposed and the causal pass checked (forced ones not counted)
     accepted: int
     block_passes: int
     logprobs: list[TokenLogprob] | None = None
     next_lp: TokenLogprob | None = None
+    forced: list[int] = field(default_factory=list)  # the kept positions forced tokens filled
 
 
 def _draft_block(passes: _Passes, out: list[int], pending: int, block_size: int, threshold: float, accept: str,
@@ -871,8 +999,11 @@ def _draft_block(passes: _Passes, out: list[int], pending: int, block_size: int,
     # with its row: settled now, while the verification's backup is the one to return to); an answer that ends
     # needs no settling
     passes.rollback(d - keep + ended + redo, keep - ended - redo, now=(settle or redo) and not ended)
-    stats.drafted_tokens += d - 1
-    stats.accepted_tokens += n_ok
+    forced = _forced_at(track)  # positions a grammar placed: checked by the verification, but not the model's
+    proposed = d - 1 - sum(1 for i in forced if 1 <= i < d)
+    accepted = n_ok - sum(1 for i in forced if 1 <= i <= n_ok)
+    stats.drafted_tokens += proposed
+    stats.accepted_tokens += accepted
     stats.drafts += 1
     lps = next_lp = None
     if lp:
@@ -888,7 +1019,8 @@ def _draft_block(passes: _Passes, out: list[int], pending: int, block_size: int,
     if passes.observe is not None:
         passes.observe({"type": "verify", "drafted": d - 1, "accepted": n_ok, "cut": keep, "ended": ended,
                         "next": None if ended else nxt})
-    return _Draft(draft[:keep], nxt, d - 1, n_ok, stats.block_passes - before, lps, next_lp)
+    return _Draft(draft[:keep], nxt, proposed, accepted, stats.block_passes - before, lps, next_lp,
+                  sorted(i for i in forced if i < keep))
 
 
 def _emit_draft(draft: _Draft, eos: frozenset[int], out: list[int], max_new: int, stats: GenerationStats
@@ -896,9 +1028,11 @@ def _emit_draft(draft: _Draft, eos: frozenset[int], out: list[int], max_new: int
     """Append a draft's kept tokens -> (the chunk to yield, whether the answer is finished)."""
     if draft.kept[-1] in eos:
         took, _ = _emit(draft.kept[:-1], out, max_new, stats)
+        stats.forced_tokens += sum(1 for i in draft.forced if i < len(took))
         reason = "stop" if len(took) == len(draft.kept) - 1 else "length"
         return _finish(stats, took, reason, draft.logprobs), True
     took, full = _emit(draft.kept, out, max_new, stats)
+    stats.forced_tokens += sum(1 for i in draft.forced if i < len(took))
     return (_finish(stats, took, "length", draft.logprobs), True) if full else \
         (_chunk(took, stats, draft.logprobs), False)
 
@@ -965,9 +1099,13 @@ def _auto(passes: _Passes, prompt_ids, max_new, block_size, threshold, accept, s
                 gram.take(pending)
             yield _chunk(took, stats, lps)
             t0 = clock()
-            pending, pending_lp = _ar_step(passes, out, stats, gram)
+            step = _ar_step(passes, out, stats, gram, _forced_room(block_size, max_new, out))
             seconds += clock() - t0
+            pending, pending_lp = step.next, step.next_lp
             steps += 1
+            if step.forced:
+                steps += len(step.forced)  # tokens the steps yielded: auto weighs AR's tokens per second
+                yield _chunk(_emit(step.forced, out, max_new, stats)[0], stats, step.forced_lps)
             if pending in eos:
                 break
         policy.observe_ar(steps, seconds)

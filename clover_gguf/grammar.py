@@ -245,3 +245,12 @@ class GrammarConstraint:
 
     def finished(self) -> bool:
         return bool(self.matcher.is_stopped()) or not np.any(self._state_mask() & ~self.engine.eos_mask)
+
+    def forced(self) -> list[int]:
+        """constraint.Forcing: llguidance's fast-forward tokens. Where the grammar forces bytes, llguidance tokenizes
+        them canonically and forces those tokens (its masks there allow the next of them alone; its option
+        no_forcing, which we leave off, would let the model choose a tokenization); the last token of the bytes is
+        held back where it could merge with what follows. Nothing where the answer may end here."""
+        if self.matcher.is_error() or self.matcher.is_accepting():
+            return []
+        return [int(t) for t in self.matcher.compute_ff_tokens()]

@@ -346,6 +346,8 @@ class RunStats(decoding.GenerationStats):
             parts.append(f"{self.acceptance_rate:.0%} of block tokens accepted by the causal path")
         elif self.mode != "ar":  # the answer ended inside its first block: no causal pass checked one
             parts.append("ended inside its first block (no block for the causal path to check)")
+        if self.forced_tokens:  # in the tokens per pass: placed by the grammar, no pass of their own
+            parts.append(f"{_count(self.forced_tokens, 'token')} forced by the grammar")
         if self.reused_tokens:
             parts.append(f"{self.reused_tokens} of {self.prompt_tokens} prompt tokens reused")
         if self.finish_reason == "length":
@@ -691,7 +693,7 @@ class CloverRuntime:
                       controls: Controls | None = None, end_rule: str = decoding.DEFAULT_END_RULE,
                       keep: int | None = None, observe: Callable[[dict], None] | None = None,
                       constraint: Constraint | None = None, logprobs: int | None = None,
-                      ignore_eos: bool = False) -> Iterator[Piece]:
+                      ignore_eos: bool = False, forced: bool = True) -> Iterator[Piece]:
         """Yield a Piece (new raw text, the tokens it came from, running stats) as tokens are accepted after the
         prompt `ids`; the last one carries the final stats. The text is what the model wrote, <think> tags included:
         thinking.ThinkSplitter with thinking_at_start(ids) splits it. end_rule: how block passes resolve end tokens
@@ -703,7 +705,9 @@ class CloverRuntime:
         "Constrained output and logprobs"). logprobs: None (off), 0 (each token's logprob), or 1..20 (and that many
         most likely alternatives): Piece.logprobs, from the causal pass that kept each token.
         ignore_eos: the end tokens are never chosen (decoding.generate's `never`), so the answer runs to
-        max_new_tokens (llama-server's field of the name: a fixed amount of work, bench/serve.py)."""
+        max_new_tokens (llama-server's field of the name: a fixed amount of work, bench/serve.py).
+        forced: tokens the constraint forces cost no pass of their own (decoding.generate's `forced`; False: the
+        benches' comparison)."""
         if not len(ids):
             raise UserError("the prompt is empty")
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or
@@ -735,7 +739,7 @@ class CloverRuntime:
                                        draft_threshold=decoding.DRAFT_THRESHOLD if threshold is None else None,
                                        observe=None if observe is None else self._with_text(observe),
                                        constraint=constraint, logprobs=logprobs,
-                                       never=sorted(self.eos_ids) if ignore_eos else ()):
+                                       never=sorted(self.eos_ids) if ignore_eos else (), forced=forced):
             now = time.perf_counter()
             if chunk.tokens and stats.time_to_first_token_s is None:
                 stats.time_to_first_token_s = now - t0
@@ -763,6 +767,8 @@ class CloverRuntime:
                 ev["next_text"] = text(ev["next"])
             if "token" in ev:
                 ev["text"] = text(ev["token"])
+            if ev.get("forced"):  # an AR step's forced tokens
+                ev["forced_texts"] = [text(t) for t in ev["forced"]]
             observe(ev)
 
         return with_text

@@ -59,6 +59,46 @@ def test_concurrent_requests_answer_as_alone_and_share_decodes(bundled_gguf, alo
     assert sched.widest >= 2 and sched.decodes < sum(t for _, t in alone) + len(PROMPTS) * 4
 
 
+def test_constrained_requests_with_forced_tokens_answer_as_alone(bundled_gguf):
+    """A json_schema answer and a tool call (llguidance) on 3 slots at once, ar, draft-self and auto: their AR steps
+    carry the tokens the grammar forces (passes of several rows beside the other slots' one-row steps), and each
+    answer (and its forced count, but auto's) are the ones it gets alone."""
+    from test_runtime_constrained import real_grammars
+
+    jobs = [(k, name, mode) for k, (name, mode) in enumerate(
+        [("schema", "ar"), ("tool_call", "ar"), ("schema", "draft-self"), ("tool_call", "auto"), ("tool_call", "ar"),
+         ("schema", "ar")])]
+
+    def run(rt, make, k, mode):
+        toks, st = [], None
+        for piece in rt.stream_pieces(rt.prompt_ids(PROMPTS[k], think=False), mode=mode, max_new_tokens=60,
+                                      constraint=make()):
+            toks += piece.tokens
+            st = piece.stats
+        return toks, st.forced_tokens if mode != "auto" else 1  # auto's count follows its (timed) choices
+
+    with CloverRuntime(bundled_gguf, n_ctx=512) as rt:
+        makes = real_grammars(rt)
+        want = [run(rt, makes[name], k, mode) for k, name, mode in jobs]
+    rts = _slots(bundled_gguf, 3)
+    try:
+        makes = real_grammars(rts[0])
+        with ThreadPoolExecutor(3) as ex:
+            def serve(job) -> tuple[list[int], int]:
+                k, name, mode = job
+                rt = rts[k % 3]
+                with rt.ctx.serving():
+                    return run(rt, makes[name], k, mode)
+
+            got = []
+            for r in range(0, len(jobs), 3):
+                got += list(ex.map(serve, jobs[r:r + 3], timeout=300))
+    finally:
+        for rt in rts:
+            rt.close()
+    assert got == want and all(f > 0 for _, f in got)
+
+
 def test_a_long_prompt_is_prefilled_in_chunks_between_the_others_steps(bundled_gguf):
     rts = _slots(bundled_gguf, 2)
     sched = rts[0].ctx.scheduler

@@ -223,6 +223,12 @@ def test_passes_go_out_live_when_slow_and_with_the_text_when_fast():
     rest = range(AR_RUN, AR_RUN + 3)
     assert job.posted[-1] == [{"type": "ar", "steps": 3, "tokens": list(rest), "texts": [str(i) for i in rest]}]
     assert len(job.posted) == 4
+    # a step that carried tokens a grammar forced: they follow its token in the run, and `forced` counts them
+    view({"type": "ar", "token": 7, "text": "7", "forced": [8, 9], "forced_texts": ["8", "9"]})
+    view({"type": "ar", "token": 1, "text": "1"})
+    view.flush(end=True)
+    assert job.posted[-1] == [{"type": "ar", "steps": 2, "tokens": [7, 8, 9, 1], "texts": ["7", "8", "9", "1"],
+                               "forced": 2}]
 
 
 def test_without_the_field_the_stream_is_unchanged(server):

@@ -50,7 +50,18 @@ def random_dfa(seed: int, states: int = 5):
                                   lambda s, t: int(nxt[s, t]), [EOS])
 
 
-GRAMMARS = {"alternating": alternating, "ascending": ascending, "dfa": lambda: random_dfa(3)}
+# a form with fixed parts: each position allows one word alone (a list of one: forced) or a choice of them
+FORM = [[3], [1], [4], [0, 2, 5, 7], [1], [5], [2, 6, 8], [1, 3], [9], [2], [6], [5], [3], [0, 4, 8], [5], [8],
+        [9], [7], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9], [9], [3], [2]]
+
+
+def form(fields=FORM):
+    """The positions of `fields` in order (state: how many written), then only the end: half of it forced."""
+    return lambda: TokenAutomaton(V, 0, lambda s: fields[s] if s < len(fields) else [EOS], lambda s, t: s + 1, [EOS],
+                                  lambda s: s >= len(fields))
+
+
+GRAMMARS = {"alternating": alternating, "ascending": ascending, "dfa": lambda: random_dfa(3), "form": form}
 
 
 class Sim(GraphSim):
@@ -278,15 +289,20 @@ def _replay_events(events: list[dict]) -> tuple[list[int], int]:
         elif kind == "commit":
             answer += slots
             slots = None
+        elif kind == "forced":
+            for i, t in zip(ev["filled"], ev["tokens"]):
+                assert slots[i] is None, f"position {i} filled twice"
+                slots[i] = t
         elif kind == "ar":
-            answer.append(ev["token"])
+            answer += [ev["token"], *ev.get("forced", ())]
     if slots is not None:  # a diffusion block that ended the answer: up to its end token
         answer += slots[:next(i for i, t in enumerate(slots) if t == EOS)]
     return answer, refused
 
 
 @pytest.mark.parametrize("mode", ["diffusion", "draft-self", "auto", "ar"])
-def test_the_block_view_replays_a_constrained_answer(mode):
+@pytest.mark.parametrize("grammar", ["dfa", "form"])
+def test_the_block_view_replays_a_constrained_answer(mode, grammar):
     """The observer's events (serve's block view) under a grammar: positions filled by a pass and refused by the
     grammar later come back in a pass's "refused" list, and a reader that masks them again rebuilds the answer token
     for token; observing changes nothing."""
@@ -294,12 +310,84 @@ def test_the_block_view_replays_a_constrained_answer(mode):
     for seed in range(8):
         m = _Model(seed)
         kw = dict(mode=mode, max_new_tokens=60, threshold=0.9)
-        want, why, _, _, _ = _run(Float32(m.causal, m.block), random_dfa(seed), **kw)
+        make = (lambda: random_dfa(seed)) if grammar == "dfa" else form
+        want, why, _, _, _ = _run(Float32(m.causal, m.block), make(), **kw)
         events = []
-        got, reason, _, _, _ = _run(Float32(m.causal, m.block), random_dfa(seed), observe=events.append, **kw)
+        got, reason, _, _, _ = _run(Float32(m.causal, m.block), make(), observe=events.append, **kw)
         assert (got, reason) == (want, why)
         if reason == "stop":
             answer, refused = _replay_events(events)
             assert answer == got, seed
             seen += refused
-    assert seen > 0 or mode == "ar"
+    assert seen > 0 or mode == "ar" or grammar == "form"
+
+
+# ---- forced tokens ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("graph", [False, True], ids=["dense", "graph"])
+def test_forced_tokens_save_passes_and_keep_the_text(graph, cheap):
+    """The form's fixed parts cost no pass: AR makes exactly one pass fewer per forced token, draft-self and auto
+    fewer passes in all, diffusion too; greedy text equal with and without in ar, draft-self and auto (AR's); the
+    card's controls biting; every answer follows the form, the grammar and the backend hold the kept tokens."""
+    procs = make_processors(BITING, [EOS], THINK, THINK_END)
+    saved = {}
+    for mode in ("ar", "draft-self", "auto", "diffusion"):
+        passes = {True: 0, False: 0}
+        for seed in range(12):
+            m = _Model(seed)
+            be = (lambda: Sim(m.causal, m.block)) if graph else (lambda: Float32(m.causal, m.block))
+            kw = dict(mode=mode, max_new_tokens=40, logits_processors=procs, threshold=0.9)
+            runs = {}
+            for forced in (True, False):
+                b = be()
+                got, reason, _, g, st = _run(b, form(), forced=forced, **kw)
+                assert replay(form(), got, reason == "stop") is None, (mode, forced, seed, got)
+                assert len(g.states) - 1 == len(got), (mode, forced, seed)
+                assert b.n_past == len(PROMPT) + len(got) or mode == "diffusion", (mode, forced, seed)
+                runs[forced] = (got, reason, st)
+                passes[forced] += st.forward_passes
+            on, off = runs[True][2], runs[False][2]
+            assert off.forced_tokens == 0 and on.forced_tokens > 0, (mode, seed)
+            if mode != "diffusion":
+                assert runs[True][:2] == runs[False][:2], (mode, seed)
+                assert runs[True][0] == _run(be(), form(), forced=False, **{**kw, "mode": "ar"})[0]
+            if mode == "ar":  # one pass per token, but the forced ones
+                assert on.forward_passes == off.forward_passes - on.forced_tokens == len(runs[True][0]) + 1 - \
+                    on.forced_tokens, seed
+                assert on.tokens_per_pass > off.tokens_per_pass
+        saved[mode] = passes
+        assert passes[True] < passes[False], (mode, passes)
+    assert saved["ar"][False] - saved["ar"][True] >= 12 * 8  # the form forces 14 of its 22 tokens
+
+
+def test_forced_tokens_with_sampling_and_logprobs():
+    """Sampled (temperature 1.5): every answer follows the form, forced tokens placed; the logprobs of forced and
+    chosen tokens alike are the log-softmax of the processed causal rows (a forced token's: 0, its row allows it
+    alone), in every mode, computed independently."""
+    procs = make_processors(BITING, [EOS], THINK, THINK_END)
+    for seed in range(6):
+        m = _Model(seed)
+        for mode in ("ar", "diffusion", "draft-self", "auto"):
+            got, reason, _, _, st = _run(Float32(m.causal, m.block), form(), mode=mode,
+                                         sampler=Sampling(1.5, seed=seed), max_new_tokens=30)
+            assert replay(form(), got, reason == "stop") is None and st.forced_tokens > 0, (seed, mode)
+            got, reason, lps, _, st = _run(Float32(m.causal, m.block), form(), mode=mode, threshold=0.9,
+                                           max_new_tokens=30, logits_processors=procs, logprobs=2)
+            want = _reference_logprobs(m, got, form(), procs, 2)
+            for lp, (ref, top) in zip(lps, want):
+                assert lp.logprob == pytest.approx(ref, abs=1e-5)
+                assert [t for t, _ in lp.top] == [t for t, _ in top]
+            assert sum(lp.logprob == 0.0 for lp in lps) >= st.forced_tokens > 0
+
+
+def test_forced_tokens_show_in_the_stats_and_the_events():
+    """An AR step that carries forced tokens says so in its "ar" event; a block's forced positions come in "forced"
+    events, never in a pass's; forced tokens are not counted as the model's drafted or accepted tokens."""
+    m = _Model(2)
+    for mode in ("ar", "draft-self", "diffusion"):
+        events = []
+        got, _, _, _, st = _run(Float32(m.causal, m.block), form(), mode=mode, observe=events.append, threshold=0.9,
+                                max_new_tokens=40)
+        carried = sum(len(e.get("forced", ())) for e in events if e["type"] == "ar")
+        placed = sum(len(e["filled"]) for e in events if e["type"] == "forced")
+        assert (carried if mode == "ar" else placed) >= st.forced_tokens > 0, mode
+        assert st.drafted_tokens <= len(got) - st.forced_tokens

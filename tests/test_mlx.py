@@ -341,6 +341,29 @@ def test_constrained_output_and_logprobs_in_mlx_as_in_numpy(converted, monkeypat
                         np.testing.assert_allclose([v for _, v in ta], [v for _, v in tb], atol=1e-4)
 
 
+def test_forced_tokens_in_mlx_as_in_llama_cpp(converted, bundled_gguf):
+    """Forced tokens on MLX (the same decoders as llama.cpp's runtime): a json_schema answer and a tool call
+    (llguidance, as serve builds them), ar and draft-self: the text equal with and without and to llama.cpp's
+    F32 GGUF (exact settings), AR one pass fewer per forced token, the same passes as llama.cpp's."""
+    from clover_gguf.mlx_runtime import MlxRuntime
+    from clover_gguf.runtime import CloverRuntime
+    from test_runtime_constrained import PROMPTS, _answer, real_grammars
+
+    rt = MlxRuntime(converted["f32"])
+    with CloverRuntime(bundled_gguf, n_ctx=512, exact=True, n_threads=1) as ref:
+        for name, make in real_grammars(rt).items():
+            ref_make = real_grammars(ref)[name]
+            for mode in ("ar", "draft-self"):
+                for prompt in PROMPTS[:2]:
+                    got, st, _ = _answer(rt, prompt, make, mode=mode, max_new_tokens=48)
+                    off, st_off, _ = _answer(rt, prompt, make, mode=mode, forced=False, max_new_tokens=48)
+                    want, st_ref, _ = _answer(ref, prompt, ref_make, mode=mode, max_new_tokens=48)
+                    assert got == off == want and st.forced_tokens == st_ref.forced_tokens > 0, (name, mode, prompt)
+                    assert st.forward_passes == st_ref.forward_passes < st_off.forward_passes, (name, mode, prompt)
+                    if mode == "ar":
+                        assert st.forward_passes == st_off.forward_passes - st.forced_tokens
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # A community folder (no block tensors), graft, the commands
 # ---------------------------------------------------------------------------------------------------------------

@@ -204,3 +204,50 @@ def test_a_kept_row_survives_passes_selected_on_dense_logits(random_rt):
         for a, w in zip(lg, lw):
             assert a.logprob == pytest.approx(w.logprob, abs=1e-4)
             assert [t for t, _ in a.top] == [t for t, _ in w.top]
+
+
+# ---- forced tokens with the real engine ----------------------------------------------------------------------------
+def real_grammars(rt) -> dict:
+    """llguidance grammars as serve builds them (clover_gguf.grammar): a json_schema answer, and tool_choice
+    "required" over two tools (serve.tools.calls_rules)."""
+    from clover_gguf import grammar
+    from clover_gguf.serve import tools as T
+
+    engine = grammar.Engine(grammar.Vocabulary.of(rt))
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}, "unit": {"enum": ["apples", "pears"]}},
+              "required": ["answer", "unit"]}
+    add = {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
+    look = {"type": "function", "function": {"name": "lookup", "parameters": {
+        "type": "object", "properties": {"key": {"type": "string", "maxLength": 6}}, "required": ["key"]}}}
+    sources = {"schema": grammar.source(f"body: {grammar.json_value(schema)}\n", "none"),
+               "tool_call": grammar.source(T.calls_rules(T.read_tools([add, look]), None, parallel=False), "none")}
+    return {k: (lambda src=src: engine.constraint(src)) for k, src in sources.items()}
+
+
+@pytest.mark.parametrize("selection", ["graph", "numpy"])
+def test_forced_tokens_save_passes_and_keep_the_text(runtimes, selection):
+    """Through llama.cpp, a json_schema answer and a tool call (llguidance, as serve builds them): with forced tokens
+    AR makes one pass fewer per forced token and the same text; draft-self and auto keep AR's text with fewer passes
+    in all; diffusion follows the grammar in fewer passes; off, nothing is forced."""
+    rt = runtimes[selection]
+    for name, make in real_grammars(rt).items():
+        total = {}
+        for mode in ("ar", "draft-self", "auto", "diffusion"):
+            total[mode] = {True: 0, False: 0}
+            for prompt in PROMPTS[:3]:
+                runs = {}
+                for forced in (True, False):
+                    got, st, _ = _answer(rt, prompt, make, mode=mode, forced=forced, max_new_tokens=48)
+                    c = make()
+                    assert all(c.accept(t) for t in got), (name, mode, forced, prompt)
+                    runs[forced] = (got, st.finish_reason, st.forward_passes, st.forced_tokens)
+                    total[mode][forced] += st.forward_passes
+                (got, why, p_on, f_on), (want, want_why, p_off, f_off) = runs[True], runs[False]
+                assert f_off == 0 and f_on > 0, (name, mode, prompt)
+                if mode != "diffusion":
+                    assert (got, why) == (want, want_why), (name, mode, prompt)
+                    assert got == _answer(rt, prompt, make, mode="ar", forced=False, max_new_tokens=48)[0]
+                if mode == "ar":
+                    assert p_on == p_off - f_on, (name, prompt)
+            assert total[mode][True] < total[mode][False], (name, mode, total[mode])

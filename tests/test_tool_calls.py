@@ -485,6 +485,45 @@ def test_rollback_over_a_block_restores_the_state(model):
         c.rollback(len(ids) + 1)
 
 
+def _forced_run_checked(c, n_vocab: int) -> int:
+    """constraint.Forcing's contract, checked on the masks: each token of the forced run is the only one the mask
+    of the state before it allows; the state is left as it was. -> the run's length."""
+    run = c.forced()
+    for k, t in enumerate(run):
+        assert mask_ids(c.mask(), n_vocab).tolist() == [t], (k, t, run)
+        assert c.accept(t)
+    c.rollback(len(run))
+    return len(run)
+
+
+def test_forced_tokens_are_the_only_ones_their_masks_allow(model):
+    """llguidance's fast-forward tokens (GrammarConstraint.forced), at every state of canonical calls (a named tool,
+    `required` over several, parallel) and of JSON answers to a schema: each the one token its state's mask allows,
+    and the text's own next token wherever a run starts (the canonical tokenization is the forced one); the call
+    tags, the names, the keys and the punctuation are forced: a third of a call's tokens or more."""
+    rt, engine = model
+    n = engine.vocab.n_vocab
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}, "unit": {"enum": ["km", "miles"]}},
+              "required": ["answer", "unit"]}
+    cases = [(grammar.source(T.calls_rules(TOOLS, "typed", parallel=False), "none"),
+              call_text("typed", [("i", "42"), ("b", "true"), ("s", "ok then")])),
+             (grammar.source(T.calls_rules(TOOLS, None, parallel=True), "none"),
+              call_text("typed", [("i", "-7")]) + "\n" + call_text("typed", [("i", "3"), ("n", "null")])),
+             (grammar.source(f"body: {grammar.json_value(schema)}\n", "none"), '{"answer": 1234, "unit": "miles"}')]
+    for source, text in cases:
+        c = engine.constraint(source)
+        ids = rt.ctx.tokenize(text, special=False)
+        forced = 0
+        for t in ids:
+            run = _forced_run_checked(c, n)
+            if run:
+                assert c.forced()[0] == t
+                forced += 1
+            assert c.accept(t)
+        assert forced * 3 >= len(ids), (forced, len(ids), text)
+        assert c.forced() == [] and set(rt.eos_ids) <= set(mask_ids(c.mask(), n))  # the end is no forced token
+
+
 def test_end_tokens_exactly_where_the_grammar_may_end(model):
     rt, engine = model
     c = engine.constraint(grammar.source(f"body: {grammar.json_value({'type': 'integer'})}\n", "none"))

@@ -21,6 +21,8 @@ class Metrics:
         "block_passes": ("clover_block_passes_total", "Block-mode passes (drafts and diffusion blocks)."),
         "drafts": ("clover_drafts_total", "Draft-self blocks verified (draft-self and auto)."),
         "ar_steps": ("clover_ar_steps_total", "One-token causal steps (ar and auto)."),
+        "forced_tokens": ("clover_forced_tokens_total",
+                          "Tokens a grammar forced, placed without a pass of their own (in the generated tokens)."),
     }
     # auto's choices: the seconds its moves were predicted to take and took (tokens over its rates): their ratio is how
     # far the cost model held on this machine

@@ -77,7 +77,8 @@ class BlockEvents:
     [events]). A pass goes out as it happens when the previous post is FRAME_S old (the 35B's passes take longer:
     each is seen live), else with the next text the worker sends (flush), so that a small model's millisecond passes
     cost one chunk per piece of text, not one per pass. AR steps are summed into one {"type": "ar", "steps",
-    "tokens", "texts"} event per run of them (closed by the next other event, by AR_RUN steps, or by the end)."""
+    "tokens", "texts"} event per run of them (closed by the next other event, by AR_RUN steps, or by the end); the
+    tokens a grammar forced after a step's token follow it in `tokens`, and `forced` counts them."""
 
     def __init__(self, job: "Job", clock: Callable[[], float] = time.monotonic):
         self.job, self.clock, self.ar, self.pending = job, clock, [], []
@@ -96,9 +97,13 @@ class BlockEvents:
 
     def _close_run(self) -> None:
         if self.ar:
-            run = {"type": "ar", "steps": len(self.ar), "tokens": [e["token"] for e in self.ar]}
+            run = {"type": "ar", "steps": len(self.ar), "tokens": [t for e in self.ar for t in
+                                                                    [e["token"], *e.get("forced", ())]]}
             if all("text" in e for e in self.ar):
-                run["texts"] = [e["text"] for e in self.ar]
+                run["texts"] = [t for e in self.ar for t in [e["text"], *e.get("forced_texts", ())]]
+            forced = sum(len(e.get("forced", ())) for e in self.ar)
+            if forced:  # tokens a grammar forced, carried by the steps' passes (in `tokens`)
+                run["forced"] = forced
             self.pending.append(run)
             self.ar = []
 

@@ -23,7 +23,7 @@ class TokenAutomaton:
         self.n_vocab, self.allowed_of, self.step, self.done = n_vocab, allowed, step, done
         self.ends = frozenset(int(t) for t in ends)
         self.states = [start]
-        self.masks = self.accepts = self.rollbacks = 0
+        self.masks = self.accepts = self.rollbacks = self.forced_calls = 0
         self._cache: dict[Hashable, tuple[frozenset[int], np.ndarray]] = {}
 
     def _of(self, state):
@@ -59,6 +59,18 @@ class TokenAutomaton:
 
     def finished(self) -> bool:
         return bool(self.done(self.states[-1]))
+
+    def forced(self) -> list[int]:
+        """constraint.Forcing: the run of states that allow one token alone (not an end token), from this one."""
+        run, state = [], self.states[-1]
+        while not self.done(state):
+            ids = self.allowed(state)
+            if len(ids) != 1 or next(iter(ids)) in self.ends:
+                break
+            run.append(next(iter(ids)))
+            state = self.step(state, run[-1])
+        self.forced_calls += 1
+        return run
 
 
 def replay(make: Callable[[], TokenAutomaton], answer: Sequence[int], stopped: bool) -> str | None:

@@ -413,6 +413,8 @@
         ev.filled.forEach((i, j) => { cur.p[i] = cur.r; cur.t[i] = (ev.texts || [])[j] || ""; });
         for (const i of ev.ends || []) if (!cur.e.includes(i)) cur.e.push(i);
         return 1;
+      } else if (ev.type === "forced" && cur && cur.k !== "ar") {  // placed by the grammar, no pass of their own
+        ev.filled.forEach((i, j) => { cur.p[i] = cur.r; cur.t[i] = (ev.texts || [])[j] || ""; });
       } else if (ev.type === "verify" && cur) {
         Object.assign(cur, { a: ev.accepted, d: ev.drafted, c: ev.cut, x: ev.ended, nx: ev.next_text });
       } else if (ev.type === "commit" && cur) {
