@@ -170,6 +170,7 @@ class Tally:
     passes: int = 0  # decode passes
     drafts: int = 0
     accepted: int = 0  # accepted draft tokens (the causal pass's kept block tokens)
+    forced: int = 0  # tokens a grammar forced, placed without a pass (stats.forced_tokens, where the decoders have it)
     requests: int = 0
 
     def add(self, st: dict) -> None:
@@ -179,6 +180,7 @@ class Tally:
         self.passes += st["decode_passes"]
         self.drafts += st.get("drafts") or 0
         self.accepted += st.get("accepted_tokens") or 0
+        self.forced += st.get("forced_tokens") or 0
         self.requests += 1
 
     def row(self) -> dict:
@@ -186,7 +188,7 @@ class Tally:
                 "decode_tok_s": self.tokens / self.decode_seconds if self.decode_seconds else 0.0,
                 "tokens_per_pass": self.tokens / self.passes if self.passes else 0.0,
                 "accepted_per_draft": self.accepted / self.drafts if self.drafts else None,
-                "drafts": self.drafts, "requests": self.requests}
+                "drafts": self.drafts, "forced_tokens": self.forced, "requests": self.requests}
 
 
 @dataclass
@@ -202,8 +204,9 @@ def replay(base: str, turns: list[Turn], modes: list[str], rounds: int, seed: in
     out = Replay()
     rng = random.Random(seed)
     configs = [(m, None) for m in modes] + [(m, "grammar") for m in ("ar", "draft-self") if m in modes]
-    for i, t in enumerate(turns):  # warm-up: every prompt once, so each timed request finds it kept
-        post(base, {**t.body, "mode": "ar", "max_tokens": 1}, f"warm-up, turn {i}")
+    for k in range(2):  # warm-up: every prompt twice (serve keeps a prompt's state from its second time on)
+        for i, t in enumerate(turns):
+            post(base, {**t.body, "mode": "ar", "max_tokens": 1}, f"warm-up {k + 1}, turn {i}")
     for r in range(rounds):
         for i, t in enumerate(turns):
             order = list(configs)
@@ -306,15 +309,20 @@ def print_peer(rows: list[dict]) -> None:
 
 def print_replay(s: dict, load: tuple) -> None:
     print(f"\nreplay (load average {load[0]:.2f} at the start, {load[1]:.2f} at the end)")
-    print(f"{'mode | turns':<34} {'tokens':>7} {'tok/s':>8} {'after prompt':>12} {'tok/pass':>8} {'acc/draft':>9}")
+    print(f"{'mode | turns':<34} {'tokens':>7} {'tok/s':>8} {'after prompt':>12} {'tok/pass':>8} {'acc/draft':>9} "
+          f"{'forced':>6}")
     for name, r in s["rows"].items():
         if "round" in name:
             continue
         apd = "" if r["accepted_per_draft"] is None else f"{r['accepted_per_draft']:.2f}"
         print(f"{name:<34} {r['tokens']:>7} {r['tok_s']:>8.1f} {r['decode_tok_s']:>12.1f} "
-              f"{r['tokens_per_pass']:>8.2f} {apd:>9}")
+              f"{r['tokens_per_pass']:>8.2f} {apd:>9} {r['forced_tokens']:>6}")
     for k, v in s["ratios"].items():
         print(f"  {k}: {v:.3f}")
+    for m in ("draft-self", "auto"):
+        per = {k: s["rows"].get(f"{m} | {k}", {}).get("accepted_per_draft") for k in ("call", "prose", "json")}
+        print(f"  {m}, accepted tokens per draft: "
+              + ", ".join(f"{k} {v:.2f}" for k, v in per.items() if v is not None))
     print(f"  greedy text equal across {', '.join(EXACT_MODES)}: "
           + ("yes, on every turn and round" if not s["unequal_text"] else f"NO: {s['unequal_text'][:6]}"))
     for k, (a, n) in s["variant_same_text"].items():
