@@ -18,7 +18,8 @@ writes: a tool call, prose (a final answer) or JSON. Ratios: draft-self / ar, au
 (the issue's bars: >= 1.4 and >= 0.95). Greedy text (thinking, content, calls) equal across ar, draft-self and auto
 on every request. The grammar's cost: every call turn again with its call forced (tool_choice: the named function)
 and every JSON turn with the task's schema as its response_format, both in ar and draft-self: tok/s and tokens per
-pass constrained against not, and whether the text is the same.
+pass constrained against not, and whether the text is the same; and each constrained turn once more with the
+grammar's forced tokens decoded by passes (the request's `forced_tokens: false`): forced tokens on against off.
 
 --peer (the default; --no-peer skips it): llama-server and our serve (--mode ar) both up, each held-out task's first
 turn sent to both with tool_choice auto, greedy, every penalty off: the same tool_calls (name and arguments, parsed)
@@ -200,10 +201,13 @@ class Replay:
 
 def replay(base: str, turns: list[Turn], modes: list[str], rounds: int, seed: int = 0) -> Replay:
     """Every turn once per configuration per round, configurations in a seeded shuffled order per turn. A
-    configuration is a mode, or "MODE +grammar" (the turn's constrained variant) for ar and draft-self."""
+    configuration is a mode, or for ar and draft-self "MODE +grammar" (the turn's constrained variant) and "MODE
+    +grammar -forced" (the same with the grammar's forced tokens decoded by passes: the request's forced_tokens
+    false)."""
     out = Replay()
     rng = random.Random(seed)
-    configs = [(m, None) for m in modes] + [(m, "grammar") for m in ("ar", "draft-self") if m in modes]
+    configs = [(m, None) for m in modes] + [(m, v) for m in ("ar", "draft-self") if m in modes
+                                            for v in ("grammar", "grammar, not forced")]
     for k in range(2):  # warm-up: every prompt twice (serve keeps a prompt's state from its second time on)
         for i, t in enumerate(turns):
             post(base, {**t.body, "mode": "ar", "max_tokens": 1}, f"warm-up {k + 1}, turn {i}")
@@ -215,7 +219,10 @@ def replay(base: str, turns: list[Turn], modes: list[str], rounds: int, seed: in
                 if variant and t.constrained is None:
                     continue
                 body = {**(t.constrained if variant else t.body), "mode": mode}
-                label = f"{mode} +grammar" if variant else mode
+                if variant == "grammar, not forced":
+                    body["forced_tokens"] = False
+                label = {None: mode, "grammar": f"{mode} +grammar", "grammar, not forced": f"{mode} +grammar -forced"}[
+                    variant]
                 resp = post(base, body, f"round {r + 1}, turn {i} ({t.task}), {label}")
                 st = resp["clover_stats"]
                 for key in ((label, "all"), (label, t.kind), (label, f"round {r + 1}")):
@@ -245,6 +252,11 @@ def summarize(rep: Replay, turns: list[Turn], modes: list[str]) -> dict:
                 ratios[f"{m} {kind}: constrained / free (tok/s)"] = con.row()["tok_s"] / free.row()["tok_s"]
                 ratios[f"{m} {kind}: constrained / free (tokens per pass)"] = (con.row()["tokens_per_pass"]
                                                                              / free.row()["tokens_per_pass"])
+            off = rep.by_mode.get((f"{m} +grammar -forced", kind))
+            if con and off and con.seconds and off.seconds:
+                ratios[f"{m} {kind}: forced tokens on / off (tok/s)"] = con.row()["tok_s"] / off.row()["tok_s"]
+                ratios[f"{m} {kind}: forced tokens on / off (tokens per pass)"] = (con.row()["tokens_per_pass"]
+                                                                                 / off.row()["tokens_per_pass"])
     # greedy text: every exact mode's text of each turn, every round, equal to AR's first
     unequal = []
     for i in range(len(turns)):
@@ -256,10 +268,11 @@ def summarize(rep: Replay, turns: list[Turn], modes: list[str]) -> dict:
     # the constrained variants: the same text as the free answer (the grammar forcing what the model wrote anyway)
     variant_same = {}
     for m in ("ar", "draft-self"):
-        pairs = [(rep.texts[(m, i)][0], rep.texts[(f"{m} +grammar", i)][0]) for i in range(len(turns))
-                 if (f"{m} +grammar", i) in rep.texts]
-        if pairs:
-            variant_same[f"{m} +grammar"] = [sum(a == b for a, b in pairs), len(pairs)]
+        for v in ("+grammar", "+grammar -forced"):
+            pairs = [(rep.texts[(m, i)][0], rep.texts[(f"{m} {v}", i)][0]) for i in range(len(turns))
+                     if (f"{m} {v}", i) in rep.texts]
+            if pairs:
+                variant_same[f"{m} {v}"] = [sum(a == b for a, b in pairs), len(pairs)]
     return {"rows": rows, "ratios": ratios, "unequal_text": unequal, "variant_same_text": variant_same}
 
 
