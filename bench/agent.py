@@ -1,29 +1,31 @@
 """Agent traces on the tool-trained tiny Clover through `clover-gguf serve`, modes interleaved, and the patched
 `llama-server --jinja` on the same GGUF and the same requests.
 
-    python bench/agent.py [--model DIR|GGUF] [--tasks N] [--rounds 2] [--modes ar,draft-self,auto,diffusion]
-                          [--peer | --no-peer] [--threads 1] [--workdir out/bench-agent] [--json]
+    python bench/agent.py [--model DIR|GGUF] [--tasks N] [--traces 30] [--rounds 2]
+                          [--modes ar,draft-self,auto,diffusion] [--peer | --no-peer] [--threads 1]
+                          [--workdir out/bench-agent] [--json]
 
 The model is clover_gguf.testing.agent.TOOL_MODEL unless --model says another (a folder is converted to F32 first).
 
-Traces: the held-out tasks of the model's eval set (clover_gguf.testing.agent.held_out_tasks), each run once through
-the openai SDK's tool loop on our serve (AR, greedy): the question, the model's calls, the tools' results run in
-Python, the final answer (JSON to a schema where the task asks for it). Each assistant turn of a trace is one request
-to replay: the conversation before it, the same body in every mode. Replay: --rounds rounds; in each, every request
-once per mode, the modes in a seeded shuffled order per request (so no mode always follows another), after one
-untimed warm-up pass (every prompt is then kept by the server: timed requests decode what they generate, as an
-agent's turns do). Per mode, from each request's `clover_stats`: generated tokens over the server's seconds for the
-request (tok/s; also after the prompt pass), tokens per pass, accepted tokens per draft, split by what the turn
-writes: a tool call, prose (a final answer) or JSON. Ratios: draft-self / ar, auto / the faster of ar and draft-self
-(the issue's bars: >= 1.4 and >= 0.95). Greedy text (thinking, content, calls) equal across ar, draft-self and auto
-on every request. The grammar's cost: every call turn again with its call forced (tool_choice: the named function)
-and every JSON turn with the task's schema as its response_format, both in ar and draft-self: tok/s and tokens per
-pass constrained against not, and whether the text is the same; and each constrained turn once more with the
-grammar's forced tokens decoded by passes (the request's `forced_tokens: false`): forced tokens on against off.
+Traces: --traces held-out tasks of the model's eval set (clover_gguf.testing.agent.held_out_tasks, spread evenly over
+it: every kind), each run once from its question through the tool loop on our serve (AR, greedy): the model's calls, the
+tools' results run in Python, the final answer (JSON where the task asks for it). Each assistant turn of a trace is one
+request to replay: the conversation before it, the same body in every mode. Replay: --rounds rounds; in each, every
+request once per mode, the modes in a seeded shuffled order per request (so no mode always follows another), after two
+untimed warm-up passes (every prompt is then kept by the server: timed requests decode what they generate, as an agent's
+turns do). Per mode, from each request's `clover_stats`: generated tokens over the server's seconds for the request
+(tok/s; also after the prompt pass), tokens per pass, accepted tokens per draft, split by what the turn writes: a tool
+call, prose (a final answer) or JSON. Ratios: draft-self / ar, auto / the faster of ar and draft-self (the issue's bars:
+>= 1.4 and >= 0.95). Greedy text (thinking, content, calls) equal across ar, draft-self and auto on every request. The
+grammar's cost: every call turn again with its call forced (tool_choice: the named function) and every JSON turn with
+the task's schema as its response_format, both in ar and draft-self: tok/s and tokens per pass constrained against not,
+and whether the text is the same; and each constrained turn once more with the grammar's forced tokens decoded by passes
+(the request's `forced_tokens: false`): forced tokens on against off.
 
---peer (the default; --no-peer skips it): llama-server and our serve (--mode ar) both up, each held-out task's first
-turn sent to both with tool_choice auto, greedy, every penalty off: the same tool_calls (name and arguments, parsed)
-and the same content, task by task; where they differ both answers are printed.
+--peer (the default; --no-peer skips it): llama-server and our serve both up, each held-out task's answered turn
+(--tasks: the first N) sent to both (ours in ar) with tool_choice auto, greedy, every penalty off: the same
+tool_calls (name and arguments, parsed) and the same content, task by task; where they differ both answers are
+printed.
 
 Figures only, no asserts on timing; the load average at the start and the end is printed beside them.
 """
@@ -345,7 +347,9 @@ def print_replay(s: dict, load: tuple) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, default=TOOL_MODEL, help="the tool model's folder (converted) or a GGUF")
-    ap.add_argument("--tasks", type=int, default=0, help="held-out tasks to use (0: all)")
+    ap.add_argument("--tasks", type=int, default=0, help="held-out tasks llama-server is compared on (0: all)")
+    ap.add_argument("--traces", type=int, default=30,
+                    help="held-out tasks whose traces are replayed, spread evenly over the eval set (0: all)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--modes", default="ar,draft-self,auto,diffusion")
     ap.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True,
@@ -375,9 +379,8 @@ def run(args) -> None:
         convert(args.model, gguf, outtype="f32", quiet=True, force=True)
     else:
         folder = TOOL_MODEL
-    tasks = held_out_tasks(folder)
-    if args.tasks:
-        tasks = tasks[:args.tasks]
+    all_tasks = held_out_tasks(folder)
+    tasks = all_tasks[:args.tasks] if args.tasks else all_tasks
     modes = [m for m in args.modes.split(",") if m]
     report: dict = {"model": str(args.model), "tasks": len(tasks), "threads": args.threads, "rounds": args.rounds,
                     "loadavg_start": os.getloadavg()[0]}
@@ -390,9 +393,10 @@ def run(args) -> None:
             print_peer(report["peer"])
             procs.pop().terminate()
         if args.replay:
-            turns = record_traces(ours, tasks)
+            every = all_tasks if not args.traces else all_tasks[::max(1, len(all_tasks) // args.traces)][:args.traces]
+            turns = record_traces(ours, every)
             kinds = {k: sum(t.kind == k for t in turns) for k in ("call", "prose", "json")}
-            print(f"\n{len(tasks)} traces, {len(turns)} turns to replay ({kinds}), modes {', '.join(modes)}, "
+            print(f"\n{len(every)} traces, {len(turns)} turns to replay ({kinds}), modes {', '.join(modes)}, "
                   f"{args.rounds} rounds")
             load0 = os.getloadavg()[0]
             rep = replay(ours, turns, modes, args.rounds)
