@@ -698,6 +698,9 @@ def main(argv: list[str] | None = None, family: Family = BUNDLED) -> int:
     import torch
 
     torch.set_num_threads(a.threads)
+    # the parallel delta rule's decays e^{G_t - G_j} underflow over the tool family's hundreds of tokens: denormal
+    # floats, which the CPU computes slowly, are flushed to zero (a difference far below float32's precision)
+    torch.set_flush_denormal(True)
     if a.eval_only:
         if family is not BUNDLED:
             raise SystemExit("--eval-only reads the bundled tasks' rows: judge this family with bench/tiny_eval.py")
