@@ -2,6 +2,11 @@
 
     python bench/tiny_eval.py [--model clover_gguf/assets/tiny-clover] [--workdir out/tiny-eval] [--limit N]
                               [--rules prefix,plain,strict,strict@0.99,tail] [--controls] [--json]
+    python bench/tiny_eval.py --model clover_gguf/assets/tiny-clover-tools --rules prefix   # the tool model
+
+A tool model's rows (clover_gguf.testing.tool_tasks: rows with `messages` and `tools`) are rendered with their tools
+and judged by tool_tasks.judge (calls read by serve's parser): per mode, the share of call rows with the right tool
+names and the right arguments, of final rows with the right answer, of JSON rows with the right object.
 
 Converts the checkpoint to an F32 GGUF, then decodes every eval row (greedy; the card's controls off unless
 --controls) with the runtime's chat template and tokenizer:
@@ -29,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 from clover_gguf import decoding  # noqa: E402
 from clover_gguf.convert import convert  # noqa: E402
 from clover_gguf.runtime import CloverRuntime  # noqa: E402
+from clover_gguf.testing import tool_tasks  # noqa: E402
 from clover_gguf.testing.train_tiny import ASSET_DIR, load_eval, row_conversation, row_kind  # noqa: E402
 
 
@@ -73,14 +79,32 @@ def answer_of(text: str, think: bool) -> str:
     return "" if think else text.strip()
 
 
+def is_tool_row(row: dict) -> bool:
+    return "messages" in row
+
+
+def row_prompt(rt: CloverRuntime, row: dict) -> tuple[str, bool]:
+    """-> (the row's prompt as the runtime renders it, whether it thinks)."""
+    if is_tool_row(row):
+        return rt.render(row["messages"], think=row.get("think", True), tools=row["tools"]), row.get("think", True)
+    conv = row_conversation(row)
+    return rt.render(conv.messages, think=conv.think), conv.think
+
+
+def max_new_tokens(rows) -> int:
+    """96 for the bundled tasks; the tool model's answers run to about 180 tokens."""
+    return 256 if any(is_tool_row(r) for r in rows) else 96
+
+
 def run_rows(rt: CloverRuntime, rows, mode: str, end_rule: str = decoding.DEFAULT_END_RULE, controls: bool = False,
-             max_new: int = 96, threshold: float = 0.95):
+             max_new: int | None = None, threshold: float = 0.95):
     from clover_gguf.controls import make_processors
 
     out = []
+    max_new = max_new or max_new_tokens(rows)
     for row in rows:
-        conv = row_conversation(row)
-        ids = rt.ctx.tokenize(rt.render(conv.messages, think=conv.think), special=True)
+        prompt, think = row_prompt(rt, row)
+        ids = rt.ctx.tokenize(prompt, special=True)
         procs = make_processors(rt.controls, rt.eos_ids, rt.think_id, rt.think_end_id, False) if controls else ()
         probe = EarlyEndProbe(rt.backend)
         probe.install()
@@ -91,11 +115,15 @@ def run_rows(rt: CloverRuntime, rows, mode: str, end_rule: str = decoding.DEFAUL
         finally:
             probe.remove()
         text = rt.detokenize(toks)
-        ans = answer_of(text, conv.think)
-        ok = row["answer"] in ans
+        if text.endswith("<|im_end|>"):
+            text = text[:-len("<|im_end|>")]
+        ans = answer_of(text, think)
+        checks = tool_tasks.judge(row, ans) if is_tool_row(row) else {}
+        ok = checks["ok"] if checks else row["answer"] in ans
         early = probe.events > 0
         cut = early and not ok and row["answer"].startswith(ans) and ans != row["answer"]
-        out.append(dict(kind=row_kind(row), ok=ok, tokens=toks, generated=stats.generated_tokens,
+        out.append(dict(kind=row["kind"] if checks else row_kind(row), ok=ok, checks=checks, tokens=toks,
+                        generated=stats.generated_tokens,
                         passes=stats.forward_passes, early_blocks=len(probe.blocks_seen), early=early, cut=cut,
                         drafted=stats.drafted_tokens, accepted=stats.accepted_tokens, text=text))
     return out
@@ -108,7 +136,12 @@ def summary(res) -> dict:
         kinds[r["kind"]][1] += 1
     gen, passes = sum(r["generated"] for r in res), sum(r["passes"] for r in res)
     drafted = sum(r["drafted"] for r in res)
-    return {"accuracy": round(sum(r["ok"] for r in res) / len(res), 4), "n": len(res),
+    checks = {}
+    for name in ("name", "args", "answer", "json"):  # the tool rows' checks, over the rows each applies to
+        seen = [r["checks"][name] for r in res if r["checks"] and r["checks"][name] is not None]
+        if seen:
+            checks[name] = f"{sum(seen)}/{len(seen)} = {100 * sum(seen) / len(seen):.1f}%"
+    return {"accuracy": round(sum(r["ok"] for r in res) / len(res), 4), "n": len(res), **checks,
             "by_kind": {k: f"{c}/{n} = {100 * c / n:.1f}%" for k, (c, n) in sorted(kinds.items())},
             "tokens_per_pass": round(gen / passes, 3), "generated": gen, "passes": passes,
             "acceptance": round(sum(r["accepted"] for r in res) / drafted, 4) if drafted else None,
@@ -160,7 +193,8 @@ def main(argv=None) -> int:
                     if a.show_misses:
                         for row, r in zip(rows, res):
                             if not r["ok"]:
-                                print(f"  MISS {row_kind(row)} {row['prompt']!r} want {row['answer']!r} got "
+                                print(f"  MISS {r['kind']} {row.get('prompt') or row['messages'][0]['content']!r} "
+                                  f"want {row['answer']!r} got "
                                       f"{r['text']!r}{' (early end)' if r['early'] else ''}", file=sys.stderr)
             finally:
                 decoding.END_THRESHOLD = saved

@@ -71,14 +71,25 @@ def bytes_to_unicode() -> dict[int, str]:
 _TRAIN_SPLIT = re.compile(r"'(?:s|t|re|ve|m|ll|d)| ?[A-Za-z]+| ?[0-9]| ?[^\sA-Za-z0-9]+[\r\n]*|\s*[\r\n]+|\s+")
 
 
-def train_bpe(corpus: str, n_merges: int) -> tuple[dict[str, int], list[tuple[str, str]]]:
-    """Plain BPE over byte-level words: repeatedly merge the most frequent adjacent pair (ties: first seen)."""
+def exact_pieces(text: str) -> list[str]:
+    """`text` split by the tokenizer's own pre-tokenizer regex (QWEN35_PRETOKENIZE_REGEX, in HF tokenizers' engine):
+    the pieces BPE merges apply within."""
+    from tokenizers import Regex, pre_tokenizers
+
+    split = pre_tokenizers.Split(Regex(QWEN35_PRETOKENIZE_REGEX), behavior="isolated")
+    return [p for p, _ in split.pre_tokenize_str(text)]
+
+
+def train_bpe(corpus: str, n_merges: int, exact_split: bool = False) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """Plain BPE over byte-level words: repeatedly merge the most frequent adjacent pair (ties: first seen).
+
+    exact_split: words as the tokenizer's regex splits them (exact_pieces), so merges can span what it keeps
+    together ("<tool", "_call", ">\\n"); else the close-enough _TRAIN_SPLIT (the bundled model's tokenizer)."""
     b2u = bytes_to_unicode()
-    for tok in SPECIAL_TOKENS + THINK_TOKENS:
-        corpus = corpus.replace(tok, " ")
-    words = collections.Counter(
-        tuple(b2u[b] for b in piece.encode("utf-8")) for piece in _TRAIN_SPLIT.findall(corpus)
-    )
+    for tok in SPECIAL_TOKENS + THINK_TOKENS:  # matched before the split: never part of a word
+        corpus = corpus.replace(tok, "\n" if exact_split else " ")
+    pieces = exact_pieces(corpus) if exact_split else _TRAIN_SPLIT.findall(corpus)
+    words = collections.Counter(tuple(b2u[b] for b in piece.encode("utf-8")) for piece in pieces)
     vocab = {b2u[b]: i for i, b in enumerate(sorted(b2u))}
     merges: list[tuple[str, str]] = []
     while len(merges) < n_merges:
@@ -127,12 +138,13 @@ def grow_bpe(vocab: dict[str, int], merges: list[tuple[str, str]], n_vocab: int)
         queue.extend(add(word, c) for c in letters)
 
 
-def write_tokenizer(out: Path, corpus: str = DEFAULT_CORPUS, n_merges: int = 200, n_tokens: int | None = None
-                    ) -> dict[str, int]:
-    """Write tokenizer.json, tokenizer_config.json and chat_template.jinja; return the special token ids.
+def write_tokenizer(out: Path, corpus: str = DEFAULT_CORPUS, n_merges: int = 200, n_tokens: int | None = None,
+                    template: str = CHAT_TEMPLATE, exact_split: bool = False) -> dict[str, int]:
+    """Write tokenizer.json, tokenizer_config.json and chat_template.jinja (`template`); return the special token ids.
 
-    n_tokens: grow the vocabulary (grow_bpe) so that BPE tokens plus the added tokens number n_tokens."""
-    vocab, merges = train_bpe(corpus, n_merges)
+    n_tokens: grow the vocabulary (grow_bpe) so that BPE tokens plus the added tokens number n_tokens.
+    exact_split: merges trained on the tokenizer's own pieces (train_bpe)."""
+    vocab, merges = train_bpe(corpus, n_merges, exact_split)
     n_added = len(SPECIAL_TOKENS) + len(THINK_TOKENS)
     if n_tokens is not None:
         if n_tokens < len(vocab) + n_added:
@@ -180,5 +192,5 @@ def write_tokenizer(out: Path, corpus: str = DEFAULT_CORPUS, n_merges: int = 200
         "split_special_tokens": False,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n")
-    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    (out / "chat_template.jinja").write_text(template)
     return ids

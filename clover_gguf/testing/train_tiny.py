@@ -38,6 +38,7 @@ import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 from clover_gguf.metadata import READING, READING_FIELD, READINGS, check_reading
 
@@ -209,6 +210,33 @@ def bpe_corpus(n: int = 1500, seed: int = 7) -> str:
     return "".join(texts)
 
 
+def _chat_template() -> str:
+    from clover_gguf.testing.tokenizer import CHAT_TEMPLATE
+
+    return CHAT_TEMPLATE
+
+
+@dataclass(frozen=True)
+class Family:
+    """A family of training tasks: what a model of this script is trained on, and the files that say it.
+    draw(rng) -> a conversation with prompt_text() and target_text(); corpus() -> the BPE training text;
+    eval_set() -> the held-out rows of eval.jsonl; template() -> the chat template; n_merges, exact_split: the
+    tokenizer's training (tokenizer.train_bpe)."""
+
+    name: str
+    draw: Callable[[random.Random], Any]
+    corpus: Callable[[], str]
+    eval_set: Callable[[], list[dict]]
+    template: Callable[[], str]
+    n_merges: int = 120
+    exact_split: bool = False
+
+
+# the bundled model's tasks (the tool-calling model's: clover_gguf.testing.tool_tasks.FAMILY)
+BUNDLED = Family(name="bundled", draw=draw_conversation, corpus=bpe_corpus, eval_set=make_eval_set,
+                 template=_chat_template)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Model setup
 # ---------------------------------------------------------------------------------------------------------------
@@ -347,22 +375,22 @@ def parallel_delta_rule(q, k, v, g, beta, s0):
 
 
 def _fast_moe_forward(self, x, coreset_top_p):
-    """reference.SparseMoe.forward with each expert run once on the rows routed to it (the reference runs every
-    chosen expert on all rows and zeroes the others by weight): a quarter of the expert FLOPs at top-2 of 8."""
+    """reference.SparseMoe.forward as three matrix products over all experts at once: every row through every
+    expert, each expert's output weighted by the row's routing weight (zero where it was not chosen), as the
+    reference's loop computes it, but without its per-expert passes. (Gathering each expert's rows did a quarter of
+    the FLOPs, but its backward, a scatter-add, took a third of a step on the tool family's 300-token sequences.)"""
     import torch
     import torch.nn.functional as F
 
     idx, w = self.route(x, coreset_top_p)
-    flat = x.reshape(-1, x.shape[-1])  # [N*T, H]
-    idx, w = idx.reshape(flat.shape[0], -1), w.reshape(flat.shape[0], -1)  # [N*T, k]
-    out = torch.zeros_like(flat)
-    for e in range(self.cfg.num_experts):
-        rows, slot = (idx == e).nonzero(as_tuple=True)  # top-k ids are distinct: one slot per row at most
-        if rows.numel() == 0:
-            continue
-        xe = flat[rows]
-        hid = F.silu(xe @ self.gate_proj[e].T) * (xe @ self.up_proj[e].T)
-        out = out.index_add(0, rows, (hid @ self.down_proj[e].T) * w[rows, slot, None])
+    n_exp, width, hidden = self.gate_proj.shape
+    flat = x.reshape(-1, hidden)  # [N*T, H]
+    k = idx.shape[-1]
+    dense = torch.zeros(flat.shape[0], n_exp, dtype=w.dtype).scatter(1, idx.reshape(-1, k), w.reshape(-1, k))
+    gate = flat @ self.gate_proj.reshape(n_exp * width, hidden).T  # [N*T, E*F]
+    up = flat @ self.up_proj.reshape(n_exp * width, hidden).T
+    hid = (F.silu(gate) * up).reshape(-1, n_exp, width) * dense[:, :, None]
+    out = hid.reshape(-1, n_exp * width) @ self.down_proj.transpose(1, 2).reshape(n_exp * width, hidden)
     out = out.reshape(x.shape)
     shared = self.shared_down_proj(F.silu(self.shared_gate_proj(x)) * self.shared_up_proj(x))
     return out + torch.sigmoid(self.shared_expert_gate(x)) * shared
@@ -411,11 +439,11 @@ class Data:
     with their prompt and answer lengths as arrays so a micro-batch finds the sequences that fit its block
     position without drawing conversations until one fits."""
 
-    def __init__(self, tok, size: int, seed: int):
+    def __init__(self, tok, size: int, seed: int, family: Family = BUNDLED):
         import numpy as np
 
         rng = random.Random(seed * 7_919 + 1)
-        convs = [draw_conversation(rng) for _ in range(size)]
+        convs = [family.draw(rng) for _ in range(size)]
         prompts = tok.encode_batch([c.prompt_text() for c in convs])
         answers = tok.encode_batch([c.target_text() for c in convs])
         header, end = tok.encode("<|im_start|>assistant\n").ids, tok.token_to_id("<|im_end|>")
@@ -500,18 +528,20 @@ def step_loss(model, batch, pos, block, special, gen):
 # ---------------------------------------------------------------------------------------------------------------
 # Training
 # ---------------------------------------------------------------------------------------------------------------
-def prepare(out: Path, seed: int):
-    """Tokenizer, config and eval set in OUT (deterministic); -> (tokenizer, special ids, config)."""
+def prepare(out: Path, seed: int, family: Family = BUNDLED):
+    """Tokenizer, config and eval set of the task family in OUT (deterministic); -> (tokenizer, special ids,
+    config)."""
     from tokenizers import Tokenizer
 
     from clover_gguf.testing.tokenizer import write_tokenizer
 
     out.mkdir(parents=True, exist_ok=True)
-    special = write_tokenizer(out, corpus=bpe_corpus(), n_merges=120)
+    special = write_tokenizer(out, corpus=family.corpus(), n_merges=family.n_merges, template=family.template(),
+                              exact_split=family.exact_split)
     vocab_size = -(-(max(special.values()) + 1) // 64) * 64
     cfg = make_config(special, vocab_size)
     with open(out / "eval.jsonl", "w") as f:
-        for row in make_eval_set():
+        for row in family.eval_set():
             f.write(json.dumps(row) + "\n")
     return Tokenizer.from_file(str(out / "tokenizer.json")), special, cfg
 
@@ -520,14 +550,15 @@ def train(out: Path, steps: int, seed: int = 0, resume: bool = False, micro: int
           save_every: int = 100, log_every: int = 20, stop_after: int | None = None,
           boundary_share: float = 0.2, pool: int = 100_000, reading: str = READING,
           init_from: Path | None = None, history_c: float | None = None, history_bias: float | None = None,
-          log: bool = True) -> None:
+          log: bool = True, family: Family = BUNDLED) -> None:
     """reading: the block softmax's reading the model is trained under (metadata.READINGS; its config.json says
     it). init_from: start from that checkpoint's weights (one this script made: the same tokenizer and shape)
     instead of random ones, its block-softmax tensors drawn afresh, so that they carry nothing of the reading it
-    was trained under. history_c, history_bias: their starting values (set_history). log: the loss lines."""
+    was trained under. history_c, history_bias: their starting values (set_history). log: the loss lines.
+    family: the tasks (BUNDLED, or tool_tasks.FAMILY)."""
     import torch
 
-    tok, special, cfg = prepare(out, seed)
+    tok, special, cfg = prepare(out, seed, family)
     cfg.extra[READING_FIELD] = check_reading(reading, "--reading")
     torch.manual_seed(seed)
     model = init_model(cfg, seed)
@@ -544,7 +575,7 @@ def train(out: Path, steps: int, seed: int = 0, resume: bool = False, micro: int
         opt.load_state_dict(st["opt"])
         start = st["step"]
         print(f"resumed at step {start}", file=sys.stderr)
-    data = Data(tok, pool, seed)
+    data = Data(tok, pool, seed, family)
     warm = 100
 
     def lr_at(s: int) -> float:
@@ -635,8 +666,9 @@ def evaluate_rows(model, tok, rows: list[dict], mode: str = "ar", accept: str = 
             "acceptance_rate": accepted / drafted if drafted else None, "outputs": outputs}
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m clover_gguf.testing.train_tiny", description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None, family: Family = BUNDLED) -> int:
+    prog = "python -m clover_gguf.testing." + ("train_tiny" if family is BUNDLED else "tool_tasks")
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--steps", type=int, default=3200)
     ap.add_argument("--seed", type=int, default=0)
@@ -666,7 +698,12 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(a.threads)
+    # the parallel delta rule's decays e^{G_t - G_j} underflow over the tool family's hundreds of tokens: denormal
+    # floats, which the CPU computes slowly, are flushed to zero (a difference far below float32's precision)
+    torch.set_flush_denormal(True)
     if a.eval_only:
+        if family is not BUNDLED:
+            raise SystemExit("--eval-only reads the bundled tasks' rows: judge this family with bench/tiny_eval.py")
         model, tok, rows = load_tiny(a.out)
         t0 = time.time()
         r = evaluate_rows(model, tok, rows[:a.limit], a.mode, accept=a.accept, verbose=True)
@@ -675,7 +712,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     train(a.out, a.steps, seed=a.seed, resume=a.resume, micro=a.micro, lr=a.lr, save_every=a.save_every,
           stop_after=a.stop_after, boundary_share=a.boundary_share, pool=a.pool, reading=a.reading,
-          init_from=a.init_from, history_c=a.history_c, history_bias=a.history_bias)
+          init_from=a.init_from, history_c=a.history_c, history_bias=a.history_bias, family=family)
     return 0
 
 
