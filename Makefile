@@ -68,7 +68,8 @@ BACKEND ?= cpu
 llama: $(CORE_ENV)
 	$(PY) -m clover_gguf build-llama --backend $(BACKEND) $(if $(JOBS),--jobs $(JOBS)) $(if $(CUDA_ARCH),--cuda-arch '$(CUDA_ARCH)')
 
-# The main job on the bundled default model: convert, quantize, answer a few prompts in each mode with stats.
+# The main job on the bundled default model: convert, quantize, answer a few prompts in each mode with stats; then one
+# agent turn on the tool-trained tiny model (serve, the openai SDK: a tool call, its result, the answer).
 DEMO_PROMPTS ?= "Count from 12 to 17." "What is 34 + 58?" "Reverse: c l o v e r"
 demo: $(CORE_ENV) llama
 	mkdir -p $(DEMO_DIR)
@@ -79,6 +80,7 @@ demo: $(CORE_ENV) llama
 		echo "== $$mode: $$p"; \
 		$(PY) -m clover_gguf generate $(DEMO_DIR)/tiny-clover-q8_0.gguf -p "$$p" --mode $$mode --stats || exit 1; \
 	done; done
+	$(PY) -m clover_gguf.testing.agent --out $(DEMO_DIR)
 	@echo '== done. Run the commands of the README (Use) as $(CLI) ($(CLI_NOTE)).'
 
 # Clover on Apple's MLX (docs/mac.md): the mlx extra into the same environment, the checkout kept editable (a plain

@@ -49,3 +49,14 @@ def bundled_eval() -> list[dict]:
     import json
 
     return [json.loads(x) for x in (BUNDLED / "eval.jsonl").read_text().splitlines() if x.strip()]
+
+
+@pytest.fixture(scope="session")
+def tool_gguf(tmp_path_factory) -> Path:
+    """The tool-trained tiny Clover (clover_gguf.testing.agent.TOOL_MODEL) as an F32 GGUF, converted once."""
+    from clover_gguf.convert import convert
+    from clover_gguf.testing.agent import TOOL_MODEL
+
+    out = tmp_path_factory.mktemp("tools") / "tiny-clover-tools.gguf"
+    convert(TOOL_MODEL, out, outtype="f32", quiet=True)
+    return out

@@ -206,3 +206,17 @@ def test_logprobs_are_sane(server, mode):
     lp = c.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) > 0
     assert all(v <= 0 for v in lp.token_logprobs) and all(len(t) == 2 for t in lp.top_logprobs)
+
+
+def test_forced_tokens_false_decodes_them_by_passes(server):
+    """The request's forced_tokens false (bench/agent.py's switch): the grammar's forced tokens take passes like any
+    other; the text is the same, the passes are more by the tokens forced."""
+    client = server.client(None)
+    msgs = [{"role": "user", "content": QUESTION}]
+    on, off = (ask(client, msgs, "ar", tools=[WEATHER], tool_choice=named("get_weather"), extra={"forced_tokens": f})
+               for f in (True, False))
+    assert calls_of(on) == calls_of(off) and on.choices[0].message.content == off.choices[0].message.content
+    s_on, s_off = on.model_extra["clover_stats"], off.model_extra["clover_stats"]
+    assert s_on["forced_tokens"] > 0 and s_off["forced_tokens"] == 0
+    assert s_on["generated_tokens"] == s_off["generated_tokens"]
+    assert s_off["decode_passes"] - s_on["decode_passes"] == s_on["forced_tokens"]

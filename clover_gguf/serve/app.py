@@ -198,7 +198,8 @@ def precheck(rt: Any, plan: Plan, pool: Pool | None = None) -> None:
             raise APIError(400, str(e), param=grammar_param) from None
     for kw, param, wanted in (("constraint", grammar_param, plan.grammar_body is not None),
                               ("logprobs", "logprobs", plan.logprobs is not None),
-                              ("ignore_eos", "ignore_eos", plan.ignore_eos)):
+                              ("ignore_eos", "ignore_eos", plan.ignore_eos),
+                              ("forced", "forced_tokens", not plan.forced)):
         if wanted and not _takes(rt, kw):
             raise APIError(400, f"this runtime's decoders do not take {kw} yet", param=param)
     if not hasattr(rt, "least_prompt_tokens"):  # a test's stand-in runtime

@@ -72,6 +72,7 @@ def _models():
         accept: Literal[ACCEPT_MODES] | None = None
         clover_blocks: bool = False  # the block view: each pass's state in the stream (docs/serve.md)
         ignore_eos: bool = False  # llama-server's: the end tokens never chosen, the answer runs to max_tokens
+        forced_tokens: bool = True  # false: tokens a grammar forces take passes like any other (bench/agent.py)
 
     class ChatRequest(Common):
         messages: list[Message] = Field(..., min_length=1)
@@ -153,7 +154,7 @@ def plan_from(req: Any, chat: bool, default_mode: str) -> Plan:
              accept=req.accept or "exact", temp=req.temperature or 0.0,
              top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, seed=req.seed, stop=stop,
              controls=controls, max_tokens=req.max_tokens, stream=bool(req.stream), blocks=req.clover_blocks,
-             ignore_eos=req.ignore_eos)
+             ignore_eos=req.ignore_eos, forced=req.forced_tokens)
     if p.blocks and not p.stream:
         raise APIError(400, "clover_blocks needs stream: true (the passes come as events of the stream)",
                        param="clover_blocks")

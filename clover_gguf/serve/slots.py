@@ -62,6 +62,7 @@ class Plan:
     grammar_body: str | None = None  # the Lark rules of the body the answer must be (clover_gguf.grammar)
     logprobs: int | None = None  # None: off; N: each token's logprob and its N most likely alternatives
     ignore_eos: bool = False  # the end tokens never chosen: the answer runs to max_tokens (or the context's end)
+    forced: bool = True  # tokens a grammar forces placed without a pass (decoding.generate's `forced`)
 
 
 class ClientGone(Exception):
@@ -218,6 +219,8 @@ def _decode(rt: Any, job: Job, plan: Plan, engine: Callable[[], Any] | None = No
         extra["logprobs"] = plan.logprobs
     if plan.ignore_eos:
         extra["ignore_eos"] = True
+    if not plan.forced:
+        extra["forced"] = False
     job.emit("started", len(ids))
 
     # chat: thinking and answer split by the one rule (clover_gguf.thinking), then the answer's tool calls
