@@ -101,6 +101,8 @@ class Setting:
                 "--round-cap", str(a.round_cap)]
         env = {k: v for k, v in os.environ.items() if k not in GOMP_ENV}
         if name == "before" and a.before_tree:
+            gguf = tree_gguf(gguf, a.before_tree)
+            args[args.index("--gguf") + 1] = str(gguf)
             env["CONTENTION_TREE"] = str(a.before_tree)
             env["PYTHONPATH"] = os.pathsep.join([str(a.before_tree), env.get("PYTHONPATH", "")])
         elif name == "before":
@@ -153,6 +155,20 @@ def loadavg() -> str:
         return " ".join(Path("/proc/loadavg").read_text().split()[:3])
     except OSError:
         return "n/a"
+
+
+def tree_gguf(gguf: Path, tree: Path) -> Path:
+    """The bundled model's GGUF as the tree before converts it from its own copy of the model: GGUF keys and the
+    readings' names moved since (review round 3), and a tree reads what its own converter writes. Another file (the
+    slice) is used as it is."""
+    if gguf.name != "tiny-clover-f32.gguf":
+        return gguf
+    out = gguf.with_name("tiny-clover-f32-before.gguf")
+    code = ("import sys; from pathlib import Path; from clover_gguf.convert import convert; "
+            "convert(Path(sys.argv[1]), Path(sys.argv[2]), outtype='f32', quiet=True, force=True)")
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    subprocess.run([sys.executable, "-c", code, str(tree / BUNDLED.relative_to(ROOT)), str(out)], env=env, check=True, cwd=str(tree))
+    return out
 
 
 def bench_model(label: str, gguf: Path, prompts: list[str], kinds: list[str], max_new: int,
