@@ -36,7 +36,6 @@ import json
 import math
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -50,6 +49,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
+
+from clover_gguf.testing.ports import free_port  # noqa: E402,F401 (bench/agent.py, blocks.py take it from here)
 
 EVAL = ROOT / "clover_gguf" / "assets" / "tiny-clover" / "eval.jsonl"
 FALLBACK_PROMPTS = ["Count from 3 to 9.", "What is 12 + 30?", "Reverse: a b c d", "Copy: q r s t"]
@@ -230,12 +231,6 @@ def same_text(ours: list[tuple[dict, list[Record]]], peer: list[tuple[dict, list
 
 
 # ---- the servers ---------------------------------------------------------------------------------------------------
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def start_logged(cmd: list[str], log: Path, **kw) -> subprocess.Popen:

@@ -21,7 +21,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,8 @@ from enum import Enum
 from pathlib import Path
 
 import pytest
+
+from clover_gguf.testing.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -336,14 +337,6 @@ def _split_comment(line: str) -> tuple[str, str]:
     return line, ""
 
 
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
 def _run_use_line(command: str, cwd: Path, env: dict) -> subprocess.CompletedProcess:
     """One Use line in bash, `clover-gguf` being this tree's CLI in this interpreter. chat gets a question and then
     the end of input (Ctrl-D); serve runs until it says where it listens, answers /health, and gets a Ctrl-C."""
@@ -351,7 +344,7 @@ def _run_use_line(command: str, cwd: Path, env: dict) -> subprocess.CompletedPro
     if " serve " in f" {command} ":
         import httpx
 
-        port = _free_port()  # 8080 may be another program's on a shared machine: the one thing changed
+        port = free_port()  # 8080 may be another program's on a shared machine: the one thing changed
         p = subprocess.Popen(["bash", "-c", prelude + command + f" --port {port}"], cwd=cwd, env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         lines, deadline = [], time.monotonic() + 300

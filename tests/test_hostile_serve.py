@@ -11,13 +11,14 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from clover_gguf.testing.ports import free_port
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
@@ -181,14 +182,11 @@ def test_the_prompt_bound_the_server_refuses_with_is_a_lower_bound(model):
 # ---------------------------------------------------------------------------------------------------------------
 # The server
 # ---------------------------------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.create_server(("127.0.0.1", 0)) as s:
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def server(model):
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "clover_gguf", "serve", str(model), "--port", str(port),
                              "--ctx", "64", "--api-key", KEY, "--mode", "ar", "--threads", "2"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -372,7 +370,7 @@ def test_a_pass_that_would_gather_more_than_the_graph_takes_selects_densely(rand
 
 @pytest.fixture(scope="module")
 def random448_server(random448):
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "clover_gguf", "serve", str(random448), "--port", str(port),
                              "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     base = _wait_healthy(proc, port)
@@ -427,7 +425,7 @@ def test_serve_answers_every_open_request_when_it_is_stopped(random448, sig):
     each in the API's own form (503, a JSON error; a stream ends with an error event and [DONE])."""
     import threading
 
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "clover_gguf", "serve", str(random448), "--port", str(port),
                              "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     results: dict[str, tuple[int, str]] = {}

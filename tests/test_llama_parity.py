@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -30,6 +29,7 @@ from clover_gguf.build import llama_tool
 from clover_gguf.errors import UserError
 from clover_gguf.llama_context import LlamaContext, load_binding
 from clover_gguf.testing.device import env_offload_kwargs
+from clover_gguf.testing.ports import free_port
 
 EXACT = os.environ.get("CLOVER_GGUF_PARITY", "exact") != "defaults"
 TOL = 1e-4 if EXACT else 1e-2
@@ -524,12 +524,6 @@ def test_llama_cli_runs_causal_with_chat_template(clover_files):
     assert "Generation:" in p.stdout  # tokens were generated
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["clover", "qwen35moe"])
 def test_llama_server_answers_the_openai_client(bundled_gguf, bundled_eval, tmp_path, kind):
@@ -541,7 +535,7 @@ def test_llama_server_answers_the_openai_client(bundled_gguf, bundled_eval, tmp_
 
     model = bundled_gguf if kind == "clover" else export_ar(bundled_gguf, tmp_path / "ar.gguf", quiet=True, arch="qwen35moe").out
     row = bundled_eval[0]
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen([str(llama_tool("llama-server")), "-m", str(model), "--host", "127.0.0.1",
                                "--port", str(port), "-c", "512", "-t", "2", "--jinja", "--no-warmup"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from clover_gguf.testing.ports import free_port
 from clover_gguf.testing.tool_tasks import TOOLS, run_tool as _run_tool
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
@@ -158,12 +158,6 @@ def tool_loop(client: Any, messages: list[dict], tools: list[dict], mode: str | 
 
 
 # ---- the demo: `clover-gguf serve` in a subprocess, one agent turn through the openai SDK ------------------------
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def demo(gguf: Path, mode: str, task: Task) -> int:
@@ -172,7 +166,7 @@ def demo(gguf: Path, mode: str, task: Task) -> int:
     import httpx
     import openai
 
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "clover_gguf", "serve", str(gguf), "--port", str(port),
                              "--mode", mode, "--ctx", "2048"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True)

@@ -9,14 +9,9 @@ import time
 from typing import Iterator
 
 from clover_gguf.errors import UserError
+from clover_gguf.testing.ports import free_port
 
 RPC_SERVER = "ggml-rpc-server"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -31,7 +26,7 @@ def rpc_servers(n: int = 2, threads: int = 1, timeout: float = 60.0) -> Iterator
     procs, endpoints = [], []
     try:
         for _ in range(n):
-            port = _free_port()
+            port = free_port()
             procs.append(subprocess.Popen([str(tool), "-H", "127.0.0.1", "-p", str(port), "-t", str(threads)],
                                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                           stderr=subprocess.PIPE))
