@@ -35,19 +35,10 @@ MIN_DIFFUSION_TOKENS_PER_PASS = 1.0
 
 
 @pytest.fixture(scope="module")
-def tools_gguf(tmp_path_factory) -> Path:
-    from clover_gguf.convert import convert
-
-    out = tmp_path_factory.mktemp("tools") / "tiny-clover-tools.gguf"
-    convert(ASSET_DIR, out, outtype="f32", quiet=True)
-    return out
-
-
-@pytest.fixture(scope="module")
-def rt(tools_gguf):
+def rt(tool_gguf):  # conftest's: the asset converted once a session (the agent tests run the same file)
     from clover_gguf.runtime import CloverRuntime
 
-    with CloverRuntime(tools_gguf, n_ctx=1024, n_threads=2) as r:
+    with CloverRuntime(tool_gguf, n_ctx=1024, n_threads=2) as r:
         yield r
 
 

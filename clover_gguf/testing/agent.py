@@ -18,12 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from clover_gguf.testing.ports import free_port
-from clover_gguf.testing.tool_tasks import TOOLS, run_tool as _run_tool
+from clover_gguf.testing.tool_tasks import ASSET_DIR, TOOLS, run_tool as _run_tool
 
-ASSETS = Path(__file__).resolve().parents[1] / "assets"
 # The model every agent test, bench/agent.py and the demo run (its eval.jsonl: the held-out tasks): switching models
-# is this one line.
-TOOL_MODEL = ASSETS / "tiny-clover-tools"
+# is this one line (today the asset clover_gguf.testing.tool_tasks trains).
+TOOL_MODEL = ASSET_DIR
 
 
 def run_tool(name: str, arguments: dict) -> str:
