@@ -288,12 +288,7 @@ def row_conversation(row: dict) -> ToolConversation:
 
 
 def bpe_corpus(n: int = 600, seed: int = 7) -> str:
-    rng = random.Random(seed)
-    texts = []
-    for i in range(n):
-        c = draw_tool_conversation(rng, kind=KINDS[i % len(KINDS)])
-        texts.append(c.prompt_text() + c.target_text() + "\n")
-    return "".join(texts)
+    return train_tiny.corpus_text(lambda rng, i: draw_tool_conversation(rng, kind=KINDS[i % len(KINDS)]), n, seed)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -201,13 +201,15 @@ def make_eval_set(per_task: dict[str, int] = EVAL_ROWS, seed: int = 12345) -> li
     return out
 
 
-def bpe_corpus(n: int = 1500, seed: int = 7) -> str:
+def corpus_text(draw: Callable[[random.Random, int], Any], n: int, seed: int) -> str:
+    """A family's BPE training text: n conversations, the i-th drawn by draw(rng, i) from one seeded generator,
+    each rendered prompt and target, a line apart."""
     rng = random.Random(seed)
-    texts = []
-    for i in range(n):
-        c = draw_conversation(rng, last_task=TASKS[i % len(TASKS)])
-        texts.append(c.prompt_text() + c.target_text() + "\n")
-    return "".join(texts)
+    return "".join(c.prompt_text() + c.target_text() + "\n" for c in (draw(rng, i) for i in range(n)))
+
+
+def bpe_corpus(n: int = 1500, seed: int = 7) -> str:
+    return corpus_text(lambda rng, i: draw_conversation(rng, last_task=TASKS[i % len(TASKS)]), n, seed)
 
 
 def _chat_template() -> str:
