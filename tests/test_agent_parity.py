@@ -8,10 +8,6 @@ clover_gguf.serve.tools), read the same answers. bench/agent.py compares every h
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("fastapi")
@@ -19,20 +15,11 @@ pytest.importorskip("fastapi")
 from clover_gguf.serve import create_app  # noqa: E402
 from clover_gguf.testing.agent import held_out_tasks  # noqa: E402
 
+from bench_scripts import load_bench  # noqa: E402
 from test_server import _Server  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("bench_agent", ROOT / "bench" / "agent.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bench = _bench()
+bench = load_bench("agent.py")
 
 
 def one_of_each_kind():

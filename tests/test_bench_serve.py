@@ -5,28 +5,18 @@ how. An HTTP error is one line naming the step."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench_scripts import load_bench
+
 MAX_TOKENS = 8
 
 
-def _bench():
-    spec = importlib.util.spec_from_file_location("bench_serve", ROOT / "bench" / "serve.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bench = _bench()
+bench = load_bench("serve.py")
 
 
 class Fake:

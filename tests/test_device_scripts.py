@@ -3,7 +3,6 @@ so that the device's few minutes go to measuring."""
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 import time
 from pathlib import Path
@@ -11,19 +10,13 @@ from types import SimpleNamespace
 
 import pytest
 
+from bench_scripts import load_bench
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"device_{name}", ROOT / "bench" / "device" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-steps = _load("steps")
-kit = _load("kit")
+steps = load_bench("device/steps.py")
+kit = load_bench("device/kit.py")
 
 
 class FakeBackend:

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import pytest
 
+from bench_scripts import load_bench
 from clover_gguf.testing.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -262,12 +263,7 @@ def test_serve_docs_say_what_tools_do_today():
 # 2. the README's times
 # =================================================================================================================
 def _first_use():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("first_use", ROOT / "bench" / "first_use.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("first_use.py")
 
 
 def test_readme_times_are_the_scripts_record():
