@@ -12,8 +12,9 @@ it: every kind), each run once from its question through the tool loop on our se
 tools' results run in Python, the final answer (JSON where the task asks for it). Each assistant turn of a trace is one
 request to replay: the conversation before it, the same body in every mode. Replay: --rounds rounds; in each, every
 request once per mode, the modes in a seeded shuffled order per request (so no mode always follows another), after two
-untimed warm-up passes (every prompt is then kept by the server: timed requests decode what they generate, as an agent's
-turns do). Per mode, from each request's `clover_stats`: generated tokens over the server's seconds for the request
+untimed warm-up passes over all requests (a prompt seen before is kept by the server) and, in each round, one more of the
+request itself just before its timed ones (the one slot keeps one prompt: timed requests decode what they generate, as
+an agent's turns do, and none pays a prompt pass for the others). Per mode, from each request's `clover_stats`: generated tokens over the server's seconds for the request
 (tok/s; also after the prompt pass), tokens per pass, accepted tokens per draft, split by what the turn writes: a tool
 call, prose (a final answer) or JSON. Ratios: draft-self / ar, auto / the faster of ar and draft-self (the issue's bars:
 >= 1.4 and >= 0.95). Greedy text (thinking, content, calls) equal across ar, draft-self and auto on every request. The
@@ -215,6 +216,10 @@ def replay(base: str, turns: list[Turn], modes: list[str], rounds: int, seed: in
             post(base, {**t.body, "mode": "ar", "max_tokens": 1}, f"warm-up {k + 1}, turn {i}")
     for r in range(rounds):
         for i, t in enumerate(turns):
+            # the slot keeps one prompt's state: the turn's own, untimed, so that no configuration pays a prompt pass
+            # that another one, drawn first, would have paid (with one slot and many turns, the first request of a
+            # turn found its prompt gone, and that order, not the mode, set a large part of its tok/s)
+            post(base, {**t.body, "mode": "ar", "max_tokens": 1}, f"round {r + 1}, turn {i}, warm-up")
             order = list(configs)
             rng.shuffle(order)
             for mode, variant in order:

@@ -252,11 +252,15 @@ class AutoPolicy:
         self.ok.add(accepted)
         self.cut.add(1.0 if accepted < proposed else 0.0)
         self.steps_since_draft = 0
-        if probe:  # did it pay? a probe whose proposals were rejected waits twice as long for the next one (one whose
-            # proposals were accepted lost on its cost, which varies from block to block: the next one comes soon)
-            paid = self.draft_rate() is not None and self.ar_rate() is not None and \
-                self.draft_rate() >= self.ar_rate()
-            paid = paid or (proposed > 0 and accepted >= proposed / 2)
+        if probe:  # did it pay? one that did not waits twice as long for the next one
+            ar = self.ar_rate()
+            paid = self.draft_rate() is not None and ar is not None and self.draft_rate() >= ar
+            # or would it have, at the warm pass costs (a probe's own time may be a cold one, or a stalled one): the
+            # tokens drafts yield against what their passes cost. Not "its proposals were accepted": a draft whose
+            # pass resolved 4 sure positions and stopped had them all accepted, and 4 tokens for a block pass and a
+            # verification lose to AR on a CPU (the agent traces: probes every AR run, auto 0.93x AR)
+            t = self.predict_draft_seconds()
+            paid = paid or (ar is not None and bool(t) and self.kept.value / t >= ar)
             self.gap = 1 if paid else min(PROBE_MAX, self.gap * 2)
             # its cost as the pass costs say (warm), when they can: the probe itself may have been a cold one
             t_block, t_verify = self.costs.predict("block", self.block_size), self.costs.predict("causal", 2)
