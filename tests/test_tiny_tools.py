@@ -24,14 +24,17 @@ from clover_gguf.testing.train_tiny import is_held_out, load_eval  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import tiny_eval  # noqa: E402
 
-# Shares of the call rows (call, calls2) with the right tool names / the right arguments, per mode, on every
-# STRIDE-th eval row. Measured on all 150 rows (docs/tiny-model.md): names 100% / 100% / 91.7% and arguments
-# 58.3% / 58.3% / 33.3% in ar / draft-self / diffusion; final and JSON answers are not learnt yet (2% / 0%), so no
-# bound is set on them. The bounds sit under the figures of this subset (measured 60 s under load; see the docs).
+# Shares of the call rows (call, calls2) with the right tool names / the right arguments, and of the final rows (final,
+# final2) with the right answer, per mode, on every STRIDE-th eval row (12 call rows, 18 final rows). Measured on this
+# subset (4,000 training steps): names 100% in every mode, arguments 91.7% / 91.7% / 83.3% and final answers 22.2%
+# in ar / draft-self / diffusion, 2.27 tokens a diffusion pass; on all 150 rows see docs/tiny-model.md. JSON answers
+# are not learnt (0%), so no bound is set on them. The bounds sit under the subset's figures; the 1,200-step model
+# (arguments 41.7%, final answers 2%, 1.38 tokens a pass) fails them.
 STRIDE = 5
-NAME_BOUNDS = {"ar": 0.9, "draft-self": 0.9, "diffusion": 0.7}
-ARGS_BOUNDS = {"ar": 0.35, "draft-self": 0.35, "diffusion": 0.05}
-MIN_DIFFUSION_TOKENS_PER_PASS = 1.0
+NAME_BOUNDS = {"ar": 0.9, "draft-self": 0.9, "diffusion": 0.9}
+ARGS_BOUNDS = {"ar": 0.75, "draft-self": 0.75, "diffusion": 0.6}
+FINAL_BOUND = 0.15
+MIN_DIFFUSION_TOKENS_PER_PASS = 1.8
 
 
 @pytest.fixture(scope="module")
@@ -146,6 +149,16 @@ def test_held_out_calls(results, mode):
     args = sum(r["checks"]["args"] for r in res) / len(res)
     print(f"{mode}: names {names:.3f} args {args:.3f} of {len(res)} call rows")
     assert len(res) >= 10 and names >= NAME_BOUNDS[mode] and args >= ARGS_BOUNDS[mode], (names, args)
+
+
+@pytest.mark.parametrize("mode", list(NAME_BOUNDS))
+def test_held_out_final_answers(results, mode):
+    """After a tool's result, the final answer restates it (the model cannot compute it: it copies it) at least as
+    often as FINAL_BOUND says."""
+    res = [r for r in results[mode] if r["checks"].get("answer") is not None]
+    right = sum(r["checks"]["answer"] for r in res) / len(res)
+    print(f"{mode}: final answers {right:.3f} of {len(res)} rows")
+    assert len(res) >= 15 and right >= FINAL_BOUND, right
 
 
 def test_draft_self_exact_gives_the_ar_text(results):
