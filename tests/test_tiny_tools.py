@@ -26,15 +26,15 @@ import tiny_eval  # noqa: E402
 
 # Shares of the call rows (call, calls2) with the right tool names / the right arguments, and of the final rows (final,
 # final2) with the right answer, per mode, on every STRIDE-th eval row (12 call rows, 18 final rows). Measured on this
-# subset (4,000 training steps): names 100% in every mode, arguments 91.7% / 91.7% / 83.3% and final answers 22.2%
-# in ar / draft-self / diffusion, 2.27 tokens a diffusion pass; on all 150 rows see docs/tiny-model.md. JSON answers
-# are not learnt (0%), so no bound is set on them. The bounds sit under the subset's figures; the 1,200-step model
-# (arguments 41.7%, final answers 2%, 1.38 tokens a pass) fails them.
+# subset (6,000 training steps): names 100% / 100% / 91.7%, arguments 91.7% / 91.7% / 83.3% and final answers 33.3%
+# in ar / draft-self / diffusion, 2.55 tokens a diffusion pass; on all 150 rows see docs/tiny-model.md. JSON answers
+# are barely learnt (10-15%), so no bound is set on them. The bounds sit under the subset's figures; the 1,200-step
+# model (arguments 41.7%, final answers 2%, 1.38 tokens a pass) fails them.
 STRIDE = 5
-NAME_BOUNDS = {"ar": 0.9, "draft-self": 0.9, "diffusion": 0.9}
+NAME_BOUNDS = {"ar": 0.9, "draft-self": 0.9, "diffusion": 0.8}
 ARGS_BOUNDS = {"ar": 0.75, "draft-self": 0.75, "diffusion": 0.6}
-FINAL_BOUND = 0.15
-MIN_DIFFUSION_TOKENS_PER_PASS = 1.8
+FINAL_BOUND = 0.2
+MIN_DIFFUSION_TOKENS_PER_PASS = 2.0
 
 
 @pytest.fixture(scope="module")
