@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
 
-from clover_gguf.testing.ports import free_port  # noqa: E402,F401 (bench/agent.py, blocks.py take it from here)
+from clover_gguf.testing.ports import free_port, stop  # noqa: E402,F401 (bench/agent.py, blocks.py take them from here)
 
 EVAL = ROOT / "clover_gguf" / "assets" / "tiny-clover" / "eval.jsonl"
 FALLBACK_PROMPTS = ["Count from 3 to 9.", "What is 12 + 30?", "Reverse: a b c d", "Copy: q r s t"]
@@ -255,17 +255,6 @@ def wait_ready(base: str, proc: subprocess.Popen, what: str, seconds: float = 90
             pass
         time.sleep(0.2)
     raise BenchError(f"starting {what}: not ready after {seconds:.0f} s (its log: {proc.log})")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 @contextlib.contextmanager

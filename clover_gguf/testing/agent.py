@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from clover_gguf.testing.ports import free_port
+from clover_gguf.testing.ports import free_port, stop
 from clover_gguf.testing.tool_tasks import ASSET_DIR, TOOLS, run_tool as _run_tool
 
 # The model every agent test, bench/agent.py and the demo run (its eval.jsonl: the held-out tasks): switching models
@@ -202,12 +202,7 @@ def demo(gguf: Path, mode: str, task: Task) -> int:
                 print(f"model answers: {s.content} {how}")
         return 0
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
 
 
 def main(argv: list[str] | None = None) -> int:
