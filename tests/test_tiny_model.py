@@ -34,12 +34,18 @@ def ar_result(tiny):
     return evaluate_rows(model, tok, rows, mode="ar")
 
 
-def test_asset_is_a_complete_small_checkpoint():
-    names = {p.name for p in ASSET_DIR.iterdir()}
+def assert_shipped_asset(asset_dir) -> None:
+    """A tiny Clover shipped in clover_gguf/assets: a complete checkpoint with its eval set, no training state, within
+    the size budget (the tool model keeps the bundled model's: tests/test_tiny_tools.py)."""
+    names = {p.name for p in asset_dir.iterdir()}
     assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
             "tokenizer_config.json", "chat_template.jinja", "eval.jsonl"} <= names
     assert "train_state.pt" not in names
-    assert sum(p.stat().st_size for p in ASSET_DIR.iterdir()) < 8 * 2**20
+    assert sum(p.stat().st_size for p in asset_dir.iterdir()) < 8 * 2**20
+
+
+def test_asset_is_a_complete_small_checkpoint():
+    assert_shipped_asset(ASSET_DIR)
     cfg = json.loads((ASSET_DIR / "config.json").read_text())
     gen = json.loads((ASSET_DIR / "generation_config.json").read_text())
     vocab = json.loads((ASSET_DIR / "tokenizer.json").read_text())["added_tokens"]

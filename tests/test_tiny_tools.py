@@ -23,6 +23,7 @@ from clover_gguf.testing.train_tiny import is_held_out, load_eval  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import tiny_eval  # noqa: E402
+from test_tiny_model import assert_shipped_asset  # noqa: E402
 
 # Shares of the call rows (call, calls2) with the right tool names / the right arguments, and of the final rows (final,
 # final2) with the right answer, per mode, on every STRIDE-th eval row (12 call rows, 18 final rows). Measured on this
@@ -57,11 +58,7 @@ def results(rt, rows) -> dict:
 
 
 def test_asset_is_complete_and_its_template_is_the_family_s():
-    names = {p.name for p in ASSET_DIR.iterdir()}
-    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-            "tokenizer_config.json", "chat_template.jinja", "eval.jsonl"} <= names
-    assert "train_state.pt" not in names
-    assert sum(p.stat().st_size for p in ASSET_DIR.iterdir()) < 8 * 2**20
+    assert_shipped_asset(ASSET_DIR)
     assert (ASSET_DIR / "chat_template.jinja").read_text() == TEMPLATE_PATH.read_text()
     assert load_eval(ASSET_DIR) == json.loads(json.dumps(make_eval_set()))  # the rows the rule makes
     kinds = [r["kind"] for r in load_eval(ASSET_DIR)]
