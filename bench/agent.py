@@ -14,9 +14,9 @@ request to replay: the conversation before it, the same body in every mode. Repl
 request once per mode, the modes in a seeded shuffled order per request (so no mode always follows another), after two
 untimed warm-up passes over all requests (a prompt seen before is kept by the server) and, in each round, one more of the
 request itself just before its timed ones (the one slot keeps one prompt: timed requests decode what they generate, as
-an agent's turns do, and none pays a prompt pass for the others). Per mode, from each request's `clover_stats`: generated tokens over the server's seconds for the request
-(tok/s; also after the prompt pass), tokens per pass, accepted tokens per draft, split by what the turn writes: a tool
-call, prose (a final answer) or JSON. Ratios: draft-self / ar, auto / the faster of ar and draft-self (the issue's bars:
+an agent's turns do, and none pays a prompt pass for the others). Per mode, from each request's `clover_stats`:
+generated tokens over the server's seconds for the request (tok/s; also after the prompt pass), tokens per pass,
+accepted tokens per draft, split by what the turn writes: a tool call, prose (a final answer) or JSON. Ratios: draft-self / ar, auto / the faster of ar and draft-self (the issue's bars:
 >= 1.4 and >= 0.95). Greedy text (thinking, content, calls) equal across ar, draft-self and auto on every request. The
 grammar's cost: every call turn again with its call forced (tool_choice: the named function) and every JSON turn with
 the task's schema as its response_format, both in ar and draft-self: tok/s and tokens per pass constrained against not,
@@ -211,15 +211,18 @@ def replay(base: str, turns: list[Turn], modes: list[str], rounds: int, seed: in
     rng = random.Random(seed)
     configs = [(m, None) for m in modes] + [(m, v) for m in ("ar", "draft-self") if m in modes
                                             for v in ("grammar", "grammar, not forced")]
+    def warm(t: Turn, label: str) -> None:  # an untimed request of the turn: its prompt's state is then kept
+        post(base, {**t.body, "mode": "ar", "max_tokens": 1}, label)
+
     for k in range(2):  # warm-up: every prompt twice (serve keeps a prompt's state from its second time on)
         for i, t in enumerate(turns):
-            post(base, {**t.body, "mode": "ar", "max_tokens": 1}, f"warm-up {k + 1}, turn {i}")
+            warm(t, f"warm-up {k + 1}, turn {i}")
     for r in range(rounds):
         for i, t in enumerate(turns):
             # the slot keeps one prompt's state: the turn's own, untimed, so that no configuration pays a prompt pass
             # that another one, drawn first, would have paid (with one slot and many turns, the first request of a
             # turn found its prompt gone, and that order, not the mode, set a large part of its tok/s)
-            post(base, {**t.body, "mode": "ar", "max_tokens": 1}, f"round {r + 1}, turn {i}, warm-up")
+            warm(t, f"round {r + 1}, turn {i}, warm-up")
             order = list(configs)
             rng.shuffle(order)
             for mode, variant in order:

@@ -253,8 +253,8 @@ class AutoPolicy:
         self.cut.add(1.0 if accepted < proposed else 0.0)
         self.steps_since_draft = 0
         if probe:  # did it pay? one that did not waits twice as long for the next one
-            ar = self.ar_rate()
-            paid = self.draft_rate() is not None and ar is not None and self.draft_rate() >= ar
+            ar, draft = self.ar_rate(), self.draft_rate()
+            paid = draft is not None and ar is not None and draft >= ar
             # or would it have, at the warm pass costs (a probe's own time may be a cold one, or a stalled one): the
             # tokens drafts yield against what their passes cost. Not "its proposals were accepted": a draft whose
             # pass resolved 4 sure positions and stopped had them all accepted, and 4 tokens for a block pass and a
