@@ -12,16 +12,17 @@ it: every kind), each run once from its question through the tool loop on our se
 tools' results run in Python, the final answer (JSON where the task asks for it). Each assistant turn of a trace is one
 request to replay: the conversation before it, the same body in every mode. Replay: --rounds rounds; in each, every
 request once per mode, the modes in a seeded shuffled order per request (so no mode always follows another), after two
-untimed warm-up passes over all requests (a prompt seen before is kept by the server) and, in each round, one more of the
-request itself just before its timed ones (the one slot keeps one prompt: timed requests decode what they generate, as
-an agent's turns do, and none pays a prompt pass for the others). Per mode, from each request's `clover_stats`:
+untimed warm-up passes over all requests (a prompt seen before is kept by the server) and, in each round, one more of
+the request itself just before its timed ones (the one slot keeps one prompt: timed requests decode what they generate,
+as an agent's turns do, and none pays a prompt pass for the others). Per mode, from each request's `clover_stats`:
 generated tokens over the server's seconds for the request (tok/s; also after the prompt pass), tokens per pass,
-accepted tokens per draft, split by what the turn writes: a tool call, prose (a final answer) or JSON. Ratios: draft-self / ar, auto / the faster of ar and draft-self (the issue's bars:
->= 1.4 and >= 0.95). Greedy text (thinking, content, calls) equal across ar, draft-self and auto on every request. The
-grammar's cost: every call turn again with its call forced (tool_choice: the named function) and every JSON turn with
-the task's schema as its response_format, both in ar and draft-self: tok/s and tokens per pass constrained against not,
-and whether the text is the same; and each constrained turn once more with the grammar's forced tokens decoded by passes
-(the request's `forced_tokens: false`): forced tokens on against off.
+accepted tokens per draft, split by what the turn writes: a tool call, prose (a final answer) or JSON. Ratios:
+draft-self / ar, auto / the faster of ar and draft-self (the issue's bars: >= 1.4 and >= 0.95). Greedy text (thinking,
+content, calls) equal across ar, draft-self and auto on every request. The grammar's cost: every call turn again with
+its call forced (tool_choice: the named function) and every JSON turn with the task's schema as its response_format,
+both in ar and draft-self: tok/s and tokens per pass constrained against not, and whether the text is the same; and each
+constrained turn once more with the grammar's forced tokens decoded by passes (the request's `forced_tokens: false`):
+forced tokens on against off.
 
 --peer (the default; --no-peer skips it): llama-server and our serve both up, each held-out task's answered turn
 (--tasks: the first N) sent to both (ours in ar) with tool_choice auto, greedy, every penalty off: the same
@@ -211,6 +212,7 @@ def replay(base: str, turns: list[Turn], modes: list[str], rounds: int, seed: in
     rng = random.Random(seed)
     configs = [(m, None) for m in modes] + [(m, v) for m in ("ar", "draft-self") if m in modes
                                             for v in ("grammar", "grammar, not forced")]
+
     def warm(t: Turn, label: str) -> None:  # an untimed request of the turn: its prompt's state is then kept
         post(base, {**t.body, "mode": "ar", "max_tokens": 1}, label)
 
