@@ -20,7 +20,8 @@ random order; a setting's round is one answer per prompt and pass kind:
   block   diffusion answers at threshold 0 (every block pass fills its whole block): block passes and their commits
   auto    greedy auto answers (the bundled model only: auto against ar, and its text against ar's)
 Each answer is a run: tok/s over the whole request. The table gives, per model, pass kind and setting, the median and
-the worst run at each busy level, and the worst loaded run against the idle median. A round that has run longer than
+the worst run at each busy level, and the worst loaded run against the idle median and against its own prompt's
+idle median (answers differ in length; a short one's tok/s is lower idle too). A round that has run longer than
 --round-cap seconds starts no more answers (a stalled setting is reported with the answers it finished).
 No asserts on timings: the figures are printed, ratios beside them.
 """
@@ -158,17 +159,26 @@ def loadavg() -> str:
 
 
 def tree_gguf(gguf: Path, tree: Path) -> Path:
-    """The bundled model's GGUF as the tree before converts it from its own copy of the model: GGUF keys and the
-    readings' names moved since (review round 3), and a tree reads what its own converter writes. Another file (the
-    slice) is used as it is."""
-    if gguf.name != "tiny-clover-f32.gguf":
-        return gguf
-    out = gguf.with_name("tiny-clover-f32-before.gguf")
-    code = ("import sys; from pathlib import Path; from clover_gguf.convert import convert; "
-            "convert(Path(sys.argv[1]), Path(sys.argv[2]), outtype='f32', quiet=True, force=True)")
+    """The model's GGUF as the tree before makes it: GGUF keys, config fields and the readings' names moved since
+    (review round 3), and a tree reads what its own code writes. The bundled model: converted from the tree's own
+    copy (F32); the slice: made by the tree's own make_tiny, convert and quantize from the same seed and shapes."""
+    if gguf.name == "tiny-clover-f32.gguf":
+        out = gguf.with_name("tiny-clover-f32-before.gguf")
+        code = ("import sys; from pathlib import Path; from clover_gguf.convert import convert; "
+                "convert(Path(sys.argv[1]), Path(sys.argv[2]), outtype='f32', quiet=True, force=True)")
+        _in_tree(tree, code, tree / BUNDLED.relative_to(ROOT), out)
+        return out
+    if gguf.name.startswith("slice35b-e") and gguf.name.endswith("-q4_k_m.gguf"):
+        experts, vocab = (int(x[1:]) for x in gguf.name.split("-")[1:3])
+        return make_slice(gguf.parent, experts, vocab, tree)
+    raise SystemExit(f"contention: --before-tree makes the bundled model and the slice, not {gguf.name}")
+
+
+def _in_tree(tree: Path, code: str, *args: object) -> None:
+    """Run `code` in a fresh interpreter on the checkout `tree`'s clover_gguf."""
     env = dict(os.environ, PYTHONPATH=str(tree))
-    subprocess.run([sys.executable, "-c", code, str(tree / BUNDLED.relative_to(ROOT)), str(out)], env=env, check=True, cwd=str(tree))
-    return out
+    subprocess.run([sys.executable, "-c", code, *(str(Path(x).resolve()) if isinstance(x, Path) else str(x)
+                                                  for x in args)], env=env, check=True, cwd=str(tree))
 
 
 def bench_model(label: str, gguf: Path, prompts: list[str], kinds: list[str], max_new: int,
@@ -202,6 +212,19 @@ def rates(runs: list[dict]) -> list[float]:
     return [r["tokens"] / r["seconds"] for r in runs if r["seconds"] > 0 and r["tokens"]]
 
 
+def worst_against_own_prompt(results: dict, setting: str, kind: str, a: argparse.Namespace) -> float | None:
+    """The worst loaded answer against the idle median of the same prompt (same setting and pass kind). Prompts'
+    answers differ in length, and a short answer spends more of its time in its prompt pass: the bundled model's idle
+    answers alone span 0.4-1x their median tok/s, which the column against the overall idle median counts as a stall."""
+    idle: dict[str, list[float]] = {}
+    for r in results.get((setting, 0, kind), []):
+        idle.setdefault(r["prompt"], []).extend(rates([r]))
+    worst = [rates([r])[0] / statistics.median(idle[r["prompt"]])
+             for b in a.busy if b > 0 for r in results.get((setting, b, kind), [])
+             if rates([r]) and idle.get(r["prompt"])]
+    return min(worst) if worst else None
+
+
 def report(label: str, gguf: Path, settings: list[Setting], results: dict, kinds: list[str], n_prompts: int,
            a: argparse.Namespace) -> dict:
     rows = []
@@ -215,7 +238,8 @@ def report(label: str, gguf: Path, settings: list[Setting], results: dict, kinds
             idle = figs.get(0, {}).get("median")
             loaded = [f["worst"] for b, f in figs.items() if b > 0 and f["worst"] is not None]
             rows.append({"kind": kind, "setting": s.name, "threading": s.desc, "by_busy": figs,
-                         "worst_loaded_x_idle_median": min(loaded) / idle if idle and loaded else None})
+                         "worst_loaded_x_idle_median": min(loaded) / idle if idle and loaded else None,
+                         "worst_loaded_x_prompt_idle_median": worst_against_own_prompt(results, s.name, kind, a)})
     out = {"model": label, "gguf": str(gguf), "rows": rows}
     if "auto" in kinds and "ar" in kinds:
         out["auto"] = auto_against_ar(settings, results, a)
@@ -225,7 +249,7 @@ def report(label: str, gguf: Path, settings: list[Setting], results: dict, kinds
 def table(results: list[dict], a: argparse.Namespace) -> None:
     """One markdown table for every model: tok/s per answer, median (worst), per busy level."""
     head = ["model", "pass", "setting", "threads, poll"] + [f"{b} busy" for b in a.busy] + \
-        ["worst loaded / idle median"]
+        ["worst loaded / idle median", "worst loaded / its prompt's idle median"]
     print("\n| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for res in results:
@@ -235,10 +259,10 @@ def table(results: list[dict], a: argparse.Namespace) -> None:
                 f = r["by_busy"][b]
                 cell = f"{f['median']:.1f} ({f['worst']:.1f})" if f["median"] is not None else "-"
                 cells.append(cell + (f" [{f['answers']} of {f['asked']} answers]" if f["answers"] < f["asked"] else ""))
-            ratio = r["worst_loaded_x_idle_median"]
+            ratios = [r["worst_loaded_x_idle_median"], r["worst_loaded_x_prompt_idle_median"]]
             desc = r["threading"]
             print(f"| {res['model']} | {r['kind']} | {r['setting']} | {desc.split(' (')[0]}, poll {_poll_of(desc)} | "
-                  + " | ".join(cells) + (f" | {ratio:.3f} |" if ratio is not None else " | - |"))
+                  + " | ".join(cells + [f"{x:.3f}" if x is not None else "-" for x in ratios]) + " |")
 
 
 def _poll_of(desc: str) -> str:
@@ -263,19 +287,21 @@ def auto_against_ar(settings: list[Setting], results: dict, a: argparse.Namespac
     return out
 
 
-def make_slice(wd: Path, experts: int, vocab: int) -> Path:
-    from clover_gguf.convert import convert
-    from clover_gguf.quantize import quantize
-    from clover_gguf.testing.make_tiny import make_tiny
-
-    q4 = wd / f"slice35b-e{experts}-v{vocab}-q4_k_m.gguf"
+def make_slice(wd: Path, experts: int, vocab: int, tree: Path = ROOT) -> Path:
+    """The slice35b as `tree`'s code makes it (make_tiny's preset, seed 5; BF16, then Q4_K_M), made once."""
+    tag = "" if tree == ROOT else "-before"
+    q4 = wd / f"slice35b-e{experts}-v{vocab}-q4_k_m{tag}.gguf"
     if q4.is_file():
         return q4
-    ckpt, bf16 = wd / f"slice35b-e{experts}-v{vocab}", wd / f"slice35b-e{experts}-v{vocab}-bf16.gguf"
-    make_tiny(ckpt, seed=5, preset="slice35b", num_experts=experts, vocab_size=vocab, quiet=True)
-    convert(ckpt, bf16, outtype="bf16", quiet=True, force=True)
-    quantize(bf16, q4, "Q4_K_M", quiet=True, force=True)
-    bf16.unlink()
+    ckpt = wd / f"slice35b-e{experts}-v{vocab}{tag}"
+    code = ("import sys; from pathlib import Path; from clover_gguf.convert import convert; "
+            "from clover_gguf.quantize import quantize; from clover_gguf.testing.make_tiny import make_tiny; "
+            "ckpt, q4, e, v = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]); "
+            "bf16 = q4.with_name(q4.name.replace('q4_k_m', 'bf16')); "
+            "make_tiny(ckpt, seed=5, preset='slice35b', num_experts=e, vocab_size=v, quiet=True); "
+            "convert(ckpt, bf16, outtype='bf16', quiet=True, force=True); "
+            "quantize(bf16, q4, 'Q4_K_M', quiet=True, force=True); bf16.unlink()")
+    _in_tree(tree, code, ckpt, q4, experts, vocab)
     return q4
 
 
