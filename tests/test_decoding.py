@@ -214,6 +214,39 @@ def test_exact_drafts_fill_at_the_draft_threshold_and_the_text_stays_the_causal_
     assert st.block_passes >= 2 * st.drafts
 
 
+def test_a_draft_is_verified_at_the_first_pass_that_leaves_its_usable_prefix_unchanged(monkeypatch):
+    """Block rows sure of every position but the one after the pending token: a pass fills the positions behind
+    that gap, which a verification cannot keep. The draft is verified after that pass (its usable prefix: the
+    pending token alone), not after a second pass that fills the gap; the text is AR's either way."""
+    import clover_gguf.decoding as decoding
+
+    answer = [5, 6, 7, 8, 9, 1, 2, 3, 4] * 3  # longer than the answers asked for: no end token in any block
+
+    def block(prefix, blk, k):
+        i0 = len(prefix) - len(PROMPT)
+        gap = blk.index(MASK)  # the first masked position
+        return np.stack([dist((answer + [EOS] * 50)[i0 + j], 0.3 if j == gap == 1 else 0.99)
+                         for j in range(len(blk))])
+
+    def causal(ctx):
+        return dist((answer + [EOS] * 50)[len(ctx) - len(PROMPT)], 0.99)
+
+    ar, _ = generate_all(FakeBackend(causal, block), PROMPT, mode="ar", max_new_tokens=9)
+    runs = {}
+    for stop in (True, False):
+        monkeypatch.setattr(decoding, "STOP_AT_STALL", stop)
+        be = FakeBackend(causal, block)
+        toks, st = generate_all(be, PROMPT, mode="draft-self", max_new_tokens=9)
+        verifies = [c[1] for c in be.calls if c[0] == "commit" and c[1] != PROMPT]
+        runs[stop] = (toks, st, verifies)
+    assert runs[True][0] == runs[False][0] == ar == answer[:9]
+    stopped, whole = runs[True][1], runs[False][1]
+    assert stopped.block_passes == stopped.drafts  # one pass a draft: it left the prefix at the pending token
+    assert all(len(v) == 1 for v in runs[True][2])  # verified: the pending token alone
+    assert whole.block_passes == 2 * whole.drafts  # resolved whole: a second pass fills the gap
+    assert len(runs[False][2][0]) == B
+
+
 def test_draft_self_accepted_end_token_ends_the_answer_and_is_not_kept():
     be = _draft_backend([5, 6, EOS], [5, 6])
     toks, stats = generate_all(be, PROMPT, mode="draft-self", max_new_tokens=100)

@@ -1,0 +1,116 @@
+"""Draft-self's drafts on a trained tiny Clover's held-out rows: when a draft is verified (decoding.STOP_AT_STALL).
+
+    python bench/drafts.py [--model clover_gguf/assets/tiny-clover-tools] [--kinds call,json] [--limit N]
+                           [--threads 1] [--workdir out/bench-drafts] [--json]
+
+Converts the model folder to an F32 GGUF and decodes every held-out row (or --kinds' rows; --limit: the first N) in
+the exact settings (flash attention off, F32 K/V), greedy, the card's controls as the runtime applies them: ar, then
+draft-self with every draft resolved whole (STOP_AT_STALL off: the rule before), then draft-self verified at the
+first block pass that leaves the draft's usable prefix unchanged (on), each row's prompt decoded once first and the
+three in that order row by row. Per configuration: block passes per draft, tokens accepted per draft, tokens per pass
+(the prompt's pass not counted), tok/s against ar's, and the rows whose text is ar's token for token.
+Figures only, no asserts on timing; the load average at the start and the end is printed beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from clover_gguf import decoding  # noqa: E402
+from clover_gguf.convert import convert  # noqa: E402
+from clover_gguf.runtime import CloverRuntime  # noqa: E402
+from clover_gguf.testing.tool_tasks import ASSET_DIR as TOOL_MODEL  # noqa: E402
+from clover_gguf.testing.train_tiny import load_eval  # noqa: E402
+from contention import loadavg  # noqa: E402
+from tiny_eval import max_new_tokens, row_prompt  # noqa: E402
+
+CONFIGS = (("ar", "ar", None), ("draft-self, resolved whole", "draft-self", False),
+           ("draft-self, verified at a stall", "draft-self", True))
+
+
+def decode(rt: CloverRuntime, ids: list[int], mode: str, max_new: int) -> tuple[list[int], object, float]:
+    t0, toks, stats = time.perf_counter(), [], None
+    for piece in rt.stream_pieces(ids, mode=mode, max_new_tokens=max_new):
+        toks += piece.tokens
+        stats = piece.stats
+    return toks, stats, time.perf_counter() - t0
+
+
+def run(rt: CloverRuntime, rows: list[dict]) -> dict:
+    tally = {name: {"tokens": 0, "passes": 0, "block_passes": 0, "seconds": 0.0, "drafts": 0, "accepted": 0,
+                    "same": 0} for name, _, _ in CONFIGS}
+    max_new = max_new_tokens(rows)
+    for row in rows:
+        prompt, _ = row_prompt(rt, row)
+        ids = rt.ctx.tokenize(prompt, special=True)
+        decode(rt, ids, "ar", 1)  # the prompt's state kept: no configuration pays its pass for another
+        texts = {}
+        for name, mode, stall in CONFIGS:
+            keep = decoding.STOP_AT_STALL
+            decoding.STOP_AT_STALL = bool(stall)
+            try:
+                toks, st, seconds = decode(rt, ids, mode, max_new)
+            finally:
+                decoding.STOP_AT_STALL = keep
+            texts[name] = toks
+            t = tally[name]
+            t["tokens"] += len(toks)
+            t["passes"] += st.forward_passes - 1
+            t["block_passes"] += st.block_passes
+            t["seconds"] += seconds
+            t["drafts"] += st.drafts or 0
+            t["accepted"] += st.accepted_tokens or 0
+            t["same"] += toks == texts["ar"]
+    ar_rate = tally["ar"]["tokens"] / tally["ar"]["seconds"]
+    out = {}
+    for name, t in tally.items():
+        d = max(1, t["drafts"])
+        out[name] = {"block_passes_per_draft": t["block_passes"] / d if t["drafts"] else None,
+                     "accepted_per_draft": t["accepted"] / d if t["drafts"] else None,
+                     "tokens_per_pass": t["tokens"] / max(1, t["passes"]),
+                     "tok_s_x_ar": t["tokens"] / t["seconds"] / ar_rate, "text_equal_ar": t["same"], **t}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=TOOL_MODEL)
+    ap.add_argument("--kinds", help="only these row kinds (comma-separated)")
+    ap.add_argument("--limit", type=int)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--workdir", type=Path, default=ROOT / "out" / "bench-drafts")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    a.workdir.mkdir(parents=True, exist_ok=True)
+    gguf = a.workdir / f"{a.model.name}-f32.gguf"
+    convert(a.model, gguf, outtype="f32", quiet=True, force=True)
+    rows = [r for r in load_eval(a.model) if not a.kinds or r["kind"] in a.kinds.split(",")][:a.limit]
+    print(f"drafts: {len(rows)} rows of {a.model.name}, {a.threads} thread(s), load average {loadavg()}, "
+          f"{time.strftime('%Y-%m-%d %H:%M')}")
+    rt = CloverRuntime(gguf, n_ctx=2048, exact=True, n_threads=a.threads, n_threads_batch=a.threads)
+    try:
+        res = run(rt, rows)
+    finally:
+        rt.close()
+    print("\n| draft-self | block passes per draft | tokens accepted per draft | tokens per pass | tok/s x ar | "
+          "text = ar |\n|---|---|---|---|---|---|")
+    for name, r in res.items():
+        per = (f"{r['block_passes_per_draft']:.2f} | {r['accepted_per_draft']:.1f}" if r["drafts"] else "- | -")
+        print(f"| {name} | {per} | {r['tokens_per_pass']:.2f} | {r['tok_s_x_ar']:.3f} | "
+              f"{r['text_equal_ar']}/{len(rows)} |")
+    print(f"\nload average at the end: {loadavg()}")
+    if a.json:
+        print(json.dumps(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
