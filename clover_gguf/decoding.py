@@ -535,11 +535,12 @@ DRAFT_THRESHOLD = 0.5
 # A draft stops at the first block pass that leaves its usable prefix (the resolved positions before the first masked
 # one: all a verification can keep) where it was, and is verified then. Such a pass filled positions behind a masked
 # one, which count only once a later pass fills the gap; the gap is the position the model is least sure of, where
-# the draft tends to go wrong anyway. Tool model, 150 held-out rows, greedy, exact: resolving every draft whole took
-# 6.27 block passes a draft for 8.5 accepted tokens (1.28 tokens a pass); stopping at the first such pass 2.37 for
-# 7.0 (2.31 tokens a pass, draft-self 1.86x faster); at the second 3.49 for 7.5 (1.86). The bundled model's drafts
-# fill in about one pass and are unchanged (1.04 -> 1.03 block passes a draft, 14.6 accepted). docs/runtime.md,
-# "Draft threshold".
+# the draft tends to go wrong anyway. A head the grammar refused is not a stall (the next pass restricts it).
+# bench/drafts.py, the tool model's 150 held-out rows, greedy, exact: resolving every draft whole took 6.27 block
+# passes a draft for 8.5 accepted tokens (1.28 tokens a pass, draft-self 0.221x ar); stopping at the first such pass
+# 2.37 for 7.0 (2.31 tokens a pass, 0.405x ar); at the second (a trial) 3.49 for 7.5. The bundled model's drafts fill
+# in about one pass and are unchanged (1.04 -> 1.03 block passes a draft). docs/runtime.md, "A draft stops at a
+# stall". Diffusion never stops so: its filled tokens are the answer.
 STOP_AT_STALL = True
 
 
