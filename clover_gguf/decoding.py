@@ -540,7 +540,8 @@ DRAFT_THRESHOLD = 0.5
 # passes a draft for 8.5 accepted tokens (1.28 tokens a pass, draft-self 0.221x ar); stopping at the first such pass
 # 2.37 for 7.0 (2.31 tokens a pass, 0.405x ar); at the second (a trial) 3.49 for 7.5. The bundled model's drafts fill
 # in about one pass and are unchanged (1.04 -> 1.03 block passes a draft). docs/runtime.md, "A draft stops at a
-# stall". Diffusion never stops so: its filled tokens are the answer.
+# stall". Diffusion never stops so: its filled tokens are the answer. Only drafts that fill at the draft threshold
+# (generate's draft_threshold: the runtime's default) stop so; drafts at a given threshold resolve whole, as the card's.
 STOP_AT_STALL = True
 
 
@@ -689,7 +690,9 @@ def generate(backend: Backend, prompt_ids: Sequence[int], mode: str = "diffusion
     whichever the measured pass costs and this answer's acceptance say is faster (clover_gguf.auto; `accept` as in
     draft-self, so greedy auto is AR's text). The backend is reset first.
     draft_threshold: the fill threshold of drafts verified exactly (draft-self and auto with accept="exact"; e.g.
-    DRAFT_THRESHOLD), in place of `threshold` there.
+    DRAFT_THRESHOLD), in place of `threshold` there; such drafts are also verified at their first stall
+    (STOP_AT_STALL). None: drafts fill at `threshold` and resolve their block whole, as the card's (check-block's
+    figures, compared with the card's draft acceptance, keep their meaning so).
     observe: called with a plain dict as the answer's passes go (serve's block view; None costs nothing). Positions
     are a block's, 0-based: {"type": "block", "kind": "diffusion"|"draft", "size", "start" (answer tokens before it),
     "known", "tokens"} (a draft knows its position 0, the pending causal token); {"type": "pass", "filled", "tokens",
@@ -736,15 +739,17 @@ def generate(backend: Backend, prompt_ids: Sequence[int], mode: str = "diffusion
     gram = None if constraint is None else _Grammar(constraint, backend.eos_ids, [backend.mask_token_id, *never],
                                                     getattr(backend, "n_vocab", None), forced=forced)
     # a draft's fill threshold (with accept="threshold" the one threshold is also the acceptance's: kept as given)
-    fill = threshold if draft_threshold is None or accept != "exact" else draft_threshold
+    fast = draft_threshold is not None and accept == "exact"  # drafts that only propose: see draft_threshold
+    fill = draft_threshold if fast else threshold
+    stall = fast and STOP_AT_STALL
     if mode == "auto":
-        gen = _auto(passes, prompt_ids, max_new_tokens, block_size, fill, accept, stats, end_rule, policy, gram)
+        gen = _auto(passes, prompt_ids, max_new_tokens, block_size, fill, accept, stats, end_rule, policy, gram, stall)
     elif mode == "ar":
         gen = _ar(passes, prompt_ids, max_new_tokens, stats, gram, block_size)
     elif mode == "diffusion":
         gen = _diffusion(passes, prompt_ids, max_new_tokens, block_size, threshold, stats, end_rule, gram)
     else:
-        gen = _draft_self(passes, prompt_ids, max_new_tokens, block_size, fill, accept, stats, end_rule, gram)
+        gen = _draft_self(passes, prompt_ids, max_new_tokens, block_size, fill, accept, stats, end_rule, gram, stall)
     yield from gen
 
 
@@ -965,10 +970,11 @@ class _Draft:
 
 def _draft_block(passes: _Passes, out: list[int], pending: int, block_size: int, threshold: float, accept: str,
                  stats: GenerationStats, end_rule: str, max_passes: int | None = None,
-                 settle: bool = False, gram: _Grammar | None = None, pending_lp: TokenLogprob | None = None
-                 ) -> _Draft:
+                 settle: bool = False, gram: _Grammar | None = None, pending_lp: TokenLogprob | None = None,
+                 stop_at_stall: bool = False) -> _Draft:
     """Draft a block after the answer `out` whose first position is the pending causal token (block passes, at
-    most max_passes), verify it with one causal pass, roll back what is not kept (settle: at once). With a grammar
+    most max_passes; stop_at_stall: until a pass leaves its usable prefix unchanged), verify it with one causal pass,
+    roll back what is not kept (settle: at once). With a grammar
     the draft is validated as it resolves (every draft token allowed where it stands), verification row i is
     restricted to the grammar's state after the draft's first i + 1 tokens, and the grammar is rolled back to what
     is kept; a row whose wide restriction was only checked and refused its choice ends the draft there, and that
@@ -984,7 +990,7 @@ def _draft_block(passes: _Passes, out: list[int], pending: int, block_size: int,
     before = stats.block_passes
     track = None if gram is None else _Track(gram, draft=True)
     d = resolve_block(backend, block, resolved, out, threshold, passes, stats=stats, end_rule=end_rule,
-                      max_passes=max_passes, track=track, stop_at_stall=STOP_AT_STALL)
+                      max_passes=max_passes, track=track, stop_at_stall=stop_at_stall)
     draft = block[:d]  # [D]: draft[0] = pending, draft[1:] proposed; ends at the first end token if any
     rows = applied = checked = None
     if track is not None:
@@ -1054,13 +1060,13 @@ def _emit_draft(draft: _Draft, eos: frozenset[int], out: list[int], max_new: int
 
 
 def _draft_self(passes: _Passes, prompt_ids, max_new, block_size, threshold, accept, stats, end_rule,
-                gram: _Grammar | None = None) -> Iterator[Chunk]:
+                gram: _Grammar | None = None, stall: bool = False) -> Iterator[Chunk]:
     out, eos = [], passes.b.eos_ids
     # the causal choice after the prompt, not committed
     pending, pending_lp = _first(passes, prompt_ids, out, gram, stats)
     while pending not in eos:
         draft = _draft_block(passes, out, pending, block_size, threshold, accept, stats, end_rule, gram=gram,
-                             pending_lp=pending_lp)
+                             pending_lp=pending_lp, stop_at_stall=stall)
         chunk, finished = _emit_draft(draft, eos, out, max_new, stats)
         yield chunk
         if finished:
@@ -1071,7 +1077,7 @@ def _draft_self(passes: _Passes, prompt_ids, max_new, block_size, threshold, acc
 
 
 def _auto(passes: _Passes, prompt_ids, max_new, block_size, threshold, accept, stats, end_rule,
-          policy: AutoPolicy, gram: _Grammar | None = None) -> Iterator[Chunk]:
+          policy: AutoPolicy, gram: _Grammar | None = None, stall: bool = False) -> Iterator[Chunk]:
     """AR runs and draft-self blocks as `policy` plans them (clover_gguf.auto), each exact: the text is the one
     either mode alone gives (AR's, greedy). The policy is told what each move yielded and how long it took."""
     out, eos, clock = [], passes.b.eos_ids, passes.clock
@@ -1091,7 +1097,8 @@ def _auto(passes: _Passes, prompt_ids, max_new, block_size, threshold, accept, s
         t0 = clock()
         if plan.kind == "draft":
             draft = _draft_block(passes, out, pending, block_size, threshold, accept, stats, end_rule,
-                                 max_passes=plan.max_passes, settle=True, gram=gram, pending_lp=pending_lp)
+                                 max_passes=plan.max_passes, settle=True, gram=gram, pending_lp=pending_lp,
+                                 stop_at_stall=stall)
             seconds = clock() - t0
             policy.observe_draft(len(draft.kept), draft.proposed, draft.accepted, draft.block_passes, seconds,
                                  plan.probe)

@@ -217,7 +217,8 @@ def test_exact_drafts_fill_at_the_draft_threshold_and_the_text_stays_the_causal_
 def test_a_draft_is_verified_at_the_first_pass_that_leaves_its_usable_prefix_unchanged(monkeypatch):
     """Block rows sure of every position but the one after the pending token: a pass fills the positions behind
     that gap, which a verification cannot keep. The draft is verified after that pass (its usable prefix: the
-    pending token alone), not after a second pass that fills the gap; the text is AR's either way."""
+    pending token alone), not after a second pass that fills the gap; the text is AR's either way. Drafts at a given
+    threshold (no draft_threshold: the card's, check-block's) still resolve whole."""
     import clover_gguf.decoding as decoding
 
     answer = [5, 6, 7, 8, 9, 1, 2, 3, 4] * 3  # longer than the answers asked for: no end token in any block
@@ -236,7 +237,7 @@ def test_a_draft_is_verified_at_the_first_pass_that_leaves_its_usable_prefix_unc
     for stop in (True, False):
         monkeypatch.setattr(decoding, "STOP_AT_STALL", stop)
         be = FakeBackend(causal, block)
-        toks, st = generate_all(be, PROMPT, mode="draft-self", max_new_tokens=9)
+        toks, st = generate_all(be, PROMPT, mode="draft-self", max_new_tokens=9, draft_threshold=0.5)
         verifies = [c[1] for c in be.calls if c[0] == "commit" and c[1] != PROMPT]
         runs[stop] = (toks, st, verifies)
     assert runs[True][0] == runs[False][0] == ar == answer[:9]
@@ -245,6 +246,9 @@ def test_a_draft_is_verified_at_the_first_pass_that_leaves_its_usable_prefix_unc
     assert all(len(v) == 1 for v in runs[True][2])  # verified: the pending token alone
     assert whole.block_passes == 2 * whole.drafts  # resolved whole: a second pass fills the gap
     assert len(runs[False][2][0]) == B
+    monkeypatch.setattr(decoding, "STOP_AT_STALL", True)
+    _, card = generate_all(FakeBackend(causal, block), PROMPT, mode="draft-self", max_new_tokens=9)
+    assert card.block_passes == 2 * card.drafts
 
 
 def test_draft_self_accepted_end_token_ends_the_answer_and_is_not_kept():
