@@ -6,8 +6,9 @@
 Converts the model folder to an F32 GGUF and decodes every held-out row (or --kinds' rows; --limit: the first N) in
 the exact settings (flash attention off, F32 K/V), greedy, the card's controls as the runtime applies them: ar, then
 draft-self with every draft resolved whole (STOP_AT_STALL off: the rule before), then draft-self verified at the
-first block pass that leaves the draft's usable prefix unchanged (on), each row's prompt decoded once first and the
-three in that order row by row. Per configuration: block passes per draft, tokens accepted per draft, tokens per pass
+first block pass that leaves the draft's usable prefix unchanged (on), then auto the same two ways (one runtime: each
+auto answer starts from what the one before measured, whichever way it drafted), each row's prompt decoded once
+first and the five in that order row by row. Per configuration: block passes per draft, tokens accepted per draft, tokens per pass
 (the prompt's pass not counted), tok/s against ar's, and the rows whose text is ar's token for token.
 Figures only, no asserts on timing; the load average at the start and the end is printed beside them.
 """
@@ -33,7 +34,8 @@ from contention import loadavg  # noqa: E402
 from tiny_eval import max_new_tokens, row_prompt  # noqa: E402
 
 CONFIGS = (("ar", "ar", None), ("draft-self, resolved whole", "draft-self", False),
-           ("draft-self, verified at a stall", "draft-self", True))
+           ("draft-self, verified at a stall", "draft-self", True), ("auto, resolved whole", "auto", False),
+           ("auto, verified at a stall", "auto", True))
 
 
 def decode(rt: CloverRuntime, ids: list[int], mode: str, max_new: int) -> tuple[list[int], object, float]:
@@ -100,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         res = run(rt, rows)
     finally:
         rt.close()
-    print("\n| draft-self | block passes per draft | tokens accepted per draft | tokens per pass | tok/s x ar | "
+    print("\n| mode, drafts | block passes per draft | tokens accepted per draft | tokens per pass | tok/s x ar | "
           "text = ar |\n|---|---|---|---|---|---|")
     for name, r in res.items():
         per = (f"{r['block_passes_per_draft']:.2f} | {r['accepted_per_draft']:.1f}" if r["drafts"] else "- | -")
