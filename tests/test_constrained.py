@@ -228,10 +228,13 @@ def test_without_a_constraint_or_logprobs_the_passes_are_unchanged():
         assert all(g.masks is None and g.top_n == 0 and not g.save_last for g in be.gathers)
 
 
-def test_a_wide_mask_is_checked_not_applied_in_passes_of_several_rows(monkeypatch):
+@pytest.mark.parametrize("draft_threshold", [None, 0.5], ids=["card-drafts", "drafts-stop-at-a-stall"])
+def test_a_wide_mask_is_checked_not_applied_in_passes_of_several_rows(monkeypatch, draft_threshold):
     """With every mask wide (CHEAP_MASK_IDS 0): verifications of several rows gather no mask, block passes restrict
     only their head and only after a pass chose a token the head does not allow (a minority of them), one-row passes
-    apply theirs; the answers still follow the grammar and equal AR's."""
+    apply theirs; the answers still follow the grammar and equal AR's. With drafts that stop at a stall (a
+    draft_threshold: decoding.STOP_AT_STALL) too: a head the grammar refused is not a stall, so the pass that restricts
+    it still comes."""
     monkeypatch.setattr(decoding, "CHEAP_MASK_IDS", 0)
     seen = {"commit": [0, 0], "block": [0, 0], "one": 0}
 
@@ -255,7 +258,8 @@ def test_a_wide_mask_is_checked_not_applied_in_passes_of_several_rows(monkeypatc
 
     for seed in range(10):
         m = _Model(seed)
-        got, reason, _, _, _ = _run(Kinds(m.causal, m.block), random_dfa(seed), mode="draft-self", max_new_tokens=24)
+        got, reason, _, _, _ = _run(Kinds(m.causal, m.block), random_dfa(seed), mode="draft-self", max_new_tokens=24,
+                                    draft_threshold=draft_threshold)
         assert replay(random_dfa(seed), got, reason == "stop") is None
         assert got == _run(Sim(m.causal, m.block), random_dfa(seed), mode="ar", max_new_tokens=24)[0]
     assert seen["commit"][1] == 0 and seen["commit"][0] > 0
