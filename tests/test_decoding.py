@@ -291,12 +291,14 @@ class _HashModel:
         return dist(tok, float(rng.choice([0.5, 0.97, 0.99])))
 
 
+@pytest.mark.parametrize("draft_threshold", [None, 0.5], ids=["card-drafts", "drafts-stop-at-a-stall"])
 @pytest.mark.parametrize("seed", range(12))
-def test_greedy_draft_self_exact_equals_ar_token_for_token(seed):
+def test_greedy_draft_self_exact_equals_ar_token_for_token(seed, draft_threshold):
     m = _HashModel(seed)
     ar, _ = generate_all(FakeBackend(m.causal, m.block), PROMPT, mode="ar", max_new_tokens=40)
     be = FakeBackend(m.causal, m.block)
-    ds, stats = generate_all(be, PROMPT, mode="draft-self", max_new_tokens=40, accept="exact")
+    ds, stats = generate_all(be, PROMPT, mode="draft-self", max_new_tokens=40, accept="exact",
+                             draft_threshold=draft_threshold)
     assert ds == ar
     assert stats.finish_reason == "stop"  # the model ends after about 15 tokens, well inside max_new_tokens
     assert be.n_past == len(PROMPT) + len(ds)  # every rejected draft token and the end token were rolled back
