@@ -219,9 +219,9 @@ def worst_against_own_prompt(results: dict, setting: str, kind: str, a: argparse
     idle: dict[str, list[float]] = {}
     for r in results.get((setting, 0, kind), []):
         idle.setdefault(r["prompt"], []).extend(rates([r]))
-    worst = [rates([r])[0] / statistics.median(idle[r["prompt"]])
-             for b in a.busy if b > 0 for r in results.get((setting, b, kind), [])
-             if rates([r]) and idle.get(r["prompt"])]
+    worst = [rate / statistics.median(idle[r["prompt"]])
+             for b in a.busy if b > 0 for r in results.get((setting, b, kind), []) if idle.get(r["prompt"])
+             for rate in rates([r])]
     return min(worst) if worst else None
 
 

@@ -8,8 +8,8 @@ the exact settings (flash attention off, F32 K/V), greedy, the card's controls a
 draft-self with every draft resolved whole (STOP_AT_STALL off: the rule before), then draft-self verified at the
 first block pass that leaves the draft's usable prefix unchanged (on), then auto the same two ways (one runtime: each
 auto answer starts from what the one before measured, whichever way it drafted), each row's prompt decoded once
-first and the five in that order row by row. Per configuration: block passes per draft, tokens accepted per draft, tokens per pass
-(the prompt's pass not counted), tok/s against ar's, and the rows whose text is ar's token for token.
+first and the five in that order row by row. Per configuration: block passes per draft, tokens accepted per draft,
+tokens per pass (the prompt's pass not counted), tok/s against ar's, and the rows whose text is ar's token for token.
 Figures only, no asserts on timing; the load average at the start and the end is printed beside them.
 """
 
@@ -74,9 +74,9 @@ def run(rt: CloverRuntime, rows: list[dict]) -> dict:
     ar_rate = tally["ar"]["tokens"] / tally["ar"]["seconds"]
     out = {}
     for name, t in tally.items():
-        d = max(1, t["drafts"])
-        out[name] = {"block_passes_per_draft": t["block_passes"] / d if t["drafts"] else None,
-                     "accepted_per_draft": t["accepted"] / d if t["drafts"] else None,
+        d = t["drafts"]
+        out[name] = {"block_passes_per_draft": t["block_passes"] / d if d else None,
+                     "accepted_per_draft": t["accepted"] / d if d else None,
                      "tokens_per_pass": t["tokens"] / max(1, t["passes"]),
                      "tok_s_x_ar": t["tokens"] / t["seconds"] / ar_rate, "text_equal_ar": t["same"], **t}
     return out

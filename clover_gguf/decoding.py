@@ -617,9 +617,10 @@ def resolve_block(backend: Backend, block: list[int], resolved: list[bool], gene
         if max_passes is not None and done >= max_passes:
             return resolved.index(False)
         if stop_at_stall:  # (a head the grammar refused is not a stall: the next pass restricts it, track.strict)
-            if resolved.index(False) == usable and not (track is not None and track.strict):
-                return usable
-            usable = resolved.index(False)
+            now = resolved.index(False)
+            if now == usable and not (track is not None and track.strict):
+                return now
+            usable = now
         masked, lens, tail = [], [], []  # tail: the resolved tokens in block order; lens: how many precede each
         for i, r in enumerate(resolved):
             if r:
