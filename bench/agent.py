@@ -16,7 +16,8 @@ untimed warm-up passes over all requests (a prompt seen before is kept by the se
 the request itself just before its timed ones (the one slot keeps one prompt: timed requests decode what they generate,
 as an agent's turns do, and none pays a prompt pass for the others). Per mode, from each request's `clover_stats`:
 generated tokens over the server's seconds for the request (tok/s; also after the prompt pass), tokens per pass,
-accepted tokens per draft, split by what the turn writes: a tool call, prose (a final answer) or JSON. Ratios:
+accepted tokens per draft, split by what the turn writes: a tool call, a long call (a long task's write_file of
+14-30 lines), prose (a final answer) or JSON. Ratios:
 draft-self / ar, auto / the faster of ar and draft-self (the issue's bars: >= 1.4 and >= 0.95). Greedy text (thinking,
 content, calls) equal across ar, draft-self and auto on every request. The grammar's cost: every call turn again with
 its call forced (tool_choice: the named function) and every JSON turn with the task's schema as its response_format,
@@ -58,6 +59,15 @@ SAME = {"temperature": 0.0, "seed": 0, "presence_penalty": 0.0, "frequency_penal
         "repeat_penalty": 1.0}
 EXACT_MODES = ("ar", "draft-self", "auto")
 MAX_TOKENS = 512
+TURN_KINDS = ("call", "long call", "prose", "json")
+
+
+def spread(tasks: list, n: int) -> list:
+    """n of the tasks spread evenly over the list (the eval set, kind after kind: every kind gets its share); n 0 or
+    past the list: all of them."""
+    if not n or n >= len(tasks):
+        return list(tasks)
+    return [tasks[i * len(tasks) // n] for i in range(n)]
 
 
 # ---- the servers ---------------------------------------------------------------------------------------------------
@@ -131,7 +141,7 @@ class Turn:
 
     task: str
     body: dict
-    kind: str  # call, prose or json
+    kind: str  # TURN_KINDS: a call, a long call (a long task's write_file), prose or JSON
     constrained: dict | None = None
 
 
@@ -148,7 +158,7 @@ def record_traces(base: str, tasks: list[Task], max_steps: int = 4) -> list[Turn
             msg = resp["choices"][0]["message"]
             calls = msg.get("tool_calls") or []
             if calls:
-                kind = "call"
+                kind = "long call" if t.kind == "long" else "call"
                 # a named choice forces one call: the same work only where the model wrote one
                 constrained = ({**body, "tool_choice": {"type": "function", "function": {
                     "name": calls[0]["function"]["name"]}}} if len(calls) == 1 else None)
@@ -345,7 +355,7 @@ def print_replay(s: dict, load: tuple) -> None:
     for k, v in s["ratios"].items():
         print(f"  {k}: {v:.3f}")
     for m in ("draft-self", "auto"):
-        per = {k: s["rows"].get(f"{m} | {k}", {}).get("accepted_per_draft") for k in ("call", "prose", "json")}
+        per = {k: s["rows"].get(f"{m} | {k}", {}).get("accepted_per_draft") for k in TURN_KINDS}
         print(f"  {m}, accepted tokens per draft: "
               + ", ".join(f"{k} {v:.2f}" for k, v in per.items() if v is not None))
     print(f"  greedy text equal across {', '.join(EXACT_MODES)}: "
@@ -403,9 +413,9 @@ def run(args) -> None:
             print_peer(report["peer"])
             procs.pop().terminate()
         if args.replay:
-            every = all_tasks if not args.traces else all_tasks[::max(1, len(all_tasks) // args.traces)][:args.traces]
+            every = spread(all_tasks, args.traces)
             turns = record_traces(ours, every)
-            kinds = {k: sum(t.kind == k for t in turns) for k in ("call", "prose", "json")}
+            kinds = {k: sum(t.kind == k for t in turns) for k in TURN_KINDS}
             print(f"\n{len(every)} traces, {len(turns)} turns to replay ({kinds}), modes {', '.join(modes)}, "
                   f"{args.rounds} rounds")
             load0 = os.getloadavg()[0]

@@ -1,12 +1,13 @@
 """The bundled tiny Clover's held-out eval through the patched llama.cpp, and the end-token study of block decoding.
 
     python bench/tiny_eval.py [--model clover_gguf/assets/tiny-clover] [--workdir out/tiny-eval] [--limit N]
-                              [--rules prefix,plain,strict,strict@0.99,tail] [--controls] [--json]
+                              [--rules prefix,plain,strict,strict@0.99,tail] [--controls]
     python bench/tiny_eval.py --model clover_gguf/assets/tiny-clover-tools --rules prefix   # the tool model
 
 A tool model's rows (clover_gguf.testing.tool_tasks: rows with `messages` and `tools`) are rendered with their tools
 and judged by tool_tasks.judge (calls read by serve's parser): per mode, the share of call rows with the right tool
-names and the right arguments, of final rows with the right answer, of JSON rows with the right object.
+names and the right arguments, of final rows with the right answer, of JSON rows with the right object, and of a long
+write_file's lines written right at their place.
 
 Converts the checkpoint to an F32 GGUF, then decodes every eval row (greedy; the card's controls off unless
 --controls) with the runtime's chat template and tokenizer:
@@ -92,8 +93,9 @@ def row_prompt(rt: CloverRuntime, row: dict) -> tuple[str, bool]:
 
 
 def max_new_tokens(rows) -> int:
-    """96 for the bundled tasks; the tool model's answers run to about 180 tokens."""
-    return 256 if any(is_tool_row(r) for r in rows) else 96
+    """96 for the bundled tasks; the tool model's answers run to about 310 tokens with their thinking (the long
+    write_file calls)."""
+    return 384 if any(is_tool_row(r) for r in rows) else 96
 
 
 def run_rows(rt: CloverRuntime, rows, mode: str, end_rule: str = decoding.DEFAULT_END_RULE, controls: bool = False,
@@ -141,6 +143,10 @@ def summary(res) -> dict:
         seen = [r["checks"][name] for r in res if r["checks"] and r["checks"][name] is not None]
         if seen:
             checks[name] = f"{sum(seen)}/{len(seen)} = {100 * sum(seen) / len(seen):.1f}%"
+    lines = [r["checks"]["lines"] for r in res if r["checks"] and r["checks"].get("lines") is not None]
+    if lines:  # long copies: their lines right at their place, over the lines they should have
+        right, total = sum(a for a, _ in lines), sum(b for _, b in lines)
+        checks["lines"] = f"{right}/{total} = {100 * right / total:.1f}%"
     return {"accuracy": round(sum(r["ok"] for r in res) / len(res), 4), "n": len(res), **checks,
             "by_kind": {k: f"{c}/{n} = {100 * c / n:.1f}%" for k, (c, n) in sorted(kinds.items())},
             "tokens_per_pass": round(gen / passes, 3), "generated": gen, "passes": passes,

@@ -14,6 +14,7 @@ pytest.importorskip("fastapi")
 
 from clover_gguf.serve import create_app  # noqa: E402
 from clover_gguf.testing.agent import held_out_tasks  # noqa: E402
+from clover_gguf.testing.tool_tasks import KINDS  # noqa: E402
 
 from bench_scripts import load_bench  # noqa: E402
 from test_server import _Server  # noqa: E402
@@ -22,10 +23,16 @@ from test_server import _Server  # noqa: E402
 bench = load_bench("agent.py")
 
 
+# the long kind's task: long-11, the first long copy the model writes whole (2 of the 15 are; the others' calls are
+# the model's misses, and the check below that both servers read the task's own calls needs a right one)
+FIRST_OF_KIND = {"long": "long-11"}
+
+
 def one_of_each_kind():
     out = {}
     for t in held_out_tasks():
-        out.setdefault(t.kind, t)
+        if FIRST_OF_KIND.get(t.kind, t.id) == t.id:
+            out.setdefault(t.kind, t)
     return list(out.values())
 
 
@@ -45,11 +52,11 @@ def servers(tool_gguf, tmp_path_factory):
 
 
 def test_llama_server_reads_the_same_tool_calls(servers):
-    assert {t.kind for t in TASKS} == {"call", "calls2", "final", "final2", "json", "plain"}
+    assert {t.kind for t in TASKS} == set(KINDS)
     rows = bench.peer_compare(*servers, TASKS)
     for t, r in zip(TASKS, rows):
         assert r["same_calls"] and r["same_content"], r
         # and they are the right ones (both could not misread alike): the task's calls, or none
         assert r["ours_calls"] == [(n, a) for n, a in (t.calls or [])], (t.id, r["ours_calls"], t.calls)
         assert r["ours_prompt_tokens"] == r["peer_prompt_tokens"], r  # one template, one rendering
-    assert sum(bool(r["ours_calls"]) for r in rows) == 2  # the call and the two calls
+    assert sum(bool(r["ours_calls"]) for r in rows) == 3  # the call, the two calls and the long call

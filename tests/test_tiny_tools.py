@@ -17,7 +17,7 @@ pytest.importorskip("tokenizers")
 
 from clover_gguf.serve import tools as serve_tools  # noqa: E402
 from clover_gguf.testing import tool_tasks  # noqa: E402
-from clover_gguf.testing.tool_tasks import (ASSET_DIR, EVAL_ROWS, KINDS, TEMPLATE_PATH,  # noqa: E402
+from clover_gguf.testing.tool_tasks import (ASSET_DIR, CALL_KINDS, EVAL_ROWS, KINDS, TEMPLATE_PATH,  # noqa: E402
                                             draw_tool_conversation, make_eval_set, row_conversation)
 from clover_gguf.testing.train_tiny import is_held_out, load_eval  # noqa: E402
 
@@ -26,23 +26,30 @@ import tiny_eval  # noqa: E402
 from test_tiny_model import assert_shipped_asset  # noqa: E402
 
 # Shares of the call rows (call, calls2) with the right tool names / the right arguments, and of the final rows (final,
-# final2) with the right answer, per mode, on every STRIDE-th eval row (12 call rows, 18 final rows). Measured on this
-# subset (6,000 training steps): names 100% / 100% / 91.7%, arguments 91.7% / 91.7% / 83.3% and final answers 33.3%
-# in ar / draft-self / diffusion, 2.55 tokens a diffusion pass; on all 150 rows see docs/tiny-model.md. JSON answers
-# are barely learnt (10-15%), so no bound is set on them. The bounds sit under the subset's figures; the 1,200-step
-# model (arguments 41.7%, final answers 2%, 1.38 tokens a pass) fails them.
+# final2) with the right answer, per mode, on every STRIDE-th eval row (12 call rows, 18 final rows, 3 long rows).
+# Measured on this subset (7,500 training steps, exact settings): names 100% / 100% / 100%, arguments 100% / 100% /
+# 91.7% and final answers 50% / 50% / 44.4% in ar / draft-self / diffusion, 2.68 tokens a diffusion pass (the long
+# rows left out); the long rows 183-294 tokens, 58 of their 62 lines right (93.5%) in ar and draft-self; on all 165
+# rows see docs/tiny-model.md. JSON answers are learnt less (20-30%), so no bound is set on them. The bounds sit under
+# the subset's figures; the 1,200-step model (arguments 41.7%, final answers 2%, 1.38 tokens a pass) fails them, and
+# the 6,000-step one, which never saw a long text, fails the long ones (2% of the lines right over all 15 long rows).
 STRIDE = 5
 NAME_BOUNDS = {"ar": 0.9, "draft-self": 0.9, "diffusion": 0.8}
 ARGS_BOUNDS = {"ar": 0.75, "draft-self": 0.75, "diffusion": 0.6}
 FINAL_BOUND = 0.2
 MIN_DIFFUSION_TOKENS_PER_PASS = 2.0
+LONG_MIN_TOKENS = 100  # the issue's answers of 100-300 tokens
+LONG_LINES_BOUND = 0.7
 
 
 @pytest.fixture(scope="module")
 def rt(tool_gguf):  # conftest's: the asset converted once a session (the agent tests run the same file)
     from clover_gguf.runtime import CloverRuntime
 
-    with CloverRuntime(tool_gguf, n_ctx=1024, n_threads=2) as r:
+    # exact settings (flash attention off, F32 K/V): draft-self's text is AR's up to float rounding between a 32-row
+    # verification and a one-row step, and with CPU flash attention at two threads that flips two near ties (logit
+    # gaps 0.017 and 0.059) in two long copies of the 165 rows (docs/runtime.md, "Modes"); here it is AR's on all
+    with CloverRuntime(tool_gguf, n_ctx=1024, n_threads=2, exact=True) as r:
         yield r
 
 
@@ -105,7 +112,7 @@ def test_a_call_answer_renders_back_as_the_template_writes_it():
     as an assistant message with tool_calls (serve's shape), so the next turn's prompt continues it exactly; and
     serve's parser reads it back to the same calls."""
     for row in make_eval_set():
-        if row["kind"] not in ("call", "calls2"):
+        if row["kind"] not in CALL_KINDS:
             continue
         c = row_conversation(row)
         back = c.messages + ({"role": "assistant", "content": "", "tool_calls": [
@@ -139,9 +146,9 @@ def test_training_renders_the_prompt_the_runtime_sends(rt):
 
 @pytest.mark.parametrize("mode", list(NAME_BOUNDS))
 def test_held_out_calls(results, mode):
-    """Every call row's answer parses (serve's parser) to calls; the names and arguments right at least as often as
-    the bounds say."""
-    res = [r for r in results[mode] if r["checks"]["name"] is not None]
+    """Every call row's answer (call, calls2) parses (serve's parser) to calls; the names and arguments right at least
+    as often as the bounds say."""
+    res = [r for r in results[mode] if r["checks"]["name"] is not None and r["kind"] != "long"]
     names = sum(r["checks"]["name"] for r in res) / len(res)
     args = sum(r["checks"]["args"] for r in res) / len(res)
     print(f"{mode}: names {names:.3f} args {args:.3f} of {len(res)} call rows")
@@ -158,11 +165,25 @@ def test_held_out_final_answers(results, mode):
     assert len(res) >= 15 and right >= FINAL_BOUND, right
 
 
+@pytest.mark.parametrize("mode", ["ar", "draft-self"])
+def test_long_calls(results, mode):
+    """The long rows (a write_file of 14-30 lines the user gave): answers of at least LONG_MIN_TOKENS tokens, each a
+    write_file call to the right path (serve's parser), its content's lines right at their place at least as often
+    as LONG_LINES_BOUND says (a whole copy right is rarer: the model often writes on past the text's end)."""
+    res = [r for r in results[mode] if r["kind"] == "long"]
+    lines = [r["checks"]["lines"] for r in res]
+    right = sum(a for a, _ in lines) / sum(b for _, b in lines)
+    print(f"{mode}: {len(res)} long rows, {[r['generated'] for r in res]} tokens, lines right {right:.3f}")
+    assert len(res) >= 3 and all(r["generated"] >= LONG_MIN_TOKENS for r in res)
+    assert all(r["checks"]["name"] for r in res) and right >= LONG_LINES_BOUND, (right, lines)
+
+
 def test_draft_self_exact_gives_the_ar_text(results):
     differing = [i for i, (a, b) in enumerate(zip(results["ar"], results["draft-self"])) if a["tokens"] != b["tokens"]]
     assert not differing
 
 
 def test_diffusion_fills_several_tokens_a_pass(results):
-    s = tiny_eval.summary(results["diffusion"])
+    """On the rows but the long ones: diffusion does not finish a long copy (docs/tiny-model.md)."""
+    s = tiny_eval.summary([r for r in results["diffusion"] if r["kind"] != "long"])
     assert s["tokens_per_pass"] >= MIN_DIFFUSION_TOKENS_PER_PASS

@@ -40,7 +40,7 @@ class Task:
     what the answer should be (the calls, or the final text), thinking on or off."""
 
     id: str
-    kind: str  # call, calls2, final, final2, json, plain (tool_tasks.KINDS)
+    kind: str  # call, calls2, final, final2, json, plain, long (tool_tasks.KINDS)
     task: str
     messages: list[dict]
     tools: list[dict]

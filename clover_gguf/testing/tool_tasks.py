@@ -12,7 +12,9 @@ The answered turn is one of:
   field; a write_file result restated);
 - final2: after two calls and their results, both answers;
 - json: after a lookup, the record's named keys as a JSON object (values copied);
-- plain: a question that needs no tool (count, copy, reverse), tools offered all the same.
+- plain: a question that needs no tool (count, copy, reverse), tools offered all the same;
+- long: a write_file call whose content is a long text the user gave (LONG_LINES lines, answers of about 130-300
+  tokens): the long structured answers agents write, where a draft can copy many tokens at once.
 Thinking as the bundled model: the answered turn thinks 70% of the time (train_tiny.THINK), else follows the empty
 thinking span of enable_thinking=False. Held out by the bundled model's rule on the user's message (its crc32).
 """
@@ -66,11 +68,17 @@ TEXT_WORDS = ["apple", "sky", "cat", "dog", "tree", "moon", "fish", "star", "roc
 FOLDERS = ["notes", "docs", "todo", "data", "logs"]
 
 # the answered turn's kind, and how often training draws it
-KINDS = ("call", "calls2", "final", "final2", "json", "plain")
-KIND_WEIGHTS = (3, 2, 3, 1, 2, 1)
+KINDS = ("call", "calls2", "final", "final2", "json", "plain", "long")
+KIND_WEIGHTS = (3, 2, 3, 1, 2, 1, 2)
+# the tokenizer's corpus draws these (the kinds of the first 6,000 steps: the shipped tokenizer was trained on them,
+# and a continuation must keep it; long adds no word)
+CORPUS_KINDS = KINDS[:6]
+TEXT_LINES, LONG_LINES = (4, 9), (14, 30)  # a write_file text's lines: a call's, a long call's
 ARITH = {"add": "+", "multiply": "*"}
-# eval rows per kind (each row: one conversation, all held out); 150 in all
-EVAL_ROWS = {"call": 40, "calls2": 20, "final": 40, "final2": 15, "json": 20, "plain": 15}
+# eval rows per kind (each row: one conversation, all held out); 165 in all (long last: the rows before it are the
+# 150 of the first 6,000 steps, drawn as they were)
+EVAL_ROWS = {"call": 40, "calls2": 20, "final": 40, "final2": 15, "json": 20, "plain": 15, "long": 15}
+CALL_KINDS = ("call", "calls2", "long")  # the answered turn is calls
 NO_THINK_SHARE = train_tiny.NO_THINK_SHARE
 
 
@@ -111,9 +119,9 @@ def _key(rng: random.Random) -> str:
     return f"{rng.choice(KEY_WORDS)}{rng.randint(1, 999)}"
 
 
-def _text(rng: random.Random) -> str:
+def _text(rng: random.Random, n_lines: tuple[int, int] = TEXT_LINES) -> str:
     lines = []
-    for _ in range(rng.randint(4, 9)):
+    for _ in range(rng.randint(*n_lines)):
         words = [rng.choice(TEXT_WORDS) for _ in range(rng.randint(3, 8))]
         if rng.random() < 0.3:
             words.insert(rng.randrange(len(words) + 1), str(rng.randint(1, 99)))
@@ -133,6 +141,8 @@ def question(rng: random.Random, kind: str) -> tuple[str, list[tuple[str, dict]]
         task = rng.choice(["add", "multiply", "lookup", "write_file"])
     elif kind in ("calls2", "final2"):
         task = rng.choice(["arith2", "lookup2"])
+    elif kind == "long":
+        task = "write_file"
     else:
         task = "lookup"
     if task in ("add", "multiply"):
@@ -151,7 +161,7 @@ def question(rng: random.Random, kind: str) -> tuple[str, list[tuple[str, dict]]
             [("lookup", {"key": k})], "json:" + ",".join(asked)
     if task == "write_file":
         path = f"{rng.choice(FOLDERS)}/{rng.choice(KEY_WORDS)}.txt"
-        text = _text(rng)
+        text = _text(rng, LONG_LINES if kind == "long" else TEXT_LINES)
         return f"Save this to {path}:\n{text}", [("write_file", {"path": path, "content": text})], task
     if task == "arith2":
         (e1, c1), (e2, c2) = _arith_call(rng), _arith_call(rng)
@@ -252,14 +262,14 @@ def draw_tool_conversation(rng: random.Random, held_out: bool = False, kind: str
     offered = needed + rng.sample(others, rng.randint(0 if needed else 1, min(1, len(others))))
     rng.shuffle(offered)
     messages = [{"role": "user", "content": user}]
-    if kind in ("call", "calls2"):
+    if kind in CALL_KINDS:
         answer = calls_text(calls)
     elif kind != "plain":
         history = _tool_messages(calls)
         messages += history
         answer = final_answer(task, calls, [m["content"] for m in history[1:]])
     return ToolConversation(tuple(messages), tuple(TOOLS[t] for t in offered), answer, think, kind, task,
-                            tuple(calls) if kind in ("call", "calls2") else ())
+                            tuple(calls) if kind in CALL_KINDS else ())
 
 
 def make_eval_set(per_kind: dict[str, int] = EVAL_ROWS, seed: int = 54321) -> list[dict]:
@@ -288,26 +298,37 @@ def row_conversation(row: dict) -> ToolConversation:
 
 
 def bpe_corpus(n: int = 600, seed: int = 7) -> str:
-    return train_tiny.corpus_text(lambda rng, i: draw_tool_conversation(rng, kind=KINDS[i % len(KINDS)]), n, seed)
+    def draw(rng: random.Random, i: int) -> ToolConversation:
+        return draw_tool_conversation(rng, kind=CORPUS_KINDS[i % len(CORPUS_KINDS)])
+
+    return train_tiny.corpus_text(draw, n, seed)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Judging an answer
 # ---------------------------------------------------------------------------------------------------------------
 def judge(row: dict, text: str) -> dict:
-    """A generated answer (thinking removed) against its row -> {"name", "args", "answer", "json", "ok"} (None where a
-    check does not apply). Calls are read by serve's parser (serve.tools.parse_answer), the one reading of the
-    format: name = the called tools' names in order; args = names and arguments; answer = the final text equal to the
-    row's (stripped) and no call; json = the JSON object equal to the row's."""
+    """A generated answer (thinking removed) against its row -> {"name", "args", "answer", "json", "lines", "ok"}
+    (None where a check does not apply). Calls are read by serve's parser (serve.tools.parse_answer), the one reading
+    of the format: name = the called tools' names in order; args = names and arguments; answer = the final text equal
+    to the row's (stripped) and no call; json = the JSON object equal to the row's; lines (a long row's write_file) =
+    (lines of the content right at their place, lines the content should have): how much of a long copy is right
+    when the whole is not."""
     from clover_gguf.serve.tools import parse_answer, read_tools
 
     content, calls = parse_answer(text, read_tools(row["tools"]))
     want = row.get("calls")
-    res: dict = {"name": None, "args": None, "answer": None, "json": None}
+    res: dict = {"name": None, "args": None, "answer": None, "json": None, "lines": None}
     if want is not None:
         got = [(c.name, c.arguments) for c in calls]
         res["name"] = [g[0] for g in got] == [w["name"] for w in want]
         res["args"] = got == [(w["name"], w["arguments"]) for w in want]
+        if row["kind"] == "long":
+            lines = want[0]["arguments"]["content"].split("\n")
+            path = want[0]["arguments"]["path"]
+            wrote = next((str(a.get("content", "")).split("\n") for n, a in got
+                          if n == "write_file" and isinstance(a, dict) and a.get("path") == path), [])
+            res["lines"] = (sum(a == b for a, b in zip(lines, wrote)), len(lines))
         res["ok"] = res["args"] and not content
         return res
     res["answer"] = not calls and content.strip() == row["answer"].strip()
