@@ -72,6 +72,19 @@ def test_asset_is_complete_and_its_template_is_the_family_s():
     assert {k: kinds.count(k) for k in KINDS} == EVAL_ROWS
 
 
+def test_the_family_trains_the_shipped_tokenizer(tmp_path):
+    """The tokenizer the family's corpus trains is the asset's: a continuation (--resume, which writes the tokenizer
+    again) keeps the token ids the weights were trained on. The corpus draws the six first kinds (CORPUS_KINDS); one
+    that drew the long kind too would train other merges."""
+    from clover_gguf.testing.tokenizer import write_tokenizer
+
+    fam = tool_tasks.FAMILY
+    write_tokenizer(tmp_path, corpus=fam.corpus(), n_merges=fam.n_merges, template=fam.template(),
+                    exact_split=fam.exact_split)
+    trained, shipped = (json.loads((d / "tokenizer.json").read_text()) for d in (tmp_path, ASSET_DIR))
+    assert trained == shipped
+
+
 def test_eval_rows_are_held_out_and_training_never_sees_one():
     rows = make_eval_set()
     assert all(is_held_out(r["messages"][0]["content"]) for r in rows)

@@ -13,7 +13,7 @@ The answered turn is one of:
 - final2: after two calls and their results, both answers;
 - json: after a lookup, the record's named keys as a JSON object (values copied);
 - plain: a question that needs no tool (count, copy, reverse), tools offered all the same;
-- long: a write_file call whose content is a long text the user gave (LONG_LINES lines, answers of about 130-300
+- long: a write_file call whose content is a long text the user gave (LONG_LINES lines, answers of about 130-350
   tokens): the long structured answers agents write, where a draft can copy many tokens at once.
 Thinking as the bundled model: the answered turn thinks 70% of the time (train_tiny.THINK), else follows the empty
 thinking span of enable_thinking=False. Held out by the bundled model's rule on the user's message (its crc32).
