@@ -1,7 +1,7 @@
 """Draft-self's drafts on a trained tiny Clover's held-out rows: when a draft is verified (decoding.STOP_AT_STALL).
 
     python bench/drafts.py [--model clover_gguf/assets/tiny-clover-tools] [--kinds call,json] [--limit N]
-                           [--threads 1] [--workdir out/bench-drafts] [--json]
+                           [--threads 1] [--workdir out/bench-drafts] [--by-position] [--json]
 
 Converts the model folder to an F32 GGUF and decodes every held-out row (or --kinds' rows; --limit: the first N) in
 the exact settings (flash attention off, F32 K/V), greedy, the card's controls as the runtime applies them: ar, then
@@ -11,6 +11,11 @@ auto answer starts from what the one before measured, whichever way it drafted),
 first and the five in that order row by row. Per configuration: block passes per draft, tokens accepted per draft,
 tokens per pass (the prompt's pass not counted), tok/s against ar's, and the rows whose text is ar's token for token.
 Figures only, no asserts on timing; the load average at the start and the end is printed beside them.
+
+--by-position: instead, how far ahead one block pass sees. At every BLOCK_STRIDE-th token of each row's AR answer, one
+block pass after the prompt and the answer before that token, over [that token, masks], as a draft's first pass is:
+per block position, the share of passes whose greedy choice (raw logits) is the AR answer's token there, and the
+mean length of the agreeing prefix (what a verification would keep of a draft stopped after its first pass).
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ from clover_gguf.testing.tool_tasks import ASSET_DIR as TOOL_MODEL  # noqa: E402
 from clover_gguf.testing.train_tiny import load_eval  # noqa: E402
 from contention import loadavg  # noqa: E402
 from tiny_eval import max_new_tokens, row_prompt  # noqa: E402
+
+BLOCK_STRIDE = 24  # --by-position: a block pass every this many answer tokens
 
 CONFIGS = (("ar", "ar", None), ("draft-self, resolved whole", "draft-self", False),
            ("draft-self, verified at a stall", "draft-self", True), ("auto, resolved whole", "auto", False),
@@ -82,6 +89,40 @@ def run(rt: CloverRuntime, rows: list[dict]) -> dict:
     return out
 
 
+def one_pass_agreement(backend, ids: list[int], answer: list[int], block_size: int, stride: int = BLOCK_STRIDE
+                       ) -> tuple[list[int], list[int], list[int]]:
+    """One block pass at every stride-th answer position (see the module docstring) -> (hits, tries) per block
+    position (index 0, the given token, stays 0) and each pass's agreeing prefix (proposals before the first miss)."""
+    import numpy as np
+
+    hits, tries, prefixes = [0] * block_size, [0] * block_size, []
+    for start in range(0, len(answer) - block_size + 1, stride):
+        backend.reset()
+        backend.prefill(list(ids) + answer[:start])
+        choice = np.asarray(backend.block_logits([answer[start]] + [backend.mask_token_id] * (block_size - 1)))
+        agree = [int(choice[j].argmax()) == answer[start + j] for j in range(1, block_size)]
+        for j, ok in enumerate(agree, 1):
+            hits[j] += ok
+            tries[j] += 1
+        prefixes.append(next((i for i, ok in enumerate(agree) if not ok), len(agree)))
+    return hits, tries, prefixes
+
+
+def by_position(rt: CloverRuntime, rows: list[dict]) -> dict:
+    """--by-position over the rows: {"agreement": [per block position 1..B-1], "mean_prefix", "passes"}."""
+    b = rt.backend.block_size
+    hits, tries, prefixes = [0] * b, [0] * b, []
+    max_new = max_new_tokens(rows)
+    for row in rows:
+        prompt, _ = row_prompt(rt, row)
+        ids = rt.ctx.tokenize(prompt, special=True)
+        answer, _, _ = decode(rt, ids, "ar", max_new)
+        h, t, p = one_pass_agreement(rt.backend, ids, answer, b)
+        hits, tries, prefixes = [x + y for x, y in zip(hits, h)], [x + y for x, y in zip(tries, t)], prefixes + p
+    return {"agreement": [h / t if t else None for h, t in zip(hits[1:], tries[1:])],
+            "mean_prefix": sum(prefixes) / len(prefixes) if prefixes else None, "passes": len(prefixes)}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=TOOL_MODEL)
@@ -89,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=int)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--workdir", type=Path, default=ROOT / "out" / "bench-drafts")
+    ap.add_argument("--by-position", action="store_true", help="how far ahead one block pass sees (the docstring)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     a.workdir.mkdir(parents=True, exist_ok=True)
@@ -99,9 +141,16 @@ def main(argv: list[str] | None = None) -> int:
           f"{time.strftime('%Y-%m-%d %H:%M')}")
     rt = CloverRuntime(gguf, n_ctx=2048, exact=True, n_threads=a.threads, n_threads_batch=a.threads)
     try:
-        res = run(rt, rows)
+        res = by_position(rt, rows) if a.by_position else run(rt, rows)
     finally:
         rt.close()
+    if a.by_position:
+        print(f"\n{res['passes']} block passes; their greedy choice = the AR answer's token, by block position:")
+        print(" ".join(f"{j}: {x:.2f}" for j, x in enumerate(res["agreement"], 1) if x is not None))
+        print(f"mean agreeing prefix: {res['mean_prefix']:.2f} tokens\nload average at the end: {loadavg()}")
+        if a.json:
+            print(json.dumps(res))
+        return 0
     print("\n| mode, drafts | block passes per draft | tokens accepted per draft | tokens per pass | tok/s x ar | "
           "text = ar |\n|---|---|---|---|---|---|")
     for name, r in res.items():
