@@ -14,7 +14,8 @@ Figures only, no asserts on timing; the load average at the start and the end is
 
 --by-position: instead, how far ahead one block pass sees. At every BLOCK_STRIDE-th token of each row's AR answer, one
 block pass after the prompt and the answer before that token, over [that token, masks], as a draft's first pass is:
-per block position, the share of passes whose greedy choice (raw logits) is the AR answer's token there, and the
+per block position, the share of passes whose greedy choice (raw logits) is the AR answer's token there (the answer
+greedy on raw logits too: bench/tiny_eval.py's, the card's controls off), and the
 mean length of the agreeing prefix (what a verification would keep of a draft stopped after its first pass).
 """
 
@@ -36,7 +37,7 @@ from clover_gguf.runtime import CloverRuntime  # noqa: E402
 from clover_gguf.testing.tool_tasks import ASSET_DIR as TOOL_MODEL  # noqa: E402
 from clover_gguf.testing.train_tiny import load_eval  # noqa: E402
 from contention import loadavg  # noqa: E402
-from tiny_eval import max_new_tokens, row_prompt  # noqa: E402
+from tiny_eval import max_new_tokens, row_prompt, run_rows  # noqa: E402
 
 BLOCK_STRIDE = 24  # --by-position: a block pass every this many answer tokens
 
@@ -109,15 +110,14 @@ def one_pass_agreement(backend, ids: list[int], answer: list[int], block_size: i
 
 
 def by_position(rt: CloverRuntime, rows: list[dict]) -> dict:
-    """--by-position over the rows: {"agreement": [per block position 1..B-1], "mean_prefix", "passes"}."""
+    """--by-position over the rows: {"agreement": [per block position 1..B-1], "mean_prefix", "passes"}. The AR
+    answers are tiny_eval's (greedy, the card's controls off), so that they and the block passes' raw greedy choices
+    are taken alike."""
     b = rt.backend.block_size
     hits, tries, prefixes = [0] * b, [0] * b, []
-    max_new = max_new_tokens(rows)
-    for row in rows:
+    for row, ar in zip(rows, run_rows(rt, rows, "ar")):
         prompt, _ = row_prompt(rt, row)
-        ids = rt.ctx.tokenize(prompt, special=True)
-        answer, _, _ = decode(rt, ids, "ar", max_new)
-        h, t, p = one_pass_agreement(rt.backend, ids, answer, b)
+        h, t, p = one_pass_agreement(rt.backend, rt.ctx.tokenize(prompt, special=True), ar["tokens"], b)
         hits, tries, prefixes = [x + y for x, y in zip(hits, h)], [x + y for x, y in zip(tries, t)], prefixes + p
     return {"agreement": [h / t if t else None for h, t in zip(hits[1:], tries[1:])],
             "mean_prefix": sum(prefixes) / len(prefixes) if prefixes else None, "passes": len(prefixes)}

@@ -38,7 +38,8 @@ class Backend:
 
 
 def test_one_pass_agreement_counts_by_position_and_the_agreeing_prefix():
-    prompt, answer = [40, 41], list(range(1, 12))  # 11 tokens: passes at 0, 3 and 6 with stride 3 (one at 9 would run past the answer)
+    # 11 tokens: passes at 0, 3 and 6 with stride 3 (one at 9 would run past the answer)
+    prompt, answer = [40, 41], list(range(1, 12))
     hits, tries, prefixes = drafts.one_pass_agreement(Backend(answer, prompt, sees=2), prompt, answer, B, stride=3)
     assert tries == [0, 3, 3, 3] and hits == [0, 3, 3, 0] and prefixes == [2, 2, 2]
     hits, tries, prefixes = drafts.one_pass_agreement(Backend(answer, prompt, sees=0), prompt, answer, B, stride=3)

@@ -119,7 +119,7 @@ def _key(rng: random.Random) -> str:
     return f"{rng.choice(KEY_WORDS)}{rng.randint(1, 999)}"
 
 
-def _text(rng: random.Random, n_lines: tuple[int, int] = TEXT_LINES) -> str:
+def _text(rng: random.Random, n_lines: tuple[int, int]) -> str:
     lines = []
     for _ in range(rng.randint(*n_lines)):
         words = [rng.choice(TEXT_WORDS) for _ in range(rng.randint(3, 8))]
