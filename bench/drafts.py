@@ -1,10 +1,12 @@
 """Draft-self's drafts on a trained tiny Clover's held-out rows: when a draft is verified (decoding.STOP_AT_STALL).
 
     python bench/drafts.py [--model clover_gguf/assets/tiny-clover-tools] [--kinds call,json] [--limit N]
-                           [--threads 1] [--workdir out/bench-drafts] [--by-position] [--json]
+                           [--threads 1] [--workdir out/bench-drafts] [--by-position | --oracle]
+                           [--attention exact|fa-off|defaults] [--json]
 
 Converts the model folder to an F32 GGUF and decodes every held-out row (or --kinds' rows; --limit: the first N) in
-the exact settings (flash attention off, F32 K/V), greedy, the card's controls as the runtime applies them: ar, then
+the exact settings (flash attention off, F32 K/V; --attention: fa-off, flash attention off with F16 K/V, or defaults,
+llama.cpp's: flash attention auto, F16 K/V), greedy, the card's controls as the runtime applies them: ar, then
 draft-self with every draft resolved whole (STOP_AT_STALL off: the rule before), then draft-self verified at the
 first block pass that leaves the draft's usable prefix unchanged (on), then auto the same two ways (one runtime: each
 auto answer starts from what the one before measured, whichever way it drafted), each row's prompt decoded once
@@ -17,15 +19,26 @@ block pass after the prompt and the answer before that token, over [that token, 
 per block position, the share of passes whose greedy choice (raw logits) is the AR answer's token there (the answer
 greedy on raw logits too: bench/tiny_eval.py's, the card's controls off), and the
 mean length of the agreeing prefix (what a verification would keep of a draft stopped after its first pass).
+
+--oracle: instead, the ceiling of any drafter on these answers on this machine. Each row's answer is decoded in AR
+(greedy on raw logits, no controls), then twice more, interleaved: in AR again and in draft-self over `Oracle`, whose
+block passes run (their cost paid) but propose the AR answer's tokens, sure: every draft resolves in one block pass
+and is accepted whole by the model's own verification, 32 tokens for a block pass and a causal pass of 32 rows. Both
+on dense logits (the oracle's rows are ours), the prompt's pass not counted. Per kind and in all: tokens, tok/s of
+each, the oracle's over AR's, block passes and tokens per pass; the rows whose oracle text is AR's (all, or the
+oracle was not one).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
 from pathlib import Path
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -39,6 +52,7 @@ from clover_gguf.testing.train_tiny import load_eval  # noqa: E402
 from contention import loadavg  # noqa: E402
 from tiny_eval import max_new_tokens, row_prompt, run_rows  # noqa: E402
 
+ATTENTION = ("exact", "fa-off", "defaults")  # --attention
 BLOCK_STRIDE = 24  # --by-position: a block pass every this many answer tokens
 
 CONFIGS = (("ar", "ar", None), ("draft-self, resolved whole", "draft-self", False),
@@ -94,8 +108,6 @@ def one_pass_agreement(backend, ids: list[int], answer: list[int], block_size: i
                        ) -> tuple[list[int], list[int], list[int]]:
     """One block pass at every stride-th answer position (see the module docstring) -> (hits, tries) per block
     position (index 0, the given token, stays 0) and each pass's agreeing prefix (proposals before the first miss)."""
-    import numpy as np
-
     hits, tries, prefixes = [0] * block_size, [0] * block_size, []
     for start in range(0, len(answer) - block_size + 1, stride):
         backend.reset()
@@ -123,6 +135,124 @@ def by_position(rt: CloverRuntime, rows: list[dict]) -> dict:
             "mean_prefix": sum(prefixes) / len(prefixes) if prefixes else None, "passes": len(prefixes)}
 
 
+class Oracle:
+    """A backend over a real one whose block passes propose a known answer (module doc, --oracle): the real pass runs
+    and its rows are dropped; row j says the answer's token at the block's position j (the end token past the
+    answer), sure. Every other pass is the real backend's. Not a GraphBackend (no *_rows passes): the decoders
+    select on its dense logits, so its rows are the ones read."""
+
+    SURE = 50.0  # the answer's logit in a row of zeros: softmax 1 - V * e^-50, a certain position
+
+    def __init__(self, backend, n_prompt: int, answer: list[int]):
+        self.b, self.n_prompt, self.answer = backend, n_prompt, list(answer)
+        self.mask_token_id, self.eos_ids, self.block_size = backend.mask_token_id, backend.eos_ids, backend.block_size
+        self.end = min(backend.eos_ids)
+        self.select_in_graph = False
+        self.prefill_seconds = 0.0
+
+    @property
+    def n_past(self) -> int:
+        return self.b.n_past
+
+    @property
+    def n_vocab(self) -> int:
+        return self.b.n_vocab
+
+    @property
+    def keep_backup(self) -> bool:
+        return self.b.keep_backup
+
+    @keep_backup.setter
+    def keep_backup(self, value: bool) -> None:
+        self.b.keep_backup = value
+
+    def reset(self) -> None:
+        self.b.reset()
+
+    def prefill(self, ids):
+        t0 = time.perf_counter()
+        try:
+            return self.b.prefill(ids)
+        finally:
+            self.prefill_seconds += time.perf_counter() - t0
+
+    def commit(self, ids):
+        return self.b.commit(ids)
+
+    def rollback(self, n: int) -> None:
+        self.b.rollback(n)
+
+    def settle(self) -> None:
+        self.b.settle()
+
+    def block_logits(self, block):
+        self.b.block_logits(block)
+        start = self.n_past - self.n_prompt  # answer tokens committed before the block
+        rows = np.zeros((len(block), self.n_vocab), dtype=np.float32)
+        for j in range(len(block)):
+            rows[j, self.answer[start + j] if start + j < len(self.answer) else self.end] = self.SURE
+        return rows
+
+
+def oracle_row(backend, ids: list[int], max_new: int) -> tuple[list[int], dict]:
+    """One row of --oracle -> (the AR answer, {"ar" | "draft-self": (tokens, stats, seconds after the prompt pass)}):
+    the answer decoded in AR first, then AR again and draft-self over an Oracle of it."""
+    answer, _ = decoding.generate_all(Oracle(backend, len(ids), []), ids, mode="ar", max_new_tokens=max_new)
+    got = {}
+    for mode in ("ar", "draft-self"):
+        o = Oracle(backend, len(ids), answer)
+        t0 = time.perf_counter()
+        toks, st = decoding.generate_all(o, ids, mode=mode, max_new_tokens=max_new)
+        got[mode] = (toks, st, time.perf_counter() - t0 - o.prefill_seconds)
+    return answer, got
+
+
+def oracle(rt: CloverRuntime, rows: list[dict]) -> dict:
+    """--oracle over the rows: {kind: tally}, "all" last."""
+    max_new = max_new_tokens(rows)
+    kinds: dict = {}
+    for row in rows:
+        prompt, _ = row_prompt(rt, row)
+        answer, got = oracle_row(rt.backend, rt.ctx.tokenize(prompt, special=True), max_new)
+        for key in (row["kind"], "all"):
+            t = kinds.setdefault(key, {"rows": 0, "tokens": 0, "ar_s": 0.0, "oracle_s": 0.0, "block_passes": 0,
+                                       "passes": 0, "same": 0})
+            t["rows"] += 1
+            t["tokens"] += len(answer)
+            t["ar_s"] += got["ar"][2]
+            t["oracle_s"] += got["draft-self"][2]
+            t["block_passes"] += got["draft-self"][1].block_passes
+            t["passes"] += got["draft-self"][1].forward_passes - 1
+            t["same"] += got["draft-self"][0] == answer == got["ar"][0]
+    kinds["all"] = kinds.pop("all")
+    for t in kinds.values():
+        t["x_ar"] = t["ar_s"] / t["oracle_s"]
+        t["tokens_per_pass"] = t["tokens"] / max(1, t["passes"])
+    return kinds
+
+
+@contextlib.contextmanager
+def attention(name: str):
+    """--attention for the contexts made inside: "exact" and "defaults" are the runtime's own (exact on and off);
+    "fa-off" is the defaults with flash attention off (F16 K/V), which the runtime has no setting for: the context
+    parameters (clover_gguf.llama_context._context_params) are wrapped while the context is made."""
+    from clover_gguf import llama_context
+
+    made = llama_context._context_params
+
+    def fa_off(*args, **kwargs):
+        cp = made(*args, **kwargs)
+        cp.flash_attn_type = 0
+        return cp
+
+    if name == "fa-off":
+        llama_context._context_params = fa_off
+    try:
+        yield name == "exact"
+    finally:
+        llama_context._context_params = made
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=TOOL_MODEL)
@@ -131,19 +261,35 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--workdir", type=Path, default=ROOT / "out" / "bench-drafts")
     ap.add_argument("--by-position", action="store_true", help="how far ahead one block pass sees (the docstring)")
+    ap.add_argument("--oracle", action="store_true", help="the ceiling of any drafter (the docstring)")
+    ap.add_argument("--attention", choices=ATTENTION, default="exact",
+                    help="exact: flash attention off, F32 K/V (the default); fa-off: off, F16 K/V; defaults: "
+                         "llama.cpp's (flash attention auto, on a CPU on; F16 K/V)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     a.workdir.mkdir(parents=True, exist_ok=True)
     gguf = a.workdir / f"{a.model.name}-f32.gguf"
     convert(a.model, gguf, outtype="f32", quiet=True, force=True)
     rows = [r for r in load_eval(a.model) if not a.kinds or r["kind"] in a.kinds.split(",")][:a.limit]
-    print(f"drafts: {len(rows)} rows of {a.model.name}, {a.threads} thread(s), load average {loadavg()}, "
-          f"{time.strftime('%Y-%m-%d %H:%M')}")
-    rt = CloverRuntime(gguf, n_ctx=2048, exact=True, n_threads=a.threads, n_threads_batch=a.threads)
+    print(f"drafts: {len(rows)} rows of {a.model.name}, {a.threads} thread(s), attention {a.attention}, "
+          f"load average {loadavg()}, {time.strftime('%Y-%m-%d %H:%M')}")
+    with attention(a.attention) as exact:
+        rt = CloverRuntime(gguf, n_ctx=2048, exact=exact, n_threads=a.threads, n_threads_batch=a.threads)
     try:
-        res = by_position(rt, rows) if a.by_position else run(rt, rows)
+        res = by_position(rt, rows) if a.by_position else oracle(rt, rows) if a.oracle else run(rt, rows)
     finally:
         rt.close()
+    if a.oracle:
+        print("\n| rows | answers | tokens | ar tok/s | oracle drafts tok/s | x ar | block passes | tokens per pass | "
+              "text = ar |\n|---|---|---|---|---|---|---|---|---|")
+        for kind, t in res.items():
+            print(f"| {kind} | {t['rows']} | {t['tokens']} | {t['tokens'] / t['ar_s']:.1f} | "
+                  f"{t['tokens'] / t['oracle_s']:.1f} | {t['x_ar']:.3f} | {t['block_passes']} | "
+                  f"{t['tokens_per_pass']:.2f} | {t['same']}/{t['rows']} |")
+        print(f"\nload average at the end: {loadavg()}")
+        if a.json:
+            print(json.dumps(res))
+        return 0
     if a.by_position:
         print(f"\n{res['passes']} block passes; their greedy choice = the AR answer's token, by block position:")
         print(" ".join(f"{j}: {x:.2f}" for j, x in enumerate(res["agreement"], 1) if x is not None))
