@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,14 @@ import clover_gguf
 from clover_gguf.testing.make_tiny import make_tiny
 
 BUNDLED = Path(clover_gguf.__file__).parent / "assets" / "tiny-clover"
+
+
+def pytest_configure(config) -> None:
+    """Ctrl-C as in a user's terminal, whatever started the suite: a non-interactive shell's background job (`cmd &`)
+    starts with SIGINT ignored, which Python, the chat (it keeps an ignored SIGINT ignored) and every command the tests
+    run would keep, and the tests that send a Ctrl-C would see nothing happen."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
