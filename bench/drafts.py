@@ -32,7 +32,6 @@ oracle was not one).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 import time
@@ -46,13 +45,14 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from clover_gguf import decoding  # noqa: E402
 from clover_gguf.convert import convert  # noqa: E402
+from clover_gguf.offload import Offload  # noqa: E402
 from clover_gguf.runtime import CloverRuntime  # noqa: E402
 from clover_gguf.testing.tool_tasks import ASSET_DIR as TOOL_MODEL  # noqa: E402
 from clover_gguf.testing.train_tiny import load_eval  # noqa: E402
 from contention import loadavg  # noqa: E402
 from tiny_eval import max_new_tokens, row_prompt, run_rows  # noqa: E402
 
-ATTENTION = ("exact", "fa-off", "defaults")  # --attention
+ATTENTION = ("exact", "fa-off", "defaults")  # --attention: exact, --flash-attn off (F16 K/V), the defaults
 BLOCK_STRIDE = 24  # --by-position: a block pass every this many answer tokens
 
 CONFIGS = (("ar", "ar", None), ("draft-self, resolved whole", "draft-self", False),
@@ -231,28 +231,6 @@ def oracle(rt: CloverRuntime, rows: list[dict]) -> dict:
     return kinds
 
 
-@contextlib.contextmanager
-def attention(name: str):
-    """--attention for the contexts made inside: "exact" and "defaults" are the runtime's own (exact on and off);
-    "fa-off" is the defaults with flash attention off (F16 K/V), which the runtime has no setting for: the context
-    parameters (clover_gguf.llama_context._context_params) are wrapped while the context is made."""
-    from clover_gguf import llama_context
-
-    made = llama_context._context_params
-
-    def fa_off(*args, **kwargs):
-        cp = made(*args, **kwargs)
-        cp.flash_attn_type = 0
-        return cp
-
-    if name == "fa-off":
-        llama_context._context_params = fa_off
-    try:
-        yield name == "exact"
-    finally:
-        llama_context._context_params = made
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=TOOL_MODEL)
@@ -273,8 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [r for r in load_eval(a.model) if not a.kinds or r["kind"] in a.kinds.split(",")][:a.limit]
     print(f"drafts: {len(rows)} rows of {a.model.name}, {a.threads} thread(s), attention {a.attention}, "
           f"load average {loadavg()}, {time.strftime('%Y-%m-%d %H:%M')}")
-    with attention(a.attention) as exact:
-        rt = CloverRuntime(gguf, n_ctx=2048, exact=exact, n_threads=a.threads, n_threads_batch=a.threads)
+    rt = CloverRuntime(gguf, n_ctx=2048, exact=a.attention == "exact", n_threads=a.threads, n_threads_batch=a.threads,
+                       offload=Offload(flash_attn="off" if a.attention == "fa-off" else "auto"))
     try:
         res = by_position(rt, rows) if a.by_position else oracle(rt, rows) if a.oracle else run(rt, rows)
     finally:

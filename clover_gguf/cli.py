@@ -119,7 +119,7 @@ def _stdout_failed(stream, error: OSError) -> int:
     return 2
 
 
-_OFFLOAD_HELP = {name: help_ for name, _, _, help_ in _OFFLOAD_OPTIONS}  # fit names two of them itself
+_OFFLOAD_HELP = {name: help_ for name, _, _, help_ in _OFFLOAD_OPTIONS}  # fit names three of them itself
 
 
 def offload_options(command):
@@ -131,7 +131,7 @@ def offload_options(command):
     from clover_gguf.offload import OPTIONS, Offload
 
     types = {"gpu_layers": str, "cpu_moe": bool, "n_cpu_moe": int, "threads": Optional[int], "mmap": bool,
-             "poll": Optional[int]}
+             "poll": Optional[int], "flash_attn": str}
     extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=types[name],
                                default=typer.Option(default, *flags, help=help_, show_default=default is not None))
              for name, flags, default, help_ in OPTIONS]
@@ -605,6 +605,8 @@ def fit(
                                           "the command printed"),
     poll: Optional[int] = typer.Option(None, "--poll", help=_OFFLOAD_HELP["poll"] + "; for --measure and the "
                                        "command printed"),
+    flash_attn: str = typer.Option("auto", "--flash-attn", "-fa", help=_OFFLOAD_HELP["flash_attn"] + "; for the "
+                                   "prediction (its compute buffers), --measure and the command printed"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Which offload and context fit a GPU or Mac, the predicted memory part by part, and the command to run."""
@@ -612,7 +614,8 @@ def fit(
 
     res = run(model, config=config, qtype=qtype, vram=vram, ram=ram, ctx=ctx, mode=mode.value if mode else None,
               parallel=parallel,
-              rollback=rollback.value, mmap=mmap, unified=unified, do_measure=measure, threads=threads, poll=poll)
+              rollback=rollback.value, mmap=mmap, unified=unified, do_measure=measure, threads=threads, poll=poll,
+              flash_attn=flash_attn)
     typer.echo(json.dumps(res.to_json()) if as_json else res.format())
 
 

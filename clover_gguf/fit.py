@@ -31,7 +31,7 @@ from typing import Any
 from clover_gguf import metadata as md
 from clover_gguf.errors import UserError
 from clover_gguf.fsutil import temp_dir
-from clover_gguf.offload import ALL, Offload, on_device
+from clover_gguf.offload import ALL, Offload, check_flash_attn, on_device
 from clover_gguf.quantize import _pad
 
 GiB, MiB = 2**30, 2**20
@@ -165,6 +165,7 @@ class Setup:
     n_cpu_moe: int = 0
     threads: int | None = None  # --threads / --poll: the run's (None: its defaults, clover_gguf.threads)
     poll: int | None = None
+    flash_attn: str = "auto"  # --flash-attn: the run's (its compute buffers depend on it)
 
 
 @dataclass
@@ -490,7 +491,7 @@ def _command(model: Model, setup: Setup, ctx: int, ngl: int, k: int, gpu: bool) 
     """The command line to run; --gpu-layers left at its default (auto) when that is what the plan says."""
     off = Offload(gpu_layers="auto" if ngl == ALL or not gpu else ngl, n_cpu_moe=k if k < model.shape.n_layer else 0,
                   cpu_moe=k >= model.shape.n_layer and k > 0, mmap=setup.mmap, threads=setup.threads,
-                  poll=setup.poll)
+                  poll=setup.poll, flash_attn=setup.flash_attn)
     cmd = ["clover-gguf", "serve" if setup.parallel > 1 else "chat", model.file_name, "--mode", setup.mode,
            "--ctx", str(ctx), *off.cli_args()]
     if setup.parallel > 1:
@@ -575,7 +576,8 @@ def measure(model: Model, result: FitResult, setup: Setup) -> tuple[dict[str, in
     from clover_gguf.runtime import CloverRuntime
 
     off = Offload(gpu_layers="all" if setup.n_gpu_layers == ALL else setup.n_gpu_layers,
-                  n_cpu_moe=setup.n_cpu_moe, mmap=setup.mmap, threads=setup.threads, poll=setup.poll)
+                  n_cpu_moe=setup.n_cpu_moe, mmap=setup.mmap, threads=setup.threads, poll=setup.poll,
+                  flash_attn=setup.flash_attn)
     with capture_llama_log() as load_log:
         rt = CloverRuntime(model.gguf, n_ctx=result.ctx, rollback=setup.rollback, offload=off,
                            keep_prefix=setup.parallel > 1, keep_prompt=setup.parallel > 1,
@@ -633,6 +635,8 @@ def llama_fit_params(model: Model, setup: Setup, ctx: int | None, floor: int) ->
            "-kvu", "--fit-target", str(MARGIN // MiB), "--fit-ctx", str(floor)]
     if ctx:
         cmd += ["-c", str(ctx)]
+    if setup.flash_attn != "auto":
+        cmd += ["-fa", setup.flash_attn]
     env = dict(os.environ)
     env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(tool.parent), env.get("LD_LIBRARY_PATH")]))
     try:
@@ -651,7 +655,8 @@ def llama_fit_params(model: Model, setup: Setup, ctx: int | None, floor: int) ->
 def fit(model_path: Path | None = None, config: Path | None = None, qtype: str | None = None,
         vram: str | None = None, ram: str | None = None, ctx: int | None = None, mode: str | None = None,
         parallel: int = 1, rollback: str = "redecode", mmap: bool = True, unified: bool | None = None,
-        do_measure: bool = False, threads: int | None = None, poll: int | None = None) -> FitResult:
+        do_measure: bool = False, threads: int | None = None, poll: int | None = None,
+        flash_attn: str = "auto") -> FitResult:
     from clover_gguf.llama_context import gpu_devices
     from clover_gguf.llama_memory import DryRun
 
@@ -667,6 +672,7 @@ def fit(model_path: Path | None = None, config: Path | None = None, qtype: str |
         raise UserError("--parallel must be at least 1")
     if ctx is not None and ctx < CTX_PAD:
         raise UserError(f"--ctx must be at least {CTX_PAD}")
+    flash_attn = check_flash_attn(flash_attn)
     budget_in = (vram, ram)
     for v in budget_in:
         if v is not None:
@@ -680,12 +686,13 @@ def fit(model_path: Path | None = None, config: Path | None = None, qtype: str |
             from clover_gguf.runtime import no_block_tensors
 
             raise UserError(no_block_tensors(Path(model.label), mode))
-        setup = Setup(mode=mode, rollback=rollback, parallel=parallel, mmap=mmap, threads=threads, poll=poll)
+        setup = Setup(mode=mode, rollback=rollback, parallel=parallel, mmap=mmap, threads=threads, poll=poll,
+                      flash_attn=flash_attn)
         devices = gpu_devices()
         if do_measure and vram is not None and not devices:
             raise UserError("--measure loads the model on this machine, which has no GPU: leave out --vram")
         budget = make_budget(vram, ram, unified, devices)
-        with DryRun(model.gguf) as dry:
+        with DryRun(model.gguf, Offload(flash_attn=setup.flash_attn)) as dry:
             result = plan(model, budget, setup, ctx, dry, gpu_here=bool(devices))
         if devices:
             result.llama_fit = llama_fit_params(model, setup, ctx, min(ctx or _default_ctx(),

@@ -28,7 +28,7 @@ import numpy as np
 
 from clover_gguf.controls import Gather, GraphRows
 from clover_gguf.errors import UserError
-from clover_gguf.offload import Offload, no_offload_notice
+from clover_gguf.offload import FLASH_ATTN, Offload, no_offload_notice
 from clover_gguf.threads import attach_threadpools, choose, has_openmp, prepare_wait
 
 GGML_TYPE_F32 = 0
@@ -311,7 +311,9 @@ def _load_model(L: Any, path: Path, offload: Offload, overrides: dict | None, ke
 
 def _context_params(L: Any, n_ctx: int, n_ubatch: int, n_batch: int | None, n_seq_max: int, n_rs_seq: int,
                     exact: bool, n_threads: int | None, n_threads_batch: int | None, n_outputs_max: int,
-                    n_outputs_max_per_seq: int = 0) -> Any:
+                    n_outputs_max_per_seq: int = 0, flash_attn: str = "auto") -> Any:
+    """llama_context_params for these settings; flash_attn: --flash-attn (offload.FLASH_ATTN), which exact overrides
+    (off: the reference's parity needs it)."""
     cp = L.llama_context_default_params()
     cp.n_ctx = n_ctx = padded_n_ctx(n_ctx)
     cp.n_batch = max(n_batch or n_ctx, n_ubatch)  # tokens one decode call may take: the whole context
@@ -329,8 +331,8 @@ def _context_params(L: Any, n_ctx: int, n_ubatch: int, n_batch: int | None, n_se
     # llama.cpp's split: n_threads for one-token calls, n_threads_batch for calls of several tokens
     threads = n_threads or max(1, min(8, os.cpu_count() or 1))
     cp.n_threads, cp.n_threads_batch = threads, n_threads_batch or threads
+    cp.flash_attn_type = FLASH_ATTN["off" if exact else flash_attn]
     if exact:
-        cp.flash_attn_type = 0
         cp.type_k = cp.type_v = GGML_TYPE_F32
     return cp
 
@@ -369,7 +371,7 @@ class LlamaContext:
         self.threading = choose(int(L.llama_model_size(handle)), int(L.llama_model_n_layer(handle)),
                                 n_threads or offload.threads, n_threads_batch, offload.poll, openmp=has_openmp(L))
         cp = _context_params(L, n_ctx, n_ubatch, n_batch, n_seq_max, n_rs_seq, exact, self.threading.n_threads,
-                             self.threading.n_threads_batch, n_outputs_max, n_outputs_max_per_seq)
+                             self.threading.n_threads_batch, n_outputs_max, n_outputs_max_per_seq, offload.flash_attn)
         if eval_callback is not None:
             self._eval_callback = eval_callback  # kept alive for as long as the context may call it
             cp.cb_eval = eval_callback

@@ -41,8 +41,10 @@ class DryRun:
         self.L = load_binding()
         self.path = Path(gguf)
         self._keep: list[Any] = []
+        offload = offload or Offload()
+        self.flash_attn = offload.flash_attn  # every context it plans (exact turns it off)
         with capture_llama_log() as log:
-            self.model = _load_model(self.L, self.path, offload or Offload(), overrides, self._keep, no_alloc=True)
+            self.model = _load_model(self.L, self.path, offload, overrides, self._keep, no_alloc=True)
         if not self.model:
             why = next((t for lv, t in reversed(log.lines) if lv >= LOG_ERROR), "unknown error")
             raise UserError(f"llama.cpp could not read {self.path}: {why.strip()}")
@@ -55,7 +57,7 @@ class DryRun:
             raise TypeError(f"DryRun.buffers: unknown context settings {sorted(unknown)}")
         kw.update(context)
         with capture_llama_log() as log:
-            ctx = self.L.llama_init_from_model(self.model, _context_params(self.L, **kw))
+            ctx = self.L.llama_init_from_model(self.model, _context_params(self.L, **kw, flash_attn=self.flash_attn))
             if not ctx:
                 raise UserError(f"llama.cpp could not plan a context of {kw['n_ctx']} tokens for {self.path}")
             self.L.llama_free(ctx)

@@ -7,6 +7,10 @@
     --poll N                         how long a waiting CPU thread spins before it sleeps, 0..100 (llama.cpp's
                                      --poll; default 0, sleep at once: clover_gguf.threads)
     --mmap / --no-mmap               map the file (llama.cpp's load mode auto) or read it into memory (none)
+    --flash-attn on|off|auto (-fa)   llama.cpp's flash attention setting (its -fa); auto = on wherever the backend
+                                     has it, a CPU included (docs/runtime.md: on a CPU off is faster over a long
+                                     cache and for block passes, and needs an attention buffer of n_ctx x n_ubatch
+                                     x heads floats)
 
 The expert options match llama.cpp's options of the same names (common/arg.cpp): tensors matching
 EXPERT_PATTERN, restricted to `blk.i.` for the first N layers, get the CPU buffer type through
@@ -51,6 +55,19 @@ def check_poll(n: int | None, flag: str = "--poll") -> None:
         raise UserError(f"{flag} must be 0..{MAX_POLL} (0: a waiting thread sleeps at once), not {n}")
 
 
+# --flash-attn's values and llama.h's llama_flash_attn_type for each (tests/test_offload.py reads llama.cpp's own name
+# for each back from its log)
+FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
+
+
+def check_flash_attn(value: str) -> str:
+    """The one check of a flash attention setting: on, off or auto (any case) -> its lower-case name."""
+    v = str(value).strip().lower()
+    if v not in FLASH_ATTN:
+        raise UserError(f"--flash-attn must be on, off or auto, not {value!r}")
+    return v
+
+
 def parse_gpu_layers(value: str | int) -> str | int:
     """'auto', 'all' or a layer count >= 0; anything else is a usage error."""
     if isinstance(value, int):
@@ -78,9 +95,11 @@ class Offload:
     threads: int | None = None
     mmap: bool = True
     poll: int | None = None
+    flash_attn: str = "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "gpu_layers", parse_gpu_layers(self.gpu_layers))
+        object.__setattr__(self, "flash_attn", check_flash_attn(self.flash_attn))
         if self.n_cpu_moe < 0:
             raise UserError(f"--n-cpu-moe must be at least 0, not {self.n_cpu_moe}")
         check_threads(self.threads)
@@ -126,6 +145,8 @@ class Offload:
             args += ["-t", str(self.threads)]
         if self.poll is not None:
             args += ["--poll", str(self.poll)]
+        if self.flash_attn != "auto":
+            args += ["-fa", self.flash_attn]
         args += ["--load-mode", "auto" if self.mmap else "none"]
         return args
 
@@ -142,6 +163,8 @@ class Offload:
             out += ["--poll", str(self.poll)]
         if not self.mmap:
             out.append("--no-mmap")
+        if self.flash_attn != "auto":
+            out += ["--flash-attn", self.flash_attn]
         return out
 
 
@@ -183,6 +206,8 @@ OPTIONS: list[tuple[str, tuple[str, ...], Any, str]] = [
     ("mmap", ("--mmap/--no-mmap",), True, "map the model file (default) or read it into memory"),
     ("poll", ("--poll",), None, "how long a waiting CPU thread spins before it sleeps, 0..100 (default: 0; 0 sleeps "
      "at once, which keeps other programs from stalling the model; llama.cpp's --poll)"),
+    ("flash_attn", ("--flash-attn", "-fa"), "auto", "flash attention: on, off or auto (llama.cpp's -fa; auto: on "
+     "wherever the backend has it, a CPU included; on a CPU off is faster over a long context)"),
 ]
 
 
@@ -196,7 +221,8 @@ def add_argparse(ap: Any) -> None:
         elif isinstance(default, bool):
             ap.add_argument(*flags, dest=name, action="store_true", help=help_)
         else:
-            ap.add_argument(*flags, dest=name, default=default, type=str if name == "gpu_layers" else int, help=help_)
+            ap.add_argument(*flags, dest=name, default=default, type=str if isinstance(default, str) else int,
+                            help=help_)
 
 
 def from_namespace(ns: Any) -> Offload:

@@ -117,6 +117,17 @@ def test_prediction_is_within_5_percent_of_what_llama_cpp_allocates(ggufs, name,
     assert r.to_json()["threads"]["poll"] == 0
 
 
+def test_flash_attention_off_is_predicted_with_the_buffer_it_needs(ggufs):
+    """--flash-attn reaches fit's dry runs: off plans attention scores of n_ctx x n_ubatch per head, and the
+    prediction is what llama.cpp then allocates; the command printed keeps the setting."""
+    r = {fa: fit.fit(ggufs["small"], mode="ar", ctx=4096, do_measure=True, flash_attn=fa) for fa in ("on", "off")}
+    for fa, res in r.items():
+        pred, meas = res.parts["compute"], res.measured["compute"]
+        assert abs(pred - meas) <= 0.05 * meas, (fa, pred, meas)
+        assert res.command.endswith(f"--flash-attn {fa}"), res.command
+    assert r["off"].parts["compute"] > 2 * r["on"].parts["compute"]
+
+
 def test_the_measured_passes_never_ask_a_draft_for_more_than_a_block_holds():
     ms = {"causal": {"1": 1.0, "32": 6.0}, "block": {"32": 9.0}}
     spread = {"causal": {"1": [0.9, 40.0, 9], "32": [5.0, 7.0, 5]}, "block": {"32": [8.0, 300.0, 5]}}

@@ -1,5 +1,5 @@
 """The offload options on a CPU build: the expert overrides that reach llama.cpp, answers unchanged with the options,
-one notice, bad values refused; the llama.cpp log capture; the logits-rows cap."""
+one notice, bad values refused; --flash-attn as llama.cpp reads it; the llama.cpp log capture; the logits-rows cap."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from clover_gguf.convert import convert
 from clover_gguf.errors import UserError
 from clover_gguf.gguf_header import read_header
 from clover_gguf.llama_context import LOG_DEBUG, LlamaContext, capture_llama_log
-from clover_gguf.offload import ALL, Offload, on_device
+from clover_gguf.offload import ALL, FLASH_ATTN, Offload, on_device
 from clover_gguf.runtime import CloverRuntime
 from clover_gguf.testing.train_tiny import ASSET_DIR, chat_prompt, load_tiny
 
@@ -85,7 +85,8 @@ def test_cli_accepts_the_options_and_says_once_that_without_a_gpu_they_do_nothin
 
 @pytest.mark.parametrize("args, message", [(("--n-cpu-moe", "9"), "above the model's 4 layers"),
                                            (("-ngl", "most"), "--gpu-layers must be"),
-                                           (("--n-cpu-moe", "-1"), "at least 0")])
+                                           (("--n-cpu-moe", "-1"), "at least 0"),
+                                           (("--flash-attn", "yes"), "--flash-attn must be on, off or auto")])
 def test_bad_offload_values_get_one_line_and_exit_2(bundled_gguf, args, message):
     r = _cli("generate", bundled_gguf, "-p", "hi", "-n", "2", *args)
     assert r.returncode == 2
@@ -101,12 +102,36 @@ def test_offload_values():
     assert Offload(n_cpu_moe=2).expert_patterns(40) == [r"blk\.0\.ffn_(up|down|gate|gate_up)_(ch|)exps",
                                                          r"blk\.1\.ffn_(up|down|gate|gate_up)_(ch|)exps"]
     assert Offload(n_cpu_moe=2).llama_args(True) == ["-ngl", "all", "--n-cpu-moe", "2", "--load-mode", "auto"]
+    assert Offload(flash_attn="Off").llama_args(False) == ["-ngl", "0", "-fa", "off", "--load-mode", "auto"]
+    assert Offload(flash_attn="on").cli_args() == ["--flash-attn", "on"] and Offload().cli_args() == []
     with pytest.raises(UserError, match="above the model's 40 layers"):
         Offload(n_cpu_moe=41).expert_patterns(40)
     # llama.cpp's layer rule: the last n of the n_layer + 1 layers (the output layer counts), input always on CPU
     assert [on_device(f"blk.{i}.attn_norm.weight", 4, 2, []) for i in range(4)] == [False, False, False, True]
     assert on_device("output.weight", 4, 1, []) and not on_device("output.weight", 4, 0, [])
     assert not on_device("token_embd.weight", 4, ALL, [])
+
+
+def test_flash_attn_reaches_llama_cpp_as_its_own_setting(bundled_gguf):
+    """Each --flash-attn value is the llama_flash_attn_type llama.cpp logs by its own name (llama_flash_attn_type_name),
+    and what it resolved `auto` to on this CPU; exact turns it off whatever the option says."""
+    names = {"auto": "auto", "off": "disabled", "on": "enabled"}
+    assert set(FLASH_ATTN) == set(names)
+    for value, exact in [*((v, False) for v in FLASH_ATTN), ("on", True)]:
+        with capture_llama_log() as log:
+            ctx = LlamaContext(bundled_gguf, n_ctx=256, n_threads=1, exact=exact, offload=Offload(flash_attn=value))
+            ctx.close()
+        said = [m[1] for m in log.grep(r"flash_attn\s+= (\S+)")]
+        assert said == ["disabled" if exact else names[value]], (value, exact, said)
+        if value == "auto":  # a CPU has the op: llama.cpp turns it on
+            assert log.grep(r"Flash Attention enabled"), log.text()[-20:]
+
+
+def test_the_cli_takes_flash_attn_in_any_case_and_the_answer_stays(bundled_gguf):
+    base = ["generate", bundled_gguf, "-p", "Count from 3 to 6.", "-n", "12", "--mode", "ar", "--threads", "1"]
+    runs = {v: _cli(*base, "--flash-attn", v) for v in ("off", "ON")}
+    assert all(r.returncode == 0 for r in runs.values()), {v: r.stderr for v, r in runs.items()}
+    assert runs["off"].stdout == runs["ON"].stdout and runs["off"].stdout.strip()
 
 
 def test_log_capture_collects_debug_lines_and_stays_silent(bundled_gguf, capfd):
