@@ -15,6 +15,7 @@ import typer
 
 from clover_gguf.decoding import ACCEPT_MODES, DEFAULT_END_RULE, DRAFT_THRESHOLD, END_RULES, MODES
 from clover_gguf.errors import UserError
+from clover_gguf.offload import FLASH_ATTN
 from clover_gguf.offload import OPTIONS as _OFFLOAD_OPTIONS
 from clover_gguf.runtime import ROLLBACKS
 from clover_gguf.state_cache import DEFAULT_CACHE_RAM_MIB
@@ -119,6 +120,12 @@ def _stdout_failed(stream, error: OSError) -> int:
     return 2
 
 
+def _choices(name: str, values: tuple[str, ...]) -> type[Enum]:
+    """A typer choice type over one of the tuples the modules define (the lists live there, once)."""
+    return Enum(name, {v.replace("-", "_"): v for v in values}, type=str)
+
+
+FlashAttn = _choices("FlashAttn", tuple(FLASH_ATTN))
 _OFFLOAD_HELP = {name: help_ for name, _, _, help_ in _OFFLOAD_OPTIONS}  # fit names three of them itself
 
 
@@ -131,7 +138,7 @@ def offload_options(command):
     from clover_gguf.offload import OPTIONS, Offload
 
     types = {"gpu_layers": str, "cpu_moe": bool, "n_cpu_moe": int, "threads": Optional[int], "mmap": bool,
-             "poll": Optional[int], "flash_attn": str}
+             "poll": Optional[int], "flash_attn": FlashAttn}
     extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=types[name],
                                default=typer.Option(default, *flags, help=help_, show_default=default is not None))
              for name, flags, default, help_ in OPTIONS]
@@ -433,11 +440,6 @@ def _threads_summary(ready: bool) -> dict:
     return summary(openmp)
 
 
-def _choices(name: str, values: tuple[str, ...]) -> type[Enum]:
-    """A typer choice type over one of the tuples the modules define (the lists live there, once)."""
-    return Enum(name, {v.replace("-", "_"): v for v in values}, type=str)
-
-
 Mode = _choices("Mode", MODES)
 Accept = _choices("Accept", ACCEPT_MODES)
 Rollback = _choices("Rollback", ROLLBACKS)
@@ -605,7 +607,7 @@ def fit(
                                           "the command printed"),
     poll: Optional[int] = typer.Option(None, "--poll", help=_OFFLOAD_HELP["poll"] + "; for --measure and the "
                                        "command printed"),
-    flash_attn: str = typer.Option("auto", "--flash-attn", "-fa", help=_OFFLOAD_HELP["flash_attn"] + "; for the "
+    flash_attn: FlashAttn = typer.Option("auto", "--flash-attn", "-fa", help=_OFFLOAD_HELP["flash_attn"] + "; for the "
                                    "prediction (its compute buffers), --measure and the command printed"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
@@ -615,7 +617,7 @@ def fit(
     res = run(model, config=config, qtype=qtype, vram=vram, ram=ram, ctx=ctx, mode=mode.value if mode else None,
               parallel=parallel,
               rollback=rollback.value, mmap=mmap, unified=unified, do_measure=measure, threads=threads, poll=poll,
-              flash_attn=flash_attn)
+              flash_attn=flash_attn.value)
     typer.echo(json.dumps(res.to_json()) if as_json else res.format())
 
 

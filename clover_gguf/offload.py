@@ -61,8 +61,9 @@ FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
 
 
 def check_flash_attn(value: str) -> str:
-    """The one check of a flash attention setting: on, off or auto (any case) -> its lower-case name."""
-    v = str(value).strip().lower()
+    """The one check of a flash attention setting: on, off or auto (any case; the CLI's choice type too) -> its
+    lower-case name."""
+    v = str(getattr(value, "value", value)).strip().lower()
     if v not in FLASH_ATTN:
         raise UserError(f"--flash-attn must be on, off or auto, not {value!r}")
     return v

@@ -86,7 +86,7 @@ def test_cli_accepts_the_options_and_says_once_that_without_a_gpu_they_do_nothin
 @pytest.mark.parametrize("args, message", [(("--n-cpu-moe", "9"), "above the model's 4 layers"),
                                            (("-ngl", "most"), "--gpu-layers must be"),
                                            (("--n-cpu-moe", "-1"), "at least 0"),
-                                           (("--flash-attn", "yes"), "--flash-attn must be on, off or auto")])
+                                           (("--flash-attn", "yes"), "'yes' is not one of 'auto', 'off', 'on'")])
 def test_bad_offload_values_get_one_line_and_exit_2(bundled_gguf, args, message):
     r = _cli("generate", bundled_gguf, "-p", "hi", "-n", "2", *args)
     assert r.returncode == 2
@@ -104,6 +104,8 @@ def test_offload_values():
     assert Offload(n_cpu_moe=2).llama_args(True) == ["-ngl", "all", "--n-cpu-moe", "2", "--load-mode", "auto"]
     assert Offload(flash_attn="Off").llama_args(False) == ["-ngl", "0", "-fa", "off", "--load-mode", "auto"]
     assert Offload(flash_attn="on").cli_args() == ["--flash-attn", "on"] and Offload().cli_args() == []
+    with pytest.raises(UserError, match="--flash-attn must be on, off or auto"):
+        Offload(flash_attn="yes")
     with pytest.raises(UserError, match="above the model's 40 layers"):
         Offload(n_cpu_moe=41).expert_patterns(40)
     # llama.cpp's layer rule: the last n of the n_layer + 1 layers (the output layer counts), input always on CPU
@@ -127,11 +129,11 @@ def test_flash_attn_reaches_llama_cpp_as_its_own_setting(bundled_gguf):
             assert log.grep(r"Flash Attention enabled"), log.text()[-20:]
 
 
-def test_the_cli_takes_flash_attn_in_any_case_and_the_answer_stays(bundled_gguf):
+def test_the_cli_takes_flash_attn_and_the_answer_stays(bundled_gguf):
     base = ["generate", bundled_gguf, "-p", "Count from 3 to 6.", "-n", "12", "--mode", "ar", "--threads", "1"]
-    runs = {v: _cli(*base, "--flash-attn", v) for v in ("off", "ON")}
+    runs = {v: _cli(*base, "--flash-attn", v) for v in ("off", "on")}
     assert all(r.returncode == 0 for r in runs.values()), {v: r.stderr for v, r in runs.items()}
-    assert runs["off"].stdout == runs["ON"].stdout and runs["off"].stdout.strip()
+    assert runs["off"].stdout == runs["on"].stdout and runs["off"].stdout.strip()
 
 
 def test_log_capture_collects_debug_lines_and_stays_silent(bundled_gguf, capfd):
