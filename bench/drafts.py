@@ -231,6 +231,30 @@ def oracle(rt: CloverRuntime, rows: list[dict]) -> dict:
     return kinds
 
 
+def print_oracle(res: dict, rows: list[dict]) -> None:
+    print("\n| rows | answers | tokens | ar tok/s | oracle drafts tok/s | x ar | block passes | tokens per pass | "
+          "text = ar |\n|---|---|---|---|---|---|---|---|---|")
+    for kind, t in res.items():
+        print(f"| {kind} | {t['rows']} | {t['tokens']} | {t['tokens'] / t['ar_s']:.1f} | "
+              f"{t['tokens'] / t['oracle_s']:.1f} | {t['x_ar']:.3f} | {t['block_passes']} | "
+              f"{t['tokens_per_pass']:.2f} | {t['same']}/{t['rows']} |")
+
+
+def print_by_position(res: dict, rows: list[dict]) -> None:
+    print(f"\n{res['passes']} block passes; their greedy choice = the AR answer's token, by block position:")
+    print(" ".join(f"{j}: {x:.2f}" for j, x in enumerate(res["agreement"], 1) if x is not None))
+    print(f"mean agreeing prefix: {res['mean_prefix']:.2f} tokens")
+
+
+def print_run(res: dict, rows: list[dict]) -> None:
+    print("\n| mode, drafts | block passes per draft | tokens accepted per draft | tokens per pass | tok/s x ar | "
+          "text = ar |\n|---|---|---|---|---|---|")
+    for name, r in res.items():
+        per = (f"{r['block_passes_per_draft']:.2f} | {r['accepted_per_draft']:.1f}" if r["drafts"] else "- | -")
+        print(f"| {name} | {per} | {r['tokens_per_pass']:.2f} | {r['tok_s_x_ar']:.3f} | "
+              f"{r['text_equal_ar']}/{len(rows)} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=TOOL_MODEL)
@@ -253,34 +277,13 @@ def main(argv: list[str] | None = None) -> int:
           f"load average {loadavg()}, {time.strftime('%Y-%m-%d %H:%M')}")
     rt = CloverRuntime(gguf, n_ctx=2048, exact=a.attention == "exact", n_threads=a.threads, n_threads_batch=a.threads,
                        offload=Offload(flash_attn="off" if a.attention == "fa-off" else "auto"))
+    count, show = ((by_position, print_by_position) if a.by_position else (oracle, print_oracle) if a.oracle else
+                   (run, print_run))
     try:
-        res = by_position(rt, rows) if a.by_position else oracle(rt, rows) if a.oracle else run(rt, rows)
+        res = count(rt, rows)
     finally:
         rt.close()
-    if a.oracle:
-        print("\n| rows | answers | tokens | ar tok/s | oracle drafts tok/s | x ar | block passes | tokens per pass | "
-              "text = ar |\n|---|---|---|---|---|---|---|---|---|")
-        for kind, t in res.items():
-            print(f"| {kind} | {t['rows']} | {t['tokens']} | {t['tokens'] / t['ar_s']:.1f} | "
-                  f"{t['tokens'] / t['oracle_s']:.1f} | {t['x_ar']:.3f} | {t['block_passes']} | "
-                  f"{t['tokens_per_pass']:.2f} | {t['same']}/{t['rows']} |")
-        print(f"\nload average at the end: {loadavg()}")
-        if a.json:
-            print(json.dumps(res))
-        return 0
-    if a.by_position:
-        print(f"\n{res['passes']} block passes; their greedy choice = the AR answer's token, by block position:")
-        print(" ".join(f"{j}: {x:.2f}" for j, x in enumerate(res["agreement"], 1) if x is not None))
-        print(f"mean agreeing prefix: {res['mean_prefix']:.2f} tokens\nload average at the end: {loadavg()}")
-        if a.json:
-            print(json.dumps(res))
-        return 0
-    print("\n| mode, drafts | block passes per draft | tokens accepted per draft | tokens per pass | tok/s x ar | "
-          "text = ar |\n|---|---|---|---|---|---|")
-    for name, r in res.items():
-        per = (f"{r['block_passes_per_draft']:.2f} | {r['accepted_per_draft']:.1f}" if r["drafts"] else "- | -")
-        print(f"| {name} | {per} | {r['tokens_per_pass']:.2f} | {r['tok_s_x_ar']:.3f} | "
-              f"{r['text_equal_ar']}/{len(rows)} |")
+    show(res, rows)
     print(f"\nload average at the end: {loadavg()}")
     if a.json:
         print(json.dumps(res))

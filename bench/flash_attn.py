@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from clover_gguf.offload import Offload  # noqa: E402
 from clover_gguf.runtime import CloverRuntime  # noqa: E402
 from contention import loadavg  # noqa: E402
+from host import llama_bench_runs  # noqa: E402
 
 SLICE = ROOT / "out" / "bench-contention" / "slice35b-e16-v1024-q4_k_m.gguf"
 SETTINGS = ("off", "on")
@@ -61,13 +61,8 @@ def ours(gguf: Path, depth: int, flash_attn: str, rounds: int, threads: int | No
 
 def peer(gguf: Path, depths: list[int], rounds: int, threads: int | None) -> dict:
     """llama-bench's ms per pass: {(depth, "off"|"on"): {"pp32": ms, "tg1": ms}}."""
-    from clover_gguf.build import llama_tool
-
-    cmd = [str(llama_tool("llama-bench")), "-m", str(gguf), "-fa", "0,1", "-p", "32", "-n", "16",
-           "-d", ",".join(map(str, depths)), "-r", str(rounds), "-o", "json"]
-    if threads:
-        cmd += ["-t", str(threads)]
-    runs = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+    args = ["-fa", "0,1", "-p", "32", "-n", "16", "-d", ",".join(map(str, depths)), "-r", str(rounds)]
+    runs = llama_bench_runs(gguf, *args, *(["-t", str(threads)] if threads else []))
     out: dict = {}
     for run in runs:
         key = (int(run["n_depth"]), "on" if run["flash_attn"] in (1, True, "1", "on", "enabled") else "off")

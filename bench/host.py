@@ -127,17 +127,22 @@ def bench_passes(gguf: Path, threads: int | None, rounds: int, history: int, **r
     return res
 
 
-def llama_bench(gguf: Path, threads: int, n: int) -> float:
+def llama_bench_runs(gguf: Path, *args: str) -> list[dict]:
+    """llama-bench (the cached build) on `gguf` with these arguments: its JSON records, one per test."""
     from clover_gguf.build import llama_tool
 
     tool = llama_tool("llama-bench")
     env = {**os.environ, "LD_LIBRARY_PATH": os.pathsep.join(filter(None, [str(tool.parent),
                                                                           os.environ.get("LD_LIBRARY_PATH")]))}
-    p = subprocess.run([str(tool), "-m", str(gguf), "-p", "0", "-n", str(n), "-t", str(threads), "-r", "1",
-                        "-o", "json"], capture_output=True, text=True, env=env)
+    p = subprocess.run([str(tool), "-m", str(gguf), *args, "-o", "json"], capture_output=True, text=True, env=env)
     if p.returncode != 0:
         raise SystemExit(f"llama-bench failed: {p.stderr.strip()[-1000:]}")
-    return float(json.loads(p.stdout)[0]["avg_ts"])
+    return json.loads(p.stdout)
+
+
+def llama_bench(gguf: Path, threads: int, n: int) -> float:
+    """llama-bench's AR tok/s (tg n)."""
+    return float(llama_bench_runs(gguf, "-p", "0", "-n", str(n), "-t", str(threads), "-r", "1")[0]["avg_ts"])
 
 
 def generate_tps(gguf: Path, threads: int, n: int) -> float:
