@@ -355,7 +355,14 @@ class _FreeSlots:
             return best
         fut = asyncio.get_running_loop().create_future()
         self.waiters.append(fut)
-        return await fut
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            # handed a slot (put_nowait) and cancelled (its client left) in the same loop turn: the task ends
+            # cancelled with the slot in its future, so the slot goes on to the next waiter or back to the free ones
+            if fut.done() and not fut.cancelled():
+                self.put_nowait(fut.result())
+            raise
 
     def _spare(self, rt: Any) -> bool:
         """Taking `rt` for another conversation loses no kept state."""
