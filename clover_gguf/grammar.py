@@ -37,6 +37,9 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 JSON_STYLE = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
 CACHE = 64  # compiled grammars kept per engine
 CONTROL = b"\xff"  # llguidance's mark of a special token
+# llguidance's fuel for building a grammar's lexer (its default 1,000,000, about 20 ms): a tool's string with
+# maxLength of some thousands (a forced call's TEXT rule) needs more; a mask step keeps the default fuel
+COMPILE_FUEL = 10_000_000
 
 
 class GrammarError(ValueError):
@@ -82,6 +85,27 @@ def source(body_rules: str, thinking: str) -> str:
              "none": "start: gap body"}[thinking]
     think = f"think_text[lazy]: /(?s:.*){_regex_literal(THINK_CLOSE)}/\n" if thinking != "none" else ""
     return f"%llguidance {{}}\n{start}\ngap: /[ \\t\\r\\n]{{0,4}}/\n{think}{body_rules}"
+
+
+def regex_without(text: str) -> str:
+    """A regex (for a Lark /.../) of the strings that do not contain `text`, written positively: llguidance's lexer
+    intersects it with a counted repetition cheaply, where a negation (~/.*text.*/) beside a count of about 90 or
+    more ran out of lexer fuel at the first mask. `text`'s first character must not occur again in it (then a
+    failed match restarts only at that character): true of the closing tags this is for."""
+    head, rest = text[0], text[1:]
+    if not rest or head in rest:
+        raise ValueError(f"regex_without: {text!r} must be 2+ characters whose first does not repeat")
+    h = _regex_literal(head)
+    # after `head` and a proper prefix of `rest`, a character that neither continues it nor starts again
+    breaks = "|".join(_regex_literal(rest[:i]) + f"[^{_class_literal(rest[i])}{_class_literal(head)}]"
+                      for i in range(len(rest)))
+    partial = f"{h}(?:{'|'.join(_regex_literal(rest[:i]) for i in range(len(rest)))})"  # head, a proper prefix
+    return f"(?:[^{_class_literal(head)}]|(?:{partial})*{h}(?:{breaks}))*(?:{partial})*"
+
+
+def _class_literal(c: str) -> str:
+    """One character inside a regex [class]."""
+    return "\\" + c if c in "\\]^-[/" else c
 
 
 def _regex_literal(text: str) -> str:
@@ -176,7 +200,8 @@ class Engine:
             if hit is not None:
                 self._compiled.move_to_end(grammar)
                 return hit
-        m = self.llg.LLMatcher(self.tokenizer, self.llg.LLMatcher.grammar_from_lark(grammar), log_level=0)
+        m = self.llg.LLMatcher(self.tokenizer, self.llg.LLMatcher.grammar_from_lark(grammar), log_level=0,
+                               limits=self.llg.LLParserLimits(initial_lexer_fuel=COMPILE_FUEL))
         if m.is_error():
             raise GrammarError(f"the grammar cannot be compiled: {m.get_error()}")
         with self._lock:

@@ -509,7 +509,9 @@ def _value_rule(key: str, schema: Any, root: dict, rules: dict[str, str]) -> str
             lo, hi = max(0, lo if isinstance(lo, int) else 0), hi if isinstance(hi, int) else ""
             name = f"TEXT_{lo}_{hi or 'N'}"
             close = PARAMETER_CLOSE.replace("/", "\\/")
-            rules[name] = f"{name}: /(?s:.){{{lo},{hi}}}\\n{close}/ & ~/(?s:.*){close}(?s:.+)/"
+            # (the text without the tag written positively: a negation beside a count of ~90+ ran out of lexer fuel)
+            rules[name] = (f"{name}: /(?s:.){{{lo},{hi}}}\\n{close}/ "
+                           f"& /{grammar.regex_without(PARAMETER_CLOSE)}\\n{close}/")
             return f"{name} " + lit("\n")
         return "text_value " + lit("\n")
     if kind == "enum":
