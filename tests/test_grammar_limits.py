@@ -118,3 +118,20 @@ def test_regex_without_matches_what_does_not_hold_the_text(text):
             k = rng.randint(0, len(s))
             s = s[:k] + text[:rng.randint(0, len(text))] + s[k:]
         assert bool(rx.fullmatch(s)) == (text not in s), s
+
+
+def test_a_max_length_of_0_beside_an_unbounded_string_stays_0(engine):
+    """Cause 6: rules were named TEXT_{lo}_{hi or 'N'}, so maxLength 0 and no maxLength were both TEXT_0_N and the
+    later one's rule stood for both: beside a parameter with minLength 0, the maxLength 0 one took any text."""
+    tools = T.read_tools([{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "empty": {"type": "string", "maxLength": 0}, "free": {"type": "string", "minLength": 0}},
+        "required": ["empty", "free"]}}}])
+    source = grammar.source(T.calls_rules(tools, "f", parallel=False), "none")
+
+    def text(empty: str) -> str:
+        return (f"<tool_call>\n<function=f>\n<parameter=empty>\n{empty}\n</parameter>\n"
+                f"<parameter=free>\nanything at all\n</parameter>\n</function>\n</tool_call>")
+
+    c = engine.constraint(source)
+    assert byte_walk(c, text("")) is None and c.finished()
+    assert byte_walk(engine.constraint(source), text("x")) is not None

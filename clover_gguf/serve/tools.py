@@ -507,7 +507,7 @@ def _value_rule(key: str, schema: Any, root: dict, rules: dict[str, str]) -> str
         if target.get("type") == "string" and (isinstance(lo, int) or isinstance(hi, int)):
             # a string of lo..hi characters, then the newline and </parameter> (which it may not hold before)
             lo, hi = max(0, lo if isinstance(lo, int) else 0), hi if isinstance(hi, int) else ""
-            name = f"TEXT_{lo}_{hi or 'N'}"
+            name = f"TEXT_{lo}_{'N' if hi == '' else hi}"  # one name per bound: maxLength 0 is not "none"
             close = PARAMETER_CLOSE.replace("/", "\\/")
             # (the text without the tag written positively: a negation beside a count of ~90+ ran out of lexer fuel)
             rules[name] = (f"{name}: /(?s:.){{{lo},{hi}}}\\n{close}/ "
