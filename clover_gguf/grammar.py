@@ -108,6 +108,38 @@ def _class_literal(c: str) -> str:
     return "\\" + c if c in "\\]^-[/" else c
 
 
+def _string_schemas(body_rules: str) -> list[dict]:
+    """The string schemas with a pattern, format or length bound in the %json schemas of `body_rules` (as json_value
+    wrote them), each reduced to those keys; each once."""
+    found: dict[str, dict] = {}
+    decoder = json.JSONDecoder()
+
+    def walk(node: Any, depth: int) -> None:
+        if depth > 64:
+            return
+        if isinstance(node, dict):
+            keys = {k: node[k] for k, kind in (("pattern", str), ("format", str), ("minLength", int),
+                                                  ("maxLength", int)) if isinstance(node.get(k), kind)}
+            if keys and node.get("type", "string") in ("string", ["string"]):
+                found.setdefault(json.dumps(keys, sort_keys=True), {"type": "string", **keys})
+            for v in node.values():
+                walk(v, depth + 1)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v, depth + 1)
+
+    at = body_rules.find("%json ")
+    while at >= 0:
+        try:
+            schema, end = decoder.raw_decode(body_rules, at + len("%json "))
+        except ValueError:
+            end = at + 1
+        else:
+            walk(schema, 0)
+        at = body_rules.find("%json ", end)
+    return list(found.values())
+
+
 def _regex_literal(text: str) -> str:
     """`text` inside a Lark /regex/ (its metacharacters and the slash escaped)."""
     return "".join("\\" + c if c in "\\/.^$|?*+()[]{}" else c for c in text)
@@ -190,6 +222,7 @@ class Engine:
         self.eos = frozenset(vocab.eos_ids)
         self.eos_mask = mask_of(vocab.eos_ids, vocab.n_vocab)
         self._compiled: collections.OrderedDict[str, Any] = collections.OrderedDict()
+        self._checked: collections.OrderedDict[str, bool] = collections.OrderedDict()  # bodies that passed check
         self._lock = threading.Lock()
 
     def compile(self, grammar: str) -> Any:
@@ -200,8 +233,7 @@ class Engine:
             if hit is not None:
                 self._compiled.move_to_end(grammar)
                 return hit
-        m = self.llg.LLMatcher(self.tokenizer, self.llg.LLMatcher.grammar_from_lark(grammar), log_level=0,
-                               limits=self.llg.LLParserLimits(initial_lexer_fuel=COMPILE_FUEL))
+        m = self._matcher(grammar)
         if m.is_error():
             raise GrammarError(f"the grammar cannot be compiled: {m.get_error()}")
         with self._lock:
@@ -209,6 +241,49 @@ class Engine:
             while len(self._compiled) > CACHE:
                 self._compiled.popitem(last=False)
         return m
+
+    def check(self, body_rules: str) -> None:
+        """What a request's grammar (the rule `body` of `body_rules`) must pass before the request takes a slot,
+        beside compiling (GrammarError with the reason; each body checked once):
+        - each string pattern and length bound of its JSON schemas is one llguidance's lexer can enter: the lexer
+          builds a pattern's states as a value starts, and one too complex for it (^(x{1000}){1000}$) stopped the
+          decode there (a 500, or an empty 200)."""
+        with self._lock:
+            if body_rules in self._checked:
+                return
+        self.compile(source(body_rules, "none"))
+        # each string value entered on a fresh matcher by three paths (the quote at once, after one space, after four):
+        # where llguidance's lexer builds a pattern's states; its expressions are shared by the copies of a compiled
+        # grammar and counted together, so one path alone, or a cached grammar, may pass a pattern that fails later
+        space, quote = self.vocab.tokenize(" "), self.vocab.tokenize('"')
+        for string in _string_schemas(body_rules):
+            fresh = self._matcher(source(f"body: {json_value(string)}\n", "none"))
+            for path in (quote, space + quote, space * 4 + quote):
+                m = fresh.deep_copy()
+                for t in path:
+                    self._first_mask(m)
+                    if not m.consume_token(t):
+                        break
+                else:
+                    self._first_mask(m)
+                if m.is_error():
+                    break
+            if m.is_error():
+                raise GrammarError(f"the string schema {json.dumps(string)[:200]} is too complex for the grammar "
+                                   f"engine's lexer: {m.get_error().splitlines()[0]}")
+        with self._lock:
+            self._checked[body_rules] = True
+            while len(self._checked) > CACHE:
+                self._checked.popitem(last=False)
+
+    def _matcher(self, grammar: str) -> Any:
+        return self.llg.LLMatcher(self.tokenizer, self.llg.LLMatcher.grammar_from_lark(grammar), log_level=0,
+                                  limits=self.llg.LLParserLimits(initial_lexer_fuel=COMPILE_FUEL))
+
+    def _first_mask(self, matcher: Any) -> np.ndarray:
+        bitmask = np.zeros((1, self.words), dtype=np.int32)
+        self.llg.numpy.fill_next_token_bitmask(matcher, bitmask, 0)
+        return bitmask[0]
 
     def constraint(self, grammar: str) -> "GrammarConstraint":
         return GrammarConstraint(self, self.compile(grammar).deep_copy())
@@ -230,9 +305,11 @@ class GrammarConstraint:
         if self._mask_at != self._taken:
             m = self._mask
             if self.matcher.is_error():
-                m[:] = 0
+                raise self._gave_up()
             else:
                 self.engine.llg.numpy.fill_next_token_bitmask(self.matcher, self._bitmask, 0)
+                if self.matcher.is_error():  # a limit of the engine's, met in this state (Engine.check missed it)
+                    raise self._gave_up()
                 m[:] = self._bitmask[0] & ~self.engine.eos_mask
                 if self.matcher.is_accepting():  # the end tokens exactly where the grammar may end
                     m |= self.engine.eos_mask
@@ -256,9 +333,15 @@ class GrammarConstraint:
         if not ok:
             return False
         if not self.matcher.consume_token(t):
-            raise RuntimeError(f"llguidance refused token {t}, which its mask allowed: {self.matcher.get_error()}")
+            raise self._gave_up()
         self._taken += 1
         return True
+
+    def _gave_up(self) -> GrammarError:
+        """The engine stopped in the middle of the answer (a lexer or parser limit of llguidance's, in a state its
+        checks could not foresee): the request's error, a 400, not an empty answer or a 500."""
+        why = (self.matcher.get_error() or "unknown").splitlines()[0]
+        return GrammarError(f"the grammar engine gave up after {self._taken} tokens of the answer: {why}")
 
     def rollback(self, n: int) -> None:
         if n < 0 or n > self._taken:

@@ -135,3 +135,80 @@ def test_a_max_length_of_0_beside_an_unbounded_string_stays_0(engine):
     c = engine.constraint(source)
     assert byte_walk(c, text("")) is None and c.finished()
     assert byte_walk(engine.constraint(source), text("x")) is not None
+
+
+# ---- what the engine cannot run: refused before a slot is taken (Engine.check) --------------------------------------
+TOO_COMPLEX = {"type": "string", "pattern": "^(x{1000}){1000}$"}
+NO_VALUE = [{"$ref": "#"}, {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}]
+
+
+def json_body(schema) -> str:
+    return f"body: {grammar.json_value(schema)}\n"
+
+
+@pytest.mark.parametrize("schema", [TOO_COMPLEX, {"type": "object", "properties": {"a": TOO_COMPLEX},
+                                                  "required": ["a"]}])
+def test_a_pattern_too_complex_for_the_lexer_is_refused_by_check(engine, schema):
+    """Cause 3: it compiled, its first masks allowed the opening quote, and taking it ran the lexer out ("too many
+    expressions constructed"): a 500 in AR (the mask had allowed the token), an empty 200 in the block modes."""
+    with pytest.raises(grammar.GrammarError, match="too complex for the grammar engine's lexer"):
+        engine.check(json_body(schema))
+
+
+def test_in_the_middle_of_an_answer_the_engine_giving_up_is_a_grammar_error(engine):
+    """Where a limit is met past what check foresees, the decode stops with the request's GrammarError (a 400 from
+    the worker), never a RuntimeError (a 500) or an empty mask read as the answer's end."""
+    compiled = engine._matcher(grammar.source(json_body(TOO_COMPLEX), "none"))  # as if Engine.check had not run
+    with pytest.raises(grammar.GrammarError, match="gave up after [0-9] tokens"):
+        for start in (b'"', b' "', b'    "'):  # requests on copies of one compiled grammar, as the slots use it
+            c = grammar.GrammarConstraint(engine, compiled.deep_copy())
+            for t in start:
+                c.mask()
+                assert c.accept(t)
+            c.mask()
+
+
+def test_check_passes_what_the_engine_runs(engine):
+    tools = lookup(maxLength=1000)
+    for body in (json_body({"type": "object", "properties": {"n": {"type": "integer"}, "s": {
+                     "type": "string", "pattern": "^[a-z]{1,8}$", "maxLength": 8}}}),
+                 json_body({"$defs": {"node": {"type": "object", "properties": {"next": {"$ref": "#/$defs/node"}}}},
+                            "$ref": "#/$defs/node"}),  # recursive, but an object without `next` ends it
+                 json_body({"type": "object", "properties": {"pattern": {"type": "string"}, "format": {
+                     "type": "integer"}}}),  # properties named like the keywords
+                 T.calls_rules(tools, None, parallel=True)):
+        engine.check(body)
+        engine.check(body)  # the second time from what it remembers
+
+
+@pytest.fixture()
+def scripted_on(engine, monkeypatch):
+    """The scripted server of tests/test_tool_calls.py with this module's engine as the model's grammar engine."""
+    from clover_gguf.serve.slots import Pool
+    from test_server import _Server
+    from test_tool_calls import ScriptedRuntime
+    from clover_gguf.serve import create_app
+
+    monkeypatch.setattr(Pool, "grammar_engine", lambda self: engine)
+    s = _Server(create_app(ScriptedRuntime, mode="ar", parallel=1))
+    yield s
+    s.stop()
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": TOO_COMPLEX}}},
+     "response_format"),
+    ({"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"o": {"type": "object", "properties": {"a": TOO_COMPLEX}}},
+        "required": ["o"]}}}]}, "tools"),
+])
+@pytest.mark.parametrize("mode", ["ar", "diffusion"])
+def test_the_server_answers_them_with_a_400_up_front(scripted_on, extra, param, mode):
+    import httpx
+
+    r = httpx.post(scripted_on.base + "/v1/chat/completions", timeout=30,
+                   json={"messages": [{"role": "user", "content": "x"}], "mode": mode, "max_tokens": 8, **extra})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param, err
+    assert "too complex" in err["message"] or "admits no value" in err["message"], err

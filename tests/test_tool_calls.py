@@ -674,8 +674,8 @@ def test_forced_calls_and_json_are_decoded_with_a_constraint(scripted, monkeypat
     made = []
 
     class Engine:  # the scripted runtime has no vocabulary: a stand-in engine records the grammars
-        def compile(self, source):
-            made.append(source)
+        def check(self, body):
+            made.append(body)
 
         def constraint(self, source):
             made.append(source)

@@ -193,7 +193,7 @@ def precheck(rt: Any, plan: Plan, pool: Pool | None = None) -> None:
     grammar_param = "tools" if plan.tool_mode in ("required", "named") else "response_format"
     if plan.grammar_body is not None and pool is not None:
         try:  # the body's errors (a schema the engine cannot read) before a slot is taken; the worker's is cached
-            pool.grammar_engine().compile(grammar.source(plan.grammar_body, "none"))
+            pool.grammar_engine().check(plan.grammar_body)
         except grammar.GrammarError as e:
             raise APIError(400, str(e), param=grammar_param) from None
     for kw, param, wanted in (("constraint", grammar_param, plan.grammar_body is not None),
