@@ -245,6 +245,8 @@ class Engine:
     def check(self, body_rules: str) -> None:
         """What a request's grammar (the rule `body` of `body_rules`) must pass before the request takes a slot,
         beside compiling (GrammarError with the reason; each body checked once):
+        - it admits a value: its first mask allows a token (a schema whose $refs only refer to each other, or
+          {"$ref": "#"}, compiles but admits nothing: the answer was an empty 200);
         - each string pattern and length bound of its JSON schemas is one llguidance's lexer can enter: the lexer
           builds a pattern's states as a value starts, and one too complex for it (^(x{1000}){1000}$) stopped the
           decode there (a 500, or an empty 200)."""
@@ -252,6 +254,10 @@ class Engine:
             if body_rules in self._checked:
                 return
         self.compile(source(body_rules, "none"))
+        alone = self.compile(f"%llguidance {{}}\nstart: body\n{body_rules}").deep_copy()
+        if not (np.any(self._first_mask(alone)) or alone.is_accepting()) or alone.is_error():
+            raise GrammarError("the schema admits no value (its $refs refer only to each other, or to the whole "
+                               "schema, before any value is written)")
         # each string value entered on a fresh matcher by three paths (the quote at once, after one space, after four):
         # where llguidance's lexer builds a pattern's states; its expressions are shared by the copies of a compiled
         # grammar and counted together, so one path alone, or a cached grammar, may pass a pattern that fails later

@@ -168,6 +168,13 @@ def test_in_the_middle_of_an_answer_the_engine_giving_up_is_a_grammar_error(engi
             c.mask()
 
 
+@pytest.mark.parametrize("schema", NO_VALUE, ids=["ref_to_root", "ref_cycle"])
+def test_a_schema_that_admits_no_value_is_refused_by_check(engine, schema):
+    """Cause 4: $refs that only refer to each other compiled and answered 200 with ''."""
+    with pytest.raises(grammar.GrammarError, match="admits no value"):
+        engine.check(json_body(schema))
+
+
 def test_check_passes_what_the_engine_runs(engine):
     tools = lookup(maxLength=1000)
     for body in (json_body({"type": "object", "properties": {"n": {"type": "integer"}, "s": {
@@ -201,6 +208,10 @@ def scripted_on(engine, monkeypatch):
     ({"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"o": {"type": "object", "properties": {"a": TOO_COMPLEX}}},
         "required": ["o"]}}}]}, "tools"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": NO_VALUE[0]}}},
+     "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": NO_VALUE[1]}}},
+     "response_format"),
 ])
 @pytest.mark.parametrize("mode", ["ar", "diffusion"])
 def test_the_server_answers_them_with_a_400_up_front(scripted_on, extra, param, mode):
