@@ -199,6 +199,10 @@ def test_random_chunkings_reassemble():
     ([{"type": "function", "function": {"name": "f", "parameters": {"properties": {"a>": {}}}}}],
      "parameter name"),
     ([{"type": "function", "function": {"name": "f", "parameters": []}}], "JSON schema object"),
+    # issue 68, cause 5: a TypeError (500) before
+    ([{"type": "function", "function": {"name": "f", "parameters": {"required": 5}}}], "required must be an array"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"required": True}}}], "required must be an"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"required": ["a", 3]}}}], "required must be"),
 ])
 def test_tools_that_cannot_be_written_are_refused(tools, why):
     with pytest.raises(T.ToolError, match=why):
@@ -704,6 +708,12 @@ def test_forced_calls_and_json_are_decoded_with_a_constraint(scripted, monkeypat
     ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [
         {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]}, 400,
      "messages.1.tool_calls.0.function.arguments"),
+    # issue 68, cause 5: 500s from request parsing (a TypeError; a RecursionError past Python's nesting limit)
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"required": 5}}}]}, 400,
+     "tools.0.function.parameters"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": "[" * 100000 + "]" * 100000}}]}]},
+     400, "messages.1.tool_calls.0.function.arguments"),
 ])
 def test_bad_tool_and_logprob_fields_are_openai_errors(scripted, body, status, param):
     import httpx
@@ -767,3 +777,11 @@ def test_a_slot_holds_a_conversation_with_its_calls_results_and_tools():
     assert _continues(later, served_key(Plan(messages=other_id, template_tools=[WEATHER]))) == 0
     changed = [*msgs[:2], {**msgs[2], "tool_calls": [msgs[2]["tool_calls"][0]]}, *msgs[3:]]
     assert _continues(later, served_key(Plan(messages=changed, template_tools=[WEATHER]))) == 0
+
+
+def test_a_value_nested_past_pythons_limit_is_text_not_an_exception():
+    """What the model writes is parsed on the worker: brackets nested past Python's recursion limit are a value that
+    is not JSON (a string parameter keeps it, a typed one makes the call malformed), never a RecursionError."""
+    deep = "[" * 100000 + "]" * 100000
+    assert T.typed_value(deep, {"type": "string"}, None) == (True, deep)
+    assert T.typed_value(deep, {"type": "array"}, None) == (False, None)

@@ -220,6 +220,8 @@ def _message(i: int, m: Any) -> dict[str, Any]:
                     args = json.loads(args) if args.strip() else {}
                 except ValueError as e:
                     raise APIError(400, f"tool call arguments are not JSON: {e}", param=where) from None
+                except RecursionError:
+                    raise APIError(400, "tool call arguments are nested too deeply", param=where) from None
             if not isinstance(args, dict):
                 raise APIError(400, "tool call arguments must be a JSON object", param=where)
             try:
@@ -227,6 +229,8 @@ def _message(i: int, m: Any) -> dict[str, Any]:
                 c.function.name.encode("utf-8")
             except UnicodeEncodeError:
                 raise APIError(400, "tool call text is not valid UTF-8", param=where) from None
+            except RecursionError:
+                raise APIError(400, "tool call arguments are nested too deeply", param=where) from None
             calls.append({"id": c.id or f"call_{i}_{j}", "type": "function",
                           "function": {"name": c.function.name, "arguments": args}})
         out["tool_calls"] = calls

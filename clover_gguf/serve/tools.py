@@ -114,7 +114,10 @@ def read_tools(tools: list[Any] | None) -> list[Tool]:
         props = params.get("properties")
         if props is not None and not isinstance(props, dict):
             raise ToolError("parameters.properties must be an object", f"{where}.function.parameters")
-        for key in [*(props or {}), *(k for k in params.get("required") or [] if isinstance(k, str))]:
+        required = params.get("required")
+        if required is not None and not (isinstance(required, list) and all(isinstance(k, str) for k in required)):
+            raise ToolError("parameters.required must be an array of strings", f"{where}.function.parameters")
+        for key in [*(props or {}), *(required or [])]:
             if not key or KEY_FORBIDDEN.search(key):
                 raise ToolError(f"parameter name {key!r}: not empty, without '<', '>' or newlines",
                                 f"{where}.function.parameters")
@@ -233,7 +236,7 @@ def typed_value(raw: str, schema: Any, root: dict | None) -> tuple[bool, Any]:
             return True, raw
         try:
             v = json.loads(raw.strip())
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested past Python's limit
             return True, raw
         if not isinstance(v, str) and (types is None or _fits(v, types)):
             return True, v
@@ -241,7 +244,7 @@ def typed_value(raw: str, schema: Any, root: dict | None) -> tuple[bool, Any]:
     text = raw.strip()
     try:
         v = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         if text not in _PYTHON_LITERALS:
             return False, None
         v = _PYTHON_LITERALS[text]
