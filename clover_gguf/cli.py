@@ -558,6 +558,10 @@ def serve(
     parallel: int = typer.Option(1, "--parallel", min=1, help="slots serving requests at once, on one context, their passes batched step by step"),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="CLOVER_GGUF_API_KEY",
                                           help="require Authorization: Bearer KEY (also from $CLOVER_GGUF_API_KEY)"),
+    allowed_hosts: Optional[str] = typer.Option(None, "--allowed-hosts", envvar="CLOVER_GGUF_ALLOWED_HOSTS",
+                                                help="Host names answered besides loopback ones, comma-separated "
+                                                     "(`*`: any; default on loopback: loopback names only, elsewhere: "
+                                                     "any)"),
     rollback: Rollback = typer.Option(Rollback.redecode, "--rollback", help="draft-self rollback strategy"),
     cache_ram: int = typer.Option(DEFAULT_CACHE_RAM_MIB, "--cache-ram", min=0,
                                   help="MiB of host memory for the kept states of conversations a slot moved on from "
@@ -578,11 +582,11 @@ def serve(
         if parallel != 1:
             raise UserError("--parallel is llama.cpp's (one context, several slots): MLX serves one request at a time")
         run(lambda: open_runtime(model, "mlx", n_ctx=ctx, **_rpc(rpc)), host=host, port=port,
-            mode=mode.value if mode else None, ctx=ctx, api_key=api_key, model_id=model.name)
+            mode=mode.value if mode else None, ctx=ctx, api_key=api_key, model_id=model.name, allowed=allowed_hosts)
         return
 
     run(model, host=host, port=port, mode=mode.value if mode else None, ctx=ctx, parallel=parallel, api_key=api_key,
-        rollback=rollback.value, n_threads=offload.threads, offload=offload, cache_ram=cache_ram * 2**20,
+        allowed=allowed_hosts, rollback=rollback.value, n_threads=offload.threads, offload=offload, cache_ram=cache_ram * 2**20,
         **_rpc(rpc))  # threads per slot
 
 

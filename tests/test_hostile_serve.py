@@ -219,6 +219,10 @@ def _chat(content, **extra) -> dict:
 # (name, method, path, headers, body: dict -> JSON, bytes -> as is, expected status, words in error.message)
 SERVER_BAD = [
     ("no_key_and_bad_json", "POST", "/v1/chat/completions", JSON, b"{not json", 401, "API key"),
+    # issue 68 cause 7: a page on another site through DNS rebinding (serve is bound to 127.0.0.1), before the key
+    ("dns_rebinding_host", "POST", "/v1/chat/completions", {**AUTH, "Host": "evil.example:8080"}, _chat("hi"), 403,
+     "is not served here"),
+    ("dns_rebinding_host_slots", "GET", "/slots", {"Host": "evil.example"}, None, 403, "is not served here"),
     ("no_key_and_invalid_fields", "POST", "/v1/chat/completions", {}, {"messages": "x"}, 401, "API key"),
     ("openapi_without_key", "GET", "/openapi.json", {}, None, 401, "API key"),
     ("docs_without_key", "GET", "/docs", {}, None, 401, "API key"),

@@ -26,7 +26,7 @@ from clover_gguf import grammar
 from clover_gguf.decoding import MODES
 from clover_gguf.errors import UserError
 import clover_gguf.serve.tools as tools
-from clover_gguf.serve.auth import RequireKey, check_api_key, is_loopback
+from clover_gguf.serve.auth import CheckHost, RequireKey, allowed_hosts, check_api_key, is_loopback
 from clover_gguf.serve.page import add_page_routes
 from clover_gguf.serve.schema import (APIError, _models, chat_logprobs, completion_logprobs, error_body, plan_from,
                                       tool_call_deltas)
@@ -464,10 +464,11 @@ def load_runtimes(model: str | Path | Callable[[], Any], parallel: int, ctx: int
 
 def create_app(model: str | Path | Callable[[], Any], mode: str | None = None, api_key: str | None = None,
                parallel: int = 1, ctx: int | None = None, model_id: str | None = None,
-               runtime_kwargs: dict[str, Any] | None = None):
+               runtime_kwargs: dict[str, Any] | None = None, hosts: frozenset[str] | None = None):
     """-> a FastAPI (ASGI) app serving `model`: a GGUF path, or a factory returning a CloverRuntime-like object
     (called `parallel` times). The runtimes are loaded here, so a bad model fails before any socket is opened.
-    runtime_kwargs go to CloverRuntime (rollback, exact, n_threads, offload, ...)."""
+    runtime_kwargs go to CloverRuntime (rollback, exact, n_threads, offload, ...). hosts: the Host names answered
+    besides loopback ones (auth.allowed_hosts; None: any)."""
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException
@@ -508,6 +509,8 @@ def create_app(model: str | Path | Callable[[], Any], mode: str | None = None, a
     app.add_exception_handler(HTTPException, _on_http_error)
     if api_key is not None:
         app.add_middleware(RequireKey, api_key=api_key)
+    if hosts is not None:  # added last: it runs first
+        app.add_middleware(CheckHost, allowed=hosts)
     app.add_api_route("/health", _health, methods=["GET"])
     app.add_api_route("/v1/models", _list_models, methods=["GET"])
     app.add_api_route("/metrics", _metrics, methods=["GET"])  # behind the API key, like everything but /health
@@ -528,7 +531,7 @@ def create_app(model: str | Path | Callable[[], Any], mode: str | None = None, a
 
 def serve(model: str | Path, host: str = "127.0.0.1", port: int = 8080, mode: str | None = None,
           ctx: int | None = None, parallel: int = 1, api_key: str | None = None, model_id: str | None = None,
-          log_level: str = "info", **runtime_kwargs) -> None:
+          log_level: str = "info", allowed: str | None = None, **runtime_kwargs) -> None:
     """Load the model and serve it with uvicorn until interrupted."""
     try:
         import fastapi  # noqa: F401
@@ -540,12 +543,13 @@ def serve(model: str | Path, host: str = "127.0.0.1", port: int = 8080, mode: st
         raise UserError(f"port {port} is out of range")
     if api_key is not None:
         check_api_key(api_key)  # before anything loads or binds
+    hosts = allowed_hosts(host, allowed)
     if not is_loopback(host) and api_key is None:
         log.warning("serving on %s without --api-key: anyone who can reach this address can use the model", host)
     sock = bind(host, port)  # before the model loads: a port in use is one line, not a minute later
     try:
         app = create_app(model, mode=mode, api_key=api_key, parallel=parallel, ctx=ctx, model_id=model_id,
-                         runtime_kwargs=runtime_kwargs)
+                         runtime_kwargs=runtime_kwargs, hosts=hosts)
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=GRACE_S)
         url = listen_url(host, sock)
 

@@ -1,4 +1,5 @@
-"""Who may use `serve`: the API key (--api-key) checked before anything else, and whether a host is loopback."""
+"""Who may use `serve`: the Host a request names (--allowed-hosts; loopback names alone when serve is bound to
+loopback), then the API key (--api-key), both before anything else; and whether a host is loopback."""
 
 from __future__ import annotations
 
@@ -56,5 +57,57 @@ class RequireKey:
                 body = error_body("missing or wrong API key (send Authorization: Bearer KEY)",
                                    "authentication_error", code="invalid_api_key")
                 await JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def allowed_hosts(bind: str, given: str | None) -> frozenset[str] | None:
+    """The Host names serve answers (None: any), from the address it binds and --allowed-hosts (comma-separated
+    names or addresses; `*`: any). Bound to loopback, a page on another site can still reach it through DNS
+    rebinding (its own name resolved to 127.0.0.1 and sent as Host): so only loopback names are answered there
+    (localhost, *.localhost, 127.0.0.0/8, ::1), and the names given; Ollama does the same, llama-server checks
+    nothing. Bound elsewhere, any Host unless names are given (whoever reaches the address is kept out by
+    --api-key)."""
+    names = [n.strip().lower().strip("[]") for n in (given or "").split(",") if n.strip()]
+    if "*" in names:
+        return None
+    if not names and not is_loopback(bind):
+        return None
+    for n in names:
+        if any(c in n for c in "/@\\") or any(c.isspace() for c in n):
+            raise UserError(f"--allowed-hosts: {n!r} is not a host name or address")
+    return frozenset(names)
+
+
+def host_allowed(host_header: str, allowed: frozenset[str]) -> bool:
+    """Whether a Host header (name or address, with or without :port) is one serve answers: a loopback name, or one
+    of `allowed`."""
+    h = host_header.strip().lower()
+    if h.startswith("["):  # [v6]:port
+        h = h[1:h.find("]")] if "]" in h else h
+    elif h.count(":") == 1:
+        h = h.rsplit(":", 1)[0]
+    h = h.rstrip(".")
+    return h in allowed or h == "localhost" or h.endswith(".localhost") or (is_loopback(h) and h != "")
+
+
+class CheckHost:
+    """ASGI middleware: a request whose Host is not one serve answers (allowed_hosts) gets a 403 before anything
+    else, on every path. A request without a Host header (HTTP/1.0) passes: a browser always sends one."""
+
+    def __init__(self, app: Any, allowed: frozenset[str]):
+        self.app, self.allowed = app, allowed
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            from starlette.datastructures import Headers
+            from starlette.responses import JSONResponse
+
+            host = Headers(scope=scope).get("host")
+            if host is not None and not host_allowed(host, self.allowed):
+                body = error_body(f"host {host[:100]!r} is not served here: serve answers loopback names only "
+                                  "(start it with --allowed-hosts NAME to answer another)", "invalid_request_error",
+                                  code="host_not_allowed")
+                await JSONResponse(body, status_code=403)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
