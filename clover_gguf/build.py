@@ -172,6 +172,21 @@ def chosen_source() -> Source:
     return llama_source(os.environ.get(ENV_SOURCE) or None)
 
 
+def no_library_reason() -> str:
+    """Why find_library found nothing, in one line that says what to run: $CLOVER_GGUF_SOURCE naming no known source,
+    or a source that was never built (the hint names it: build-llama without --source builds the pinned one)."""
+    named = os.environ.get(ENV_SOURCE)
+    if named:
+        try:
+            src = llama_source(named)
+        except UserError as e:
+            return f"{ENV_SOURCE}={named}: {e} (or unset {ENV_SOURCE} for the pinned one)"
+        if src.name != llama_source(None).name:
+            return (f"no patched llama.cpp library of the source {src.name} ({ENV_SOURCE}) found: run `clover-gguf "
+                    f"build-llama --source {src.name}`, or unset {ENV_SOURCE} for the pinned one")
+    return "no patched llama.cpp library found: run `clover-gguf build-llama` (or `make llama`)"
+
+
 def patch_files(folder: Path | None = None, source: str | None = None) -> list[Path]:
     """Every *.patch in the folder, in the order they are applied (by file name), for the llama.cpp source `source`
     (a llama_sdist.SOURCES name; None: chosen_source()): a patch the folder's <source>/ subfolder holds under the

@@ -140,7 +140,8 @@ def offload_options(command):
     types = {"gpu_layers": str, "cpu_moe": bool, "n_cpu_moe": int, "threads": Optional[int], "mmap": bool,
              "poll": Optional[int], "flash_attn": FlashAttn}
     extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=types[name],
-                               default=typer.Option(default, *flags, help=help_, show_default=default is not None))
+                               default=typer.Option(default, *flags, help=help_, show_default=default is not None,
+                                                    **({"case_sensitive": False} if name == "flash_attn" else {})))
              for name, flags, default, help_ in OPTIONS]
     sig = inspect.signature(command)
     own = [p for p in sig.parameters.values() if p.name != "offload"]
@@ -611,8 +612,9 @@ def fit(
                                           "the command printed"),
     poll: Optional[int] = typer.Option(None, "--poll", help=_OFFLOAD_HELP["poll"] + "; for --measure and the "
                                        "command printed"),
-    flash_attn: FlashAttn = typer.Option("auto", "--flash-attn", "-fa", help=_OFFLOAD_HELP["flash_attn"] + "; for the "
-                                   "prediction (its compute buffers), --measure and the command printed"),
+    flash_attn: FlashAttn = typer.Option("auto", "--flash-attn", "-fa", case_sensitive=False,
+                                         help=_OFFLOAD_HELP["flash_attn"] + "; for the prediction (its compute "
+                                         "buffers), --measure and the command printed"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Which offload and context fit a GPU or Mac, the predicted memory part by part, and the command to run."""

@@ -58,11 +58,11 @@ def load_binding(poll: int | None = None) -> Any:
     process also sets how libgomp's threads wait (`poll`, clover_gguf.threads.prepare_wait) before it loads."""
     prepare_wait(poll)
     if not os.environ.get("LLAMA_CPP_LIB_PATH"):
-        from clover_gguf.build import find_library
+        from clover_gguf.build import find_library, no_library_reason
 
         info = find_library()
         if info is None:
-            raise UserError("no patched llama.cpp library found: run `clover-gguf build-llama` (or `make llama`)")
+            raise UserError(no_library_reason())
         os.environ["LLAMA_CPP_LIB_PATH"] = str(info.lib_dir)
     try:
         import llama_cpp

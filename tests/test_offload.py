@@ -131,9 +131,29 @@ def test_flash_attn_reaches_llama_cpp_as_its_own_setting(bundled_gguf):
 
 def test_the_cli_takes_flash_attn_and_the_answer_stays(bundled_gguf):
     base = ["generate", bundled_gguf, "-p", "Count from 3 to 6.", "-n", "12", "--mode", "ar", "--threads", "1"]
-    runs = {v: _cli(*base, "--flash-attn", v) for v in ("off", "on")}
+    runs = {v: _cli(*base, "--flash-attn", v) for v in ("off", "on", "ON", "Off")}  # any case (issue 68, cause 9)
     assert all(r.returncode == 0 for r in runs.values()), {v: r.stderr for v, r in runs.items()}
-    assert runs["off"].stdout == runs["on"].stdout and runs["off"].stdout.strip()
+    assert len({r.stdout for r in runs.values()}) == 1 and runs["off"].stdout.strip()
+
+
+@pytest.mark.parametrize("source, words", [
+    ("bogus-tree", ["CLOVER_GGUF_SOURCE=bogus-tree", "unknown llama.cpp source 'bogus-tree'",
+                    "llama-cpp-python-0.3.36", "unset CLOVER_GGUF_SOURCE"]),
+    ("xllamacpp-2026.10.11549", ["of the source xllamacpp-2026.10.11549 (CLOVER_GGUF_SOURCE)",
+                                 "clover-gguf build-llama --source xllamacpp-2026.10.11549", "unset CLOVER_GGUF_SOURCE"]),
+])
+def test_a_source_with_no_build_names_the_source_and_the_command(bundled_gguf, tmp_path, source, words):
+    """Issue 68, cause 9: CLOVER_GGUF_SOURCE naming no source, or one never built, said \"run clover-gguf
+    build-llama\", which builds the pinned tree and changes nothing."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "LLAMA_CPP_LIB_PATH"}
+    r = subprocess.run([sys.executable, "-m", "clover_gguf", "generate", str(bundled_gguf), "-p", "hi", "-n", "2"],
+                       capture_output=True, text=True,  # an empty cache: no source is built there
+                       env={**env, "CLOVER_GGUF_SOURCE": source, "CLOVER_GGUF_CACHE_DIR": str(tmp_path)})
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("clover-gguf: error:")]
+    assert r.returncode == 2 and len(errors) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert all(w in errors[0] for w in words), errors[0]
 
 
 def test_log_capture_collects_debug_lines_and_stays_silent(bundled_gguf, capfd):
