@@ -46,7 +46,7 @@ def start(tree: Path, gguf: Path, args, name: str) -> tuple[subprocess.Popen, st
     env = {**os.environ, "PYTHONPATH": str(tree)}
     proc = start_logged([sys.executable, "-c", code], args.workdir / f"serve-{name}.log", cwd=tree, env=env)
     base = f"http://127.0.0.1:{port}"
-    wait_ready(base, proc, seconds=900)
+    wait_ready(base, proc, f"clover-gguf serve ({name})", seconds=900)
     return proc, base
 
 

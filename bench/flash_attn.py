@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from clover_gguf.offload import Offload  # noqa: E402
 from clover_gguf.runtime import CloverRuntime  # noqa: E402
 from contention import loadavg  # noqa: E402
+from measure import at_least, int_list  # noqa: E402
 from host import llama_bench_runs  # noqa: E402
 
 SLICE = ROOT / "out" / "bench-contention" / "slice35b-e16-v1024-q4_k_m.gguf"
@@ -76,16 +77,16 @@ def peer(gguf: Path, depths: list[int], rounds: int, threads: int | None) -> dic
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=SLICE)
-    ap.add_argument("--depths", default="512,2048,8192")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--threads", type=int)
+    ap.add_argument("--depths", type=int_list(0), default="512,2048,8192")
+    ap.add_argument("--rounds", type=at_least(1), default=5)
+    ap.add_argument("--threads", type=at_least(1))
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     if not a.model.is_file():
         print(f"bench/flash_attn.py: no model {a.model} (python bench/contention.py makes the slice; or --model)",
               file=sys.stderr)
         return 2
-    depths = [int(d) for d in a.depths.split(",")]
+    depths = a.depths
     print(f"flash attention: {a.model.name}, depths {depths}, {a.rounds} rounds, threads {a.threads or 'default'}, "
           f"load average {loadavg()}, {time.strftime('%Y-%m-%d %H:%M')}")
     res = {}

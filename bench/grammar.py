@@ -44,10 +44,12 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from clover_gguf.testing.make_tiny import UNUSED_VOCAB_ROWS  # noqa: E402
 from clover_gguf.testing.tokenizer import (QWEN35_PRETOKENIZE_REGEX, SPECIAL_TOKENS, THINK_TOKENS,  # noqa: E402
                                            bytes_to_unicode)
+from measure import at_least  # noqa: E402
 
 CORPUS_BYTES = 100 * 2**20
 DRAFT = 32
@@ -421,12 +423,18 @@ def bench(engine_cls, tokens, special, tok, rounds: int, threads: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workdir", type=Path, default=ROOT / "out" / "bench-grammar")
-    ap.add_argument("--vocab-size", type=int, default=248_320)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=2, help="xgrammar's compiler threads")
+    ap.add_argument("--vocab-size", type=at_least(UNUSED_VOCAB_ROWS + 512), default=248_320)
+    ap.add_argument("--rounds", type=at_least(1), default=5)
+    ap.add_argument("--threads", type=at_least(1), default=2, help="xgrammar's compiler threads")
     ap.add_argument("--engines", default="llguidance,xgrammar", help="xgrammar: when installed")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON")
     a = ap.parse_args()
+    # before the minute of BPE training
+    unknown = [e for e in a.engines.split(",") if e not in ENGINES]
+    if unknown or not a.engines.strip(","):
+        ap.error(f"--engines: {', '.join(unknown) or 'none given'}: choose from {', '.join(ENGINES)}")
+    if a.workdir.exists() and not a.workdir.is_dir():
+        ap.error(f"--workdir: {a.workdir} is not a folder")
     tokens, special, tok = vocabulary(a.workdir, a.vocab_size)
     results = {"vocab_size": a.vocab_size, "tokens": a.vocab_size - UNUSED_VOCAB_ROWS, "engines": {}}
     for name in a.engines.split(","):

@@ -51,7 +51,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from measure import PassLog  # noqa: E402
+from clover_gguf.testing.make_tiny import UNUSED_VOCAB_ROWS  # noqa: E402
+from measure import PassLog, at_least  # noqa: E402
 
 PROMPT = "Count from 1 to 1000, one number per line."
 AR_STEPS = 64  # timed AR steps after the history
@@ -479,21 +480,25 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workdir", type=Path, default=ROOT / "out" / "bench-host")
     ap.add_argument("--gguf", type=Path, help="measure this model instead of the grown tiny one")
-    ap.add_argument("--vocab-size", type=int, default=248_320)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the per-pass measurements (0: none)")
-    ap.add_argument("--history", type=int, default=400, help="answer tokens before the timed steps")
-    ap.add_argument("--bench-rounds", type=int, default=5, help="generate / llama-bench pairs (0: none)")
-    ap.add_argument("--bench-tokens", type=int, default=256, help="tokens per generate / llama-bench run")
-    ap.add_argument("--constrained-rounds", type=int, default=3,
+    ap.add_argument("--vocab-size", type=at_least(UNUSED_VOCAB_ROWS + 512), default=248_320)
+    ap.add_argument("--threads", type=at_least(1), default=2)
+    ap.add_argument("--rounds", type=at_least(0), default=5, help="interleaved rounds of the per-pass measurements (0: none)")
+    ap.add_argument("--history", type=at_least(1), default=400, help="answer tokens before the timed steps")
+    ap.add_argument("--bench-rounds", type=at_least(0), default=5, help="generate / llama-bench pairs (0: none)")
+    ap.add_argument("--bench-tokens", type=at_least(1), default=256, help="tokens per generate / llama-bench run")
+    ap.add_argument("--constrained-rounds", type=at_least(0), default=3,
                     help="interleaved rounds of the per-pass measurements with a grammar (0: none)")
-    ap.add_argument("--constrained-tps-rounds", type=int, default=3,
+    ap.add_argument("--constrained-tps-rounds", type=at_least(0), default=3,
                     help="rounds of constrained against unconstrained tok/s, each mode (0: none)")
-    ap.add_argument("--constrained-tokens", type=int, default=96, help="tokens per answer of those")
-    ap.add_argument("--forced-rounds", type=int, default=3,
+    ap.add_argument("--constrained-tokens", type=at_least(1), default=96, help="tokens per answer of those")
+    ap.add_argument("--forced-rounds", type=at_least(0), default=3,
                     help="interleaved rounds of forced tokens on against off, on the bundled model (0: none)")
-    ap.add_argument("--forced-tokens", type=int, default=200, help="tokens per answer of those at most")
+    ap.add_argument("--forced-tokens", type=at_least(1), default=200, help="tokens per answer of those at most")
     a = ap.parse_args()
+    if a.gguf is not None and not a.gguf.is_file():
+        ap.error(f"--gguf: no such file: {a.gguf}")
+    if a.workdir.exists() and not a.workdir.is_dir():
+        ap.error(f"--workdir: {a.workdir} is not a folder")
     from clover_gguf.llama_context import load_binding
 
     load_binding()  # sets LLAMA_CPP_LIB_PATH for this process and the ones it starts

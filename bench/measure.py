@@ -3,6 +3,7 @@ runtime's model passes (PassLog)."""
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 import time
@@ -137,3 +138,33 @@ class PassLog:
         for method in self._wrapped:
             delattr(self.rt.backend, method)
         self.rt.ctx.L = self._L
+
+
+# ---- arguments: a bad value is argparse's one error line and exit 2, never a traceback minutes later -------------
+def at_least(low: int):
+    """An argparse type: an integer >= low."""
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if n < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, not {n}")
+        return n
+
+    parse.__name__ = f"integer >= {low}"
+    return parse
+
+
+def int_list(low: int):
+    """An argparse type: one or more comma-separated integers, each >= low."""
+    one = at_least(low)
+
+    def parse(text: str) -> list[int]:
+        items = [x.strip() for x in text.split(",") if x.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError("give one or more comma-separated integers")
+        return [one(x) for x in items]
+
+    parse.__name__ = f"list of integers >= {low}"
+    return parse
