@@ -135,6 +135,11 @@ def check_quantization(q: Any, where: str) -> None:
             for key, v in d.items():  # keys (a quant_method) mlx-lm never reads
                 if "." in key and not isinstance(v, bool):
                     one(v, f"quantization[{key!r}]", top=False)
+        else:  # mlx-lm passes a module's entry on as keyword arguments (Linear.to_quantized): nothing else may stand
+            extra = sorted(set(d) - {"group_size", "bits", "mode"})
+            if extra:
+                raise UserError(f"{where}: {what} holds {', '.join(map(repr, extra))}: a module's entry has only "
+                                "group_size, bits and mode")
 
     one(q, "quantization", top=True)
 

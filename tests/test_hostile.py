@@ -1924,6 +1924,9 @@ MLX_FOLDER_CASES: dict[str, tuple[str, str, Callable[[Path], None], str]] = {  #
                                 "bits must be"),
     "per-module-bits-huge": ("5", "q4", _quant(lambda d: d["quantization"][GATE].update(bits=2**70)),
                              "bits must be"),
+    # issue 68, cause 11: a TypeError from Linear.to_quantized, as a traceback
+    "per-module-extra-key": ("5", "q4", _quant(lambda d: d["quantization"][GATE].update(foo=1)),
+                             "holds 'foo': a module's entry has only group_size, bits and mode"),
     "generation-config-a-list": ("5", "mlx", _gen_json("[1]"), "must be a JSON object"),
     "eos-token-id-1e23": ("5", "mlx", _gen_eos(1e23), "eos_token_id must be an integer in 0..447"),
     "config-100000-deep": ("5", "mlx", lambda f: (f / "config.json").write_text(DEEP), "nested too deeply"),
@@ -1938,7 +1941,7 @@ MLX_FOLDER_CASES: dict[str, tuple[str, str, Callable[[Path], None], str]] = {  #
 # run only in a process of their own, under the limits
 IN_A_PROCESS_ONLY = ("per-module-group-size-0", "weights-a-fifo", "generation-config-a-fifo", "config-16GB")
 # in a process of their own: those, serve's two, and one more
-MLX_FOLDER_RUNS = [(c, "generate") for c in (*IN_A_PROCESS_ONLY, "quantization-empty")] + \
+MLX_FOLDER_RUNS = [(c, "generate") for c in (*IN_A_PROCESS_ONLY, "quantization-empty", "per-module-extra-key")] + \
     [("per-module-group-size-0", "serve"), ("weights-a-fifo", "serve")]
 
 
