@@ -222,7 +222,8 @@ class Engine:
         self.eos = frozenset(vocab.eos_ids)
         self.eos_mask = mask_of(vocab.eos_ids, vocab.n_vocab)
         self._compiled: collections.OrderedDict[str, Any] = collections.OrderedDict()
-        self._checked: collections.OrderedDict[str, bool] = collections.OrderedDict()  # bodies that passed check
+        # bodies check saw: None (passed) or the refusal
+        self._checked: collections.OrderedDict[str, str | None] = collections.OrderedDict()
         self._lock = threading.Lock()
 
     def compile(self, grammar: str) -> Any:
@@ -252,7 +253,24 @@ class Engine:
           decode there (a 500, or an empty 200)."""
         with self._lock:
             if body_rules in self._checked:
+                self._checked.move_to_end(body_rules)
+                if self._checked[body_rules] is not None:
+                    raise GrammarError(self._checked[body_rules])
                 return
+        try:
+            self._check(body_rules)
+        except GrammarError as e:  # kept too: a refusal can take seconds of the engine's work (a pattern's)
+            self._remember(body_rules, str(e))
+            raise
+        self._remember(body_rules, None)
+
+    def _remember(self, body_rules: str, refusal: str | None) -> None:
+        with self._lock:
+            self._checked[body_rules] = refusal
+            while len(self._checked) > CACHE:
+                self._checked.popitem(last=False)
+
+    def _check(self, body_rules: str) -> None:
         self.compile(source(body_rules, "none"))
         alone = self.compile(f"%llguidance {{}}\nstart: body\n{body_rules}").deep_copy()
         if not (np.any(self._first_mask(alone)) or alone.is_accepting()) or alone.is_error():
@@ -277,10 +295,6 @@ class Engine:
             if m.is_error():
                 raise GrammarError(f"the string schema {json.dumps(string)[:200]} is too complex for the grammar "
                                    f"engine's lexer: {m.get_error().splitlines()[0]}")
-        with self._lock:
-            self._checked[body_rules] = True
-            while len(self._checked) > CACHE:
-                self._checked.popitem(last=False)
 
     def _matcher(self, grammar: str) -> Any:
         return self.llg.LLMatcher(self.tokenizer, self.llg.LLMatcher.grammar_from_lark(grammar), log_level=0,

@@ -151,8 +151,9 @@ def json_body(schema) -> str:
 def test_a_pattern_too_complex_for_the_lexer_is_refused_by_check(engine, schema):
     """Cause 3: it compiled, its first masks allowed the opening quote, and taking it ran the lexer out ("too many
     expressions constructed"): a 500 in AR (the mask had allowed the token), an empty 200 in the block modes."""
-    with pytest.raises(grammar.GrammarError, match="too complex for the grammar engine's lexer"):
-        engine.check(json_body(schema))
+    for _ in range(2):  # the second time from what check remembers (the refusal took the engine seconds)
+        with pytest.raises(grammar.GrammarError, match="too complex for the grammar engine's lexer"):
+            engine.check(json_body(schema))
 
 
 def test_in_the_middle_of_an_answer_the_engine_giving_up_is_a_grammar_error(engine):
