@@ -13,6 +13,8 @@ conversations and tools):
 - logprobs: a plain question with logprobs and top_logprobs;
 - cut: a streamed answer of up to 3,000 tokens (or the context less 128), closed after a few chunks (or before its headers);
 - leave: a streamed request closed after 0.05-1.5 s whether or not it got a slot (clients that leave while waiting);
+- burst: 20 such streams at once, left unread and closed together after 0.5-3 s (most of them waiting: the slots
+  change hands while their clients go, issue 68's lost slot);
 - hostile: a schema that admits no value, a pattern too complex for the lexer, required: 5 (a 400 each).
 Every answer is checked for its status (200 for the good kinds, 400 for the hostile ones; never a 5xx). At the end:
 the slots must go idle (a hang guard of 60 s), /health's slots_idle and requests_waiting must agree with /slots, and
@@ -42,7 +44,9 @@ from clover_gguf.testing.agent import TOOL_MODEL, held_out_tasks  # noqa: E402
 from measure import at_least  # noqa: E402
 from serve import free_port, start_logged, stop, wait_ready  # noqa: E402
 
-KINDS = {"task": 4, "required": 2, "named": 2, "schema": 2, "logprobs": 1, "cut": 3, "leave": 4, "hostile": 1}
+KINDS = {"task": 4, "required": 2, "named": 2, "schema": 2, "logprobs": 1, "cut": 3, "leave": 4, "burst": 1,
+         "hostile": 1}
+BURST = 20  # streams a burst opens at once, left unread and closed together
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}, "note": {"type": "string", "maxLength": 120}},
           "required": ["answer", "note"]}
 HOSTILE = [
@@ -92,6 +96,10 @@ class Soak:
         if kind in ("cut", "leave"):
             await self.cut(client, kind)
             return
+        if kind == "burst":
+            after = self.rng.uniform(0.5, 3.0)
+            await asyncio.gather(*(self.cut(client, "burst", after) for _ in range(BURST)))
+            return
         body, want = self.body(kind)
         body = {k: v for k, v in body.items() if v is not None}
         stream = kind == "task" and self.rng.random() < 0.5
@@ -120,8 +128,8 @@ class Soak:
                 return 500, text  # an error sent as an event, or an answer that never ended
             return r.status_code, text
 
-    async def cut(self, client: httpx.AsyncClient, kind: str) -> None:
-        """A stream closed after a few chunks (cut) or after a moment, waiting or not (leave)."""
+    async def cut(self, client: httpx.AsyncClient, kind: str, after: float | None = None) -> None:
+        """A stream closed after a few chunks (cut) or after a moment, waiting or not (leave, burst: `after`)."""
         body = {"messages": [{"role": "user", "content": "Count from 1 to 1000."}], "max_tokens": self.long_tokens,
                 "stream": True, "mode": self.rng.choice(["auto", "ar", "diffusion", "draft-self"])}
 
@@ -137,7 +145,8 @@ class Soak:
                 return "ended"
 
         try:
-            outcome = await asyncio.wait_for(go(), self.rng.uniform(0.05, 1.5) if kind == "leave" else 120)
+            limit = after if after is not None else self.rng.uniform(0.05, 1.5) if kind == "leave" else 120
+            outcome = await asyncio.wait_for(go(), limit)
         except asyncio.TimeoutError:
             outcome = "left"
         except httpx.HTTPError as e:
@@ -147,7 +156,7 @@ class Soak:
 
 async def run_clients(soak: Soak, clients: int, seconds: float) -> None:
     deadline = time.monotonic() + seconds
-    limits = httpx.Limits(max_connections=clients * 2, max_keepalive_connections=0)
+    limits = httpx.Limits(max_connections=clients * (BURST + 1), max_keepalive_connections=0)
 
     async def worker() -> None:
         async with httpx.AsyncClient(base_url=soak.base, timeout=300, limits=limits) as client:
