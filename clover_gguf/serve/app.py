@@ -1,11 +1,13 @@
-"""`clover-gguf serve`'s HTTP app: an OpenAI-compatible server on a Clover GGUF (or MLX folder), decoding with auto (the
-default), draft-self, diffusion or AR.
+"""`clover-gguf serve`'s HTTP app: an OpenAI-compatible (and Anthropic-compatible) server on a Clover GGUF (or MLX
+folder), decoding with auto (the default), draft-self, diffusion or AR.
 
-Endpoints (docs/serve.md has the fields): POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
-GET /health, GET /metrics, GET /slots, and the chat page at GET / (clover_gguf.serve.page). Built on FastAPI
-(Starlette) and served by uvicorn. The model work runs on the slots' worker threads (clover_gguf.serve.slots); the
-request bodies and errors are OpenAI's (clover_gguf.serve.schema); the API key is checked first
-(clover_gguf.serve.auth).
+Endpoints (docs/serve.md has the fields): POST /v1/chat/completions, POST /v1/completions (here), POST /v1/messages
+and /v1/messages/count_tokens (clover_gguf.serve.anthropic), POST /v1/responses (clover_gguf.serve.responses),
+GET /v1/models, GET /health, GET /metrics, GET /slots, and the chat page at GET / (clover_gguf.serve.page). Built on
+FastAPI (Starlette) and served by uvicorn. The three APIs share one core (clover_gguf.serve.core: a request's Plan to
+its answer); the model work runs on the slots' worker threads (clover_gguf.serve.slots); the chat request bodies
+and errors are OpenAI's (clover_gguf.serve.schema), errors on Anthropic's paths in its shape; the API key is checked
+first (clover_gguf.serve.auth).
 """
 
 # no `from __future__ import annotations`: FastAPI reads the route signatures, whose types are local to create_app
