@@ -83,7 +83,7 @@ def test_messages_tool_loop(server, task_id, mode, stream):
     task = TASKS[task_id]
     client = _claude(server)
     (name, want), = task.calls
-    kw = dict(model="clover", max_tokens=400, temperature=0, tools=_anthropic_tools(task),
+    kw = dict(model="clover", max_tokens=400, tools=_anthropic_tools(task),  # greedy: serve's default
               thinking={"type": "enabled", "budget_tokens": 256} if task.think else {"type": "disabled"},
               extra_body={"mode": mode})
     messages = [{"role": "user", "content": task.question[0]["content"]}]
@@ -291,11 +291,13 @@ def test_a_prompt_past_the_context_is_refused_with_its_count(small):
                    json={"messages": [{"role": "user", "content": long}], "max_tokens": 32000})
     err = r.json()["error"]
     assert r.status_code == 400 and err["n_ctx"] == 256 and err["n_prompt_tokens"] > 256, r.text
-    count = _claude(small).messages.count_tokens(model="clover", messages=[{"role": "user", "content": long}])
+    thinking = {"type": "enabled", "budget_tokens": 1024}  # as the chat request's default
+    count = _claude(small).messages.count_tokens(model="clover", messages=[{"role": "user", "content": long}],
+                                                 thinking=thinking)
     assert count.input_tokens == err["n_prompt_tokens"]  # the real count, not a bound
     assert f"prompt {count.input_tokens} " in err["message"]
     with pytest.raises(anthropic.BadRequestError) as e:
-        _claude(small).messages.create(model="clover", max_tokens=32000,
+        _claude(small).messages.create(model="clover", max_tokens=32000, thinking=thinking,
                                        messages=[{"role": "user", "content": long}])
     body = e.value.body
     assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"

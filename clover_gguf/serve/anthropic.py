@@ -98,6 +98,9 @@ def chat_messages(req: Any) -> list[dict]:
         out.append({"role": "system", "content": system})
     for i, m in enumerate(req.messages):
         where = f"messages.{i}.content"
+        if m.role == "system":  # not Anthropic's, but sent by some clients: as on the other APIs (normalize_roles)
+            out.append({"role": "system", "content": _text(m.content, where)})
+            continue
         if m.role not in ("user", "assistant"):
             raise APIError(400, f"messages.{i}.role must be user or assistant", param=f"messages.{i}.role")
         blocks = [{"type": "text", "text": m.content}] if isinstance(m.content, str) else m.content
