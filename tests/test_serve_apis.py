@@ -356,3 +356,42 @@ def test_the_templates_own_refusal_is_its_message(tool_gguf):
 def test_models_report_the_context_length(server):
     m = httpx.get(server.base + "/v1/models", headers={"x-api-key": KEY}, timeout=TIMEOUT).json()["data"][0]
     assert m["context_length"] == m["max_model_len"] == m["meta"]["context_length"] == 2048
+
+
+@pytest.fixture(scope="module")
+def long_context(tmp_path_factory):
+    """The tool model with a 32,768-token context (its config's max_position_embeddings raised; trained on 4,096),
+    served at --ctx 32768: room for an agent's 17K-token prompt."""
+    import shutil
+
+    from clover_gguf.convert import convert
+    from clover_gguf.testing.agent import TOOL_MODEL
+
+    folder = tmp_path_factory.mktemp("tools32k") / "model"
+    shutil.copytree(TOOL_MODEL, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["max_position_embeddings"] = 32768
+    (folder / "config.json").write_text(json.dumps(config))
+    gguf = folder.parent / "tools32k.gguf"
+    convert(folder, gguf, outtype="f32", quiet=True)
+    s = _Server(create_app(gguf, mode="auto", parallel=1, ctx=32768, api_key=KEY))
+    yield s
+    s.stop()
+
+
+@pytest.mark.slow
+def test_a_17k_prompt_with_max_tokens_32000_is_answered_on_every_api(long_context):
+    """OpenCode's and Claude Code's max_tokens 32000 with a 17K-token prompt at --ctx 32768 (it was refused: the
+    prompt and max_tokens together pass the context): answered on all three APIs, the later two continuing from the
+    state the first left (the same messages)."""
+    text = "The quick brown fox jumps over the lazy dog. " * 630 + "What is 805 + 1?"
+    chat = _oai(long_context).chat.completions.create(model="clover", max_tokens=32000,
+                                                      messages=[{"role": "user", "content": text}])
+    assert chat.choices[0].finish_reason in ("stop", "length") and chat.usage.prompt_tokens > 17000
+    msg = _claude(long_context).messages.create(model="clover", max_tokens=32000,
+                                                thinking={"type": "enabled", "budget_tokens": 1024},
+                                                messages=[{"role": "user", "content": text}])
+    assert msg.stop_reason in ("end_turn", "max_tokens")
+    assert msg.usage.input_tokens + msg.usage.cache_read_input_tokens == chat.usage.prompt_tokens
+    r = _oai(long_context).responses.create(model="clover", input=text, max_output_tokens=32000)
+    assert r.status in ("completed", "incomplete") and r.usage.input_tokens == chat.usage.prompt_tokens
