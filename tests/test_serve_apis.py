@@ -171,7 +171,7 @@ def test_messages_event_sequence(server):
     body = {"model": "clover", "max_tokens": 200, "stream": True, "tools": _anthropic_tools(task), "mode": "ar",
             "tool_choice": {"type": "any"}, "thinking": {"type": "disabled"},
             "messages": [{"role": "user", "content": task.question[0]["content"]}]}
-    evs = _events(server, "/v1/messages", body)
+    evs = _events(server, "/v1/messages?beta=true", body)  # Claude Code's URL
     names = [n for n, _ in evs]
     assert _collapsed(names) == ["message_start", "ping", "content_block_start", "content_block_delta",
                                  "content_block_stop", "message_delta", "message_stop"], names
@@ -184,8 +184,9 @@ def test_messages_event_sequence(server):
     assert evs[-2][1]["delta"]["stop_reason"] == "tool_use" and evs[-2][1]["usage"]["output_tokens"] > 0
     # with thinking: a thinking block first, closed by its signature_delta, then the call
     task = TASKS["call-1"]
-    evs = _events(server, "/v1/messages", {**body, "tools": _anthropic_tools(task), "thinking": {
-        "type": "enabled", "budget_tokens": 256}, "messages": [{"role": "user", "content": task.question[0]["content"]}]})
+    evs = _events(server, "/v1/messages", {
+        **body, "tools": _anthropic_tools(task), "thinking": {"type": "enabled", "budget_tokens": 256},
+        "messages": [{"role": "user", "content": task.question[0]["content"]}]})
     blocks = [(d["content_block"]["type"]) for n, d in evs if n == "content_block_start"]
     assert blocks == ["thinking", "tool_use"], blocks
     kinds = _collapsed([d["delta"]["type"] for n, d in evs if n == "content_block_delta"])
@@ -220,6 +221,30 @@ def test_responses_event_sequence(server):
         "response.output_item.done", "response.completed"], [n for n, _ in evs]
     text = "".join(d["delta"] for n, d in evs if n == "response.output_text.delta")
     assert run_tool(name, want) in text and evs[-1][1]["response"]["output"][0]["content"][0]["text"] == text
+
+
+def test_the_block_view_streams_behind_both_apis(server):
+    """clover_blocks (asked for) streams the block passes on /v1/messages and /v1/responses as events of Clover's own,
+    between the API's, and the SDKs' stream parsers pass them by: the answer is the same as without them."""
+    task = TASKS["call-2"]
+    q = task.question[0]["content"]
+    evs = _events(server, "/v1/messages", {"model": "clover", "max_tokens": 64, "stream": True, "mode": "draft-self",
+                                           "clover_blocks": True, "messages": [{"role": "user", "content": q}]})
+    blocks = [d["events"] for n, d in evs if n == "clover_blocks"]
+    assert blocks and all(isinstance(e, list) and e for e in blocks)
+    assert {"message_start", "content_block_delta", "message_stop"} <= {n for n, _ in evs}
+    evs = _events(server, "/v1/responses", {"model": "clover", "max_output_tokens": 64, "stream": True,
+                                            "mode": "draft-self", "clover_blocks": True, "input": q})
+    assert [d for n, d in evs if n == "clover.blocks"] and evs[-1][0] == "response.completed"
+    assert [d["sequence_number"] for _, d in evs] == list(range(len(evs)))
+    kw = dict(model="clover", max_tokens=64, messages=[{"role": "user", "content": q}])
+    with _claude(server).messages.stream(**kw, extra_body={"mode": "draft-self", "clover_blocks": True}) as st:
+        viewed = st.get_final_message()
+    plain = _claude(server).messages.create(**kw, extra_body={"mode": "draft-self"})
+    assert viewed.content[0].text == plain.content[0].text
+    with _oai(server).responses.stream(model="clover", input=q, max_output_tokens=64, reasoning={"effort": "none"},
+                                       extra_body={"mode": "draft-self", "clover_blocks": True}) as st:
+        assert st.get_final_response().output_text == plain.content[0].text
 
 
 # ---- Claude Code's habits ------------------------------------------------------------------------------------------

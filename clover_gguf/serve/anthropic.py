@@ -272,9 +272,10 @@ async def stream(job: Any, state: Any, rid: str, model: str, prompt_tokens: int)
             yield core.sse({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
                             "usage": _usage(usage), "clover_stats": stats}, "message_delta")
             yield core.sse({"type": "message_stop"}, "message_stop")
+        elif ev[0] == "blocks":  # the block view (clover_blocks, asked for): an event of Clover's own
+            yield core.sse({"type": "clover_blocks", "events": ev[1]}, "clover_blocks")
         elif ev[0] == "error":
             yield core.sse(error_body(ev[1], ev[2]), "error")
-        # ("blocks", ...): the block view has no place in Anthropic's stream
 
 
 async def messages(request: Any, req: Any) -> Any:
