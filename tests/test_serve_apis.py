@@ -143,6 +143,54 @@ def test_responses_tool_loop(server, task_id, mode, stream):
     assert result in last.output_text, (last.output_text, result)  # it read the function_call_output
 
 
+def test_responses_text_format_json_schema_goes_through_the_grammar(server):
+    """text.format json_schema (after a lookup, its call and output as Responses items): the answer is JSON of that
+    schema, forced by the grammar, streamed and not."""
+    task = next(t for t in held_out_tasks() if t.id == "json-1")
+    user, call, result = task.messages
+    c = call["tool_calls"][0]
+    items = [  # a lookup's call and its output, as Responses items{"type": "message", "role": "user", "content": user["content"]},
+             {"type": "function_call", "call_id": c["id"], "name": c["function"]["name"],
+              "arguments": json.dumps(c["function"]["arguments"])},
+             {"type": "function_call_output", "call_id": c["id"], "output": result["content"]}]
+    # not the keys the question asks for (name, email, since), which the model writes unconstrained
+    schema = {"type": "object", "properties": {"since": {"type": "integer"}, "city": {"type": "string"}},
+              "required": ["since", "city"], "additionalProperties": False}
+    fmt = {"format": {"type": "json_schema", "name": "record", "schema": schema, "strict": True}}
+    kw = dict(model="clover", input=items, text=fmt, max_output_tokens=200, reasoning={"effort": "none"},
+              tools=_responses_tools(task), extra_body={"mode": "ar"})
+    whole = _oai(server).responses.create(**kw)
+    with _oai(server).responses.stream(**kw) as st:
+        streamed = st.get_final_response()
+    for r in (whole, streamed):
+        doc = json.loads(r.output_text)
+        assert list(doc) == ["since", "city"] and isinstance(doc["since"], int) and isinstance(doc["city"], str), doc
+    assert whole.output_text == streamed.output_text
+
+
+def test_named_tool_choice_and_stop_sequences(server):
+    """tool_choice naming a tool forces that tool on both APIs (call-3 asks to multiply, and offers add too);
+    Anthropic's stop_sequences cut the answer before the match, stop_reason stop_sequence."""
+    task = TASKS["call-3"]
+    q = task.question[0]["content"]
+    msg = _claude(server).messages.create(model="clover", max_tokens=200, tools=_anthropic_tools(task),
+                                          tool_choice={"type": "tool", "name": "add"},
+                                          messages=[{"role": "user", "content": q}], extra_body={"mode": "ar"})
+    assert [b.name for b in msg.content if b.type == "tool_use"] == ["add"], msg.content
+    r = _oai(server).responses.create(model="clover", input=q, max_output_tokens=200, tools=_responses_tools(task),
+                                      tool_choice={"type": "function", "name": "add"},
+                                      extra_body={"mode": "ar"})
+    assert [o.name for o in r.output if o.type == "function_call"] == ["add"], r.output
+    kw = dict(model="clover", max_tokens=64, messages=[{"role": "user", "content": "What is 805 + 1?"}],
+              extra_body={"mode": "ar"})
+    text = _claude(server).messages.create(**kw).content[0].text
+    assert len(text) > 6, text
+    stop = text[3:6]
+    cut = _claude(server).messages.create(stop_sequences=[stop], **kw)
+    assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop, cut
+    assert cut.content[0].text == text[:text.index(stop)].strip()
+
+
 # ---- the event sequences -------------------------------------------------------------------------------------------
 def _events(s, path: str, body: dict) -> list[tuple[str, dict]]:
     """A streamed answer's events as (name, data), checking each data's type is its event's name."""
