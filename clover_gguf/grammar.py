@@ -7,8 +7,9 @@ output"). A grammar is written in llguidance's Lark dialect (its `%json` inlines
   first `</think>`), "optional" (a `<think>...</think>` span may come first) or "none"; then at most 4 whitespace
   characters;
 - then the rule `body`: JSON matching a schema (json_value: written compactly, with json.dumps' separators ", " and
-  ": " and no other whitespace, so a model cannot wander off into whitespace), or tool calls
-  (clover_gguf.serve.tools.calls_rules, which uses json_value for the parameters a schema types as JSON).
+  ": " and no other whitespace, so a model cannot wander off into whitespace; its numbers bounded, bound_numbers),
+  tool calls (clover_gguf.serve.tools.calls_rules, which uses json_value for the parameters a schema types as JSON),
+  or a GBNF grammar (gbnf_body: llama-server's `grammar`).
 After the body only the model's end tokens are allowed; they are allowed exactly where the grammar is complete.
 
 The model's vocabulary (Vocabulary.of): every token's bytes as the runtime spells them; control tokens are marked
@@ -37,6 +38,17 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 JSON_STYLE = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
 CACHE = 64  # compiled grammars kept per engine
 CONTROL = b"\xff"  # llguidance's mark of a special token
+# an integer of at most 16 digits, a number whose integral part has at most 16 (llama.cpp's JSON-schema grammar caps
+# them the same way): a model that does not know the format otherwise writes digits until max_tokens. llguidance
+# reads a bound as a float64, where 10**16 - 1 rounds to 10**16 (which would let 17 digits through): 10**16 - 2 is
+# exact, so integers keep to 16 digits (all but 9999999999999999 itself); a number's exclusive bound 10**16 is exact
+MAX_INT = 10**16 - 2
+NUMERIC = ("integer", "number")
+# the keywords whose values are subschemas: one (a schema), a list of them, or a map of names to them
+_SUB_ONE = ("additionalProperties", "items", "additionalItems", "contains", "not", "if", "then", "else",
+            "propertyNames", "unevaluatedItems", "unevaluatedProperties")
+_SUB_LIST = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_SUB_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
 class GrammarError(ValueError):
@@ -62,14 +74,73 @@ def literal(text: str) -> str:
 def json_value(schema: Any) -> str:
     """A Lark expression for one JSON value matching `schema` (None: any JSON object, response_format's
     json_object), in the compact style; a schema's own x-guidance is replaced. Schema errors show when compiled."""
-    if schema is None:
-        schema = {"type": "object"}
+    if schema is None:  # any object: its values any JSON, their numbers bounded at every depth
+        schema = {"type": "object", "additionalProperties": {"$ref": f"#/$defs/{ANY}"}, "$defs": {ANY: _any_value()}}
     if schema is True or schema == {}:
-        schema = {"type": ["object", "array", "string", "number", "integer", "boolean", "null"]}
+        schema = {"$ref": f"#/$defs/{ANY}", "$defs": {ANY: _any_value()}}
     if not isinstance(schema, dict):
         raise GrammarError("a JSON schema must be an object")
-    return "%json " + json.dumps({**{k: v for k, v in schema.items() if k != "x-guidance"},
+    return "%json " + json.dumps({**{k: v for k, v in bound_numbers(schema).items() if k != "x-guidance"},
                                   "x-guidance": JSON_STYLE}, ensure_ascii=True)
+
+
+ANY = "clover_any_value"  # the $defs name of any JSON value (its numbers bounded)
+
+
+def _any_value() -> dict:
+    ref = {"$ref": f"#/$defs/{ANY}"}
+    return {"type": ["object", "array", "string", "number", "integer", "boolean", "null"],
+            "exclusiveMinimum": -10**16, "exclusiveMaximum": 10**16, "items": ref, "additionalProperties": ref}
+
+
+def bound_numbers(schema: Any) -> Any:
+    """A copy of `schema` where every integer or number it allows without a bound on a side gets one: an integer
+    within +-MAX_INT, a number's integral part of at most 16 digits (exclusive +-10**16). A bound the schema gives is
+    kept (its own minimum/maximum may allow more digits). A subschema that names no type but could be a number
+    (no const, enum or $ref) counts as numeric too: the bounds apply to numbers only."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUB_ONE + _SUB_LIST:
+        v = out.get(key)
+        if isinstance(v, list) and key in _SUB_LIST:
+            out[key] = [bound_numbers(x) for x in v]
+        elif isinstance(v, dict) and key in _SUB_ONE:
+            out[key] = bound_numbers(v)
+    for key in _SUB_MAP:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: bound_numbers(v) for k, v in out[key].items()}
+    kind = out.get("type")
+    kinds = kind if isinstance(kind, list) else [kind] if kind is not None else None
+    if kinds is None:
+        numeric = not any(k in out for k in ("const", "enum", "$ref"))
+    else:
+        numeric = any(k in NUMERIC for k in kinds)
+    if not numeric:
+        return out
+    integral = kinds is not None and "number" not in kinds
+    if "minimum" not in out and "exclusiveMinimum" not in out:
+        out.update({"minimum": -MAX_INT} if integral else {"exclusiveMinimum": -10**16})
+    if "maximum" not in out and "exclusiveMaximum" not in out:
+        out.update({"maximum": MAX_INT} if integral else {"exclusiveMaximum": 10**16})
+    return out
+
+
+def gbnf_body(text: str) -> str:
+    """llama-server's `grammar` (GBNF, llama.cpp's grammar format; Lark text is taken as is) as the rule `body`: the
+    grammar converted by llguidance's own converter and nested as a grammar of its own (its rule names cannot clash
+    with ours). GrammarError for text the converter cannot read; the engine's errors show when compiled."""
+    if not isinstance(text, str) or not text.strip():
+        raise GrammarError("the grammar is empty")
+    _llguidance()
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    try:
+        lark = any_to_lark(text)
+    except Exception as e:  # the converter's own error type, or one from its parser
+        raise GrammarError(f"the grammar is not valid GBNF: {e}") from None
+    lines = [line for line in lark.splitlines() if not line.startswith("%llguidance")]
+    return "body: %lark {\n" + "\n".join(lines) + "\n}\n"
 
 
 def source(body_rules: str, thinking: str) -> str:
