@@ -4,10 +4,11 @@ and the Constraint the decoders follow (clover_gguf.constraint).
 The engine is llguidance (bench/grammar.py measured it against xgrammar at V = 248,320: docs/serve.md, "Constrained
 output"). A grammar is written in llguidance's Lark dialect (its `%json` inlines a JSON schema):
 - first a thinking span when thinking is on (THINKING): "open" (the prompt opened `<think>`: any text up to the
-  first `</think>`), "optional" (a `<think>...</think>` span may come first) or "none"; then at most 4 whitespace
-  characters;
+  first `</think>`), "optional" (a `<think>...</think>` span may come first) or "none"; after a thinking span at most
+  4 whitespace characters (the "\n\n" a template writes there), and none where there is no span: a model that
+  does not know the format would spend its tokens on them (the bundled model wrote 4 before a 5-token answer);
 - then the rule `body`: JSON matching a schema (json_value: written compactly, with json.dumps' separators ", " and
-  ": " and no other whitespace, so a model cannot wander off into whitespace; its numbers bounded, bound_numbers),
+  ": " and no other whitespace, so a model cannot wander off into whitespace; its numbers bounded and its objects closed, bounded_schema),
   tool calls (clover_gguf.serve.tools.calls_rules, which uses json_value for the parameters a schema types as JSON),
   or a GBNF grammar (gbnf_body: llama-server's `grammar`).
 After the body only the model's end tokens are allowed; they are allowed exactly where the grammar is complete.
@@ -80,7 +81,7 @@ def json_value(schema: Any) -> str:
         schema = {"$ref": f"#/$defs/{ANY}", "$defs": {ANY: _any_value()}}
     if not isinstance(schema, dict):
         raise GrammarError("a JSON schema must be an object")
-    return "%json " + json.dumps({**{k: v for k, v in bound_numbers(schema).items() if k != "x-guidance"},
+    return "%json " + json.dumps({**{k: v for k, v in bounded_schema(schema).items() if k != "x-guidance"},
                                   "x-guidance": JSON_STYLE}, ensure_ascii=True)
 
 
@@ -93,23 +94,29 @@ def _any_value() -> dict:
             "exclusiveMinimum": -10**16, "exclusiveMaximum": 10**16, "items": ref, "additionalProperties": ref}
 
 
-def bound_numbers(schema: Any) -> Any:
-    """A copy of `schema` where every integer or number it allows without a bound on a side gets one: an integer
-    within +-MAX_INT, a number's integral part of at most 16 digits (exclusive +-10**16). A bound the schema gives is
-    kept (its own minimum/maximum may allow more digits). A subschema that names no type but could be a number
-    (no const, enum or $ref) counts as numeric too: the bounds apply to numbers only."""
+def bounded_schema(schema: Any) -> Any:
+    """A copy of `schema` whose answers end, as llama.cpp's schema grammar reads a schema:
+    - every integer or number it allows without a bound on a side gets one: an integer within +-MAX_INT, a number's
+      integral part of at most 16 digits (exclusive +-10**16). A bound the schema gives is kept (its own
+      minimum/maximum may allow more digits). A subschema that names no type but could be a number (no const, enum or
+      $ref) counts as numeric too: the bounds apply to numbers only;
+    - an object schema with `properties` and no `additionalProperties` takes only its properties (a model that does
+      not know the format otherwise adds keys of its own until max_tokens); every answer still validates.
+    """
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
+    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
     for key in _SUB_ONE + _SUB_LIST:
         v = out.get(key)
         if isinstance(v, list) and key in _SUB_LIST:
-            out[key] = [bound_numbers(x) for x in v]
+            out[key] = [bounded_schema(x) for x in v]
         elif isinstance(v, dict) and key in _SUB_ONE:
-            out[key] = bound_numbers(v)
+            out[key] = bounded_schema(v)
     for key in _SUB_MAP:
         if isinstance(out.get(key), dict):
-            out[key] = {k: bound_numbers(v) for k, v in out[key].items()}
+            out[key] = {k: bounded_schema(v) for k, v in out[key].items()}
     kind = out.get("type")
     kinds = kind if isinstance(kind, list) else [kind] if kind is not None else None
     if kinds is None:
@@ -144,15 +151,16 @@ def gbnf_body(text: str) -> str:
 
 
 def source(body_rules: str, thinking: str) -> str:
-    """The whole grammar: the thinking span `thinking` says (THINKING), at most 4 whitespace characters, then the rule
-    `body` of `body_rules`."""
+    """The whole grammar: the thinking span `thinking` says (THINKING) with at most 4 whitespace characters after it,
+    then the rule `body` of `body_rules`."""
     if thinking not in THINKING:
         raise ValueError(f"thinking: one of {THINKING}")
     start = {"open": "start: think_text gap body",
-             "optional": f"start: ({literal(THINK_OPEN)} think_text)? gap body",
-             "none": "start: gap body"}[thinking]
+             "optional": f"start: ({literal(THINK_OPEN)} think_text gap)? body",
+             "none": "start: body"}[thinking]
     think = f"think_text[lazy]: /(?s:.*){_regex_literal(THINK_CLOSE)}/\n" if thinking != "none" else ""
-    return f"%llguidance {{}}\n{start}\ngap: /[ \\t\\r\\n]{{0,4}}/\n{think}{body_rules}"
+    gap = "gap: /[ \\t\\r\\n]{0,4}/\n" if thinking != "none" else ""
+    return f"%llguidance {{}}\n{start}\n{gap}{think}{body_rules}"
 
 
 def _regex_literal(text: str) -> str:

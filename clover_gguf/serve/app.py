@@ -1,8 +1,10 @@
 """`clover-gguf serve`'s HTTP app: an OpenAI-compatible server on a Clover GGUF (or MLX folder), decoding with auto (the
 default), draft-self, diffusion or AR.
 
-Endpoints (docs/serve.md has the fields): POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
-GET /health, GET /metrics, GET /slots, and the chat page at GET / (clover_gguf.serve.page). Built on FastAPI
+Endpoints (docs/serve.md has the fields): POST /v1/chat/completions, POST /v1/completions, GET /v1/models (each also
+without /v1, as llama-server and clients whose base URL lacks it call them), GET /health, GET /metrics, GET /slots,
+llama-server's /tokenize, /detokenize, /apply-template and /props (clover_gguf.serve.llama_api), and the chat page at
+GET / (clover_gguf.serve.page). Built on FastAPI
 (Starlette) and served by uvicorn. The model work runs on the slots' worker threads (clover_gguf.serve.slots); the
 request bodies and errors are OpenAI's (clover_gguf.serve.schema); the API key is checked first
 (clover_gguf.serve.auth).
@@ -27,6 +29,7 @@ from clover_gguf.decoding import MODES
 from clover_gguf.errors import UserError
 import clover_gguf.serve.tools as tools
 from clover_gguf.serve.auth import RequireKey, check_api_key, is_loopback
+from clover_gguf.serve import llama_api
 from clover_gguf.serve.page import add_page_routes
 from clover_gguf.serve.schema import (APIError, _models, chat_logprobs, completion_logprobs, error_body, plan_from,
                                       tool_call_deltas)
@@ -44,6 +47,7 @@ POLL_S = 0.25  # how often a waiting request checks whether its client is still 
 # CancelledError traceback each): waiting requests are refused at once, running ones stopped STOP_S into it, each
 # answered in the API's own error form (ServerState.close)
 GRACE_S, STOP_S = 5.0, 4.0
+REASONING = ("on", "off", "auto")  # --reasoning, llama-server's values
 
 
 @dataclass
@@ -55,6 +59,8 @@ class ServerState:
     default_mode: str
     created: int
     first: Any  # one runtime, for /v1/models' metadata
+    default_think: bool = True  # --reasoning: chat requests that do not say think (on, auto) or not (off)
+    default_seed: int | None = None  # --seed: the seed of requests that give none (None: a random one each)
     refusing: bool = False  # shutting down: no request starts or waits for a slot any more
     stopping: bool = False  # the grace is up: running requests stop too
 
@@ -81,7 +87,7 @@ def _state(request: Request) -> ServerState:
 
 
 # ---- errors in OpenAI's shape --------------------------------------------------------------------------------
-COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
+COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions", "/chat/completions", "/completions")
 
 
 def _count_refused(request: Request, mode: Any = None) -> None:
@@ -102,7 +108,8 @@ async def _on_api_error(request: Request, exc: APIError) -> Any:
 
 
 async def _on_invalid_request(request: Request, exc: Any) -> Any:
-    """pydantic's validation errors: a body that is not a JSON object is a 400, fields that fail are a 422."""
+    """pydantic's validation errors: a 400 in OpenAI's shape (as OpenAI and llama-server answer them), naming the
+    first field that fails; a body that is not a JSON object says so."""
     from starlette.responses import JSONResponse
 
     errors = exc.errors()
@@ -122,7 +129,7 @@ async def _on_invalid_request(request: Request, exc: Any) -> Any:
     first_param = ".".join(str(x) for x in errors[0].get("loc", ()) if x != "body") if errors else None
     body = error_body("invalid request: " + "; ".join(parts), "invalid_request_error", first_param or None)
     body["detail"] = [{k: v for k, v in e.items() if k in ("loc", "msg", "type")} for e in errors]
-    return JSONResponse(body, status_code=422)
+    return JSONResponse(body, status_code=400)
 
 
 async def _on_http_error(request: Request, exc: Any) -> Any:
@@ -248,7 +255,7 @@ async def _respond(request: Request, req: Any, chat: bool) -> Any:
 
     state = _state(request)
     try:
-        plan = plan_from(req, chat, state.default_mode)
+        plan = plan_from(req, chat, state.default_mode, think=state.default_think, seed=state.default_seed)
     except APIError:
         _count_refused(request, getattr(req, "mode", None))
         raise
@@ -316,7 +323,7 @@ async def _respond(request: Request, req: Any, chat: bool) -> Any:
         choice = {"index": 0, "text": "".join(content), "logprobs": lp, "finish_reason": finish}
         obj = "text_completion"
     body = {"id": rid, "object": obj, "created": now, "model": state.name, "choices": [choice], "usage": usage,
-            "clover_stats": stats}
+            "timings": llama_api.timings(stats, usage), "clover_stats": stats}
     return JSONResponse(body, headers={"X-Clover-Stats": json.dumps(stats, separators=(",", ":"))})
 
 
@@ -342,7 +349,9 @@ async def _sse(job: Job, rid: str, now: int, state: ServerState, chat: bool, inc
 
     try:
         if chat:
-            yield chunk({"role": "assistant", "content": ""})
+            # content null, not "": llama-server's first chunk (clients written for it take every content delta
+            # they see as text; OpenAI's SDK reads both)
+            yield chunk({"role": "assistant", "content": None})
         while True:
             try:
                 ev = await asyncio.wait_for(job.events.get(), POLL_S)
@@ -367,11 +376,12 @@ async def _sse(job: Job, rid: str, now: int, state: ServerState, chat: bool, inc
                 yield chunk({}, clover_blocks=ev[1])
             elif ev[0] == "done":
                 _, finish, stats, usage = ev
+                timings = llama_api.timings(stats, usage)  # llama-server's, beside the usage
                 if include_usage:
                     yield chunk({}, finish, clover_stats=stats)
-                    yield chunk(None, usage=usage)
+                    yield chunk(None, usage=usage, timings=timings)
                 else:
-                    yield chunk({}, finish, usage=usage, clover_stats=stats)
+                    yield chunk({}, finish, usage=usage, timings=timings, clover_stats=stats)
                 break
             else:
                 err = error_body(ev[2], "server_error" if ev[1] >= 500 else "invalid_request_error")
@@ -464,10 +474,12 @@ def load_runtimes(model: str | Path | Callable[[], Any], parallel: int, ctx: int
 
 def create_app(model: str | Path | Callable[[], Any], mode: str | None = None, api_key: str | None = None,
                parallel: int = 1, ctx: int | None = None, model_id: str | None = None,
-               runtime_kwargs: dict[str, Any] | None = None):
+               runtime_kwargs: dict[str, Any] | None = None, reasoning: str = "auto", seed: int | None = None):
     """-> a FastAPI (ASGI) app serving `model`: a GGUF path, or a factory returning a CloverRuntime-like object
     (called `parallel` times). The runtimes are loaded here, so a bad model fails before any socket is opened.
-    runtime_kwargs go to CloverRuntime (rollback, exact, n_threads, offload, ...)."""
+    runtime_kwargs go to CloverRuntime (rollback, exact, n_threads, offload, ...). reasoning (llama-server's
+    --reasoning): whether a chat request that does not say thinks: on or auto (Clover thinks), off. seed
+    (llama-server's --seed): the seed of requests that give none; None or below 0: a random one each."""
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException
@@ -479,6 +491,8 @@ def create_app(model: str | Path | Callable[[], Any], mode: str | None = None, a
         raise UserError("--parallel must be at least 1")
     if ctx is not None and ctx < 16:
         raise UserError("--ctx must be at least 16")
+    if reasoning not in REASONING:
+        raise UserError(f"--reasoning must be one of {', '.join(REASONING)}")
     if api_key is not None:
         check_api_key(api_key)
     runtimes, name = load_runtimes(model, parallel, ctx, model_id, runtime_kwargs)
@@ -501,34 +515,39 @@ def create_app(model: str | Path | Callable[[], Any], mode: str | None = None, a
 
     app = FastAPI(title="clover-gguf", lifespan=lifespan, docs_url=None, redoc_url=None)  # /openapi.json: keyed
     app.state.clover = ServerState(pool=pool, name=name, default_mode=mode, created=int(time.time()),
-                                   first=runtimes[0])
+                                   first=runtimes[0], default_think=reasoning != "off",
+                                   default_seed=seed if seed is not None and seed >= 0 else None)
     app.state.pool = pool
     app.add_exception_handler(APIError, _on_api_error)
     app.add_exception_handler(RequestValidationError, _on_invalid_request)
     app.add_exception_handler(HTTPException, _on_http_error)
     if api_key is not None:
         app.add_middleware(RequireKey, api_key=api_key)
+    app.add_middleware(llama_api.Cors)  # added last, so outermost: a preflight is answered before the key is asked
     app.add_api_route("/health", _health, methods=["GET"])
-    app.add_api_route("/v1/models", _list_models, methods=["GET"])
+    for prefix in ("/v1", ""):  # llama-server answers both; an OpenAI client's base URL may lack /v1
+        app.add_api_route(f"{prefix}/models", _list_models, methods=["GET"])
     app.add_api_route("/metrics", _metrics, methods=["GET"])  # behind the API key, like everything but /health
     app.add_api_route("/slots", _slots, methods=["GET"])
     add_page_routes(app)  # the chat page at /
 
     # FastAPI reads the body's type from the signature, so these two stay here, where the request models are
     async def chat_completions(req: ChatRequest, request: Request):
-        return await _respond(request, req, chat=True)
+        return await llama_api.respond_n(_respond, request, req, chat=True)
 
     async def completions(req: CompletionRequest, request: Request):
-        return await _respond(request, req, chat=False)
+        return await llama_api.respond_n(_respond, request, req, chat=False)
 
-    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
-    app.add_api_route("/v1/completions", completions, methods=["POST"])
+    for prefix in ("/v1", ""):
+        app.add_api_route(f"{prefix}/chat/completions", chat_completions, methods=["POST"])
+        app.add_api_route(f"{prefix}/completions", completions, methods=["POST"])
+    llama_api.add_routes(app, ChatRequest)
     return app
 
 
 def serve(model: str | Path, host: str = "127.0.0.1", port: int = 8080, mode: str | None = None,
           ctx: int | None = None, parallel: int = 1, api_key: str | None = None, model_id: str | None = None,
-          log_level: str = "info", **runtime_kwargs) -> None:
+          log_level: str = "info", reasoning: str = "auto", seed: int | None = None, **runtime_kwargs) -> None:
     """Load the model and serve it with uvicorn until interrupted."""
     try:
         import fastapi  # noqa: F401
@@ -545,7 +564,7 @@ def serve(model: str | Path, host: str = "127.0.0.1", port: int = 8080, mode: st
     sock = bind(host, port)  # before the model loads: a port in use is one line, not a minute later
     try:
         app = create_app(model, mode=mode, api_key=api_key, parallel=parallel, ctx=ctx, model_id=model_id,
-                         runtime_kwargs=runtime_kwargs)
+                         runtime_kwargs=runtime_kwargs, reasoning=reasoning, seed=seed)
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=GRACE_S)
         url = listen_url(host, sock)
 
