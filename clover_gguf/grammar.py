@@ -321,6 +321,9 @@ class GrammarConstraint:
             if not self.matcher.rollback(n):
                 raise RuntimeError(f"llguidance could not roll back {n} tokens: {self.matcher.get_error()}")
             self._taken -= n
+            # the kept mask is of a state with _mask_at tokens, not of this one: after a rollback of 1 and another
+            # token, the count matches again while the state differs (a rejected draft token, then the causal one)
+            self._mask_at = None
 
     def finished(self) -> bool:
         return bool(self.matcher.is_stopped()) or not np.any(self._state_mask() & ~self.engine.eos_mask)

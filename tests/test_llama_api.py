@@ -293,3 +293,17 @@ def test_constrained_answers_of_a_model_that_does_not_know_json_end(http, mode):
     assert r.json()["usage"]["completion_tokens"] <= 101 + 2 * 17 + 16, r.json()["usage"]
     args = json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"])
     assert set(args) == {"a", "b"} and all(isinstance(v, int) for v in args.values())
+
+
+def test_a_mask_after_a_rollback_is_of_the_new_state(byte_engine):
+    """A draft token accepted (its mask kept), rolled back, and the causal token accepted in its place: the mask is
+    the new state's, not the kept one of the same token count (issue 66: auto wrote "\\n" where AR writes " " after
+    a rejected draft under a tool call's maxLength; tests/test_runtime_constrained's forced-token test found it)."""
+    source = grammar.source(f"body: {grammar.json_value({'enum': ['ab', 'cd']})}\n", "none")
+    c = byte_engine.constraint(source)
+    assert c.accept(ord('"')) and c.accept(ord("a"))
+    assert grammar.allowed(c.mask(), ord("b")) and not grammar.allowed(c.mask(), ord("d"))  # kept for 2 tokens
+    c.rollback(1)
+    assert c.accept(ord("c"))
+    assert grammar.allowed(c.mask(), ord("d")) and not grammar.allowed(c.mask(), ord("b"))
+    assert not c.accept(ord("b")) and c.accept(ord("d"))
