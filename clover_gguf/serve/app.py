@@ -29,7 +29,7 @@ from clover_gguf.decoding import MODES
 from clover_gguf.errors import UserError
 import clover_gguf.serve.tools as tools
 from clover_gguf.serve.auth import RequireKey, check_api_key, is_loopback
-from clover_gguf.serve import llama_api
+import clover_gguf.serve.llama_api as llama_api
 from clover_gguf.serve.page import add_page_routes
 from clover_gguf.serve.schema import (APIError, _models, chat_logprobs, completion_logprobs, error_body, plan_from,
                                       tool_call_deltas)
