@@ -44,6 +44,13 @@ class Backend(str, Enum):
     vulkan = "vulkan"
 
 
+class Reasoning(str, Enum):
+    """serve --reasoning (llama-server's values): whether a chat request that does not say thinks."""
+    on = "on"
+    off = "off"
+    auto = "auto"
+
+
 class Engine(str, Enum):
     """Which engine runs MODEL (generate, chat, serve): auto is MLX for a folder, llama.cpp for a GGUF file."""
     auto = "auto"
@@ -569,6 +576,13 @@ def serve(
                                        "(a later request of theirs continues on any slot; 0: off)"),
     rpc: Optional[str] = typer.Option(None, "--rpc", help=RPC_HELP),
     engine: Engine = typer.Option(Engine.auto, "--backend", help=ENGINE_HELP),
+    reasoning: Reasoning = typer.Option(Reasoning.auto, "--reasoning", help="whether chat requests that do not say "
+                                        "think (llama-server's option): on or auto (the model thinks), off; a request "
+                                        "sets its own with chat_template_kwargs.enable_thinking"),
+    seed: int = typer.Option(-1, "--seed", help="the seed of requests that give none (llama-server's option; -1: a "
+                             "random one each)"),
+    alias: Optional[str] = typer.Option(None, "--alias", help="the model id /v1/models reports and answers carry "
+                                        "(llama-server's option; default: the file's name without .gguf)"),
     offload=None,
 ) -> None:
     """An OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics, /slots,
@@ -583,12 +597,13 @@ def serve(
         if parallel != 1:
             raise UserError("--parallel is llama.cpp's (one context, several slots): MLX serves one request at a time")
         run(lambda: open_runtime(model, "mlx", n_ctx=ctx, **_rpc(rpc)), host=host, port=port,
-            mode=mode.value if mode else None, ctx=ctx, api_key=api_key, model_id=model.name, allowed=allowed_hosts)
+            mode=mode.value if mode else None, ctx=ctx, api_key=api_key, model_id=alias or model.name,
+            allowed=allowed_hosts, reasoning=reasoning.value, seed=seed)
         return
 
     run(model, host=host, port=port, mode=mode.value if mode else None, ctx=ctx, parallel=parallel, api_key=api_key,
-        allowed=allowed_hosts, rollback=rollback.value, n_threads=offload.threads, offload=offload, cache_ram=cache_ram * 2**20,
-        **_rpc(rpc))  # threads per slot
+        model_id=alias, allowed=allowed_hosts, rollback=rollback.value, n_threads=offload.threads, offload=offload,
+        cache_ram=cache_ram * 2**20, reasoning=reasoning.value, seed=seed, **_rpc(rpc))  # threads per slot
 
 
 @app.command()

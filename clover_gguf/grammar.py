@@ -4,11 +4,13 @@ and the Constraint the decoders follow (clover_gguf.constraint).
 The engine is llguidance (bench/grammar.py measured it against xgrammar at V = 248,320: docs/serve.md, "Constrained
 output"). A grammar is written in llguidance's Lark dialect (its `%json` inlines a JSON schema):
 - first a thinking span when thinking is on (THINKING): "open" (the prompt opened `<think>`: any text up to the
-  first `</think>`), "optional" (a `<think>...</think>` span may come first) or "none"; then at most 4 whitespace
-  characters;
+  first `</think>`), "optional" (a `<think>...</think>` span may come first) or "none"; after a thinking span at most
+  4 whitespace characters (the "\n\n" a template writes there), and none where there is no span: a model that
+  does not know the format would spend its tokens on them (the bundled model wrote 4 before a 5-token answer);
 - then the rule `body`: JSON matching a schema (json_value: written compactly, with json.dumps' separators ", " and
-  ": " and no other whitespace, so a model cannot wander off into whitespace), or tool calls
-  (clover_gguf.serve.tools.calls_rules, which uses json_value for the parameters a schema types as JSON).
+  ": " and no other whitespace, so a model cannot wander off into whitespace; its numbers bounded and its objects closed, bounded_schema),
+  tool calls (clover_gguf.serve.tools.calls_rules, which uses json_value for the parameters a schema types as JSON),
+  or a GBNF grammar (gbnf_body: llama-server's `grammar`).
 After the body only the model's end tokens are allowed; they are allowed exactly where the grammar is complete.
 
 The model's vocabulary (Vocabulary.of): every token's bytes as the runtime spells them; control tokens are marked
@@ -40,6 +42,17 @@ CONTROL = b"\xff"  # llguidance's mark of a special token
 # llguidance's fuel for building a grammar's lexer (its default 1,000,000, about 20 ms): a tool's string with
 # maxLength of some thousands (a forced call's TEXT rule) needs more; a mask step keeps the default fuel
 COMPILE_FUEL = 10_000_000
+# an integer of at most 16 digits, a number whose integral part has at most 16 (llama.cpp's JSON-schema grammar caps
+# them the same way): a model that does not know the format otherwise writes digits until max_tokens. llguidance
+# reads a bound as a float64, where 10**16 - 1 rounds to 10**16 (which would let 17 digits through): 10**16 - 2 is
+# exact, so integers keep to 16 digits (all but 9999999999999999 itself); a number's exclusive bound 10**16 is exact
+MAX_INT = 10**16 - 2
+NUMERIC = ("integer", "number")
+# the keywords whose values are subschemas: one (a schema), a list of them, or a map of names to them
+_SUB_ONE = ("additionalProperties", "items", "additionalItems", "contains", "not", "if", "then", "else",
+            "propertyNames", "unevaluatedItems", "unevaluatedProperties")
+_SUB_LIST = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_SUB_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
 class GrammarError(ValueError):
@@ -65,26 +78,92 @@ def literal(text: str) -> str:
 def json_value(schema: Any) -> str:
     """A Lark expression for one JSON value matching `schema` (None: any JSON object, response_format's
     json_object), in the compact style; a schema's own x-guidance is replaced. Schema errors show when compiled."""
-    if schema is None:
-        schema = {"type": "object"}
+    if schema is None:  # any object: its values any JSON, their numbers bounded at every depth
+        schema = {"type": "object", "additionalProperties": {"$ref": f"#/$defs/{ANY}"}, "$defs": {ANY: _any_value()}}
     if schema is True or schema == {}:
-        schema = {"type": ["object", "array", "string", "number", "integer", "boolean", "null"]}
+        schema = {"$ref": f"#/$defs/{ANY}", "$defs": {ANY: _any_value()}}
     if not isinstance(schema, dict):
         raise GrammarError("a JSON schema must be an object")
-    return "%json " + json.dumps({**{k: v for k, v in schema.items() if k != "x-guidance"},
+    return "%json " + json.dumps({**{k: v for k, v in bounded_schema(schema).items() if k != "x-guidance"},
                                   "x-guidance": JSON_STYLE}, ensure_ascii=True)
 
 
+ANY = "clover_any_value"  # the $defs name of any JSON value (its numbers bounded)
+
+
+def _any_value() -> dict:
+    ref = {"$ref": f"#/$defs/{ANY}"}
+    return {"type": ["object", "array", "string", "number", "integer", "boolean", "null"],
+            "exclusiveMinimum": -10**16, "exclusiveMaximum": 10**16, "items": ref, "additionalProperties": ref}
+
+
+def bounded_schema(schema: Any) -> Any:
+    """A copy of `schema` whose answers end, as llama.cpp's schema grammar reads a schema:
+    - every integer or number it allows without a bound on a side gets one: an integer within +-MAX_INT, a number's
+      integral part of at most 16 digits (exclusive +-10**16). A bound the schema gives is kept (its own
+      minimum/maximum may allow more digits). A subschema that names no type but could be a number (no const, enum or
+      $ref) counts as numeric too: the bounds apply to numbers only;
+    - an object schema with `properties` and no `additionalProperties` takes only its properties (a model that does
+      not know the format otherwise adds keys of its own until max_tokens); every answer still validates.
+    """
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    for key in _SUB_ONE + _SUB_LIST:
+        v = out.get(key)
+        if isinstance(v, list) and key in _SUB_LIST:
+            out[key] = [bounded_schema(x) for x in v]
+        elif isinstance(v, dict) and key in _SUB_ONE:
+            out[key] = bounded_schema(v)
+    for key in _SUB_MAP:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: bounded_schema(v) for k, v in out[key].items()}
+    kind = out.get("type")
+    kinds = kind if isinstance(kind, list) else [kind] if kind is not None else None
+    if kinds is None:
+        numeric = not any(k in out for k in ("const", "enum", "$ref"))
+    else:
+        numeric = any(k in NUMERIC for k in kinds)
+    if not numeric:
+        return out
+    integral = kinds is not None and "number" not in kinds
+    if "minimum" not in out and "exclusiveMinimum" not in out:
+        out.update({"minimum": -MAX_INT} if integral else {"exclusiveMinimum": -10**16})
+    if "maximum" not in out and "exclusiveMaximum" not in out:
+        out.update({"maximum": MAX_INT} if integral else {"exclusiveMaximum": 10**16})
+    return out
+
+
+def gbnf_body(text: str) -> str:
+    """llama-server's `grammar` (GBNF, llama.cpp's grammar format; Lark text is taken as is) as the rule `body`: the
+    grammar converted by llguidance's own converter and nested as a grammar of its own (its rule names cannot clash
+    with ours). GrammarError for text the converter cannot read; the engine's errors show when compiled."""
+    if not isinstance(text, str) or not text.strip():
+        raise GrammarError("the grammar is empty")
+    _llguidance()
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    try:
+        lark = any_to_lark(text)
+    except Exception as e:  # the converter's own error type, or one from its parser
+        raise GrammarError(f"the grammar is not valid GBNF: {e}") from None
+    lines = [line for line in lark.splitlines() if not line.startswith("%llguidance")]
+    return "body: %lark {\n" + "\n".join(lines) + "\n}\n"
+
+
 def source(body_rules: str, thinking: str) -> str:
-    """The whole grammar: the thinking span `thinking` says (THINKING), at most 4 whitespace characters, then the rule
-    `body` of `body_rules`."""
+    """The whole grammar: the thinking span `thinking` says (THINKING) with at most 4 whitespace characters after it,
+    then the rule `body` of `body_rules`."""
     if thinking not in THINKING:
         raise ValueError(f"thinking: one of {THINKING}")
     start = {"open": "start: think_text gap body",
-             "optional": f"start: ({literal(THINK_OPEN)} think_text)? gap body",
-             "none": "start: gap body"}[thinking]
+             "optional": f"start: ({literal(THINK_OPEN)} think_text gap)? body",
+             "none": "start: body"}[thinking]
     think = f"think_text[lazy]: /(?s:.*){_regex_literal(THINK_CLOSE)}/\n" if thinking != "none" else ""
-    return f"%llguidance {{}}\n{start}\ngap: /[ \\t\\r\\n]{{0,4}}/\n{think}{body_rules}"
+    gap = "gap: /[ \\t\\r\\n]{0,4}/\n" if thinking != "none" else ""
+    return f"%llguidance {{}}\n{start}\n{gap}{think}{body_rules}"
 
 
 def regex_without(text: str) -> str:
@@ -370,6 +449,9 @@ class GrammarConstraint:
             if not self.matcher.rollback(n):
                 raise RuntimeError(f"llguidance could not roll back {n} tokens: {self.matcher.get_error()}")
             self._taken -= n
+            # the kept mask is of a state with _mask_at tokens, not of this one: after a rollback of 1 and another
+            # token, the count matches again while the state differs (a rejected draft token, then the causal one)
+            self._mask_at = None
 
     def finished(self) -> bool:
         return bool(self.matcher.is_stopped()) or not np.any(self._state_mask() & ~self.engine.eos_mask)

@@ -336,7 +336,9 @@ def canonical_args(rng: random.Random) -> dict:
         return "".join(rng.choice(chars) for _ in range(rng.randint(0, n)))
     args = {"i": rng.randint(-10**6, 10**6)}
     if rng.random() < 0.7:
-        args["x"] = rng.choice([rng.uniform(-1e3, 1e3), float(rng.randint(-5, 5)), 1e-7])
+        # a number is written without an exponent (grammar.bounded_schema bounds its integral part): 1e-7 as JSON
+        # would be "1e-07", so a small one json.dumps writes in decimals
+        args["x"] = rng.choice([rng.uniform(-1e3, 1e3), float(rng.randint(-5, 5)), 1e-4])
     if rng.random() < 0.7:
         args["b"] = rng.random() < 0.5
     if rng.random() < 0.7:
@@ -465,7 +467,9 @@ def test_json_schema_random_walks_validate(model, thinking):
         assert valid(doc), text
         assert ", " in text or len(doc) < 2  # the compact style: json.dumps' separators
         done += 1
-    assert done >= 40
+    # "optional": the first token is `<think>` or `{` (no whitespace before a body without a thinking span, issue 66),
+    # so about half the walks open a thinking span, which a uniform walk seldom closes within 300 tokens
+    assert done >= (40 if thinking == "none" else 25), done
     assert not valid({"name": "x", "age": "1", "ok": True, "tags": []})  # the check can fail
 
 
@@ -703,7 +707,7 @@ def test_forced_calls_and_json_are_decoded_with_a_constraint(scripted, monkeypat
     ({"tool_choice": "required"}, 400, "tool_choice"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400, "response_format"),
     ({"response_format": {"type": "yaml"}}, 400, "response_format"),
-    ({"logprobs": True, "top_logprobs": 21}, 422, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ({"top_logprobs": 2}, 400, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [
         {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]}, 400,
@@ -729,7 +733,7 @@ def test_completions_logprobs_out_of_range(scripted):
     import httpx
 
     r = httpx.post(scripted.base + "/v1/completions", json={"prompt": "x", "logprobs": 21}, timeout=30)
-    assert r.status_code == 422 and r.json()["error"]["param"] == "logprobs"
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
 
 
 def test_logprobs_shapes(scripted):

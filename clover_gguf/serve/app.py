@@ -1,13 +1,15 @@
 """`clover-gguf serve`'s HTTP app: an OpenAI-compatible (and Anthropic-compatible) server on a Clover GGUF (or MLX
 folder), decoding with auto (the default), draft-self, diffusion or AR.
 
-Endpoints (docs/serve.md has the fields): POST /v1/chat/completions, POST /v1/completions (here), POST /v1/messages
-and /v1/messages/count_tokens (clover_gguf.serve.anthropic), POST /v1/responses (clover_gguf.serve.responses),
-GET /v1/models, GET /health, GET /metrics, GET /slots, and the chat page at GET / (clover_gguf.serve.page). Built on
-FastAPI (Starlette) and served by uvicorn. The three APIs share one core (clover_gguf.serve.core: a request's Plan to
-its answer); the model work runs on the slots' worker threads (clover_gguf.serve.slots); the chat request bodies
-and errors are OpenAI's (clover_gguf.serve.schema), errors on Anthropic's paths in its shape; the API key is checked
-first (clover_gguf.serve.auth).
+Endpoints (docs/serve.md has the fields): POST /v1/chat/completions, POST /v1/completions (here; each also without
+/v1, as llama-server and clients whose base URL lacks it call them), POST /v1/messages and /v1/messages/count_tokens
+(clover_gguf.serve.anthropic), POST /v1/responses (clover_gguf.serve.responses), GET /v1/models (and /models),
+GET /health, GET /metrics, GET /slots, llama-server's /tokenize, /detokenize, /apply-template and /props
+(clover_gguf.serve.llama_api), and the chat page at GET / (clover_gguf.serve.page). Built on FastAPI (Starlette) and
+served by uvicorn. The three APIs share one core (clover_gguf.serve.core: a request's Plan to its answer); the model
+work runs on the slots' worker threads (clover_gguf.serve.slots); the chat request bodies and errors are OpenAI's
+(clover_gguf.serve.schema), errors on Anthropic's paths in its shape; the Host and the API key are checked first
+(clover_gguf.serve.auth).
 """
 
 # no `from __future__ import annotations`: FastAPI reads the route signatures, whose types are local to create_app
@@ -27,6 +29,7 @@ import clover_gguf.serve.anthropic as anthropic
 import clover_gguf.serve.core as core
 import clover_gguf.serve.responses as responses
 from clover_gguf.serve.auth import CheckHost, RequireKey, allowed_hosts, check_api_key, is_loopback
+import clover_gguf.serve.llama_api as llama_api
 from clover_gguf.serve.page import add_page_routes
 from clover_gguf.serve.schema import (APIError, _models, chat_logprobs, completion_logprobs, error_body, plan_from,
                                       tool_call_deltas)
@@ -40,13 +43,15 @@ except ImportError:  # importing this module needs no extra; create_app and serv
 
 log = logging.getLogger("clover_gguf.serve")
 
+REASONING = ("on", "off", "auto")  # --reasoning, llama-server's values
+
 
 def _state(request: Request) -> ServerState:
     return request.app.state.clover
 
 
 # ---- errors in OpenAI's shape --------------------------------------------------------------------------------
-COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
+COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions", "/chat/completions", "/completions")
 
 
 def _count_refused(request: Request, mode: Any = None) -> None:
@@ -67,7 +72,8 @@ async def _on_api_error(request: Request, exc: APIError) -> Any:
 
 
 async def _on_invalid_request(request: Request, exc: Any) -> Any:
-    """pydantic's validation errors: a body that is not a JSON object is a 400, fields that fail are a 422."""
+    """pydantic's validation errors: a 400 in OpenAI's shape (as OpenAI and llama-server answer them), naming the
+    first field that fails; a body that is not a JSON object says so."""
     from starlette.responses import JSONResponse
 
     errors = exc.errors()
@@ -87,7 +93,7 @@ async def _on_invalid_request(request: Request, exc: Any) -> Any:
     first_param = ".".join(str(x) for x in errors[0].get("loc", ()) if x != "body") if errors else None
     body = error_body("invalid request: " + "; ".join(parts), "invalid_request_error", first_param or None)
     body["detail"] = [{k: v for k, v in e.items() if k in ("loc", "msg", "type")} for e in errors]
-    return JSONResponse(body, status_code=422)
+    return JSONResponse(body, status_code=400)
 
 
 async def _on_http_error(request: Request, exc: Any) -> Any:
@@ -132,7 +138,7 @@ async def _respond(request: Request, req: Any, chat: bool) -> Any:
 
     state = _state(request)
     try:
-        plan = plan_from(req, chat, state.default_mode)
+        plan = plan_from(req, chat, state.default_mode, think=state.default_think, seed=state.default_seed)
     except APIError:
         _count_refused(request, getattr(req, "mode", None))
         raise
@@ -158,7 +164,7 @@ async def _respond(request: Request, req: Any, chat: bool) -> Any:
         choice = {"index": 0, "text": a.content, "logprobs": lp, "finish_reason": a.finish}
         obj = "text_completion"
     body = {"id": rid, "object": obj, "created": now, "model": state.name, "choices": [choice], "usage": a.usage,
-            "clover_stats": a.stats}
+            "timings": llama_api.timings(a.stats, a.usage), "clover_stats": a.stats}
     return JSONResponse(body, headers={"X-Clover-Stats": json.dumps(a.stats, separators=(",", ":"))})
 
 
@@ -182,7 +188,9 @@ async def _sse(job: Job, rid: str, now: int, state: ServerState, chat: bool, inc
         return core.sse({"id": rid, "object": obj, "created": now, "model": name, "choices": choices, **extra})
 
     if chat:
-        yield chunk({"role": "assistant", "content": ""})
+        # content null, not "": llama-server's first chunk (clients written for it take every content delta they see
+        # as text; OpenAI's SDK reads both)
+        yield chunk({"role": "assistant", "content": None})
     async for ev in core.events(job, state):
         if ev[0] == "delta":
             lp = ev[3] if logprobs else None
@@ -199,11 +207,12 @@ async def _sse(job: Job, rid: str, now: int, state: ServerState, chat: bool, inc
             yield chunk({}, clover_blocks=ev[1])
         elif ev[0] == "done":
             _, finish, stats, usage = ev
+            timings = llama_api.timings(stats, usage)  # llama-server's, beside the usage
             if include_usage:
                 yield chunk({}, finish, clover_stats=stats)
-                yield chunk(None, usage=usage)
+                yield chunk(None, usage=usage, timings=timings)
             else:
-                yield chunk({}, finish, usage=usage, clover_stats=stats)
+                yield chunk({}, finish, usage=usage, timings=timings, clover_stats=stats)
         else:
             err = error_body(ev[2], "server_error" if ev[1] >= 500 else "invalid_request_error")
             yield f"data: {json.dumps(err)}\n\n"
@@ -296,11 +305,14 @@ def load_runtimes(model: str | Path | Callable[[], Any], parallel: int, ctx: int
 
 def create_app(model: str | Path | Callable[[], Any], mode: str | None = None, api_key: str | None = None,
                parallel: int = 1, ctx: int | None = None, model_id: str | None = None,
-               runtime_kwargs: dict[str, Any] | None = None, hosts: frozenset[str] | None = None):
+               runtime_kwargs: dict[str, Any] | None = None, hosts: frozenset[str] | None = None,
+               reasoning: str = "auto", seed: int | None = None):
     """-> a FastAPI (ASGI) app serving `model`: a GGUF path, or a factory returning a CloverRuntime-like object
     (called `parallel` times). The runtimes are loaded here, so a bad model fails before any socket is opened.
     runtime_kwargs go to CloverRuntime (rollback, exact, n_threads, offload, ...). hosts: the Host names answered
-    besides loopback ones (auth.allowed_hosts; None: any)."""
+    besides loopback ones (auth.allowed_hosts; None: any). reasoning (llama-server's --reasoning): whether a chat
+    request that does not say thinks: on or auto (Clover thinks), off. seed (llama-server's --seed): the seed of
+    requests that give none; None or below 0: a random one each."""
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException
@@ -312,6 +324,8 @@ def create_app(model: str | Path | Callable[[], Any], mode: str | None = None, a
         raise UserError("--parallel must be at least 1")
     if ctx is not None and ctx < 16:
         raise UserError("--ctx must be at least 16")
+    if reasoning not in REASONING:
+        raise UserError(f"--reasoning must be one of {', '.join(REASONING)}")
     if api_key is not None:
         check_api_key(api_key)
     runtimes, name = load_runtimes(model, parallel, ctx, model_id, runtime_kwargs)
@@ -334,38 +348,44 @@ def create_app(model: str | Path | Callable[[], Any], mode: str | None = None, a
 
     app = FastAPI(title="clover-gguf", lifespan=lifespan, docs_url=None, redoc_url=None)  # /openapi.json: keyed
     app.state.clover = ServerState(pool=pool, name=name, default_mode=mode, created=int(time.time()),
-                                   first=runtimes[0])
+                                   first=runtimes[0], default_think=reasoning != "off",
+                                   default_seed=seed if seed is not None and seed >= 0 else None)
     app.state.pool = pool
     app.add_exception_handler(APIError, _in_the_api_shape(_on_api_error))
     app.add_exception_handler(RequestValidationError, _in_the_api_shape(_on_invalid_request))
     app.add_exception_handler(HTTPException, _in_the_api_shape(_on_http_error))
     if api_key is not None:
         app.add_middleware(RequireKey, api_key=api_key)
-    if hosts is not None:  # added last: it runs first
+    app.add_middleware(llama_api.Cors)  # a preflight is answered before the key is asked
+    if hosts is not None:  # added last: it runs first, before CORS and the key
         app.add_middleware(CheckHost, allowed=hosts)
     app.add_api_route("/health", _health, methods=["GET"])
-    app.add_api_route("/v1/models", _list_models, methods=["GET"])
+    for prefix in ("/v1", ""):  # llama-server answers both; an OpenAI client's base URL may lack /v1
+        app.add_api_route(f"{prefix}/models", _list_models, methods=["GET"])
     app.add_api_route("/metrics", _metrics, methods=["GET"])  # behind the API key, like everything but /health
     app.add_api_route("/slots", _slots, methods=["GET"])
     add_page_routes(app)  # the chat page at /
 
     # FastAPI reads the body's type from the signature, so these two stay here, where the request models are
     async def chat_completions(req: ChatRequest, request: Request):
-        return await _respond(request, req, chat=True)
+        return await llama_api.respond_n(_respond, request, req, chat=True)
 
     async def completions(req: CompletionRequest, request: Request):
-        return await _respond(request, req, chat=False)
+        return await llama_api.respond_n(_respond, request, req, chat=False)
 
-    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
-    app.add_api_route("/v1/completions", completions, methods=["POST"])
+    for prefix in ("/v1", ""):  # llama-server answers both; an OpenAI client's base URL may lack /v1
+        app.add_api_route(f"{prefix}/chat/completions", chat_completions, methods=["POST"])
+        app.add_api_route(f"{prefix}/completions", completions, methods=["POST"])
     anthropic.add_routes(app)  # /v1/messages, /v1/messages/count_tokens
     responses.add_routes(app)  # /v1/responses
+    llama_api.add_routes(app, ChatRequest)  # /tokenize, /detokenize, /apply-template, /props
     return app
 
 
 def serve(model: str | Path, host: str = "127.0.0.1", port: int = 8080, mode: str | None = None,
           ctx: int | None = None, parallel: int = 1, api_key: str | None = None, model_id: str | None = None,
-          log_level: str = "info", allowed: str | None = None, **runtime_kwargs) -> None:
+          log_level: str = "info", allowed: str | None = None, reasoning: str = "auto", seed: int | None = None,
+          **runtime_kwargs) -> None:
     """Load the model and serve it with uvicorn until interrupted."""
     try:
         import fastapi  # noqa: F401
@@ -383,7 +403,7 @@ def serve(model: str | Path, host: str = "127.0.0.1", port: int = 8080, mode: st
     sock = bind(host, port)  # before the model loads: a port in use is one line, not a minute later
     try:
         app = create_app(model, mode=mode, api_key=api_key, parallel=parallel, ctx=ctx, model_id=model_id,
-                         runtime_kwargs=runtime_kwargs, hosts=hosts)
+                         runtime_kwargs=runtime_kwargs, hosts=hosts, reasoning=reasoning, seed=seed)
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=GRACE_S)
         url = listen_url(host, sock)
 

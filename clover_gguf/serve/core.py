@@ -46,6 +46,8 @@ class ServerState:
     default_mode: str
     created: int
     first: Any  # one runtime, for /v1/models' metadata
+    default_think: bool = True  # --reasoning: chat requests that do not say think (on, auto) or not (off)
+    default_seed: int | None = None  # --seed: the seed of requests that give none (None: a random one each)
     refusing: bool = False  # shutting down: no request starts or waits for a slot any more
     stopping: bool = False  # the grace is up: running requests stop too
 

@@ -14,6 +14,9 @@ from clover_gguf.serve.slots import Plan
 
 MAX_STOP = 16
 MAX_TOP_LOGPROBS = 20
+MAX_N = 16  # choices per request (each is a decode of its own on a slot: serve.llama_api.respond_n)
+# llama-server's reasoning_format values: the thinking comes in reasoning_content under every one of them here
+REASONING_FORMATS = ("none", "auto", "deepseek", "deepseek-legacy")
 
 
 @functools.cache
@@ -73,6 +76,11 @@ def _models():
         clover_blocks: bool = False  # the block view: each pass's state in the stream (docs/serve.md)
         ignore_eos: bool = False  # llama-server's: the end tokens never chosen, the answer runs to max_tokens
         forced_tokens: bool = True  # false: tokens a grammar forces take passes like any other (bench/agent.py)
+        # llama-server's extensions (docs/serve.md, "Requests written for llama-server"): a GBNF grammar, a JSON
+        # schema without response_format; timings_per_token is taken (the timings come with every answer)
+        grammar: str | None = None
+        json_schema: dict[str, Any] | None = None
+        timings_per_token: bool = False
 
     class ChatRequest(Common):
         messages: list[Message] = Field(..., min_length=1)
@@ -80,6 +88,7 @@ def _models():
         think: bool | None = None
         chat_template_kwargs: dict[str, Any] | None = None
         reasoning_effort: str | None = None
+        reasoning_format: Literal[REASONING_FORMATS] | None = None  # llama-server's; serve always separates it
         tools: list[dict[str, Any]] | None = None
         tool_choice: Union[str, dict[str, Any], None] = None
         parallel_tool_calls: bool | None = None
@@ -139,10 +148,14 @@ def tool_call_deltas(call: Any) -> list[dict]:
     return out
 
 
-def plan_from(req: Any, chat: bool, default_mode: str) -> Plan:
-    """A validated request model -> the Plan a worker runs; APIError for what the server does not support."""
-    if req.n != 1:
-        raise APIError(400, "only n=1 is supported", param="n")
+def plan_from(req: Any, chat: bool, default_mode: str, think: bool = True, seed: int | None = None) -> Plan:
+    """A validated request model -> the Plan a worker runs; APIError for what the server does not support. think,
+    seed: the server's defaults (--reasoning, --seed) for a request that does not say. `n` choices are separate runs
+    (llama_api.respond_n): each plan is one."""
+    if req.n > MAX_N:
+        raise APIError(400, f"n must be at most {MAX_N}", param="n")
+    if req.n > 1 and req.stream:
+        raise APIError(400, "n > 1 is answered without streaming: send stream: false", param="n")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > MAX_STOP:
         raise APIError(400, f"at most {MAX_STOP} stop strings", param="stop")
@@ -157,7 +170,8 @@ def plan_from(req: Any, chat: bool, default_mode: str) -> Plan:
                                   ("repetition_penalty", req.repetition_penalty)) if v is not None}
     p = Plan(mode=req.mode or default_mode, block_size=req.block_size, threshold=req.threshold,
              accept=req.accept or "exact", temp=req.temperature or 0.0,
-             top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, seed=req.seed, stop=stop,
+             top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
+             seed=seed if req.seed is None else req.seed, stop=stop,
              controls=controls, max_tokens=req.max_tokens, stream=bool(req.stream), blocks=req.clover_blocks,
              ignore_eos=req.ignore_eos, forced=req.forced_tokens)
     if p.blocks and not p.stream:
@@ -176,14 +190,13 @@ def plan_from(req: Any, chat: bool, default_mode: str) -> Plan:
             raise APIError(400, str(e), param=e.param) from None
         p.parallel = req.parallel_tool_calls is not False
         p.template_tools = [t.raw for t in p.tools] if p.tool_mode != "none" else None
-        p.grammar_body = _grammar_body(req.response_format, p)
+        p.grammar_body = _grammar_body(req.response_format, p, req.grammar, req.json_schema)
         if p.ignore_eos and p.grammar_body is not None:  # a finished grammar allows only the end tokens
             raise APIError(400, "ignore_eos cannot be combined with constrained output (response_format json, "
                            "tool_choice required or a named function): the answer must end where its grammar does",
                            param="ignore_eos")
         if req.max_completion_tokens is not None:
             p.max_tokens = req.max_completion_tokens
-        think = True
         if req.reasoning_effort is not None and req.reasoning_effort.lower() == "none":
             think = False
         kw = req.chat_template_kwargs or {}
@@ -202,6 +215,9 @@ def plan_from(req: Any, chat: bool, default_mode: str) -> Plan:
             raise APIError(400, "give exactly one prompt", param="prompt")
         p.prompt = prompts[0]
         p.logprobs = req.logprobs
+        p.grammar_body = _grammar_body(None, p, req.grammar, req.json_schema)
+        if p.ignore_eos and p.grammar_body is not None:
+            raise APIError(400, "ignore_eos cannot be combined with a grammar or json_schema", param="ignore_eos")
     return p
 
 
@@ -244,9 +260,26 @@ def _message(i: int, m: Any) -> dict[str, Any]:
     return out
 
 
-def _grammar_body(response_format: dict | None, p: Plan) -> str | None:
+def _grammar_body(response_format: dict | None, p: Plan, gbnf: str | None = None,
+                  json_schema: dict | None = None) -> str | None:
     """The Lark rules of the answer's `body` the request forces (clover_gguf.grammar), or None: tool_choice required
-    or named: calls; response_format json_object / json_schema: JSON (or, with tools on auto, JSON or calls)."""
+    or named: calls; response_format json_object (with llama-server's `schema` in it, that schema) / json_schema:
+    JSON (or, with tools on auto, JSON or calls); llama-server's `grammar` (GBNF) and top-level `json_schema`: that
+    grammar or schema. At most one of these."""
+    given = [name for name, v in (("grammar", gbnf), ("json_schema", json_schema)) if v is not None]
+    if p.tool_mode in ("required", "named"):
+        given.append("tool_choice")
+    if response_format is not None and response_format.get("type") not in (None, "text"):
+        given.append("response_format")
+    if len(given) > 1:
+        raise APIError(400, f"give one of {', '.join(given)}: each constrains the whole answer", param=given[1])
+    if gbnf is not None:
+        try:
+            return grammar.gbnf_body(gbnf)
+        except grammar.GrammarError as e:
+            raise APIError(400, str(e), param="grammar") from None
+    if json_schema is not None:
+        return f"body: {_json_rule(json_schema, 'json_schema')}\n"
     if p.tool_mode in ("required", "named"):
         return tools.calls_rules(p.tools, p.tool_name, p.parallel)
     if response_format is None:
@@ -255,14 +288,15 @@ def _grammar_body(response_format: dict | None, p: Plan) -> str | None:
     if kind in (None, "text"):
         return None
     if kind == "json_object":
-        json_rule = grammar.json_value(None)
+        schema = response_format.get("schema")  # llama-server's: a schema inside json_object
+        json_rule = grammar.json_value(None) if schema is None else _json_rule(schema, "response_format")
     elif kind == "json_schema":
         spec = response_format.get("json_schema")
         schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict):
             raise APIError(400, "response_format json_schema needs json_schema.schema, a JSON schema object",
                            param="response_format")
-        json_rule = grammar.json_value(schema)
+        json_rule = _json_rule(schema, "response_format")
     else:
         raise APIError(400, f"response_format type {kind!r}: text, json_object or json_schema",
                        param="response_format")
@@ -272,9 +306,16 @@ def _grammar_body(response_format: dict | None, p: Plan) -> str | None:
     return f"body: {json_rule}\n"
 
 
+def _json_rule(schema: Any, param: str) -> str:
+    try:
+        return grammar.json_value(schema)
+    except grammar.GrammarError as e:
+        raise APIError(400, str(e), param=param) from None
+
+
 def _check_sampling(p: Plan) -> None:
     """The one check of sampling values (runtime.check_sampling, as the CLI's): what the samplers cannot take (a
-    temperature of 1e-320, a top_k past int32) is a 422 on its field, before the request takes a slot."""
+    temperature of 1e-320, a top_k past int32) is a 400 on its field, before the request takes a slot."""
     from dataclasses import replace
 
     from clover_gguf.errors import SettingError
@@ -284,4 +325,4 @@ def _check_sampling(p: Plan) -> None:
     try:
         check_sampling(p.temp, p.top_p, p.top_k, p.threshold, replace(Controls(), **p.controls))
     except SettingError as e:
-        raise APIError(422, str(e), param=e.name) from None
+        raise APIError(400, str(e), param=e.name) from None
