@@ -42,6 +42,8 @@ CONTROL = b"\xff"  # llguidance's mark of a special token
 # llguidance's fuel for building a grammar's lexer (its default 1,000,000, about 20 ms): a tool's string with
 # maxLength of some thousands (a forced call's TEXT rule) needs more; a mask step keeps the default fuel
 COMPILE_FUEL = 10_000_000
+# the whitespace a body may follow (after a thinking span; source()), and the paths Engine.check enters a string by
+GAP = "gap: /[ \\t\\r\\n]{0,4}/\n"
 # an integer of at most 16 digits, a number whose integral part has at most 16 (llama.cpp's JSON-schema grammar caps
 # them the same way): a model that does not know the format otherwise writes digits until max_tokens. llguidance
 # reads a bound as a float64, where 10**16 - 1 rounds to 10**16 (which would let 17 digits through): 10**16 - 2 is
@@ -162,7 +164,7 @@ def source(body_rules: str, thinking: str) -> str:
              "optional": f"start: ({literal(THINK_OPEN)} think_text gap)? body",
              "none": "start: body"}[thinking]
     think = f"think_text[lazy]: /(?s:.*){_regex_literal(THINK_CLOSE)}/\n" if thinking != "none" else ""
-    gap = "gap: /[ \\t\\r\\n]{0,4}/\n" if thinking != "none" else ""
+    gap = GAP if thinking != "none" else ""
     return f"%llguidance {{}}\n{start}\n{gap}{think}{body_rules}"
 
 
@@ -360,7 +362,7 @@ class Engine:
         # grammar and counted together, so one path alone, or a cached grammar, may pass a pattern that fails later
         space, quote = self.vocab.tokenize(" "), self.vocab.tokenize('"')
         for string in _string_schemas(body_rules):
-            fresh = self._matcher(source(f"body: {json_value(string)}\n", "none"))
+            fresh = self._matcher(f"%llguidance {{}}\nstart: gap body\n{GAP}body: {json_value(string)}\n")
             for path in (quote, space + quote, space * 4 + quote):
                 m = fresh.deep_copy()
                 for t in path:

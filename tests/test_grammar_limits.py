@@ -159,7 +159,8 @@ def test_a_pattern_too_complex_for_the_lexer_is_refused_by_check(engine, schema)
 def test_in_the_middle_of_an_answer_the_engine_giving_up_is_a_grammar_error(engine):
     """Where a limit is met past what check foresees, the decode stops with the request's GrammarError (a 400 from
     the worker), never a RuntimeError (a 500) or an empty mask read as the answer's end."""
-    compiled = engine._matcher(grammar.source(json_body(TOO_COMPLEX), "none"))  # as if Engine.check had not run
+    # as if Engine.check had not run; the value after up to four spaces, as after a thinking span
+    compiled = engine._matcher(f"%llguidance {{}}\nstart: gap body\n{grammar.GAP}{json_body(TOO_COMPLEX)}")
     with pytest.raises(grammar.GrammarError, match="gave up after [0-9] tokens"):
         for start in (b'"', b' "', b'    "'):  # requests on copies of one compiled grammar, as the slots use it
             c = grammar.GrammarConstraint(engine, compiled.deep_copy())
