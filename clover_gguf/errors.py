@@ -13,3 +13,13 @@ class SettingError(UserError):
     def __init__(self, name: str, message: str):
         super().__init__(message)
         self.name = name
+
+
+class ContextOverflow(UserError):
+    """A request whose prompt (with what it must generate) does not fit the context: the prompt's tokens
+    (n_prompt_tokens; a lower bound when `at_least`) and the context's size (n_ctx), which the server's refusal
+    carries as llama-server's does."""
+
+    def __init__(self, message: str, n_prompt_tokens: int, n_ctx: int, at_least: bool = False):
+        super().__init__(message)
+        self.n_prompt_tokens, self.n_ctx, self.at_least = n_prompt_tokens, n_ctx, at_least

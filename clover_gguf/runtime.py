@@ -35,12 +35,12 @@ from clover_gguf.batching import Scheduler
 from clover_gguf.config import MAX_BLOCK
 from clover_gguf.constraint import Constraint
 from clover_gguf.controls import Controls, Gather, GraphRows, make_processors, make_sampler
-from clover_gguf.errors import SettingError, UserError
+from clover_gguf.errors import ContextOverflow, SettingError, UserError
 from clover_gguf.llama_context import ContextError, LlamaContext, load_binding
 from clover_gguf.offload import Offload
 from clover_gguf.state_cache import StateCache
 from clover_gguf.thinking import prompt_opens_thinking, split_thinking
-from clover_gguf.vocab import compile_chat_template
+from clover_gguf.vocab import TemplateRefusal, compile_chat_template
 
 log = logging.getLogger(__name__)
 
@@ -577,7 +577,9 @@ class CloverRuntime:
         try:
             return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
                                          enable_thinking=think, **({"tools": list(tools)} if tools else {}))
-        except Exception as e:  # jinja's raise_exception, unknown roles, a template bug: the request fails, not us
+        except TemplateRefusal as e:  # the template's own words (raise_exception)
+            raise UserError(f"the chat template refuses these messages: {e}") from None
+        except Exception as e:  # unknown roles, a template bug: the request fails, not us
             raise UserError(f"the chat template cannot render these messages: {type(e).__name__}: {e}") from None
 
     def detokenize(self, tokens: Sequence[int]) -> str:
@@ -611,10 +613,10 @@ class CloverRuntime:
         if need > limit:
             what = "the model's context" if limit == self.context_length else "the context (--ctx)"
             least = "at least " if at_least else ""
-            raise UserError(f"request needs {least}{need} tokens (prompt {least}{n_prompt} + max_new_tokens "
-                            f"{max_new_tokens}"
-                            + (f" + {room} to resolve a final block" if room else "")
-                            + f"), {need - limit} more than {what} of {limit}")
+            raise ContextOverflow(f"request needs {least}{need} tokens (prompt {least}{n_prompt} + max_new_tokens "
+                                  f"{max_new_tokens}"
+                                  + (f" + {room} to resolve a final block" if room else "")
+                                  + f"), {need - limit} more than {what} of {limit}", n_prompt, limit, at_least)
 
     def least_prompt_tokens(self, messages: Sequence[dict[str, Any]] | None = None, prompt: str | None = None,
                             think: bool = True, tools: Sequence[dict] | None = None) -> int:

@@ -36,7 +36,17 @@ def compile_chat_template(template: str) -> Any:
 
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=False, lstrip_blocks=False)
     env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = raise_exception
     return env.from_string(template)
+
+
+class TemplateRefusal(Exception):
+    """A chat template's own refusal (`raise_exception(message)`, which transformers and llama.cpp give every
+    template): the request fails with the template's message."""
+
+
+def raise_exception(message: Any) -> None:
+    raise TemplateRefusal(str(message))
 
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,

@@ -243,10 +243,14 @@ SERVER_BAD = [
     ("repetition_penalty_inf", "POST", "/v1/completions", {**AUTH, **JSON},
      b'{"prompt": "hi", "repetition_penalty": Infinity}', 422, "repetition_penalty"),
     ("prompt_past_the_context", "POST", "/v1/chat/completions", AUTH, _chat(TOO_LONG), 400, "more than the context"),
-    # refused before it takes a slot, from its bytes, without tokenizing ("at least": the bound, not the count)
+    # refused before it takes a slot: with its real count when its text is at most serve.core.COUNT_BYTES, else
+    # from its bytes, without tokenizing ("at least": the bound, not the count)
     ("many_messages_past_the_context", "POST", "/v1/chat/completions", AUTH,
-     {"messages": [{"role": "user", "content": "hi"}] * 3000, "max_tokens": 8}, 400, "request needs at least"),
+     {"messages": [{"role": "user", "content": "hi"}] * 3000, "max_tokens": 8}, 400, "request needs 1"),
     ("raw_prompt_past_the_context", "POST", "/v1/completions", AUTH, {"prompt": "hi " * 5000, "max_tokens": 8},
+     400, "request needs 5"),
+    ("huge_raw_prompt_past_the_context", "POST", "/v1/completions", AUTH, {"prompt": "hi " * 400_000,
+                                                                             "max_tokens": 8},
      400, "request needs at least"),
     ("block_above_the_loaded_block_size", "POST", "/v1/chat/completions", AUTH,
      _chat("hi", mode="diffusion", block_size=256, max_tokens=1), 400, "above the 32 this model was loaded for"),

@@ -262,11 +262,15 @@ def test_api_key_is_required(server, prompts):
 
 
 def test_context_overflow_is_a_400_with_the_reason(server, prompts):
+    """A prompt that leaves no room in the context is refused; max_tokens past the room it leaves is taken (the
+    answer stops at the context: tests/test_serve_apis.py)."""
     client = server.client()
+    too_long = prompts[0] * 40
     with pytest.raises(openai.BadRequestError, match=r"more than the context"):
-        _ask(client, prompts[0], max_tokens=1000)
+        _ask(client, too_long, max_tokens=1000)
     with pytest.raises(openai.BadRequestError, match=r"more than the context"):  # before any stream starts
-        _ask_streamed(client, prompts[0], max_tokens=1000)
+        _ask_streamed(client, too_long, max_tokens=1000)
+    assert _ask(client, prompts[0], max_tokens=1000).choices[0].finish_reason in ("stop", "length")
     assert server.wait_idle()["slots_idle"] == 2
 
 

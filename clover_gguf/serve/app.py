@@ -1,36 +1,37 @@
-"""`clover-gguf serve`'s HTTP app: an OpenAI-compatible server on a Clover GGUF (or MLX folder), decoding with auto (the
-default), draft-self, diffusion or AR.
+"""`clover-gguf serve`'s HTTP app: an OpenAI-compatible (and Anthropic-compatible) server on a Clover GGUF (or MLX
+folder), decoding with auto (the default), draft-self, diffusion or AR.
 
-Endpoints (docs/serve.md has the fields): POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
-GET /health, GET /metrics, GET /slots, and the chat page at GET / (clover_gguf.serve.page). Built on FastAPI
-(Starlette) and served by uvicorn. The model work runs on the slots' worker threads (clover_gguf.serve.slots); the
-request bodies and errors are OpenAI's (clover_gguf.serve.schema); the API key is checked first
-(clover_gguf.serve.auth).
+Endpoints (docs/serve.md has the fields): POST /v1/chat/completions, POST /v1/completions (here), POST /v1/messages
+and /v1/messages/count_tokens (clover_gguf.serve.anthropic), POST /v1/responses (clover_gguf.serve.responses),
+GET /v1/models, GET /health, GET /metrics, GET /slots, and the chat page at GET / (clover_gguf.serve.page). Built on
+FastAPI (Starlette) and served by uvicorn. The three APIs share one core (clover_gguf.serve.core: a request's Plan to
+its answer); the model work runs on the slots' worker threads (clover_gguf.serve.slots); the chat request bodies
+and errors are OpenAI's (clover_gguf.serve.schema), errors on Anthropic's paths in its shape; the API key is checked
+first (clover_gguf.serve.auth).
 """
 
 # no `from __future__ import annotations`: FastAPI reads the route signatures, whose types are local to create_app
-import asyncio
 import contextlib
 import errno
-import inspect
 import json
 import logging
 import socket
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
-from clover_gguf import grammar
 from clover_gguf.decoding import MODES
 from clover_gguf.errors import UserError
-import clover_gguf.serve.tools as tools
+import clover_gguf.serve.anthropic as anthropic
+import clover_gguf.serve.core as core
+import clover_gguf.serve.responses as responses
 from clover_gguf.serve.auth import RequireKey, check_api_key, is_loopback
 from clover_gguf.serve.page import add_page_routes
 from clover_gguf.serve.schema import (APIError, _models, chat_logprobs, completion_logprobs, error_body, plan_from,
                                       tool_call_deltas)
-from clover_gguf.serve.slots import ClientGone, Job, Plan, Pool, served_key
+from clover_gguf.serve.core import GRACE_S, ServerState
+from clover_gguf.serve.slots import Job, Pool
 
 try:  # the serve extra; FastAPI injects the request into parameters annotated with this type
     from starlette.requests import Request
@@ -38,42 +39,6 @@ except ImportError:  # importing this module needs no extra; create_app and serv
     Request = Any
 
 log = logging.getLogger("clover_gguf.serve")
-
-POLL_S = 0.25  # how often a waiting request checks whether its client is still there
-# on SIGINT or SIGTERM uvicorn gives open requests GRACE_S to finish, then cancels them (a plain-text 500 after a
-# CancelledError traceback each): waiting requests are refused at once, running ones stopped STOP_S into it, each
-# answered in the API's own error form (ServerState.close)
-GRACE_S, STOP_S = 5.0, 4.0
-
-
-@dataclass
-class ServerState:
-    """What the routes share: the slot pool and the settings the server was started with."""
-
-    pool: Pool
-    name: str  # the model id the API reports
-    default_mode: str
-    created: int
-    first: Any  # one runtime, for /v1/models' metadata
-    refusing: bool = False  # shutting down: no request starts or waits for a slot any more
-    stopping: bool = False  # the grace is up: running requests stop too
-
-    def close(self) -> None:
-        """The server is shutting down (uvicorn's shutdown, on the event loop): refuse what waits now, stop what runs
-        STOP_S later (Watch and _sse look every POLL_S), so that every request is answered before uvicorn's grace."""
-        self.refusing = True
-        asyncio.get_running_loop().call_later(STOP_S, setattr, self, "stopping", True)
-
-
-class ServerClosing(Exception):
-    """The server is shutting down and this request is not (or no longer) served."""
-
-
-def _shutting_down() -> Any:
-    from starlette.responses import JSONResponse
-
-    return JSONResponse(error_body("the server is shutting down", "server_error", code="server_shutting_down"),
-                        status_code=503)
 
 
 def _state(request: Request) -> ServerState:
@@ -97,7 +62,7 @@ async def _on_api_error(request: Request, exc: APIError) -> Any:
     from starlette.responses import JSONResponse
 
     headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
-    return JSONResponse(error_body(exc.message, exc.type, exc.param, exc.code), status_code=exc.status,
+    return JSONResponse(error_body(exc.message, exc.type, exc.param, exc.code, exc.extra), status_code=exc.status,
                         headers=headers)
 
 
@@ -143,108 +108,27 @@ async def _on_http_error(request: Request, exc: Any) -> Any:
                         headers=getattr(exc, "headers", None))
 
 
+def _in_the_api_shape(handler: Callable) -> Callable:
+    """An error handler whose OpenAI-shaped answer goes out in Anthropic's shape on Anthropic's paths (the same
+    message and status, and the error's extra fields)."""
+    async def shaped(request: Request, exc: Any) -> Any:
+        from starlette.responses import JSONResponse
+
+        response = await handler(request, exc)
+        if not anthropic.owns(request.url.path):
+            return response
+        err = json.loads(response.body)["error"]
+        extra = {k: v for k, v in err.items() if k not in ("message", "type", "param", "code")}
+        headers = {k: v for k, v in response.headers.items() if k.lower() == "www-authenticate"}
+        return JSONResponse(anthropic.error_body(response.status_code, err["message"], extra),
+                            status_code=response.status_code, headers=headers or None)
+    return shaped
+
+
 # ---- one request, from its fields to its response ------------------------------------------------------------
-class Watch:
-    """Awaits things for one request, giving up (ClientGone) once its client has disconnected; checks at least
-    every POLL_S, also while events keep arriving. A result that arrives after giving up goes to `orphan`
-    (so an acquired slot is handed back, never lost)."""
-
-    def __init__(self, request: Request):
-        self.request = request
-        self.checked = time.monotonic()
-        self.running = False  # it has a slot: only the end of the shutdown's grace stops it (ServerState.close)
-
-    async def gone(self) -> bool:
-        self.checked = time.monotonic()
-        return await self.request.is_disconnected()
-
-    async def __call__(self, aw, orphan: Callable[[Any], None] | None = None) -> Any:
-        task = asyncio.ensure_future(aw)
-        try:
-            while True:
-                left = max(0.0, POLL_S - (time.monotonic() - self.checked))
-                done, _ = await asyncio.wait({task}, timeout=left)
-                if time.monotonic() - self.checked >= POLL_S and await self.gone():
-                    raise ClientGone()
-                if done:
-                    return task.result()
-                state = _state(self.request)
-                if state.stopping or (state.refusing and not self.running):
-                    raise ServerClosing()
-        except BaseException:
-            if not task.done():
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
-            if orphan is not None and task.done() and not task.cancelled() and task.exception() is None:
-                orphan(task.result())
-            raise
-
-def precheck(rt: Any, plan: Plan, pool: Pool | None = None) -> None:
-    """What is settled before the request takes a slot, beside the slots' work (it reads only what every slot shares:
-    the template, the sizes, the grammar engine):
-    - tools, tool calls and tool messages as the chat template is to get them (clover_gguf.serve.tools.for_template);
-    - a grammar the engine cannot compile, and constrained output or logprobs from a runtime without them: 400;
-    - a prompt whose least possible token count (CloverRuntime.least_prompt_tokens) with the tokens asked for (1 when
-      unsaid) is past the context, and the request's mode and block size (check_request). The worker then checks
-      the real count."""
-    if plan.messages is not None:
-        plan.messages, plan.template_tools = tools.for_template(rt, plan.messages, plan.template_tools)
-    grammar_param = "tools" if plan.tool_mode in ("required", "named") else "response_format"
-    if plan.grammar_body is not None and pool is not None:
-        try:  # the body's errors (a schema the engine cannot read) before a slot is taken; the worker's is cached
-            pool.grammar_engine().compile(grammar.source(plan.grammar_body, "none"))
-        except grammar.GrammarError as e:
-            raise APIError(400, str(e), param=grammar_param) from None
-    for kw, param, wanted in (("constraint", grammar_param, plan.grammar_body is not None),
-                              ("logprobs", "logprobs", plan.logprobs is not None),
-                              ("ignore_eos", "ignore_eos", plan.ignore_eos),
-                              ("forced", "forced_tokens", not plan.forced)):
-        if wanted and not _takes(rt, kw):
-            raise APIError(400, f"this runtime's decoders do not take {kw} yet", param=param)
-    if not hasattr(rt, "least_prompt_tokens"):  # a test's stand-in runtime
-        return
-    least = rt.least_prompt_tokens(plan.messages, plan.prompt, plan.think,
-                                   **({"tools": plan.template_tools} if plan.template_tools else {}))
-    block_size = int(plan.block_size or rt.block_size)
-    rt.check_request(least, plan.max_tokens or 1, plan.mode, block_size, at_least=True)
-
-
-def _takes(rt: Any, keyword: str) -> bool:
-    """Whether the runtime's stream_pieces takes `keyword` (constraint, logprobs: clover_gguf.decoding's)."""
-    try:
-        params = inspect.signature(rt.stream_pieces).parameters
-    except (TypeError, ValueError):
-        return False
-    return keyword in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-
-
-async def _start(pool: Pool, watch: Watch, plan: Plan) -> tuple[Job, int]:
-    """Wait for a slot, start the decode, wait until the request passed its checks -> (job, prompt tokens).
-    Raises APIError for a refused request, ClientGone if the client left while waiting."""
-    rt = await watch(pool.acquire(served_key(plan) if plan.messages is not None else None), orphan=pool.release)
-    job = pool.start(rt, plan)
-    watch.running = True
-    try:
-        ev = await watch(job.events.get())
-    except BaseException:
-        job.cancel()
-        raise
-    if ev[0] == "error":
-        raise APIError(ev[1], ev[2], "invalid_request_error" if ev[1] < 500 else "server_error")
-    return job, ev[1]
-
-
-def _client_gone() -> Any:
-    from starlette.responses import JSONResponse
-
-    return JSONResponse(error_body("client disconnected", "client_gone"), status_code=499)
-
-
 async def _respond(request: Request, req: Any, chat: bool) -> Any:
     """Run one completion request: wait for a slot, decode, answer as one JSON body or as server-sent events."""
-    from starlette.background import BackgroundTask
-    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.responses import JSONResponse
 
     state = _state(request)
     try:
@@ -253,71 +137,29 @@ async def _respond(request: Request, req: Any, chat: bool) -> Any:
         _count_refused(request, getattr(req, "mode", None))
         raise
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    watch = Watch(request)
-    if state.refusing:
-        return _shutting_down()
-    try:
-        # off the event loop (a template over 100,000 messages takes a moment), and before any slot is taken
-        await watch(asyncio.to_thread(precheck, state.first, plan, state.pool))
-    except UserError as e:
-        _count_refused(request, plan.mode)
-        raise APIError(400, str(e)) from None
-    except ClientGone:
-        return _client_gone()
-    except ServerClosing:
-        return _shutting_down()
-    try:
-        job, _ = await _start(state.pool, watch, plan)
-    except ClientGone:
-        return _client_gone()
-    except ServerClosing:
-        return _shutting_down()
+    await core.prepared(request, plan, on_refused=lambda: _count_refused(request, plan.mode))
+    job, _, watch = await core.begin(request, plan)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     now = int(time.time())
     if req.stream:
-        agen = _sse(job, rid, now, state, chat, include_usage, plan.logprobs is not None)
-        return StreamingResponse(agen, media_type="text/event-stream", background=BackgroundTask(job.cancel),
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    reasoning, content, calls, logprobs = [], [], [], []
-    try:
-        while True:
-            ev = await watch(job.events.get())
-            if ev[0] == "delta":
-                reasoning.append(ev[1])
-                content.append(ev[2])
-                logprobs += ev[3] or []
-            elif ev[0] == "call":
-                calls.append(ev[1])
-            elif ev[0] == "done":
-                break
-            else:
-                raise APIError(ev[1], ev[2], "server_error")
-    except ClientGone:
-        job.cancel()
-        return _client_gone()
-    except ServerClosing:
-        job.cancel()
-        return _shutting_down()
-    except BaseException:
-        job.cancel()
-        raise
-    _, finish, stats, usage = ev
+        return core.streaming_response(_sse(job, rid, now, state, chat, include_usage, plan.logprobs is not None),
+                                       job)
+    a = await core.collect(job, watch)
     if chat:
-        text = "".join(content)
-        msg = {"role": "assistant", "content": text if text or not calls else None,
-               "reasoning_content": "".join(reasoning)}
-        if calls:
-            msg["tool_calls"] = [c.to_openai() for c in calls]
-        lp = chat_logprobs(logprobs) if plan.logprobs is not None else None
-        choice = {"index": 0, "message": msg, "logprobs": lp, "finish_reason": finish}
+        msg = {"role": "assistant", "content": a.content if a.content or not a.calls else None,
+               "reasoning_content": a.reasoning}
+        if a.calls:
+            msg["tool_calls"] = [c.to_openai() for c in a.calls]
+        lp = chat_logprobs(a.logprobs) if plan.logprobs is not None else None
+        choice = {"index": 0, "message": msg, "logprobs": lp, "finish_reason": a.finish}
         obj = "chat.completion"
     else:
-        lp = completion_logprobs(logprobs, 0) if plan.logprobs is not None else None
-        choice = {"index": 0, "text": "".join(content), "logprobs": lp, "finish_reason": finish}
+        lp = completion_logprobs(a.logprobs, 0) if plan.logprobs is not None else None
+        choice = {"index": 0, "text": a.content, "logprobs": lp, "finish_reason": a.finish}
         obj = "text_completion"
-    body = {"id": rid, "object": obj, "created": now, "model": state.name, "choices": [choice], "usage": usage,
-            "clover_stats": stats}
-    return JSONResponse(body, headers={"X-Clover-Stats": json.dumps(stats, separators=(",", ":"))})
+    body = {"id": rid, "object": obj, "created": now, "model": state.name, "choices": [choice], "usage": a.usage,
+            "clover_stats": a.stats}
+    return JSONResponse(body, headers={"X-Clover-Stats": json.dumps(a.stats, separators=(",", ":"))})
 
 
 async def _sse(job: Job, rid: str, now: int, state: ServerState, chat: bool, include_usage: bool,
@@ -337,49 +179,35 @@ async def _sse(job: Job, rid: str, now: int, state: ServerState, chat: bool, inc
             shaped = completion_logprobs(lp, offset) if lp is not None else None
             offset += sum(len(e["token"]) for e in lp or [])
             choices = [{"index": 0, "text": delta.get("content", ""), "logprobs": shaped, "finish_reason": finish}]
-        body = {"id": rid, "object": obj, "created": now, "model": name, "choices": choices, **extra}
-        return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
+        return core.sse({"id": rid, "object": obj, "created": now, "model": name, "choices": choices, **extra})
 
-    try:
-        if chat:
-            yield chunk({"role": "assistant", "content": ""})
-        while True:
-            try:
-                ev = await asyncio.wait_for(job.events.get(), POLL_S)
-            except asyncio.TimeoutError:
-                ev = None
-            if state.stopping and (ev is None or ev[0] == "delta"):  # the shutdown's grace is up: the API's error
-                ev = ("error", 503, "the server is shutting down")
-            elif ev is None:
-                continue
-            if ev[0] == "delta":
-                lp = ev[3] if logprobs else None
-                if ev[1] and chat:
-                    yield chunk({"reasoning_content": ev[1]}, lp=None if ev[2] else lp)
-                    if not ev[2]:
-                        lp = None
-                if ev[2] or lp:
-                    yield chunk({"content": ev[2]}, lp=lp)
-            elif ev[0] == "call":
-                for delta in tool_call_deltas(ev[1]):
-                    yield chunk({"tool_calls": [delta]})
-            elif ev[0] == "blocks":  # the block view (clover_blocks): its events in a chunk with an empty delta
-                yield chunk({}, clover_blocks=ev[1])
-            elif ev[0] == "done":
-                _, finish, stats, usage = ev
-                if include_usage:
-                    yield chunk({}, finish, clover_stats=stats)
-                    yield chunk(None, usage=usage)
-                else:
-                    yield chunk({}, finish, usage=usage, clover_stats=stats)
-                break
+    if chat:
+        yield chunk({"role": "assistant", "content": ""})
+    async for ev in core.events(job, state):
+        if ev[0] == "delta":
+            lp = ev[3] if logprobs else None
+            if ev[1] and chat:
+                yield chunk({"reasoning_content": ev[1]}, lp=None if ev[2] else lp)
+                if not ev[2]:
+                    lp = None
+            if ev[2] or lp:
+                yield chunk({"content": ev[2]}, lp=lp)
+        elif ev[0] == "call":
+            for delta in tool_call_deltas(ev[1]):
+                yield chunk({"tool_calls": [delta]})
+        elif ev[0] == "blocks":  # the block view (clover_blocks): its events in a chunk with an empty delta
+            yield chunk({}, clover_blocks=ev[1])
+        elif ev[0] == "done":
+            _, finish, stats, usage = ev
+            if include_usage:
+                yield chunk({}, finish, clover_stats=stats)
+                yield chunk(None, usage=usage)
             else:
-                err = error_body(ev[2], "server_error" if ev[1] >= 500 else "invalid_request_error")
-                yield f"data: {json.dumps(err)}\n\n"
-                break
-        yield "data: [DONE]\n\n"
-    finally:
-        job.cancel()  # a no-op after "done"; on a disconnect the worker stops at its next chunk
+                yield chunk({}, finish, usage=usage, clover_stats=stats)
+        else:
+            err = error_body(ev[2], "server_error" if ev[1] >= 500 else "invalid_request_error")
+            yield f"data: {json.dumps(err)}\n\n"
+    yield "data: [DONE]\n\n"
 
 
 # ---- routes ----------------------------------------------------------------------------------------------------
@@ -413,9 +241,13 @@ async def _list_models(request: Request) -> dict:
     state = _state(request)
     first = state.first
     meta = getattr(first, "meta", {}) or {}
+    context = min(getattr(first, "context_length", 0) or 0, getattr(first, "n_ctx", 0) or 0)
+    # the context's length where the clients look for it: vLLM's max_model_len, LM Studio's and OpenRouter's
+    # context_length, and meta (llama-server's place for the model's facts)
     return {"object": "list", "data": [{
         "id": state.name, "object": "model", "created": state.created, "owned_by": "clover-gguf",
-        "meta": {"context_length": min(getattr(first, "context_length", 0) or 0, getattr(first, "n_ctx", 0) or 0),
+        "max_model_len": context, "context_length": context,
+        "meta": {"context_length": context,
                  "block_mode": bool(getattr(first, "block_mode", False)), "default_mode": state.default_mode,
                  "block_size": getattr(first, "block_size", None), "parallel": len(state.pool.runtimes),
                  "architecture": meta.get("general.architecture")}}]}
@@ -503,9 +335,9 @@ def create_app(model: str | Path | Callable[[], Any], mode: str | None = None, a
     app.state.clover = ServerState(pool=pool, name=name, default_mode=mode, created=int(time.time()),
                                    first=runtimes[0])
     app.state.pool = pool
-    app.add_exception_handler(APIError, _on_api_error)
-    app.add_exception_handler(RequestValidationError, _on_invalid_request)
-    app.add_exception_handler(HTTPException, _on_http_error)
+    app.add_exception_handler(APIError, _in_the_api_shape(_on_api_error))
+    app.add_exception_handler(RequestValidationError, _in_the_api_shape(_on_invalid_request))
+    app.add_exception_handler(HTTPException, _in_the_api_shape(_on_http_error))
     if api_key is not None:
         app.add_middleware(RequireKey, api_key=api_key)
     app.add_api_route("/health", _health, methods=["GET"])
@@ -523,6 +355,8 @@ def create_app(model: str | Path | Callable[[], Any], mode: str | None = None, a
 
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", completions, methods=["POST"])
+    anthropic.add_routes(app)  # /v1/messages, /v1/messages/count_tokens
+    responses.add_routes(app)  # /v1/responses
     return app
 
 

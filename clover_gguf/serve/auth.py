@@ -7,6 +7,7 @@ import ipaddress
 from typing import Any
 
 from clover_gguf.errors import UserError
+import clover_gguf.serve.anthropic as anthropic
 from clover_gguf.serve.page import PAGE_PATHS
 from clover_gguf.serve.schema import error_body
 
@@ -53,8 +54,9 @@ class RequireKey:
             token = given[7:].strip() if given[:7].lower() == "bearer " else headers.get("x-api-key", "")
             # header values are bytes, which Starlette decodes as latin-1: encoded back, they are what was sent
             if not hmac.compare_digest(token.encode("latin-1", "replace"), self.key):
-                body = error_body("missing or wrong API key (send Authorization: Bearer KEY)",
-                                   "authentication_error", code="invalid_api_key")
+                message = "missing or wrong API key (send Authorization: Bearer KEY, or x-api-key: KEY)"
+                body = (anthropic.error_body(401, message) if anthropic.owns(scope["path"])
+                        else error_body(message, "authentication_error", code="invalid_api_key"))
                 await JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
                 return
         await self.app(scope, receive, send)

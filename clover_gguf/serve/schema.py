@@ -97,14 +97,19 @@ def _models():
 
 
 class APIError(Exception):
+    """A refusal: the HTTP status, the message, OpenAI's type, param and code; `extra`: more fields of the error
+    object (a prompt past the context: n_prompt_tokens and n_ctx, as llama-server's)."""
+
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, extra: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.extra = extra
 
 
-def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None,
+               extra: dict | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code, **(extra or {})}}
 
 
 # ---- OpenAI's response shapes --------------------------------------------------------------------------------------

@@ -181,7 +181,9 @@ def _run_job(rt: Any, job: Job, plan: Plan, metrics: Metrics | None = None,
     except (UserError, grammar.GrammarError) as e:
         if metrics is not None:
             metrics.record(plan.mode, "refused")
-        job.emit("error", 400, str(e))
+        # a prompt past the context: its token count and the context's size go with the refusal (serve.core)
+        sizes = {k: getattr(e, k) for k in ("n_prompt_tokens", "n_ctx") if getattr(e, k, None) is not None}
+        job.emit("error", 400, str(e), *([sizes] if sizes else []))
     except Cancelled as e:  # the client went away during a long prompt (nobody reads this answer)
         if metrics is not None:
             metrics.record(plan.mode, "cancelled")
@@ -208,7 +210,10 @@ def _decode(rt: Any, job: Job, plan: Plan, engine: Callable[[], Any] | None = No
     block_size = int(plan.block_size or rt.block_size)
     limit = min(rt.context_length, rt.n_ctx)
     room = block_size - 1 if plan.mode != "ar" else 0
-    max_new = plan.max_tokens if plan.max_tokens is not None else max(1, limit - len(ids) - room)
+    # max_tokens past what the context has left (agents send 32000 whatever the context) is taken: the answer
+    # stops at the context's end (finish `length`); only a prompt that leaves no room for one token is refused
+    left = limit - len(ids) - room
+    max_new = max(1, min(plan.max_tokens, left) if plan.max_tokens is not None else left)
     rt.check_request(len(ids), max_new, plan.mode, block_size)
     opens = rt.thinking_at_start(ids)
     extra: dict[str, Any] = {}
