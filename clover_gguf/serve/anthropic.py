@@ -98,8 +98,11 @@ def chat_messages(req: Any) -> list[dict]:
         out.append({"role": "system", "content": system})
     for i, m in enumerate(req.messages):
         where = f"messages.{i}.content"
+        if m.role == "system":  # Claude Code sends reminders as system messages (the core renders a later one)
+            out.append({"role": "system", "content": _text(m.content, where)})
+            continue
         if m.role not in ("user", "assistant"):
-            raise APIError(400, f"messages.{i}.role must be user or assistant", param=f"messages.{i}.role")
+            raise APIError(400, f"messages.{i}.role must be user, assistant or system", param=f"messages.{i}.role")
         blocks = [{"type": "text", "text": m.content}] if isinstance(m.content, str) else m.content
         text, calls = [], []
         for j, b in enumerate(blocks):
