@@ -93,9 +93,11 @@ def _text_of_content(c) -> str:
 
 def after_user_words(api: str, body: dict) -> bool:
     """Whether the request's last message is the user's own words (not a tool result): the turn an agent answers
-    first after the user spoke."""
+    first after the user spoke. System and developer messages after it do not count (Claude Code sends a system
+    message after the user's)."""
     if api in ("chat", "messages"):
-        msgs = body.get("messages") or []
+        msgs = [m for m in body.get("messages") or []
+                if not (isinstance(m, dict) and m.get("role") in ("system", "developer"))]
         if not msgs or not isinstance(msgs[-1], dict) or msgs[-1].get("role") != "user":
             return False
         c = msgs[-1].get("content")
@@ -104,6 +106,8 @@ def after_user_words(api: str, body: dict) -> bool:
         items = body.get("input")
         if isinstance(items, str):
             return True
+        if isinstance(items, list):
+            items = [it for it in items if not (isinstance(it, dict) and it.get("role") in ("system", "developer"))]
         if not isinstance(items, list) or not items or not isinstance(items[-1], dict):
             return False
         last = items[-1]

@@ -67,7 +67,7 @@ class Client:
 
 CLIENTS = {c.name: c for c in (
     Client("claude-code", "2.1.197", "messages", "npm", "@anthropic-ai/claude-code", "claude", "Read"),
-    Client("codex", "0.171.0", "responses", "npm", "@openai/codex", "codex", None),
+    Client("codex", "0.171.0", "responses", "npm", "@openai/codex", "codex", "exec_command"),
     Client("opencode", "1.18.33", "chat", "npm", "opencode-ai", "opencode", "read"),
     Client("qwen-code", "0.15.10", "chat", "npm", "@qwen-code/qwen-code", "qwen", "read_file"),
     Client("aider", "0.86.2", "chat", "pypi", "aider-chat", "aider", None),
@@ -152,32 +152,31 @@ def configure(c: Client, exe: Path, base: str, home: Path, work: Path, ctx: int)
                     "ANTHROPIC_DEFAULT_HAIKU_MODEL": MODEL_NAME, "ANTHROPIC_SMALL_FAST_MODEL": MODEL_NAME,
                     "DISABLE_AUTOUPDATER": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
                     "DISABLE_TELEMETRY": "1", "DISABLE_ERROR_REPORTING": "1"})
-        return [str(exe), "-p", PROMPT, "--model", MODEL_NAME, "--dangerously-skip-permissions",
-                "--no-session-persistence"], env
+        return [str(exe), "-p", PROMPT, "--model", MODEL_NAME, "--no-session-persistence"], env
     if c.name == "codex":
         codex_home = home / ".codex"
         codex_home.mkdir(parents=True, exist_ok=True)
         (codex_home / "config.toml").write_text(codex_config(v1))
         env.update({"CODEX_HOME": str(codex_home), "CLOVER_API_KEY": API_KEY})
-        return [str(exe), "exec", "--skip-git-repo-check", "--ephemeral", "--color", "never",
-                "--dangerously-bypass-approvals-and-sandbox", "-C", str(work), PROMPT], env
+        return [str(exe), "exec", "--skip-git-repo-check", "--ephemeral", "--color", "never", "-s", "read-only",
+                "-c", 'approval_policy="never"', "-C", str(work), PROMPT], env
     if c.name == "opencode":
         d = home / ".config" / "opencode"
         d.mkdir(parents=True, exist_ok=True)
         (d / "opencode.json").write_text(json.dumps(opencode_config(v1), indent=1) + "\n")
         env.update({"OPENCODE_DISABLE_AUTOUPDATE": "1", "OPENCODE_DISABLE_SHARE": "1"})
-        return [str(exe), "run", "-m", f"{MODEL_NAME}/{MODEL_NAME}", "--auto", PROMPT], env
+        return [str(exe), "run", "-m", f"{MODEL_NAME}/{MODEL_NAME}", PROMPT], env
     if c.name == "qwen-code":
         d = home / ".qwen"
         d.mkdir(parents=True, exist_ok=True)
         (d / "settings.json").write_text(json.dumps(qwen_settings(), indent=1) + "\n")
         env.update({"OPENAI_BASE_URL": v1, "OPENAI_API_KEY": API_KEY, "OPENAI_MODEL": MODEL_NAME})
-        return [str(exe), "--yolo", "--auth-type", "openai", "-m", MODEL_NAME, PROMPT], env
+        return [str(exe), "--approval-mode", "default", "--auth-type", "openai", "-m", MODEL_NAME, PROMPT], env
     if c.name == "aider":
         env.update({"OPENAI_API_BASE": v1, "OPENAI_API_KEY": API_KEY, "LITELLM_LOCAL_MODEL_COST_MAP": "True",
                     "AIDER_ANALYTICS": "false"})
-        return [str(exe), "--model", f"openai/{MODEL_NAME}", "--message", PROMPT, "--read", "notes.txt", "--no-git",
-                "--yes-always", "--no-check-update", "--no-show-model-warnings", "--analytics-disable", "--no-pretty",
+        return [str(exe), "--model", f"openai/{MODEL_NAME}", "--message", PROMPT, "--read", "notes.txt", "--no-git", "--yes-always", "--no-suggest-shell-commands",
+                "--no-check-update", "--no-show-model-warnings", "--analytics-disable", "--no-pretty",
                 "--no-fancy-input", "--map-tokens", "0"], env
     raise BenchError(f"no configuration for client {c.name}")
 

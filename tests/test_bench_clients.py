@@ -31,12 +31,14 @@ def test_the_first_turn_is_forced_in_each_apis_spelling():
         "type": "function", "function": {"name": "read_file"}}
     assert proxy.force_tool_choice("chat", {"messages": user, "tools": CHAT_TOOLS}, None) == "required"
     assert proxy.force_tool_choice("chat", {"messages": user, "tools": CHAT_TOOLS}, "Read") == "required"
-    msgs = [{"role": "user", "content": [{"type": "text", "text": "read notes.txt"}]}]
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "read notes.txt"}]},
+            {"role": "system", "content": "Available agent types ..."}]  # Claude Code's system message after it
     assert proxy.force_tool_choice("messages", {"messages": msgs, "tools": MSG_TOOLS}, "Read") == {
         "type": "tool", "name": "Read"}
     assert proxy.force_tool_choice("messages", {"messages": msgs, "tools": MSG_TOOLS}, None) == {"type": "any"}
     items = [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "be brief"}]},
-             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "read notes.txt"}]}]
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "read notes.txt"}]},
+             {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "env"}]}]
     assert proxy.force_tool_choice("responses", {"input": items, "tools": RESP_TOOLS}, "shell") == {
         "type": "function", "name": "shell"}
     assert proxy.force_tool_choice("responses", {"input": items, "tools": RESP_TOOLS}, None) == "required"
