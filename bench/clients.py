@@ -327,7 +327,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--clients", default=",".join(CLIENTS), help="comma-separated: " + ", ".join(CLIENTS))
     ap.add_argument("--servers", default=",".join(SERVERS), help="comma-separated: " + ", ".join(SERVERS))
     ap.add_argument("--model", type=Path, default=None, help="the tool model's folder (converted) or a GGUF")
-    ap.add_argument("--ctx", type=int, default=32768)
+    ap.add_argument("--ctx", type=int, default=65536,
+                    help="context of both servers (Claude Code's first prompt is about 45,500 tokens with the tiny model's tokenizer)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--mode", default="auto", help="serve's decoding mode")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per client run")
@@ -364,16 +365,31 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps([r.__dict__ for r in rows]))
 
 
-def model_gguf(model: Path | None, workdir: Path) -> Path:
+def model_gguf(model: Path | None, workdir: Path, ctx: int) -> Path:
+    """The GGUF both servers load: a file as given; a folder (the tool-trained tiny model by default) converted to
+    F32 with its context length raised to `ctx`. The tiny model was trained on 4,096 tokens and serve refuses a
+    prompt past the model's context, but an agent's first prompt is longer (Claude Code's: about 45,500 tokens in the
+    tiny tokenizer); past 4,096 the model's text is worse, which the table shows as it is: what is tested is whether
+    the protocol carries a tool loop."""
     from clover_gguf.convert import convert
     from clover_gguf.testing.agent import TOOL_MODEL
 
     model = model or TOOL_MODEL
     if model.is_file():
         return model
-    gguf = workdir / f"{model.name}-f32.gguf"
+    gguf = workdir / f"{model.name}-ctx{ctx}-f32.gguf"
     if not gguf.is_file():
-        convert(model, gguf, outtype="f32", quiet=True, force=True)
+        folder = workdir / f"{model.name}-ctx{ctx}"
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        for f in model.iterdir():
+            if f.is_file():
+                (folder / f.name).symlink_to(f.resolve())
+        cfg = json.loads((model / "config.json").read_text())
+        cfg["max_position_embeddings"] = max(ctx, int(cfg.get("max_position_embeddings") or 0))
+        (folder / "config.json").unlink()
+        (folder / "config.json").write_text(json.dumps(cfg, indent=1) + "\n")
+        convert(folder, gguf, outtype="f32", quiet=True, force=True)
     return gguf
 
 
@@ -384,7 +400,7 @@ def run(args) -> list[Row]:
     args.workdir.mkdir(parents=True, exist_ok=True)
     cache = clients_cache()
     exes = {n: install(CLIENTS[n], cache) for n in args.clients}
-    gguf = model_gguf(args.model, args.workdir)
+    gguf = model_gguf(args.model, args.workdir, args.ctx)
     rows = []
     with servers_stopped([]) as procs:
         bases = {}
