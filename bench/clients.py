@@ -2,7 +2,7 @@
 Clover: does each client connect, run a tool call, send its result back and show the answer?
 
     python bench/clients.py [--clients claude-code,codex,opencode,qwen-code,aider] [--servers serve,llama-server]
-                            [--model DIR|GGUF] [--ctx 32768] [--threads 1] [--mode auto] [--timeout 900]
+                            [--model DIR|GGUF] [--ctx 65536] [--threads 1] [--mode auto] [--timeout 900]
                             [--force | --no-force] [--workdir out/bench-clients] [--json]
 
 The clients, pinned (CLIENTS): Claude Code, Codex CLI, OpenCode and Qwen Code from npm (the machine's node/npm:
@@ -12,7 +12,15 @@ a fresh HOME (and CODEX_HOME, XDG folders) under the work folder with the client
 nothing reaches the user's own; autoupdate, telemetry and other traffic off where the client has a switch.
 
 The task: a work folder with notes.txt (three lines) and the request "Read the file notes.txt and tell me its second
-line." Aider has no tool calls: it is given the file (--read) and asked the same.
+line." Aider has no tool calls: it is given the file (--read) and asked the same. The clients run in their own
+default permission modes (Claude Code -p, OpenCode run, Qwen Code --approval-mode default; Codex exec with
+`-s read-only` and approval_policy never): reading a file is allowed, anything else a tiny model's call might ask for
+(a shell command, a write) is refused by the client and that refusal goes back as the tool's result.
+
+The model: the tool-trained tiny Clover (clover_gguf.testing.agent.TOOL_MODEL) converted to F32 with its context
+length raised to --ctx (model_gguf: it was trained on 4,096 tokens; Claude Code's first prompt is about 45,500 tokens
+in its tokenizer), or --model. Both servers in bench/agent.py's exact settings (its start_ours, start_peer), one
+slot each, --ctx tokens of context.
 
 Between each client and each server sits a recording proxy (bench/client_proxy.py): every request the client sends
 is kept as it sent it in <workdir>/requests/<server>/<client>/NNN.json (for issue 70's replay), with the answer's
@@ -202,6 +210,36 @@ def qwen_settings() -> dict:
             "general": {"disableAutoUpdate": True}, "privacy": {"usageStatisticsEnabled": False}}
 
 
+# ---- llama-server's template ----------------------------------------------------------------------------------------
+# the model's template refuses a system message that is not first; serve renders one as a user turn with its text
+# (docs/serve.md, /v1/messages), and so does the tolerant copy given to llama-server with --peer-template tolerant
+LATER_SYSTEM_REFUSAL = "{%- if not loop.first %}{{- raise_exception('a system message must come first') }}{%- endif %}"
+LATER_SYSTEM_AS_USER = ("{%- if not loop.first %}{{- '<|im_start|>user\\n' + message.content + '<|im_end|>\\n' }}"
+                        "{%- endif %}")
+
+
+def tolerant_template(template: str) -> str:
+    """The model's chat template with its refusal of a later system message replaced by a user turn of its text."""
+    if LATER_SYSTEM_REFUSAL not in template:
+        raise BenchError("--peer-template tolerant: the model's template has no refusal of a later system message "
+                         "to replace")
+    return template.replace(LATER_SYSTEM_REFUSAL, LATER_SYSTEM_AS_USER)
+
+
+def peer_args(kind: str, gguf: Path, workdir: Path) -> tuple:
+    """llama-server's extra arguments for --peer-template: none for the model's own template, else a tolerant copy."""
+    if kind == "model":
+        return ()
+    from clover_gguf.gguf_header import read_header
+
+    template = read_header(gguf).kv.get("tokenizer.chat_template")
+    if not isinstance(template, str):
+        raise BenchError(f"--peer-template tolerant: {gguf} has no chat template")
+    path = workdir / "tolerant-template.jinja"
+    path.write_text(tolerant_template(template))
+    return ("--chat-template-file", str(path))
+
+
 # ---- one run and what it shows --------------------------------------------------------------------------------------
 @dataclass
 class Row:
@@ -334,6 +372,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=900, help="seconds per client run")
     ap.add_argument("--force", action=argparse.BooleanOptionalAction, default=True,
                     help="force the first tool call (tool_choice on the turn after the user's words)")
+    ap.add_argument("--peer-template", choices=("model", "tolerant"), default="model",
+                    help="llama-server's chat template: the model's own, or a copy that renders a later system "
+                         "message as a user turn (as serve does) instead of refusing it")
     ap.add_argument("--workdir", type=Path, default=ROOT / "out" / "bench-clients")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
@@ -407,7 +448,8 @@ def run(args) -> list[Row]:
         try:
             for s in args.servers:
                 bases[s] = (start_ours(gguf, args.workdir, args.threads, args.ctx, procs, mode=args.mode)
-                            if s == "serve" else start_peer(gguf, args.workdir, args.threads, args.ctx, procs))
+                            if s == "serve" else start_peer(gguf, args.workdir, args.threads, args.ctx, procs,
+                                                  peer_args(args.peer_template, gguf, args.workdir)))
         except ServerError as e:
             raise BenchError(str(e)) from None
         for n in args.clients:

@@ -249,3 +249,24 @@ def test_bad_arguments_are_one_line_and_exit_2(argv, message, capsys):
 def test_good_arguments_keep_the_order_given():
     args = clients.parse_args(["--clients", "codex,claude-code,codex", "--servers", "serve"])
     assert args.clients == ["codex", "claude-code"] and args.servers == ["serve"]
+
+
+def test_the_tolerant_template_renders_a_later_system_message_as_a_user_turn():
+    from pathlib import Path
+
+    import jinja2
+
+    template = (Path(clients.ROOT) / "clover_gguf" / "assets" / "tiny-clover-tools" / "chat_template.jinja").read_text()
+
+    def refuse(message):
+        raise ValueError(message)
+
+    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"},
+                {"role": "system", "content": "later"}]
+    with pytest.raises(ValueError, match="a system message must come first"):
+        jinja2.Environment().from_string(template).render(messages=messages, raise_exception=refuse)
+    out = jinja2.Environment().from_string(clients.tolerant_template(template)).render(
+        messages=messages, raise_exception=refuse, add_generation_prompt=True)
+    assert out.endswith("<|im_start|>user\nU<|im_end|>\n<|im_start|>user\nlater<|im_end|>\n<|im_start|>assistant\n")
+    with pytest.raises(clients.BenchError, match="no refusal of a later system message"):
+        clients.tolerant_template("{{ messages }}")
