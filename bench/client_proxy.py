@@ -359,6 +359,7 @@ class RecordingProxy:
                           headers={k: ("<secret>" if k.lower() in SECRET_HEADERS else v) for k, v in h.headers.items()},
                           body=body)
             self.exchanges.append(ex)
+        self._save(ex, t0)  # the request as sent, kept even if no answer ever comes; saved again with it
         send = raw
         if self.force and api and isinstance(body, dict):
             tc = force_tool_choice(api, body, self.read_tool)

@@ -27,7 +27,9 @@ is kept as it sent it in <workdir>/requests/<server>/<client>/NNN.json (for issu
 text, calls and usage. --force (the default) sets the first call: on the request right after the user's words, if it
 offers tools and chose none itself, tool_choice becomes the client's read tool by name (CLIENTS' read_tool; "any
 call" in the API's spelling where it has none), because a tiny model rarely calls a tool on its own inside an agent's
-long prompt. Every other request goes as sent; the record says which requests the proxy forced.
+long prompt. llama-server takes no named tool_choice (a string only: its log says "Wrong type supplied for
+parameter 'tool_choice'" and it falls back to auto), so there the proxy sets "required" / {"type": "any"}: the model
+picks the tool. Every other request goes as sent; the record says which requests the proxy forced.
 
 Per client and server, from the record and the client's output: connected (a request answered 2xx), the tool the
 model called, whether a tool result came back in a later request (and whether it holds notes.txt's line: the client
@@ -307,7 +309,10 @@ def run_client(c: Client, exe: Path, server: str, upstream: str, workdir: Path, 
     row = Row(c.name, c.version, c.api, server)
     record = workdir / "requests" / server / c.name
     shutil.rmtree(record, ignore_errors=True)
-    with RecordingProxy(upstream, record, force=force, read_tool=c.read_tool) as proxy:
+    # llama-server takes tool_choice only as a string (auto, none, required: a named function is "Wrong type
+    # supplied for parameter 'tool_choice'" and falls back to auto; its Messages face maps a named tool to required)
+    read_tool = c.read_tool if server == "serve" else None
+    with RecordingProxy(upstream, record, force=force, read_tool=read_tool) as proxy:
         argv, env = configure(c, exe, proxy.base, run_dir / "home", work, ctx)
         t0 = time.perf_counter()
         try:
