@@ -291,10 +291,13 @@ def judge(row: Row, exchanges: list[Exchange], output: str) -> Row:
         firsts = [e for e in api_ex if e.seq < t2.seq and e.answer.calls]
         if firsts:
             row.turn1_prompt = firsts[-1].answer.prompt_tokens
-    answered = [e for e in api_ex if 200 <= e.status < 300 and e.answer.text.strip() and not e.answer.calls]
-    if answered:
-        row.answer = answered[-1].answer.text.strip()
-        row.answer_shown = _flat(row.answer)[:60] in _flat(output)
+    # the answers in text (no call); shown: one of them is in the client's output (the last such, else the last
+    # answer: a client's side requests, e.g. Qwen Code's check of who speaks next, answer in text too)
+    answered = [e.answer.text.strip() for e in api_ex
+                if 200 <= e.status < 300 and e.answer.text.strip() and not e.answer.calls]
+    shown = [t for t in answered if _flat(t)[:60] in _flat(output)]
+    row.answer_shown = bool(shown)
+    row.answer = (shown or answered or [""])[-1]
     return row
 
 

@@ -187,6 +187,11 @@ def test_a_tool_loop_is_judged_from_the_record_and_the_output():
     assert (row.turn1_prompt, row.turn2_prompt, row.turn2_cached) == (1000, 1050, 990)
     row = clients.judge(clients.Row("claude-code", "2.1.197", "messages", "serve"), tool_loop("File not found"), "")
     assert (row.result_sent, row.result_has_line, row.answer_shown) == (True, False, False)
+    # a side request answered in text after the one the client showed: the shown one counts
+    side = tool_loop("x") + [exchange(3, {"messages": []}, text='{"next_speaker": "user"}')]
+    row = clients.judge(clients.Row("qwen-code", "0.15.10", "chat", "serve"), side,
+                        "The second line is: the code word is heron.")
+    assert row.answer_shown and row.answer.startswith("The second line")
 
 
 def test_a_refused_client_is_not_connected_and_the_note_says_why():
