@@ -8,8 +8,10 @@ Clover: does each client connect, run a tool call, send its result back and show
 The clients, pinned (CLIENTS): Claude Code, Codex CLI, OpenCode and Qwen Code from npm (the machine's node/npm:
 Debian's `nodejs` and `npm` packages), Aider from PyPI in its own virtual environment, installed once into
 <clover-gguf cache>/clients/<name>-<version> (outside the repository; CLOVER_GGUF_CACHE_DIR moves it). Each run gets
-a fresh HOME (and CODEX_HOME, XDG folders) under the work folder with the client's configuration written there, so
-nothing reaches the user's own; autoupdate, telemetry and other traffic off where the client has a switch.
+a fresh temporary folder outside any repository: its HOME (and CODEX_HOME, XDG folders) with the client's
+configuration written there, so nothing reaches the user's own, and the task's work folder; removed after the run
+(the client's output stays in <workdir>/runs). Autoupdate, telemetry and other traffic off where the client has a
+switch.
 
 The task: a work folder with notes.txt (three lines) and the request "Read the file notes.txt and tell me its second
 line." Aider has no tool calls: it is given the file (--read) and asked the same. The clients run in their own
@@ -46,6 +48,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -304,10 +307,14 @@ def judge(row: Row, exchanges: list[Exchange], output: str) -> Row:
 def run_client(c: Client, exe: Path, server: str, upstream: str, workdir: Path, timeout: float, force: bool,
                ctx: int) -> Row:
     """Client `c` once on the task against `upstream` through a recording proxy -> its row."""
-    run_dir = workdir / "runs" / f"{server}-{c.name}"
+    run_dir = workdir / "runs" / f"{server}-{c.name}"  # the client's output
     shutil.rmtree(run_dir, ignore_errors=True)
-    work = run_dir / "work"
-    work.mkdir(parents=True)
+    run_dir.mkdir(parents=True)
+    # its HOME and its work folder: a fresh temporary folder outside any repository (inside one, Aider writes its
+    # history at the repository's root and the others read the repository's state into their prompts)
+    sandbox = Path(tempfile.mkdtemp(prefix=f"clover-clients-{server}-{c.name}-"))
+    work = sandbox / "work"
+    work.mkdir()
     (work / "notes.txt").write_text(NOTES)
     row = Row(c.name, c.version, c.api, server)
     record = workdir / "requests" / server / c.name
@@ -316,7 +323,7 @@ def run_client(c: Client, exe: Path, server: str, upstream: str, workdir: Path, 
     # supplied for parameter 'tool_choice'" and falls back to auto; its Messages face maps a named tool to required)
     read_tool = c.read_tool if server == "serve" else None
     with RecordingProxy(upstream, record, force=force, read_tool=read_tool) as proxy:
-        argv, env = configure(c, exe, proxy.base, run_dir / "home", work, ctx)
+        argv, env = configure(c, exe, proxy.base, sandbox / "home", work, ctx)
         t0 = time.perf_counter()
         try:
             p = subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True, timeout=timeout,
@@ -330,6 +337,7 @@ def run_client(c: Client, exe: Path, server: str, upstream: str, workdir: Path, 
         exchanges = list(proxy.exchanges)
     (run_dir / "stdout.txt").write_text(out)
     (run_dir / "stderr.txt").write_text(err)
+    shutil.rmtree(sandbox, ignore_errors=True)
     judge(row, exchanges, out)
     if row.exit_code not in (0, None) and not row.note:
         last = [ln for ln in (err or out).strip().splitlines() if ln.strip()]
