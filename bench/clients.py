@@ -43,6 +43,7 @@ that fails says why in one line of the table's notes; the run goes on.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -304,6 +305,15 @@ def judge(row: Row, exchanges: list[Exchange], output: str) -> Row:
     return row
 
 
+@contextlib.contextmanager
+def _removed(folder: Path):
+    """The folder is removed at the block's end, whatever happens (Ctrl-C included)."""
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def run_client(c: Client, exe: Path, server: str, upstream: str, workdir: Path, timeout: float, force: bool,
                ctx: int) -> Row:
     """Client `c` once on the task against `upstream` through a recording proxy -> its row."""
@@ -322,7 +332,7 @@ def run_client(c: Client, exe: Path, server: str, upstream: str, workdir: Path, 
     # llama-server takes tool_choice only as a string (auto, none, required: a named function is "Wrong type
     # supplied for parameter 'tool_choice'" and falls back to auto; its Messages face maps a named tool to required)
     read_tool = c.read_tool if server == "serve" else None
-    with RecordingProxy(upstream, record, force=force, read_tool=read_tool) as proxy:
+    with RecordingProxy(upstream, record, force=force, read_tool=read_tool) as proxy, _removed(sandbox):
         argv, env = configure(c, exe, proxy.base, sandbox / "home", work, ctx)
         t0 = time.perf_counter()
         try:
@@ -337,7 +347,6 @@ def run_client(c: Client, exe: Path, server: str, upstream: str, workdir: Path, 
         exchanges = list(proxy.exchanges)
     (run_dir / "stdout.txt").write_text(out)
     (run_dir / "stderr.txt").write_text(err)
-    shutil.rmtree(sandbox, ignore_errors=True)
     judge(row, exchanges, out)
     if row.exit_code not in (0, None) and not row.note:
         last = [ln for ln in (err or out).strip().splitlines() if ln.strip()]
