@@ -15,6 +15,7 @@ and says which tool_choice the proxy set.
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -290,6 +291,14 @@ class Exchange:
         return asdict(self)
 
 
+class _QuietServer(ThreadingHTTPServer):
+    """A client that drops its connection (Claude Code opens one it never uses) is no error worth a traceback."""
+
+    def handle_error(self, request, client_address):
+        if not isinstance(sys.exc_info()[1], (ConnectionResetError, BrokenPipeError)):
+            super().handle_error(request, client_address)
+
+
 class RecordingProxy:
     """An HTTP proxy on loopback in front of `upstream` (a server's base URL) that keeps every exchange (in memory and
     as NNN.json in `folder`) and applies the forcing rule when `force` is on (`read_tool`: the tool to name)."""
@@ -313,7 +322,7 @@ class RecordingProxy:
 
             do_GET = do_POST = do_HEAD = do_PUT = do_DELETE = do_OPTIONS = do_PATCH = do_any
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server = _QuietServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()
