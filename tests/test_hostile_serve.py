@@ -246,9 +246,10 @@ SERVER_BAD = [
     # refused before it takes a slot: with its real count when its text is at most serve.core.COUNT_BYTES, else
     # from its bytes, without tokenizing ("at least": the bound, not the count)
     ("many_messages_past_the_context", "POST", "/v1/chat/completions", AUTH,
-     {"messages": [{"role": "user", "content": "hi"}] * 3000, "max_tokens": 8}, 400, "request needs 1"),
+     {"messages": [{"role": "user", "content": "hi"}] * 3000, "max_tokens": 8}, 400,
+     "request needs 24009 tokens (prompt 24008 "),
     ("raw_prompt_past_the_context", "POST", "/v1/completions", AUTH, {"prompt": "hi " * 5000, "max_tokens": 8},
-     400, "request needs 5"),
+     400, "request needs 10001 tokens (prompt 10000 "),
     ("huge_raw_prompt_past_the_context", "POST", "/v1/completions", AUTH, {"prompt": "hi " * 400_000,
                                                                              "max_tokens": 8},
      400, "request needs at least"),
@@ -273,7 +274,12 @@ def test_a_bad_request_is_an_openai_shaped_4xx(server, name, method, path, heade
     r = httpx.request(method, base + path, headers=headers, timeout=120, **kw)
     assert r.status_code == status, r.text
     err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"} and words in err["message"], err
+    # a prompt past the context also says its tokens and the context's size (llama-server's fields)
+    sizes = {"n_prompt_tokens", "n_ctx"} if err.get("code") == "context_length_exceeded" else set()
+    assert set(err) == {"message", "type", "param", "code"} | sizes and words in err["message"], err
+    if sizes:
+        assert err["n_ctx"] == 256 and err["n_prompt_tokens"] > 256 - 1 and f" {err['n_prompt_tokens']} +" in \
+            err["message"], err
     if "1e-320" in name or "10^12" in name:
         assert err["param"] == name.split("_1e")[0].split("_10")[0], err  # the field, as pydantic's 422 names it
     assert proc.poll() is None

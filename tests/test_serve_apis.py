@@ -83,7 +83,7 @@ def test_messages_tool_loop(server, task_id, mode, stream):
     task = TASKS[task_id]
     client = _claude(server)
     (name, want), = task.calls
-    kw = dict(model="clover", max_tokens=400, temperature=0, tools=_anthropic_tools(task),
+    kw = dict(model="clover", max_tokens=400, tools=_anthropic_tools(task),  # greedy: serve's default
               thinking={"type": "enabled", "budget_tokens": 256} if task.think else {"type": "disabled"},
               extra_body={"mode": mode})
     messages = [{"role": "user", "content": task.question[0]["content"]}]
@@ -143,6 +143,54 @@ def test_responses_tool_loop(server, task_id, mode, stream):
     assert result in last.output_text, (last.output_text, result)  # it read the function_call_output
 
 
+def test_responses_text_format_json_schema_goes_through_the_grammar(server):
+    """text.format json_schema (after a lookup, its call and output as Responses items): the answer is JSON of that
+    schema, forced by the grammar, streamed and not."""
+    task = next(t for t in held_out_tasks() if t.id == "json-1")
+    user, call, result = task.messages
+    c = call["tool_calls"][0]
+    items = [  # a lookup's call and its output, as Responses items{"type": "message", "role": "user", "content": user["content"]},
+             {"type": "function_call", "call_id": c["id"], "name": c["function"]["name"],
+              "arguments": json.dumps(c["function"]["arguments"])},
+             {"type": "function_call_output", "call_id": c["id"], "output": result["content"]}]
+    # not the keys the question asks for (name, email, since), which the model writes unconstrained
+    schema = {"type": "object", "properties": {"since": {"type": "integer"}, "city": {"type": "string"}},
+              "required": ["since", "city"], "additionalProperties": False}
+    fmt = {"format": {"type": "json_schema", "name": "record", "schema": schema, "strict": True}}
+    kw = dict(model="clover", input=items, text=fmt, max_output_tokens=200, reasoning={"effort": "none"},
+              tools=_responses_tools(task), extra_body={"mode": "ar"})
+    whole = _oai(server).responses.create(**kw)
+    with _oai(server).responses.stream(**kw) as st:
+        streamed = st.get_final_response()
+    for r in (whole, streamed):
+        doc = json.loads(r.output_text)
+        assert list(doc) == ["since", "city"] and isinstance(doc["since"], int) and isinstance(doc["city"], str), doc
+    assert whole.output_text == streamed.output_text
+
+
+def test_named_tool_choice_and_stop_sequences(server):
+    """tool_choice naming a tool forces that tool on both APIs (call-3 asks to multiply, and offers add too);
+    Anthropic's stop_sequences cut the answer before the match, stop_reason stop_sequence."""
+    task = TASKS["call-3"]
+    q = task.question[0]["content"]
+    msg = _claude(server).messages.create(model="clover", max_tokens=200, tools=_anthropic_tools(task),
+                                          tool_choice={"type": "tool", "name": "add"},
+                                          messages=[{"role": "user", "content": q}], extra_body={"mode": "ar"})
+    assert [b.name for b in msg.content if b.type == "tool_use"] == ["add"], msg.content
+    r = _oai(server).responses.create(model="clover", input=q, max_output_tokens=200, tools=_responses_tools(task),
+                                      tool_choice={"type": "function", "name": "add"},
+                                      extra_body={"mode": "ar"})
+    assert [o.name for o in r.output if o.type == "function_call"] == ["add"], r.output
+    kw = dict(model="clover", max_tokens=64, messages=[{"role": "user", "content": "What is 805 + 1?"}],
+              extra_body={"mode": "ar"})
+    text = _claude(server).messages.create(**kw).content[0].text
+    assert len(text) > 6, text
+    stop = text[3:6]
+    cut = _claude(server).messages.create(stop_sequences=[stop], **kw)
+    assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop, cut
+    assert cut.content[0].text == text[:text.index(stop)].strip()
+
+
 # ---- the event sequences -------------------------------------------------------------------------------------------
 def _events(s, path: str, body: dict) -> list[tuple[str, dict]]:
     """A streamed answer's events as (name, data), checking each data's type is its event's name."""
@@ -171,7 +219,7 @@ def test_messages_event_sequence(server):
     body = {"model": "clover", "max_tokens": 200, "stream": True, "tools": _anthropic_tools(task), "mode": "ar",
             "tool_choice": {"type": "any"}, "thinking": {"type": "disabled"},
             "messages": [{"role": "user", "content": task.question[0]["content"]}]}
-    evs = _events(server, "/v1/messages", body)
+    evs = _events(server, "/v1/messages?beta=true", body)  # Claude Code's URL
     names = [n for n, _ in evs]
     assert _collapsed(names) == ["message_start", "ping", "content_block_start", "content_block_delta",
                                  "content_block_stop", "message_delta", "message_stop"], names
@@ -184,8 +232,9 @@ def test_messages_event_sequence(server):
     assert evs[-2][1]["delta"]["stop_reason"] == "tool_use" and evs[-2][1]["usage"]["output_tokens"] > 0
     # with thinking: a thinking block first, closed by its signature_delta, then the call
     task = TASKS["call-1"]
-    evs = _events(server, "/v1/messages", {**body, "tools": _anthropic_tools(task), "thinking": {
-        "type": "enabled", "budget_tokens": 256}, "messages": [{"role": "user", "content": task.question[0]["content"]}]})
+    evs = _events(server, "/v1/messages", {
+        **body, "tools": _anthropic_tools(task), "thinking": {"type": "enabled", "budget_tokens": 256},
+        "messages": [{"role": "user", "content": task.question[0]["content"]}]})
     blocks = [(d["content_block"]["type"]) for n, d in evs if n == "content_block_start"]
     assert blocks == ["thinking", "tool_use"], blocks
     kinds = _collapsed([d["delta"]["type"] for n, d in evs if n == "content_block_delta"])
@@ -220,6 +269,30 @@ def test_responses_event_sequence(server):
         "response.output_item.done", "response.completed"], [n for n, _ in evs]
     text = "".join(d["delta"] for n, d in evs if n == "response.output_text.delta")
     assert run_tool(name, want) in text and evs[-1][1]["response"]["output"][0]["content"][0]["text"] == text
+
+
+def test_the_block_view_streams_behind_both_apis(server):
+    """clover_blocks (asked for) streams the block passes on /v1/messages and /v1/responses as events of Clover's own,
+    between the API's, and the SDKs' stream parsers pass them by: the answer is the same as without them."""
+    task = TASKS["call-2"]
+    q = task.question[0]["content"]
+    evs = _events(server, "/v1/messages", {"model": "clover", "max_tokens": 64, "stream": True, "mode": "draft-self",
+                                           "clover_blocks": True, "messages": [{"role": "user", "content": q}]})
+    blocks = [d["events"] for n, d in evs if n == "clover_blocks"]
+    assert blocks and all(isinstance(e, list) and e for e in blocks)
+    assert {"message_start", "content_block_delta", "message_stop"} <= {n for n, _ in evs}
+    evs = _events(server, "/v1/responses", {"model": "clover", "max_output_tokens": 64, "stream": True,
+                                            "mode": "draft-self", "clover_blocks": True, "input": q})
+    assert [d for n, d in evs if n == "clover.blocks"] and evs[-1][0] == "response.completed"
+    assert [d["sequence_number"] for _, d in evs] == list(range(len(evs)))
+    kw = dict(model="clover", max_tokens=64, messages=[{"role": "user", "content": q}])
+    with _claude(server).messages.stream(**kw, extra_body={"mode": "draft-self", "clover_blocks": True}) as st:
+        viewed = st.get_final_message()
+    plain = _claude(server).messages.create(**kw, extra_body={"mode": "draft-self"})
+    assert viewed.content[0].text == plain.content[0].text
+    with _oai(server).responses.stream(model="clover", input=q, max_output_tokens=64, reasoning={"effort": "none"},
+                                       extra_body={"mode": "draft-self", "clover_blocks": True}) as st:
+        assert st.get_final_response().output_text == plain.content[0].text
 
 
 # ---- Claude Code's habits ------------------------------------------------------------------------------------------
@@ -291,11 +364,13 @@ def test_a_prompt_past_the_context_is_refused_with_its_count(small):
                    json={"messages": [{"role": "user", "content": long}], "max_tokens": 32000})
     err = r.json()["error"]
     assert r.status_code == 400 and err["n_ctx"] == 256 and err["n_prompt_tokens"] > 256, r.text
-    count = _claude(small).messages.count_tokens(model="clover", messages=[{"role": "user", "content": long}])
+    thinking = {"type": "enabled", "budget_tokens": 1024}  # as the chat request's default
+    count = _claude(small).messages.count_tokens(model="clover", messages=[{"role": "user", "content": long}],
+                                                 thinking=thinking)
     assert count.input_tokens == err["n_prompt_tokens"]  # the real count, not a bound
     assert f"prompt {count.input_tokens} " in err["message"]
     with pytest.raises(anthropic.BadRequestError) as e:
-        _claude(small).messages.create(model="clover", max_tokens=32000,
+        _claude(small).messages.create(model="clover", max_tokens=32000, thinking=thinking,
                                        messages=[{"role": "user", "content": long}])
     body = e.value.body
     assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
@@ -359,3 +434,42 @@ def test_the_templates_own_refusal_is_its_message(tool_gguf):
 def test_models_report_the_context_length(server):
     m = httpx.get(server.base + "/v1/models", headers={"x-api-key": KEY}, timeout=TIMEOUT).json()["data"][0]
     assert m["context_length"] == m["max_model_len"] == m["meta"]["context_length"] == 2048
+
+
+@pytest.fixture(scope="module")
+def long_context(tmp_path_factory):
+    """The tool model with a 32,768-token context (its config's max_position_embeddings raised; trained on 4,096),
+    served at --ctx 32768: room for an agent's 17K-token prompt."""
+    import shutil
+
+    from clover_gguf.convert import convert
+    from clover_gguf.testing.agent import TOOL_MODEL
+
+    folder = tmp_path_factory.mktemp("tools32k") / "model"
+    shutil.copytree(TOOL_MODEL, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["max_position_embeddings"] = 32768
+    (folder / "config.json").write_text(json.dumps(config))
+    gguf = folder.parent / "tools32k.gguf"
+    convert(folder, gguf, outtype="f32", quiet=True)
+    s = _Server(create_app(gguf, mode="auto", parallel=1, ctx=32768, api_key=KEY))
+    yield s
+    s.stop()
+
+
+@pytest.mark.slow
+def test_a_17k_prompt_with_max_tokens_32000_is_answered_on_every_api(long_context):
+    """OpenCode's and Claude Code's max_tokens 32000 with a 17K-token prompt at --ctx 32768 (it was refused: the
+    prompt and max_tokens together pass the context): answered on all three APIs, the later two continuing from the
+    state the first left (the same messages)."""
+    text = "The quick brown fox jumps over the lazy dog. " * 630 + "What is 805 + 1?"
+    chat = _oai(long_context).chat.completions.create(model="clover", max_tokens=32000,
+                                                      messages=[{"role": "user", "content": text}])
+    assert chat.choices[0].finish_reason in ("stop", "length") and chat.usage.prompt_tokens > 17000
+    msg = _claude(long_context).messages.create(model="clover", max_tokens=32000,
+                                                thinking={"type": "enabled", "budget_tokens": 1024},
+                                                messages=[{"role": "user", "content": text}])
+    assert msg.stop_reason in ("end_turn", "max_tokens")
+    assert msg.usage.input_tokens + msg.usage.cache_read_input_tokens == chat.usage.prompt_tokens
+    r = _oai(long_context).responses.create(model="clover", input=text, max_output_tokens=32000)
+    assert r.status in ("completed", "incomplete") and r.usage.input_tokens == chat.usage.prompt_tokens

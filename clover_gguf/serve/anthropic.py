@@ -98,11 +98,11 @@ def chat_messages(req: Any) -> list[dict]:
         out.append({"role": "system", "content": system})
     for i, m in enumerate(req.messages):
         where = f"messages.{i}.content"
-        if m.role == "system":  # Claude Code sends reminders as system messages (the core renders a later one)
+        if m.role == "system":  # not Anthropic's, but sent by some clients: as on the other APIs (normalize_roles)
             out.append({"role": "system", "content": _text(m.content, where)})
             continue
         if m.role not in ("user", "assistant"):
-            raise APIError(400, f"messages.{i}.role must be user, assistant or system", param=f"messages.{i}.role")
+            raise APIError(400, f"messages.{i}.role must be user or assistant", param=f"messages.{i}.role")
         blocks = [{"type": "text", "text": m.content}] if isinstance(m.content, str) else m.content
         text, calls = [], []
         for j, b in enumerate(blocks):
@@ -272,9 +272,10 @@ async def stream(job: Any, state: Any, rid: str, model: str, prompt_tokens: int)
             yield core.sse({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
                             "usage": _usage(usage), "clover_stats": stats}, "message_delta")
             yield core.sse({"type": "message_stop"}, "message_stop")
+        elif ev[0] == "blocks":  # the block view (clover_blocks, asked for): an event of Clover's own
+            yield core.sse({"type": "clover_blocks", "events": ev[1]}, "clover_blocks")
         elif ev[0] == "error":
             yield core.sse(error_body(ev[1], ev[2]), "error")
-        # ("blocks", ...): the block view has no place in Anthropic's stream
 
 
 async def messages(request: Any, req: Any) -> Any:

@@ -306,6 +306,8 @@ async def stream(job: Any, state: Any, shell: Shell) -> AsyncIterator[str]:
                 yield s
             status = "incomplete" if finish == "length" else "completed"
             yield event(f"response.{status}", response=shell.body(output, status, usage, stats))
+        elif ev[0] == "blocks":  # the block view (clover_blocks, asked for): an event of Clover's own
+            yield event("clover.blocks", events=ev[1])
         elif ev[0] == "error":
             failed = shell.body(output, "failed")
             failed["error"] = {"code": "server_error" if ev[1] >= 500 else "invalid_request", "message": ev[2]}
