@@ -87,10 +87,11 @@ def start_ours(gguf: Path, workdir: Path, threads: int, ctx: int, procs: list, m
     return base
 
 
-def start_peer(gguf: Path, workdir: Path, threads: int, ctx: int, procs: list) -> str:
+def start_peer(gguf: Path, workdir: Path, threads: int, ctx: int, procs: list, extra: tuple = ()) -> str:
     """The patched llama-server (the cached build: clover_gguf.build.llama_tool), --jinja, one slot, in the exact
     settings our side runs (flash attention off, F32 K/V): near-ties between two logits cannot come out differently
-    for the arithmetic's sake, so where the answers differ the parse, the template or the sampling does."""
+    for the arithmetic's sake, so where the answers differ the parse, the template or the sampling does. extra: more
+    llama-server arguments (bench/clients.py: --chat-template-file)."""
     from clover_gguf.build import llama_tool
     from clover_gguf.errors import UserError
 
@@ -100,7 +101,7 @@ def start_peer(gguf: Path, workdir: Path, threads: int, ctx: int, procs: list) -
         raise BenchError(f"starting llama-server: {e}") from None
     port = free_port()
     cmd = [str(exe), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-c", str(ctx), "-np", "1",
-           "-t", str(threads), "--jinja", "--no-webui", "--no-warmup", "-fa", "off", "-ctk", "f32", "-ctv", "f32"]
+           "-t", str(threads), "--jinja", "--no-webui", "--no-warmup", "-fa", "off", "-ctk", "f32", "-ctv", "f32", *extra]
     proc = start_logged(cmd, workdir / "llama-server.log")
     procs.append(proc)
     base = f"http://127.0.0.1:{port}"

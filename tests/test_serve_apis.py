@@ -413,6 +413,11 @@ def test_developer_and_later_system_messages_render(server):
         tools=[{"type": "web_search"}, {"type": "namespace", "name": "mcp"}], parallel_tool_calls=False,
         prompt_cache_key="k")
     assert r.status in ("completed", "incomplete")
+    # Claude Code 2.1.197's first request: the user's words, then a system message (the agent types it offers)
+    m = _claude(server).messages.create(model="clover", max_tokens=8, system="Be brief.", messages=[
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+        {"role": "system", "content": [{"type": "text", "text": "Available agent types: none."}]}])
+    assert m.stop_reason in ("end_turn", "max_tokens")
 
 
 def test_the_templates_own_refusal_is_its_message(tool_gguf):
