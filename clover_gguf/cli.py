@@ -286,7 +286,7 @@ def check_block(
     res = rank_readings(model, parse_readings(reading), prompts=prompts, max_new_tokens=max_new_tokens, n_ctx=ctx,
                         offload=offload, write=write)
     if reading is None and not write:  # the file's own reading: its one result, as before
-        res = res.winner
+        res = res.leader
     typer.echo(json.dumps(res.to_json()) if as_json else res.format())
 
 
