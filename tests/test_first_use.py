@@ -358,9 +358,9 @@ def _run_use_line(command: str, cwd: Path, env: dict) -> subprocess.CompletedPro
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
         out = "".join(lines) + rest
-        # Ctrl-C is how a server stops: the CLI's exit code for it (130), once uvicorn has shut down cleanly
-        rc = 0 if p.returncode == 130 and "Finished server process" in out else p.returncode
-        return subprocess.CompletedProcess(command, rc, out, "")
+        # Ctrl-C is how a server stops (the README says so): a clean stop, exit 0 without an error line (issue 64)
+        assert "Finished server process" in out and "error" not in out.split("Finished server process")[-1], out
+        return subprocess.CompletedProcess(command, p.returncode, out, "")
     stdin = "What is 34 + 58?\n" if command.startswith("clover-gguf chat ") else None
     return subprocess.run(["bash", "-c", prelude + command], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=600, input=stdin)
