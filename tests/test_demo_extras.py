@@ -98,14 +98,20 @@ def test_the_blocker_takes_what_the_test_extra_alone_brings():
                           "llama_cpp", "typer", "jinja2"}
 
 
+def demo_site(folder: Path) -> Path:
+    """A folder holding a sitecustomize.py that makes every module outside `make demo`'s venv unimportable: put it
+    first on PYTHONPATH (the README's Use lines run under it too: tests/test_first_use.py)."""
+    site = folder / "demo-site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE.format(blocked=sorted(blocked_modules(demo_roots()))))
+    return site
+
+
 @pytest.mark.slow
 def test_make_demo_runs_in_the_venv_it_makes(tmp_path):
     """`make demo` (every step: convert, quantize, info, the generate runs, the agent turn through serve) with only
     what its venv holds importable: exit 0 and its closing hint; the agent turn's call and answer printed."""
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(SITECUSTOMIZE.format(blocked=sorted(blocked_modules(demo_roots()))))
-    env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{ROOT}"}
+    env = {**os.environ, "PYTHONPATH": f"{demo_site(tmp_path)}{os.pathsep}{ROOT}"}
     probe = subprocess.run([sys.executable, "-c", "import httpx"], env=env, capture_output=True, text=True)
     assert probe.returncode != 0 and "not in make demo's venv" in probe.stderr, probe.stderr
     p = subprocess.run(["make", "-s", "demo", f"PY={sys.executable}", f"DEMO_DIR={tmp_path / 'demo'}"], cwd=ROOT,

@@ -368,9 +368,12 @@ def _run_use_line(command: str, cwd: Path, env: dict) -> subprocess.CompletedPro
 
 def check_use_section(readme: str, workdir: Path) -> dict[str, subprocess.CompletedProcess]:
     """Run every Use line of `readme` that does not say `# needs ...`, in order, in `workdir` (the checkout's
-    clover_gguf folder linked in, as after `make demo`); each must exit 0 (serve: stop cleanly on Ctrl-C)."""
+    clover_gguf folder linked in, as after `make demo`), with only what `make demo`'s venv holds importable (the
+    serve extra: test_demo_extras.demo_site); each must exit 0 (serve: stop cleanly on Ctrl-C)."""
+    from test_demo_extras import demo_site
+
     (workdir / "clover_gguf").symlink_to(ROOT / "clover_gguf")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": f"{demo_site(workdir)}{os.pathsep}{ROOT}"}
     lines = use_lines(readme)
     skipped = [command for command, comment in lines if comment.startswith("needs ")]
     for command, comment in lines:
