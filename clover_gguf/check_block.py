@@ -9,8 +9,9 @@ and almost nothing is accepted. The answers are the causal path's either way.
 
 `--reading all` (rank_readings) does that once under every reading this version knows (metadata.READINGS) and ranks
 them; llama.cpp computes every reading (one runtime each, the key overridden); a reading it does not compute would run
-on the PyTorch reference holding the file's weights. `--write` stamps
-the best into the file's header, in place (export.restamp), when it holds.
+on the PyTorch reference holding the file's weights. Readings the prompts cannot tell apart are said to be so, never
+ranked as a winner by a tie. `--write` stamps the best into the file's header, in place (export.restamp), when it
+holds (in a tie: the file's own reading when it is among the tied, else nothing).
 """
 
 from __future__ import annotations
@@ -177,6 +178,13 @@ def check_block(model: Path, prompts: Path | None = None, max_new_tokens: int = 
     return rank_readings(model, None, prompts, max_new_tokens, n_ctx, offload).results[0]
 
 
+# Two readings' accepted tokens per block pass this close (a share of the larger) count as alike (indistinguishable)
+PER_PASS_APART = 0.1
+SEPARATE = ("what would separate them: prompts on which their block passes draft differently, if any exist (more "
+            "prompts, longer answers: --prompts FILE, --max-new-tokens N; two readings can be one function on some "
+            "weights)")
+
+
 def indistinguishable(a: CheckResult, b: CheckResult) -> bool:
     """Two readings these prompts cannot tell apart: the same counts, or shares of accepted drafts within two standard
     errors of their difference (binomial, the pooled share) and accepted tokens per block pass within PER_PASS_APART
@@ -190,12 +198,6 @@ def indistinguishable(a: CheckResult, b: CheckResult) -> bool:
     hi = max(a.accepted_per_pass, b.accepted_per_pass)
     return (abs(a.acceptance - b.acceptance) <= 2 * se
             and (hi == 0 or abs(a.accepted_per_pass - b.accepted_per_pass) <= PER_PASS_APART * hi))
-
-
-PER_PASS_APART = 0.1
-SEPARATE = ("what would separate them: prompts on which their block passes draft differently, if any exist (more "
-            "prompts, longer answers: --prompts FILE, --max-new-tokens N; two readings can be one function on some "
-            "weights)")
 
 
 @dataclass
