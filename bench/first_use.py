@@ -17,8 +17,8 @@ Each run records its wall time, its CPU time (user + system of every process it 
 llama.cpp's build seconds when it built, pytest's summary for the tests, the 1-minute load average sampled every 5 s
 (at the start, mean, highest), the date, the machine (CPU model, cores, memory, OS) and the commit. Wall time
 depends mostly on what else runs on the machine; CPU time hardly does. The record (bench/first_use.json) is a list
-of such rows, also rows taken from reports (their `source` says which); the README's "Times" table is made from it
-between its markers (`--readme`), and tests/test_first_use.py checks that they agree.
+of such rows, also rows taken from reports (their `source` says which); the README's table of times shows the latest
+row of each run, between its markers (`--readme`), and tests/test_first_use.py checks that they agree.
 
 Nothing here asserts on time: the figures are recorded, with the load they were measured under.
 """
@@ -214,10 +214,19 @@ def _when(row: dict) -> str:
     return f"{row['date']}, {how}{src}"
 
 
+def latest(rows: list[dict]) -> list[dict]:
+    """The latest row of each run (by date; the record's order within a date), in RUNS' order: what the README shows
+    (the record keeps every measurement)."""
+    last: dict[str, dict] = {}
+    for r in rows:
+        if r["run"] not in last or r["date"] >= last[r["run"]]["date"]:
+            last[r["run"]] = r
+    return [last[name] for name in RUNS if name in last]
+
+
 def render(rows: list[dict]) -> str:
-    """The README's table: one row per record row, the runs in RUNS' order, oldest first within a run."""
-    order = list(RUNS)
-    rows = sorted(rows, key=lambda r: (order.index(r["run"]), r["date"]))  # stable: record order within a date
+    """The README's table: the latest row of each run (latest), in RUNS' order."""
+    rows = latest(rows)
     lines = ["| run | measured | when | machine |", "|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {RUNS[r['run']][1]} | {_measured(r)} | {_when(r)} | {r['machine']} |")

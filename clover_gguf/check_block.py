@@ -9,8 +9,9 @@ and almost nothing is accepted. The answers are the causal path's either way.
 
 `--reading all` (rank_readings) does that once under every reading this version knows (metadata.READINGS) and ranks
 them; llama.cpp computes every reading (one runtime each, the key overridden); a reading it does not compute would run
-on the PyTorch reference holding the file's weights. `--write` stamps
-the best into the file's header, in place (export.restamp), when it holds.
+on the PyTorch reference holding the file's weights. Readings the prompts cannot tell apart are said to be so, never
+ranked as a winner by a tie. `--write` stamps the best into the file's header, in place (export.restamp), when it
+holds (in a tie: the file's own reading when it is among the tied, else nothing).
 """
 
 from __future__ import annotations
@@ -177,10 +178,33 @@ def check_block(model: Path, prompts: Path | None = None, max_new_tokens: int = 
     return rank_readings(model, None, prompts, max_new_tokens, n_ctx, offload).results[0]
 
 
+# Two readings' accepted tokens per block pass this close (a share of the larger) count as alike (indistinguishable)
+PER_PASS_APART = 0.1
+SEPARATE = ("what would separate them: prompts on which their block passes draft differently, if any exist (more "
+            "prompts, longer answers: --prompts FILE, --max-new-tokens N; two readings can be one function on some "
+            "weights)")
+
+
+def indistinguishable(a: CheckResult, b: CheckResult) -> bool:
+    """Two readings these prompts cannot tell apart: the same counts, or shares of accepted drafts within two standard
+    errors of their difference (binomial, the pooled share) and accepted tokens per block pass within PER_PASS_APART
+    of each other (the ranking's second key)."""
+    if (a.accepted, a.drafted, a.block_passes) == (b.accepted, b.drafted, b.block_passes):
+        return True
+    if not a.drafted or not b.drafted:
+        return False
+    pooled = (a.accepted + b.accepted) / (a.drafted + b.drafted)
+    se = (pooled * (1 - pooled) * (1 / a.drafted + 1 / b.drafted)) ** 0.5
+    hi = max(a.accepted_per_pass, b.accepted_per_pass)
+    return (abs(a.acceptance - b.acceptance) <= 2 * se
+            and (hi == 0 or abs(a.accepted_per_pass - b.accepted_per_pass) <= PER_PASS_APART * hi))
+
+
 @dataclass
 class Ranking:
-    """check-block --reading: one CheckResult per reading, best first (by draft acceptance; ties: the file's own
-    reading first, then metadata.READINGS' order)."""
+    """check-block --reading: one CheckResult per reading, best first (by draft acceptance, then accepted tokens per
+    block pass; equal ones: the file's own reading first, then metadata.READINGS' order). Readings the prompts cannot
+    tell apart from the first (indistinguishable) are `tied`: no winner among them."""
 
     model: str
     file_reading: str
@@ -188,17 +212,38 @@ class Ranking:
     written: str | None = None  # what --write did: None (not asked), "in place", "rewritten", or why nothing
 
     @property
-    def winner(self) -> CheckResult:
+    def leader(self) -> CheckResult:
         return self.results[0]
 
     @property
+    def tied(self) -> list[CheckResult]:
+        """The results these prompts cannot tell apart from the first one's (the first included)."""
+        return [r for r in self.results if indistinguishable(r, self.results[0])]
+
+    @property
+    def winner(self) -> CheckResult | None:
+        """The best reading, when the prompts tell it apart from every other; None for a tie."""
+        return self.results[0] if len(self.tied) == 1 else None
+
+    @property
+    def pick(self) -> CheckResult | None:
+        """The reading --write stamps: the winner; in a tie, the file's own reading when it is among the tied (the
+        prompts say it fits as well as any), else none."""
+        if self.winner is not None:
+            return self.winner
+        return next((r for r in self.tied if r.reading == self.file_reading), None)
+
+    @property
     def margin(self) -> float | None:
-        """The winner's acceptance less the runner-up's (None with one reading)."""
+        """The first's acceptance less the runner-up's (None with one reading)."""
         return self.results[0].acceptance - self.results[1].acceptance if len(self.results) > 1 else None
 
     def to_json(self) -> dict[str, Any]:
-        return {"model": self.model, "file_reading": self.file_reading, "winner": self.winner.reading,
-                "verdict": self.winner.verdict, "margin": None if self.margin is None else round(self.margin, 4),
+        lead = self.leader
+        return {"model": self.model, "file_reading": self.file_reading,
+                "winner": None if self.winner is None else self.winner.reading,
+                "tied": [r.reading for r in self.tied] if self.winner is None else [],
+                "verdict": lead.verdict, "margin": None if self.margin is None else round(self.margin, 4),
                 "written": self.written, "ranking": [r.to_json() for r in self.results]}
 
     def format(self) -> str:
@@ -207,16 +252,26 @@ class Ranking:
             mark = "  <- the file's" if r.reading == self.file_reading else ""
             lines.append(f"{r.reading:<15} {r.accepted:>9} {r.drafted:>8}  {r.acceptance:6.1%}  "
                          f"{r.accepted_per_pass:8.2f}  {r.verdict:<7}  ({r.backend}){mark}")
-        w = self.winner
-        lines.append(f"best: {w.reading} ({READINGS[w.reading]})" +
-                     ("" if self.margin is None else f", {self.margin:+.1%} over {self.results[1].reading}") +
-                     f" over {len(w.per_prompt)} prompts ({PROMPT_SETS[w.prompt_set]})")
-        lines.append(f"verdict: {VERDICTS[w.verdict]}")
-        if w.note:
-            lines.append(f"note: {w.note}")
+        lead, w = self.leader, self.winner
+        prompts = f"{len(lead.per_prompt)} prompts ({PROMPT_SETS[lead.prompt_set]})"
+        if w is not None:
+            lines.append(f"best: {w.reading} ({READINGS[w.reading]})" +
+                         ("" if self.margin is None else f", {self.margin:+.1%} over {self.results[1].reading}") +
+                         f" over {prompts}")
+        else:
+            tied = [r.reading for r in self.tied]
+            names = ", ".join(tied[:-1]) + f" and {tied[-1]}"
+            same = len({(r.accepted, r.drafted) for r in self.tied}) == 1
+            how = f"{lead.accepted} of {lead.drafted} drafts accepted each" if same else "within the counts' noise"
+            lines.append(f"no best reading: {names} cannot be told apart on these {prompts}: {how}")
+            lines.append(SEPARATE)
+        lines.append(f"verdict: {VERDICTS[lead.verdict]}")
+        if lead.note:
+            lines.append(f"note: {lead.note}")
         if self.written:
-            lines.append(self.written if self.written.startswith("nothing") else
-                         f"wrote {BLOCK_READING} = {w.reading} into {Path(self.model).name} ({self.written})")
+            pick = self.pick
+            lines.append(self.written if self.written.startswith("nothing") or pick is None else
+                         f"wrote {BLOCK_READING} = {pick.reading} into {Path(self.model).name} ({self.written})")
         return "\n".join(lines)
 
 
@@ -281,15 +336,19 @@ def rank_readings(model: Path, readings: Sequence[str] | None = None, prompts: P
                                 order.get(r.reading, len(order))))
     ranking = Ranking(str(model), file_reading, results)
     if write:
-        ranking.written = stamp(Path(model), ranking.winner, file_reading, verified)
+        ranking.written = stamp(Path(model), ranking, file_reading, verified)
     return ranking
 
 
-def stamp(model: Path, winner: CheckResult, file_reading: str, verified: bool) -> str:
-    """Stamp the winning reading into the file (--write) when it holds -> what was done, for Ranking.written."""
+def stamp(model: Path, ranking: Ranking, file_reading: str, verified: bool) -> str:
+    """Stamp the ranking's pick into the file (--write) when it holds -> what was done, for Ranking.written."""
     from clover_gguf.export import restamp
     from clover_gguf.gguf_header import BOOL, STRING
 
+    winner = ranking.pick
+    if winner is None:
+        return (f"nothing written: {', '.join(r.reading for r in ranking.tied)} cannot be told apart on these "
+                f"prompts ({file_reading} stays)")
     if winner.verdict != "holds":
         return f"nothing written: no reading holds on these prompts ({file_reading} stays)"
     if winner.reading == file_reading and verified:

@@ -25,6 +25,23 @@ app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_mar
                   help="Clover block-diffusion MoE on your own machine: convert, quantize, build llama.cpp, decode.")
 
 
+def _version(value: bool) -> None:
+    """--version: this package's version and the llama.cpp it builds (what a bug report needs first)."""
+    if value:
+        from clover_gguf import __version__
+        from clover_gguf.llama_sdist import LLAMA_CPP_COMMIT, LLAMA_CPP_PYTHON_VERSION
+
+        typer.echo(f"clover-gguf {__version__} (llama.cpp {LLAMA_CPP_COMMIT} from the llama-cpp-python "
+                   f"{LLAMA_CPP_PYTHON_VERSION} sdist, with patches/)")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(version: bool = typer.Option(False, "--version", is_eager=True, callback=_version,
+                                          help="print the version and exit")) -> None:
+    """Clover block-diffusion MoE on your own machine: convert, quantize, build llama.cpp, decode."""
+
+
 class OutType(str, Enum):
     f32 = "f32"
     f16 = "f16"
@@ -197,6 +214,7 @@ def convert(
                                for t in res.plan.tensors]
         typer.echo(json.dumps(summary))
     elif dry_run:
+        typer.echo(f"{'tensor':<44} {'type':<5} {'shape':<22} {'bytes':>12}")
         for t in res.plan.tensors:
             typer.echo(f"{t.name:<44} {t.qtype.name:<5} {str(list(t.shape)):<22} {t.nbytes:>12}")
         typer.echo(f"dry run: {res.n_tensors} tensors, {res.nbytes / 2**30:.3f} GiB; nothing written")
@@ -294,7 +312,7 @@ def check_block(
     res = rank_readings(model, parse_readings(reading), prompts=prompts, max_new_tokens=max_new_tokens, n_ctx=ctx,
                         offload=offload, write=write)
     if reading is None and not write:  # the file's own reading: its one result, as before
-        res = res.winner
+        res = res.leader
     typer.echo(json.dumps(res.to_json()) if as_json else res.format())
 
 
@@ -319,7 +337,8 @@ def quantize(
     recipe: Optional[Path] = typer.Option(None, "--recipe", help="recipe TOML (default: quant_recipes/<type>.toml)"),
     imatrix: Optional[Path] = typer.Option(None, "--imatrix", help="importance matrix GGUF (clover-gguf imatrix)"),
     threads: Optional[int] = typer.Option(None, "--threads", help="quantizer threads (default: all cores)"),
-    plan_only: bool = typer.Option(False, "--plan", help="print the per-tensor types and predicted size; write nothing"),
+    plan_only: bool = typer.Option(False, "--plan", help="print the predicted size by tensor type; write nothing"),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="with --plan: also one line per tensor"),
     config: Optional[Path] = typer.Option(None, "--config", help="with --plan: plan from a config.json alone"),
     force: bool = typer.Option(False, "--force", help="overwrite OUT"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
@@ -332,10 +351,12 @@ def quantize(
         if out is not None:
             raise UserError("--plan writes nothing: give IN.gguf or --config, not OUT")
         p = q.plan(qtype, src=src, config=config, recipe_file=recipe, imatrix=imatrix)
-        typer.echo(json.dumps(p.to_json()) if as_json else p.format())
+        typer.echo(json.dumps(p.to_json()) if as_json else p.format(verbose=verbose))
         return
     if config is not None:
         raise UserError("--config only goes with --plan")
+    if verbose:
+        raise UserError("--verbose goes with --plan (the per-tensor table); quantize's own log: CLOVER_GGUF_LLAMA_LOG=1")
     if src is None or out is None:
         raise UserError("quantize needs IN.gguf and OUT.gguf (or --plan)")
     res = q.quantize(src, out, qtype, recipe_file=recipe, imatrix=imatrix, threads=threads, force=force,
@@ -358,13 +379,14 @@ def imatrix(
     ctx: int = typer.Option(512, "--ctx", help="tokens per chunk"),
     chunks: Optional[int] = typer.Option(None, "--chunks", help="at most this many chunks"),
     force: bool = typer.Option(False, "--force", help="overwrite OUT"),
-    quiet: bool = typer.Option(False, "--quiet", "-q"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="llama-imatrix's own log instead of the progress bar"),
     offload=None,
 ) -> None:
     """Importance matrix through the patched llama-imatrix, for IQ types and importance-weighted K-quants."""
     from clover_gguf.quantize import imatrix as run
 
-    path = run(model, text, out, ctx=ctx, chunks=chunks, force=force, quiet=quiet, offload=offload)
+    path = run(model, text, out, ctx=ctx, chunks=chunks, force=force, quiet=quiet, offload=offload, verbose=verbose)
     typer.echo(f"wrote {path}")
 
 

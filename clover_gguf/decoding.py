@@ -463,6 +463,10 @@ class GenerationStats:
     # drafts, timed by the decoder's clock); None in the other modes
     predicted_tokens_per_s: float | None = None
     measured_tokens_per_s: float | None = None
+    # auto: what a block pass costs in AR steps on this machine, from the pass costs it measured (why it chose AR where
+    # it did: a draft pays only when its block passes yield more tokens than that); None in the other modes or until
+    # both were timed
+    block_pass_ar_steps: float | None = None
     finish_reason: str | None = None  # "stop" (end token) or "length"
     short_blocks: int = 0  # blocks cut to the tokens the answer could still keep (_kept_block)
 
@@ -1092,6 +1096,8 @@ def _auto(passes: _Passes, prompt_ids, max_new, block_size, threshold, accept, s
             predicted_s += n / plan.predicted_tok_s
         stats.measured_tokens_per_s = tokens / measured_s if measured_s > 0 else None
         stats.predicted_tokens_per_s = tokens / predicted_s if predicted_s > 0 else None
+        t_block, t_ar = policy.costs.predict("block", block_size), policy.ar_step_seconds()
+        stats.block_pass_ar_steps = t_block / t_ar if t_block and t_ar else None
 
     while pending not in eos:
         plan = policy.plan()

@@ -324,10 +324,11 @@ class FitResult:
 
     def format(self) -> str:
         b = self.budget
+        # without a GPU the line speaks of host memory only (the JSON's device says none was found)
         where = (f"{_gib(b.vram)} GiB on the GPU ({b.device}){' shared with' if b.unified else ' +'} "
-                 f"{_gib(b.ram)} GiB of host memory" if b.vram is not None else
-                 f"no GPU ({b.device}): {_gib(b.ram)} GiB of host memory")
-        lines = [f"model    {self.model}", f"target   {where}, 1 GiB kept free on each",
+                 f"{_gib(b.ram)} GiB of host memory, 1 GiB kept free on each" if b.vram is not None else
+                 f"{_gib(b.ram)} GiB of host memory, 1 GiB of it kept free")
+        lines = [f"model    {self.model}", f"target   {where}",
                  f"mode     {self.mode}" + (f", rollback {self.rollback}" if self.mode in ("draft-self", "auto") else "")
                  + (f", {self.parallel} slots" if self.parallel > 1 else "")]
         verdict = "fits" if self.fits else "does NOT fit"

@@ -134,12 +134,10 @@ class QuantPlan:
                              "src_type": t.src_type.name, **({"wanted": t.wanted.name} if t.wanted else {})}
                             for t in self.tensors]}
 
-    def format(self) -> str:
-        lines = [f"{'tensor':<44} {'src':<6} {'type':<7} {'shape':<22} {'MiB':>10}"]
-        for t in self.tensors:
-            lines.append(f"{t.name:<44} {t.src_type.name:<6} {t.type.name:<7} {str(list(t.shape)):<22} "
-                         f"{t.bytes / 2**20:10.3f}")
-        lines.append("")
+    def format(self, verbose: bool = False) -> str:
+        """The summary (tensors and GiB by type, the predicted size, fallbacks, notes); verbose: then one line per
+        tensor (the 35B has some 860: --json has them too)."""
+        lines = []
         for name, (n, b) in sorted(self.by_type().items(), key=lambda kv: -kv[1][1]):
             lines.append(f"  {name:<7} {n:5d} tensors {b / 2**30:9.3f} GiB")
         lines.append(f"{self.ftype} ({self.recipe.name}): {self.size_bytes} bytes = {self.size_gib:.3f} GiB predicted")
@@ -153,6 +151,12 @@ class QuantPlan:
                          f"(ours {100 * (self.size_gib / o - 1):+.2f}%)")
         lines += [f"fallback: {f}" for f in self.fallbacks()]
         lines += [f"note: {n}" for n in self.notes]
+        if verbose:
+            lines += ["", f"{'tensor':<44} {'src':<6} {'type':<7} {'shape':<22} {'MiB':>10}"]
+            lines += [f"{t.name:<44} {t.src_type.name:<6} {t.type.name:<7} {str(list(t.shape)):<22} "
+                      f"{t.bytes / 2**20:10.3f}" for t in self.tensors]
+        else:
+            lines.append(f"({len(self.tensors)} tensors: --verbose lists each, --json too)")
         return "\n".join(lines)
 
 
@@ -660,9 +664,9 @@ def imatrix_failure(output: str) -> str:
 
 
 def imatrix(model: Path, text: Path, out: Path, ctx: int = 512, chunks: int | None = None, force: bool = False,
-            quiet: bool = False, offload: Offload | None = None) -> Path:
+            quiet: bool = False, offload: Offload | None = None, verbose: bool = False) -> Path:
     """Importance matrix of `model` over the text file `text`, written by the patched llama-imatrix as GGUF, with
-    the offload options passed on as llama.cpp spells them."""
+    the offload options passed on as llama.cpp spells them; a progress bar over its chunks (verbose: its log)."""
     model, text, out = Path(model), Path(text), Path(out)
     h = read_header(model)
     check_clover(h)
@@ -685,19 +689,46 @@ def imatrix(model: Path, text: Path, out: Path, ctx: int = 512, chunks: int | No
     if n_tokens < 2 * ctx:
         raise UserError(f"llama-imatrix needs at least {2 * ctx} tokens for a context of {ctx} tokens; {text} "
                         f"tokenizes to only {n_tokens} tokens (give more text or a smaller --ctx)")
+    n_chunks = n_tokens // ctx if not chunks else min(chunks, n_tokens // ctx)  # llama-imatrix's own count
     with atomic_output(out) as tmp:
+        # not --no-ppl: the perplexity it then prints per chunk ("[3]12.34,") is its only per-chunk line, the
+        # progress shown here; it reads logits llama-imatrix computes anyway (the imatrix is the same)
         cmd = [str(tool), "-m", str(model), "-f", str(text), "-o", str(tmp), "--output-format", "gguf",
-               "-c", str(ctx), "--no-ppl", *offload.llama_args(gpu_offload)]
+               "-c", str(ctx), *offload.llama_args(gpu_offload)]
         if chunks:
             cmd += ["--chunks", str(chunks)]
         env = dict(os.environ)
         env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(tool.parent), env.get("LD_LIBRARY_PATH")]))
-        p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           errors="replace")
-        if p.returncode != 0 or not tmp.is_file():
-            raise UserError(f"llama-imatrix failed on {model}: {imatrix_failure(p.stdout)}")
-        if not quiet:
-            for line in p.stdout.splitlines():
-                if "compute_imatrix" in line or "save_imatrix" in line or line.startswith("["):
-                    print(line, file=sys.stderr)
+        returncode, log = _run_imatrix(cmd, env, n_chunks, quiet=quiet, verbose=verbose)
+        if returncode != 0 or not tmp.is_file():
+            raise UserError(f"llama-imatrix failed on {model}: {imatrix_failure(log)}")
     return out
+
+
+CHUNK_DONE_RE = re.compile(rb"\[(\d+)\][^\s,\[\]]*,")  # llama-imatrix's "[chunk]perplexity," after each chunk
+
+
+def _run_imatrix(cmd: list[str], env: dict, n_chunks: int, quiet: bool, verbose: bool) -> tuple[int, str]:
+    """Run llama-imatrix: a progress bar over its chunks (as every other command shows progress), its log echoed
+    only when verbose -> (exit code, the whole log, for the reason of a failure)."""
+    from tqdm import tqdm
+
+    log = bytearray()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        with tqdm(total=n_chunks, unit="chunk", desc="imatrix", disable=quiet or verbose, file=sys.stderr,
+                  dynamic_ncols=True) as bar:
+            while piece := proc.stdout.read1(65536):
+                log += piece
+                if verbose:
+                    sys.stderr.write(piece.decode("utf-8", "replace"))
+                    sys.stderr.flush()
+                done = max((int(m[1]) for m in CHUNK_DONE_RE.finditer(log[-4096 - len(piece):])), default=bar.n)
+                bar.update(max(0, min(done, n_chunks) - bar.n))
+        proc.wait()
+    finally:
+        if proc.poll() is None:  # interrupted: llama-imatrix must not go on writing
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+    return proc.returncode, log.decode("utf-8", "replace")

@@ -321,7 +321,7 @@ class RunStats(decoding.GenerationStats):
         d["tokens_per_decode_pass"] = round(self.tokens_per_decode_pass, 4)
         d["acceptance_rate"] = None if self.acceptance_rate is None else round(self.acceptance_rate, 4)
         d["accepted_per_draft"] = None if self.accepted_per_draft is None else round(self.accepted_per_draft, 4)
-        for k in ("predicted_tokens_per_s", "measured_tokens_per_s"):
+        for k in ("predicted_tokens_per_s", "measured_tokens_per_s", "block_pass_ar_steps"):
             d[k] = None if d[k] is None else round(d[k], 2)
         return d
 
@@ -339,6 +339,9 @@ class RunStats(decoding.GenerationStats):
                 if self.accepted_per_draft is not None:
                     chose += f", {self.accepted_per_draft:.1f} tokens accepted per draft"
             parts.append(chose)
+            if not self.drafts and self.block_pass_ar_steps is not None:  # why it stayed on AR: its measured costs
+                parts.append(f"a block pass costs {self.block_pass_ar_steps:.1f} AR steps here (--mode draft-self or "
+                             "diffusion shows blocks)")
             if self.predicted_tokens_per_s and self.measured_tokens_per_s:
                 parts.append(f"its moves ran at {self.measured_tokens_per_s / self.predicted_tokens_per_s:.2f}x "
                              "the speed it predicted")

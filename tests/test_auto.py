@@ -149,6 +149,11 @@ def test_auto_steps_ar_where_block_passes_cost_too_much_even_when_accepted():
     t_auto, st, _ = run("auto", lambda i: True, **CPU_LIKE)
     assert t_ds > t_ar
     assert t_auto <= 1.05 * t_ar, (t_auto, t_ar)
+    # why, in the stats (issue 64: the chat page and --stats say it): a block pass costs block / (AR step) here,
+    # the fake clock's 30 s against a one-token causal pass of 1.0 + 0.6 s
+    cost_ar = CPU_LIKE["causal"][0] + CPU_LIKE["causal"][1]
+    assert st.block_pass_ar_steps == pytest.approx(CPU_LIKE["block"] / cost_ar, rel=0.01), st.block_pass_ar_steps
+    assert run("ar", lambda i: True, **CPU_LIKE)[1].block_pass_ar_steps is None
 
 
 def _moves_after(pol, at):

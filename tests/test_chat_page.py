@@ -141,8 +141,13 @@ def test_each_mode_streams_the_apis_greedy_answer(browser, model_server, mode):
     assert drawn == api["clover_stats"]["block_passes"]
     if mode in ("draft-self", "diffusion"):
         assert drawn >= 1
-    if mode == "auto":  # what auto chose
+    if mode == "auto":  # what auto chose; where it wrote no block, why, and how to see blocks
         assert "AR steps" in stats.text and "draft" in stats.text
+        why = stats.find_elements(By.CLASS_NAME, "auto-why")
+        drafts = int(re.search(r"AR steps, (\d+) drafts?", stats.text)[1])
+        assert len(why) == (drafts == 0), stats.text
+        if why:
+            assert "Pick draft-self or diffusion in the mode menu to see the blocks" in why[0].text, why[0].text
     if mode == "ar":
         assert drawn == 0
     assert no_alert(browser)
@@ -285,6 +290,42 @@ class HtmlRuntime(SlowRuntime):
     """Answers with HTML and Markdown in it."""
 
     words = ["<img src=x onerror=alert(1)> ", "**bold** ", "<script>alert(2)</script>\n"]
+
+
+class AutoARRuntime(SlowRuntime):
+    """auto's answer on a CPU: AR steps only, with the pass costs it measured (a block pass at 9.34 AR steps);
+    `drafts` set: an answer that drafted."""
+
+    drafts = 0
+
+    def stream_pieces(self, ids, max_new_tokens=1, mode="ar", **kw):
+        for piece in super().stream_pieces(ids, max_new_tokens, mode, **kw):
+            st = piece.stats
+            st.ar_steps, st.drafts, st.block_pass_ar_steps = st.generated_tokens, self.drafts, 9.34
+            yield piece
+
+
+@pytest.mark.parametrize("drafts", [0, 2])
+def test_auto_says_why_it_wrote_no_block_and_how_to_see_blocks(browser, drafts):
+    """issue 64: on a CPU auto decodes AR, and the page showed "AR 28 · 28 AR steps" without a word of why or of how
+    to see the block view. Under the stats: auto's measured cost of a block pass in AR steps and the modes that show
+    blocks; nothing of it for an answer that drafted."""
+    s = _scripted_server(type("R", (AutoARRuntime,), {"drafts": drafts}))
+    try:
+        open_page(browser, s.base, settings={"max_tokens": 6})
+        Select(find(browser, "mode")).select_by_value("auto")
+        ask(browser, "go")
+        stats = answered(browser)
+        why = stats.find_elements(By.CLASS_NAME, "auto-why")
+        if drafts:
+            assert not why, stats.text
+            return
+        assert len(why) == 1 and why[0].text == (
+            "auto decoded AR: a block pass costs 9.3 AR steps on this machine (measured), more than its drafts would "
+            "save. Pick draft-self or diffusion in the mode menu to see the blocks."), why[0].text
+        assert why[0].location["y"] > stats.find_element(By.CLASS_NAME, "mode").location["y"]  # a line of its own
+    finally:
+        s.stop()
 
 
 def _scripted_server(runtime_class, api_key=None):

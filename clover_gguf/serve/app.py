@@ -419,7 +419,13 @@ def serve(model: str | Path, host: str = "127.0.0.1", port: int = 8080, mode: st
                 app.state.clover.close()
                 await super().shutdown(sockets=sockets)
 
-        Server(config).run(sockets=[sock])
+        server = Server(config)
+        try:
+            server.run(sockets=[sock])
+        except KeyboardInterrupt:  # uvicorn raises the Ctrl-C it caught again once it has shut down
+            if not server.started:  # while starting: an interrupted command (exit 130)
+                raise
+            # after serving: the way to stop a server, a clean stop (exit 0, no error line)
     finally:
         sock.close()
 

@@ -13,6 +13,8 @@ import json
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -161,8 +163,8 @@ def tool_loop(client: Any, messages: list[dict], tools: list[dict], mode: str | 
 
 def demo(gguf: Path, mode: str, task: Task) -> int:
     """`clover-gguf serve GGUF` in a subprocess, then one agent turn through the openai SDK: the question, the model's
-    call, the tool's result (run here), the model's answer; each answer's decoding stats."""
-    import httpx
+    call, the tool's result (run here), the model's answer; each answer's decoding stats. Imports only what `make demo`
+    installs (the serve extra: openai, which brings httpx2, not httpx) and the standard library."""
     import openai
 
     port = free_port()
@@ -177,9 +179,10 @@ def demo(gguf: Path, mode: str, task: Task) -> int:
                 print(f"error: clover-gguf serve exited: {proc.stderr.read().strip()[-500:]}", file=sys.stderr)
                 return 1
             try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
+                with urllib.request.urlopen(base + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except (urllib.error.URLError, OSError):
                 pass
             if time.monotonic() > deadline:
                 print("error: clover-gguf serve did not start in 120 s", file=sys.stderr)

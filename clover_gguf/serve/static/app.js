@@ -326,6 +326,7 @@
   function statsLine(m, out) {
     const st = m.stats;
     const parts = [];
+    let why = null;  // auto's reason for writing no block, on a line of its own
     const add = (text, title, cls) => {
       const s = el("span", cls || null, text);
       if (title) s.title = title;
@@ -347,6 +348,7 @@
           chose += " (" + fmt(st.accepted_per_draft, 1) + " accepted each)";
         }
         add(chose, "what auto chose, block by block");
+        if (!st.drafts) why = autoWhy(st);
       } else if (st.acceptance_rate !== null && st.acceptance_rate !== undefined) {
         add(Math.round(st.acceptance_rate * 100) + "% accepted",
             st.accepted_tokens + " of " + st.drafted_tokens + " block tokens agreed with the causal pass");
@@ -362,6 +364,18 @@
       copy.addEventListener("click", () => CloverMarkdown.copy(m.content, copy));
       out.appendChild(copy);
     }
+    if (why) out.appendChild(why);
+  }
+
+  // Why auto wrote no block (a CPU: a block pass costs more than the tokens its drafts would yield) and how to see
+  // blocks anyway: one line under the stats, from the pass costs the server measured (clover_stats)
+  function autoWhy(st) {
+    const line = el("div", "auto-why");
+    const cost = st.block_pass_ar_steps;
+    line.textContent = "auto decoded AR" + (cost === null || cost === undefined ? ""
+      : ": a block pass costs " + fmt(cost, 1) + " AR steps on this machine (measured), more than its drafts "
+        + "would save") + ". Pick draft-self or diffusion in the mode menu to see the blocks.";
+    return line;
   }
 
   // ---- the block view ------------------------------------------------------------------------------------------
