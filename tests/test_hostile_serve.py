@@ -281,7 +281,8 @@ def test_a_bad_request_is_an_openai_shaped_4xx(server, name, method, path, heade
     # a prompt past the context also says its tokens and the context's size (llama-server's fields)
     sizes = {"n_prompt_tokens", "n_ctx"} if err.get("code") == "context_length_exceeded" else set()
     assert set(err) == {"message", "type", "param", "code"} | sizes and words in err["message"], err
-    if sizes:
+    if sizes:  # llama-server's type for it (its clients and its own server tests read it), OpenAI's code
+        assert err["type"] == "exceed_context_size_error", err
         assert err["n_ctx"] == 256 and err["n_prompt_tokens"] > 256 - 1 and f" {err['n_prompt_tokens']} +" in \
             err["message"], err
     if "1e-320" in name or "10^12" in name:

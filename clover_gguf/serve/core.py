@@ -213,11 +213,19 @@ def _takes(rt: Any, keyword: str) -> bool:
     return keyword in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
+def refusal(status: int, message: str, extra: dict | None = None) -> APIError:
+    """A refused request as an APIError. A prompt past the context (`extra`: its n_prompt_tokens and the context's
+    n_ctx) has llama-server's error type, which its clients and its own tests read, with OpenAI's code beside it."""
+    if extra:
+        return APIError(status, message, "exceed_context_size_error", code="context_length_exceeded", extra=extra)
+    return APIError(status, message, "invalid_request_error" if status < 500 else "server_error")
+
+
 def user_error(e: UserError) -> APIError:
     """A UserError (the runtime's refusal) as a 400; a prompt past the context carries its token count and the
     context's size, as llama-server's refusal does."""
     extra = {k: getattr(e, k) for k in ("n_prompt_tokens", "n_ctx") if getattr(e, k, None) is not None}
-    return APIError(400, str(e), code="context_length_exceeded" if extra else None, extra=extra or None)
+    return refusal(400, str(e), extra)
 
 
 async def prepared(request: Any, plan: Plan, on_refused: Callable[[], None] | None = None) -> None:
@@ -259,9 +267,7 @@ async def begin(request: Any, plan: Plan) -> tuple[Job, int, Watch]:
     except ServerClosing:
         raise shutting_down() from None
     if ev[0] == "error":
-        extra = ev[3] if len(ev) > 3 else None
-        raise APIError(ev[1], ev[2], "invalid_request_error" if ev[1] < 500 else "server_error",
-                       code="context_length_exceeded" if extra else None, extra=extra)
+        raise refusal(ev[1], ev[2], ev[3] if len(ev) > 3 else None)
     return job, ev[1], watch
 
 
