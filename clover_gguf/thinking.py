@@ -10,7 +10,10 @@ The rule, for every caller (runtime, server, chat, the tiny model's trainer):
   know the prompt, so they never hold back more than a possible partial tag;
 - with the prompt known, a `</think>` while no span is open closes nothing and is dropped;
 - each channel (thinking, answer) loses its leading and trailing whitespace, as str.strip on the joined text;
-- stop strings (the server's `stop`) are matched in the answer only and end it; the stop string is not returned.
+- stop strings (the server's `stop`) are matched in the answer only and end it; the stop string is not returned;
+- under a grammar (reopen=False: the server's constrained answers) the answer's text, once it has begun, is all
+  answer: a tag there is text the grammar took (a JSON string may hold `<think>`), never a span, so the answer is
+  exactly what the grammar accepted. A thinking span before the answer is still one.
 """
 
 from __future__ import annotations
@@ -68,10 +71,14 @@ class ThinkSplitter:
 
     thinking_at_start: True/False from prompt_opens_thinking, None when the prompt is unknown.
     tags=False passes the text through as it comes (no tags, no stripping): raw completions, where only stop
-    strings apply. Text that could be the start of a tag or a stop string is held back until it is decided."""
+    strings apply. reopen=False: once the answer has begun, tags are its text (module docstring). Text that could
+    be the start of a tag or a stop string is held back until it is decided."""
 
-    def __init__(self, thinking_at_start: bool | None = False, stop: Sequence[str] = (), tags: bool = True):
+    def __init__(self, thinking_at_start: bool | None = False, stop: Sequence[str] = (), tags: bool = True,
+                 reopen: bool = True):
         self.tags = tags
+        self.reopen = reopen
+        self.answered = False  # answer text other than whitespace has come
         self.inside = tags and bool(thinking_at_start)
         self.undecided = tags and thinking_at_start is None
         self.stop = [s for s in stop if s]
@@ -110,6 +117,10 @@ class ThinkSplitter:
 
     def _split(self, final: bool) -> None:
         while self._buf and not self.stopped:
+            if self.answered and not self.reopen and not self.inside:  # the answer has begun: the rest is its text
+                self._route(self._buf)
+                self._buf = ""
+                return
             hits = [(i, t) for t in TAGS if (i := self._buf.find(t)) >= 0]
             if not hits:
                 if self.undecided and not final:
@@ -122,8 +133,11 @@ class ThinkSplitter:
             if self.undecided:  # a </think> before any <think>: what came before was thinking
                 self.inside, self.undecided = tag == CLOSE_TAG, False
             self._route(self._buf[:i])
+            self._buf = self._buf[i:]
+            if self.answered and not self.reopen and not self.inside:
+                continue  # the answer began before this tag: it is the answer's text (the loop's first test)
             self.inside = tag == OPEN_TAG
-            self._buf = self._buf[i + len(tag):]
+            self._buf = self._buf[len(tag):]
 
     def _route(self, s: str) -> None:
         if not s:
@@ -131,6 +145,7 @@ class ThinkSplitter:
         if self.inside:
             self._out_t.append(self._strip_t.feed(s))
         else:
+            self.answered = self.answered or bool(s.strip())
             self._answer(s)
 
     def _answer(self, s: str) -> None:

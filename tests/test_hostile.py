@@ -2100,7 +2100,7 @@ def test_check_block_write_through_a_link_stamps_the_file_it_names(base, tmp_pat
     """The Hugging Face cache keeps a model as a link to its blob: --write replaced the link with a stamped copy and
     left the blob as it was (when the keys had to be added: the file rewritten). The file the link names is stamped,
     in place or rewritten, and the link stays a link to it."""
-    from clover_gguf.check_block import CheckResult, stamp
+    from clover_gguf.check_block import CheckResult, Ranking, stamp
     from clover_gguf.gguf_header import read_header
 
     blob = tmp_path / "blobs" / "0123abcd"
@@ -2112,7 +2112,8 @@ def test_check_block_write_through_a_link_stamps_the_file_it_names(base, tmp_pat
     link.symlink_to(os.path.relpath(blob, link.parent))
     winner = CheckResult(str(link), "hist-read-add", False, drafted=100, accepted=99)
     assert winner.verdict == "holds"
-    done = stamp(link, winner, "hist-sink-add", False)
+    ranking = Ranking(str(link), "hist-sink-add", [winner])  # a reading that holds, alone: the pick
+    done = stamp(link, ranking, "hist-sink-add", False)
     assert done == ("rewritten" if keys == "absent" else "in place")
     assert link.is_symlink() and link.resolve() == blob.resolve()
     kv = read_header(blob).kv

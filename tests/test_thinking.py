@@ -64,6 +64,25 @@ def test_stop_strings_cut_the_answer_only_across_chunks():
     assert ThinkSplitter(tags=False).feed(" <think>x ") == ("", " <think>x ")
 
 
+# constrained answers (reopen=False): once the answer has begun, a tag is the grammar's text, never a span
+GRAMMAR_CASES = [
+    ('{"why": "m9<think>"}', False, ("", '{"why": "m9<think>"}')),  # the seed that lost `"}` to a span
+    ('{"a": "x</think>y<think>z"}', False, ("", '{"a": "x</think>y<think>z"}')),
+    ('plan</think>{"a": "<think>b"}', True, ("plan", '{"a": "<think>b"}')),  # the prompt's span still closes
+    ('<think>t</think> {"a": 1}', False, ("t", '{"a": 1}')),  # an optional span before the answer still is one
+]
+
+
+@pytest.mark.parametrize("raw,at_start,want", GRAMMAR_CASES)
+def test_a_constrained_answer_is_the_grammars_text_whole(raw, at_start, want):
+    rng = random.Random(1)
+    for _ in range(30):
+        s = ThinkSplitter(at_start, reopen=False)
+        out = [s.feed(x) for x in _chunks(raw, rng)] + [s.close()]
+        assert ("".join(o[0] for o in out), "".join(o[1] for o in out)) == want
+    assert split_thinking(raw, at_start) != want or "<think>" not in want[1]  # the free rule splits them
+
+
 @pytest.mark.parametrize("prompt,want", [
     ([1, 2, THINK], True), ([1, THINK, 5, 6], True), ([THINK, 5, THINK_END, 7], False), ([1, 2], False),
     ([THINK_END, THINK], True), ([], False),

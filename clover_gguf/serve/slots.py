@@ -230,7 +230,8 @@ def _decode(rt: Any, job: Job, plan: Plan, engine: Callable[[], Any] | None = No
 
     # chat: thinking and answer split by the one rule (clover_gguf.thinking), then the answer's tool calls
     # (clover_gguf.serve.tools); completions: the raw text
-    parser = ThinkSplitter(opens, stop=plan.stop, tags=plan.messages is not None)
+    # a constrained answer is the grammar's text whole: a tag inside it is text (a JSON string took `<think>`)
+    parser = ThinkSplitter(opens, stop=plan.stop, tags=plan.messages is not None, reopen=plan.grammar_body is None)
     calls = (tools.CallParser(plan.tools, plan.parallel) if plan.messages is not None and plan.tool_mode != "none"
              else None)
     eos = frozenset(getattr(rt, "eos_ids", ()) or ())
