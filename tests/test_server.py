@@ -327,6 +327,7 @@ class SlowRuntime:
     controls = Controls()
     meta: dict = {}
     words = ["tok "]  # the answer, repeated
+    step_s = 0.01  # seconds a word
     opens_thinking = False  # what thinking_at_start says about every prompt
 
     def __init__(self):
@@ -347,7 +348,7 @@ class SlowRuntime:
     def stream_pieces(self, ids, max_new_tokens=1, mode="ar", **kw):
         stats = RunStats(mode=mode, prompt_tokens=len(ids))
         for i in range(max_new_tokens):
-            time.sleep(0.01)
+            time.sleep(self.step_s)
             self.produced += 1
             stats.generated_tokens = i + 1
             stats.finish_reason = "length" if i + 1 == max_new_tokens else None

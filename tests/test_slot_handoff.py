@@ -70,16 +70,7 @@ def test_a_waiter_cancelled_before_it_is_handed_the_slot_leaves_the_queue():
 class QuickRuntime(SlowRuntime):
     """One word per millisecond: slots change hands often while the waiting clients leave."""
 
-    def stream_pieces(self, ids, max_new_tokens=1, mode="ar", **kw):
-        from clover_gguf.runtime import Piece, RunStats
-
-        stats = RunStats(mode=mode, prompt_tokens=len(ids))
-        for i in range(max_new_tokens):
-            time.sleep(0.001)
-            self.produced += 1
-            stats.generated_tokens = i + 1
-            stats.finish_reason = "length" if i + 1 == max_new_tokens else None
-            yield Piece("tok ", stats, [i])
+    step_s = 0.001
 
 
 async def _leave_unread(base: str, n: int, after: float, max_tokens: int) -> None:
