@@ -190,11 +190,20 @@ def test_props(http):
     assert "{%" in p["chat_template"]
 
 
-def test_seed_at_start(bundled_gguf):
+def test_seed_at_start(bundled_gguf, monkeypatch):
     """serve --seed (llama-server's option): requests that give no seed take it (the same answer at temperature 1
-    twice), /props reports it, and `n` choices take seed + i."""
+    twice), /props reports it, and `n` choices take seed + i; on all three faces (the Plan each runs, as begun)."""
     from fastapi.testclient import TestClient
 
+    from clover_gguf.serve import core
+
+    seeds, begin = [], core.begin
+
+    async def seen(request, plan, *args, **kwargs):
+        seeds.append(plan.seed)
+        return await begin(request, plan, *args, **kwargs)
+
+    monkeypatch.setattr(core, "begin", seen)
     with TestClient(create_app(bundled_gguf, seed=11, runtime_kwargs={"n_threads": 1})) as http:
         assert http.get("/props").json()["default_generation_settings"]["params"]["seed"] == 11
         answers = [_chat(http, temperature=1.0, max_tokens=12).json()["choices"][0]["message"] for _ in range(2)]
@@ -203,6 +212,14 @@ def test_seed_at_start(bundled_gguf):
         two = _chat(http, temperature=1.0, max_tokens=12, n=2).json()["choices"]
         assert two[0]["message"] == given
         assert two[1]["message"] == _chat(http, temperature=1.0, max_tokens=12, seed=12).json()["choices"][0]["message"]
+        seeds.clear()
+        asked = {"model": "m", "temperature": 1.0, "messages": ASK}
+        assert http.post("/v1/messages", json={**asked, "max_tokens": 4}).status_code == 200
+        assert http.post("/v1/messages", json={**asked, "max_tokens": 4, "seed": 3}).status_code == 200
+        asked = {"model": "m", "temperature": 1.0, "input": ASK, "max_output_tokens": 4}
+        assert http.post("/v1/responses", json=asked).status_code == 200
+        assert http.post("/v1/responses", json={**asked, "seed": 3}).status_code == 200
+        assert seeds == [11, 3, 11, 3]
 
 
 def test_reasoning_off_at_start(bundled_gguf):

@@ -165,8 +165,8 @@ def chat_tool_choice(choice: dict | None) -> tuple[Any, bool | None]:
     raise APIError(400, "tool_choice.type must be auto, any, tool or none", param="tool_choice")
 
 
-def to_plan(req: Any, default_mode: str, log: Any = None) -> Any:
-    """A MessagesRequest -> the Plan (through the chat request every face builds)."""
+def to_plan(req: Any, default_mode: str, log: Any = None, seed: int | None = None) -> Any:
+    """A MessagesRequest -> the Plan (through the chat request every face builds); seed: serve's --seed."""
     tools, skipped = chat_tools(req.tools)
     if skipped and log is not None:
         log.info("/v1/messages: tools this server does not run skipped: %s", ", ".join(skipped))
@@ -178,7 +178,7 @@ def to_plan(req: Any, default_mode: str, log: Any = None) -> Any:
             "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "stream": req.stream,
             "tools": tools, "tool_choice": choice if tools else None, "parallel_tool_calls": parallel,
             "think": think}
-    return core.chat_plan(body, req.model_extra, default_mode)
+    return core.chat_plan(body, req.model_extra, default_mode, seed=seed)
 
 
 # ---- the answer ------------------------------------------------------------------------------------------------
@@ -282,7 +282,7 @@ async def messages(request: Any, req: Any) -> Any:
     from starlette.responses import JSONResponse
 
     state = core.state_of(request)
-    plan = to_plan(req, state.default_mode, core.log)
+    plan = to_plan(req, state.default_mode, core.log, seed=state.default_seed)
     await core.prepared(request, plan)
     job, n_prompt, watch = await core.begin(request, plan)
     rid = "msg_" + uuid.uuid4().hex[:24]
@@ -299,7 +299,7 @@ async def count_tokens(request: Any, req: Any) -> dict:
     import asyncio
 
     state = core.state_of(request)
-    plan = to_plan(req, state.default_mode)
+    plan = to_plan(req, state.default_mode, seed=state.default_seed)
     await core.prepared(request, plan)
     return {"input_tokens": await asyncio.to_thread(core.count_prompt, state.first, plan)}
 

@@ -118,9 +118,10 @@ CLOVER_FIELDS = ("mode", "block_size", "threshold", "accept", "clover_blocks", "
                  "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
-def chat_plan(body: dict, extra: dict | None, default_mode: str) -> Plan:
+def chat_plan(body: dict, extra: dict | None, default_mode: str, seed: int | None = None) -> Plan:
     """The chat request (schema's ChatRequest) another API's request was turned into, with its Clover fields from
-    `extra` -> the Plan, as the chat face makes it (plan_from). Its validation errors are a 400."""
+    `extra` -> the Plan, as the chat face makes it (plan_from; seed: serve's --seed, for a request that gives none).
+    Its validation errors are a 400."""
     from pydantic import ValidationError
 
     ChatRequest, _ = _models()
@@ -132,7 +133,7 @@ def chat_plan(body: dict, extra: dict | None, default_mode: str) -> Plan:
         err = e.errors()[0]
         loc = ".".join(str(x) for x in err.get("loc", ()))
         raise APIError(400, f"invalid request: {loc}: {err.get('msg')}", param=loc or None) from None
-    return plan_from(req, True, default_mode)
+    return plan_from(req, True, default_mode, seed=seed)
 
 
 # ---- the request, before it takes a slot -----------------------------------------------------------------------

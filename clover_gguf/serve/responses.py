@@ -143,7 +143,8 @@ def response_format(text: dict | None) -> dict | None:
     return {"type": fmt.get("type")}
 
 
-def to_plan(req: Any, default_mode: str) -> Any:
+def to_plan(req: Any, default_mode: str, seed: int | None = None) -> Any:
+    """A ResponsesRequest -> the Plan (through the chat request every face builds); seed: serve's --seed."""
     if req.previous_response_id is not None or req.conversation is not None:
         which = "previous_response_id" if req.previous_response_id is not None else "conversation"
         raise APIError(400, f"{which} is not supported: this server keeps no responses (store is ignored); send the "
@@ -159,7 +160,7 @@ def to_plan(req: Any, default_mode: str) -> Any:
             "think": effort != "none"}
     if not body["messages"]:
         raise APIError(400, "input holds no message", param="input")
-    return core.chat_plan(body, req.model_extra, default_mode)
+    return core.chat_plan(body, req.model_extra, default_mode, seed=seed)
 
 
 # ---- the answer ------------------------------------------------------------------------------------------------
@@ -318,7 +319,7 @@ async def responses(request: Any, req: Any) -> Any:
     from starlette.responses import JSONResponse
 
     state = core.state_of(request)
-    plan = to_plan(req, state.default_mode)
+    plan = to_plan(req, state.default_mode, seed=state.default_seed)
     await core.prepared(request, plan)
     job, _, watch = await core.begin(request, plan)
     shell = Shell(req, state.name)
