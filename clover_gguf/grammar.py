@@ -99,6 +99,22 @@ def _any_value() -> dict:
             "exclusiveMinimum": -10**16, "exclusiveMaximum": 10**16, "items": ref, "additionalProperties": ref}
 
 
+def subschemas_mapped(schema: dict, fn: Callable[[Any], Any]) -> dict:
+    """A copy of `schema` with `fn` applied to each of its direct subschemas: the values of the keywords _SUB_ONE,
+    _SUB_LIST and _SUB_MAP name (the one walk of a schema here: bounded_schema and Engine.check's strings)."""
+    out = dict(schema)
+    for key in dict.fromkeys(_SUB_ONE + _SUB_LIST):  # `items` is in both: a schema or (older drafts) a list
+        v = out.get(key)
+        if isinstance(v, list) and key in _SUB_LIST:
+            out[key] = [fn(x) for x in v]
+        elif isinstance(v, dict) and key in _SUB_ONE:
+            out[key] = fn(v)
+    for key in _SUB_MAP:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: fn(v) for k, v in out[key].items()}
+    return out
+
+
 def bounded_schema(schema: Any) -> Any:
     """A copy of `schema` whose answers end, as llama.cpp's schema grammar reads a schema:
     - every integer or number it allows without a bound on a side gets one: an integer within +-MAX_INT, a number's
@@ -110,18 +126,9 @@ def bounded_schema(schema: Any) -> Any:
     """
     if not isinstance(schema, dict):
         return schema
-    out = dict(schema)
+    out = subschemas_mapped(schema, bounded_schema)
     if isinstance(out.get("properties"), dict) and "additionalProperties" not in out:
         out["additionalProperties"] = False
-    for key in _SUB_ONE + _SUB_LIST:
-        v = out.get(key)
-        if isinstance(v, list) and key in _SUB_LIST:
-            out[key] = [bounded_schema(x) for x in v]
-        elif isinstance(v, dict) and key in _SUB_ONE:
-            out[key] = bounded_schema(v)
-    for key in _SUB_MAP:
-        if isinstance(out.get(key), dict):
-            out[key] = {k: bounded_schema(v) for k, v in out[key].items()}
     kind = out.get("type")
     kinds = kind if isinstance(kind, list) else [kind] if kind is not None else None
     if kinds is None:
@@ -195,19 +202,15 @@ def _string_schemas(body_rules: str) -> list[dict]:
     found: dict[str, dict] = {}
     decoder = json.JSONDecoder()
 
-    def walk(node: Any, depth: int) -> None:
-        if depth > 64:
-            return
-        if isinstance(node, dict):
-            keys = {k: node[k] for k, kind in (("pattern", str), ("format", str), ("minLength", int),
-                                                  ("maxLength", int)) if isinstance(node.get(k), kind)}
-            if keys and node.get("type", "string") in ("string", ["string"]):
-                found.setdefault(json.dumps(keys, sort_keys=True), {"type": "string", **keys})
-            for v in node.values():
-                walk(v, depth + 1)
-        elif isinstance(node, list):
-            for v in node:
-                walk(v, depth + 1)
+    def walk(node: Any, depth: int) -> Any:
+        if depth > 64 or not isinstance(node, dict):
+            return node
+        keys = {k: node[k] for k, kind in (("pattern", str), ("format", str), ("minLength", int),
+                                              ("maxLength", int)) if isinstance(node.get(k), kind)}
+        if keys and node.get("type", "string") in ("string", ["string"]):
+            found.setdefault(json.dumps(keys, sort_keys=True), {"type": "string", **keys})
+        subschemas_mapped(node, lambda sub: walk(sub, depth + 1))
+        return node
 
     at = body_rules.find("%json ")
     while at >= 0:

@@ -5,6 +5,7 @@ the token trie's depth, which the pieces give)."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import numpy as np
@@ -225,3 +226,23 @@ def test_the_server_answers_them_with_a_400_up_front(scripted_on, extra, param, 
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["param"] == param, err
     assert "too complex" in err["message"] or "admits no value" in err["message"], err
+
+
+def test_one_walk_finds_the_subschemas_and_only_them():
+    """bounded_schema and Engine.check's string schemas walk a schema the same way (grammar.subschemas_mapped): a
+    pattern under a keyword of each kind (one schema, a list, a map) is found and bounded alike; a value that is data
+    (const, enum, default, examples) is neither, even when it looks like a schema."""
+    looks_like = {"type": "string", "pattern": "^d$", "maxLength": 3}
+    schema = {"type": "object",
+              "properties": {"a": {"type": "string", "pattern": "^a+$"},
+                             "b": {"type": "array", "items": {"anyOf": [{"type": "string", "maxLength": 7},
+                                                                        {"type": "integer"}]}}},
+              "additionalProperties": {"type": "string", "format": "date"},
+              "default": looks_like, "examples": [looks_like], "const": None}
+    found = grammar._string_schemas(grammar.json_value(schema))
+    assert sorted(found, key=json.dumps) == sorted([{"type": "string", "pattern": "^a+$"},
+                                                    {"type": "string", "maxLength": 7},
+                                                    {"type": "string", "format": "date"}], key=json.dumps)
+    bounded = grammar.bounded_schema(schema)
+    assert bounded["properties"]["b"]["items"]["anyOf"][1]["maximum"] == grammar.MAX_INT
+    assert bounded["default"] == looks_like and bounded["examples"] == [looks_like]
