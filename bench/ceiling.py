@@ -67,8 +67,15 @@ def llama_bench_costs(gguf: Path, threads: tuple[int, int], rows: list[int], dep
     from host import llama_bench_runs
 
     n1, nb = threads
-    recs = llama_bench_runs(gguf, "-t", ",".join(str(t) for t in dict.fromkeys((n1, nb))), "-p",
-                            ",".join(str(r) for r in rows), "-n", str(tg), "-d", str(depth), "-r", "2")
+    return costs_of(llama_bench_runs(gguf, "-t", ",".join(str(t) for t in dict.fromkeys((n1, nb))), "-p",
+                                     ",".join(str(r) for r in rows), "-n", str(tg), "-d", str(depth), "-r", "2"),
+                    threads)
+
+
+def costs_of(recs: list[dict], threads: tuple[int, int]) -> dict:
+    """llama-bench's JSON records -> {"tg": seconds a generated token at n_threads, r: seconds of a pp of r tokens at
+    n_threads_batch} (avg_ns is a whole test's time: n_gen tokens, or the n_prompt tokens' one pass)."""
+    n1, nb = threads
     out = {}
     for r in recs:
         t, p, n = int(r["n_threads"]), int(r["n_prompt"]), int(r["n_gen"])
@@ -107,12 +114,7 @@ def bench_model(label: str, gguf: Path, prompts: list[str], max_new: int, ignore
             costs = llama_bench_costs(gguf, threads, rows, depth, a.tg_tokens)
             benches.append(costs)
             for m in modes:
-                xs = [answer(rt, log, m, p, max_new, ignore_eos) for p in prompts]
-                runs[m].append({"ceiling": sum(cost(costs, k) for x in xs for k in x["rows"]),
-                                "seconds": sum(x["seconds"] for x in xs), "tokens": sum(x["tokens"] for x in xs),
-                                "passes": sum(len(x["rows"]) for x in xs),
-                                "decode_seconds": sum(x["decode_seconds"] for x in xs),
-                                "thread_drops": sum(x["thread_drops"] for x in xs)})
+                runs[m].append(round_of(costs, [answer(rt, log, m, p, max_new, ignore_eos) for p in prompts]))
             line = ", ".join(f"{m} {x[-1]['ceiling'] / x[-1]['seconds']:.3f}" for m, x in runs.items())
             print(f"  round {r + 1}/{a.rounds}: {line} of the ceiling (llama-bench tg {1e3 * costs['tg']:.3f} ms, "
                   f"pp{rows[-1]} {1e3 * costs[rows[-1]]:.3f} ms; load average {os.getloadavg()[0]:.2f})", flush=True)
@@ -121,6 +123,24 @@ def bench_model(label: str, gguf: Path, prompts: list[str], max_new: int, ignore
     finally:
         log.close()
         rt.close()
+    return {"model": label, "gguf": str(gguf), "threads": list(threads), "llama_bench": benches,
+            "pp_rows": rows, "depth": depth, "modes": summarize(runs)}
+
+
+def round_of(costs: dict, answers: list[dict]) -> dict:
+    """One round of a mode's answers (answer()'s dicts) against llama-bench's pass costs: their summed ceiling (every
+    pass after the prompt's at llama-bench's cost of its rows), time, tokens, passes, llama_decode time, drops."""
+    return {"ceiling": sum(cost(costs, k) for x in answers for k in x["rows"]),
+            "seconds": sum(x["seconds"] for x in answers), "tokens": sum(x["tokens"] for x in answers),
+            "passes": sum(len(x["rows"]) for x in answers),
+            "decode_seconds": sum(x["decode_seconds"] for x in answers),
+            "thread_drops": sum(x["thread_drops"] for x in answers)}
+
+
+def summarize(runs: dict[str, list[dict]]) -> dict:
+    """{mode: its rounds (round_of)} -> per mode the medians over rounds: the fraction of the ceiling (ceiling
+    seconds / seconds), tok/s and the ceiling's, host ms per pass ((seconds - llama_decode) / passes) and
+    llama_decode / ceiling."""
     table = {}
     for m, xs in runs.items():
         frac = statistics.median(x["ceiling"] / x["seconds"] for x in xs)
@@ -131,8 +151,7 @@ def bench_model(label: str, gguf: Path, prompts: list[str], max_new: int, ignore
                                                           for x in xs),
                     "decode_x_ceiling": statistics.median(x["decode_seconds"] / x["ceiling"] for x in xs),
                     "thread_drops": sum(x["thread_drops"] for x in xs), "rounds": xs}
-    return {"model": label, "gguf": str(gguf), "threads": list(threads), "llama_bench": benches,
-            "pp_rows": rows, "depth": depth, "modes": table}
+    return table
 
 
 def profile(rt, log: PassLog, mode: str, prompts: list[str], max_new: int, ignore_eos: bool) -> None:
