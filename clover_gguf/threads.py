@@ -248,7 +248,8 @@ class StallGuard:
     """Acts on contention the runtime measures itself (docs/runtime.md, "Threads on a busy machine"). Spinning threads
     (the default, as llama.cpp's) are fastest on an idle machine, but when another program holds a core a thread there
     is descheduled and its partners spin at every barrier of the pass. So every pass's llama_decode time is compared
-    with the fastest pass of its kind at the same thread count: STALL_COUNT stalled passes (over STALL_FACTOR x) in
+    with the fastest pass of its kind at the same thread count (a kind that runs on one thread at the full counts
+    too, such as a small model's one-token passes, is not judged): STALL_COUNT stalled passes (over STALL_FACTOR x) in
     the last STALL_WINDOW drop the context to one thread (`set_threads(1, 1)`: one thread has no barrier to wait at,
     and spinning then costs nothing). After PROBE_S seconds of passes on one thread the full counts come back (a
     probe): its first pass wakes the other threads and is not judged; if its next PROBE_JUDGE passes took longer
@@ -290,6 +291,8 @@ class StallGuard:
             self.waited_s += seconds
             if self.waited_s >= self.wait_s:
                 self._restore()
+            return
+        if (self.full[0] if kind[0] == 1 else self.full[1]) == 1:  # on one thread either way: dropping cannot help
             return
         if self.probing:
             self.probing += 1

@@ -58,6 +58,30 @@ def test_a_slow_pass_of_another_kind_is_not_a_stall():
     assert calls == [] and g.stalled == 0
 
 
+def test_passes_on_one_thread_either_way_are_not_judged():
+    """A small model's one-token passes run on one thread at the full counts too (1 / 2): dropping cannot help them,
+    so however they stall they neither drop the threads nor weigh in a probe; its batch passes do."""
+    g, calls = _guard(1, 2)
+    g.record(AR, 1e-3)
+    for _ in range(20):
+        g.record(AR, 1.0)
+    assert calls == [] and g.stalled == 0
+    g.record(BLOCK, 8e-3)
+    for _ in range(STALL_COUNT):
+        g.record(BLOCK, 1.0)
+    assert calls == [(1, 1)] and g.events[-1] == f"threads 1/2->1 after {STALL_COUNT} stalled passes of the last 8"
+    while g.dropped:
+        g.record(BLOCK, 0.1)
+    g.record(BLOCK, 1.0)  # the probe's first pass
+    for _ in range(PROBE_JUDGE):  # one-token passes slower than one thread's: not weighed
+        g.record(AR, 5.0)
+    for _ in range(PROBE_JUDGE):
+        g.record(BLOCK, 0.015)  # faster than one thread's 0.1, under STALL_FACTOR x the fastest
+    for _ in range(PROBE_PASSES):
+        g.record(BLOCK, 0.015)
+    assert not g.dropped and g.events[-1] == "threads 1/2 held after a probe"
+
+
 def _drop(g):
     g.record(AR, 1e-3)
     for _ in range(STALL_COUNT):
