@@ -5,8 +5,8 @@ stalls again waits twice as long, and one that holds resets the wait."""
 
 from __future__ import annotations
 
-from clover_gguf.threads import (PROBE_JUDGE, PROBE_MAX_S, PROBE_PASSES, PROBE_S, STALL_COUNT, STALL_FACTOR, STALL_WINDOW,
-                                 StallGuard, pass_kind)
+from clover_gguf.threads import (PROBE_JUDGE, PROBE_MAX_S, PROBE_PASSES, PROBE_S, STALL_COUNT, STALL_FACTOR,
+                                 STALL_WINDOW, StallGuard, pass_kind)
 
 AR, BLOCK = pass_kind(1, 1, 100), pass_kind(32, 32, 100)
 
