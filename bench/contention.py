@@ -2,23 +2,27 @@
 processes beside the model (issue 50; the table in docs/runtime.md, "Threads on a busy machine").
 
     python bench/contention.py [--workdir out/bench-contention] [--runs 5] [--busy 0,1,2]
-        [--settings before,after,1:0,2:0] [--models bundled,slice] [--slice PATH.gguf] [--before-tree DIR] [--json]
+        [--settings before,after,1:50,2:0] [--models bundled,slice] [--slice PATH.gguf] [--before-tree DIR] [--json]
+        [--no-llama-bench]
 
 Models: (a) the bundled trained tiny Clover (F32 GGUF); (b) the slice35b (`make_tiny --preset slice35b`: the 35B's
 layer widths, 3 GDN layers and one attention layer, here with --slice-experts experts and a --slice-vocab vocabulary,
 quantized Q4_K_M; or --slice PATH).
 Settings, each in a process of its own (libgomp reads how to wait once per process), held for the whole run:
   before    what clover-gguf did before issue 50: min(8, os.cpu_count()) threads, libgomp's own waiting (--poll 50
-            is GOMP_SPINCOUNT 300,000, libgomp's default); with --before-tree DIR: that checkout's code itself (its
-            defaults, its auto), run with no GOMP setting in the environment
-  after     the runtime's defaults (clover_gguf.threads)
-  T:P       --threads T --poll P
+            is GOMP_SPINCOUNT 300,000, libgomp's default), no stall guard; with --before-tree DIR: that checkout's
+            code itself (its defaults, its auto), run with no GOMP setting in the environment
+  after     the runtime's defaults (clover_gguf.threads: poll 50 and the stall guard since issue 67)
+  T:P       --threads T --poll P --no-stall-guard (a fixed setting)
+  T:P:guard --threads T --poll P with the stall guard
+Beside every busy level, llama-bench on the same file (tg of --max-new-tokens tokens at the `after` setting's
+threads, its own waiting, -r 3): the peer's figure under the same load.
 Busy processes: `python -c "while True: pass"`, as many as --busy says, started before the level's runs and stopped
 after them, at the bench's own priority. Per level, --runs rounds; each round runs every setting once, in a seeded
 random order; a setting's round is one answer per prompt and pass kind:
   ar      greedy AR answers (--max-new-tokens)
   block   diffusion answers at threshold 0 (every block pass fills its whole block): block passes and their commits
-  auto    greedy auto answers (the bundled model only: auto against ar, and its text against ar's)
+  auto    greedy auto answers (auto against ar, and its text against ar's)
 Each answer is a run: tok/s over the whole request. The table gives, per model, pass kind and setting, the median and
 the worst run at each busy level, and the worst loaded run against the idle median and against its own prompt's
 idle median (answers differ in length; a short one's tok/s is lower idle too). A round that has run longer than
@@ -53,10 +57,10 @@ def worker(a: argparse.Namespace) -> None:
     kw = {}
     if a.threads:
         kw.update(n_threads=a.threads, n_threads_batch=a.threads)
-    if a.poll is not None:
+    if a.poll is not None or a.no_stall_guard:
         from clover_gguf.offload import Offload
 
-        kw["offload"] = Offload(poll=a.poll)
+        kw["offload"] = Offload(poll=a.poll, stall_guard=not a.no_stall_guard)
     rt = CloverRuntime(a.gguf, n_ctx=1024, **kw)
     prompts = json.loads(a.prompt_json)
     kinds = a.kinds.split(",")
@@ -107,10 +111,10 @@ class Setting:
             env["CONTENTION_TREE"] = str(a.before_tree)
             env["PYTHONPATH"] = os.pathsep.join([str(a.before_tree), env.get("PYTHONPATH", "")])
         elif name == "before":
-            args += ["--threads", str(max(1, min(8, os.cpu_count() or 1))), "--poll", "50"]
+            args += ["--threads", str(max(1, min(8, os.cpu_count() or 1))), "--poll", "50", "--no-stall-guard"]
         elif name != "after":
-            t, p = name.split(":")
-            args += ["--threads", t, "--poll", p]
+            t, p, *guard = name.split(":")
+            args += ["--threads", t, "--poll", p] + ([] if guard == ["guard"] else ["--no-stall-guard"])
         self.name = name
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         ready = json.loads(self._line())
@@ -185,10 +189,12 @@ def bench_model(label: str, gguf: Path, prompts: list[str], kinds: list[str], ma
                 a: argparse.Namespace) -> dict:
     settings: list[Setting] = []
     results: dict[tuple[str, int, str], list[dict]] = {}
+    peer: dict[int, float] = {}  # busy level -> llama-bench tg tok/s
     rng = random.Random(0)
     try:
         for name in a.settings:
             settings.append(Setting(name, gguf, prompts, kinds, max_new, a))
+        threads = next((s.threads for s in settings if s.name == "after"), settings[0].threads)
         for busy in a.busy:
             procs = busy_processes(busy)
             try:
@@ -199,13 +205,32 @@ def bench_model(label: str, gguf: Path, prompts: list[str], kinds: list[str], ma
                     for s in order:
                         for r in s.run():
                             results.setdefault((s.name, busy, r["kind"]), []).append(r)
+                if a.llama_bench:
+                    peer[busy] = llama_bench_tg(gguf, threads, max_new)
             finally:
                 stop(procs)
             print(f"  ({label}: {busy} busy done, load average {loadavg()})", flush=True)
     finally:
         for s in settings:
             s.close()
-    return report(label, gguf, settings, results, kinds, len(prompts), a)
+    out = report(label, gguf, settings, results, kinds, len(prompts), a)
+    out["llama_bench_tg"] = {"threads": threads, "tok_s": peer}
+    if peer:
+        print(f"  {label}: llama-bench tg{max_new} at {threads} thread{'s' * (threads > 1)}: "
+              + ", ".join(f"{b} busy {v:.1f} tok/s" for b, v in peer.items()))
+    return out
+
+
+def llama_bench_tg(gguf: Path, threads: int, n: int) -> float:
+    """llama-bench's tg tok/s on `gguf` (its own waiting: no GOMP setting of ours in its environment), -r 3."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from host import llama_bench_runs
+
+    saved = {k: os.environ.pop(k) for k in GOMP_ENV if k in os.environ}
+    try:
+        return float(llama_bench_runs(gguf, "-p", "0", "-n", str(n), "-t", str(threads), "-r", "3")[0]["avg_ts"])
+    finally:
+        os.environ.update(saved)
 
 
 def rates(runs: list[dict]) -> list[float]:
@@ -310,7 +335,8 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=ROOT / "out" / "bench-contention")
     ap.add_argument("--runs", type=int, default=5, help="rounds per busy level (each runs every setting once)")
     ap.add_argument("--busy", default="0,1,2", help="busy processes beside the model, a level per number")
-    ap.add_argument("--settings", default="before,after,1:0,2:0", help="before, after, or THREADS:POLL")
+    ap.add_argument("--settings", default="before,after,1:50,2:0",
+                    help="before, after, THREADS:POLL or THREADS:POLL:guard")
     ap.add_argument("--models", default="bundled,slice")
     ap.add_argument("--prompts", type=int, default=4, help="bundled model: held-out prompts per round")
     ap.add_argument("--max-new-tokens", type=int, default=48)
@@ -322,6 +348,8 @@ def main() -> None:
     ap.add_argument("--round-cap", type=float, default=60.0, help="seconds after which a round starts no answer")
     ap.add_argument("--before-tree", type=Path, help="a checkout of the code before: `before` runs it")
     ap.add_argument("--json", action="store_true", help="print one JSON line with every figure at the end")
+    ap.add_argument("--llama-bench", action=argparse.BooleanOptionalAction, default=True,
+                    help="llama-bench's tg beside every busy level (default: on)")
     # the worker's own arguments
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--gguf", type=Path, help=argparse.SUPPRESS)
@@ -329,6 +357,7 @@ def main() -> None:
     ap.add_argument("--kinds", help=argparse.SUPPRESS)
     ap.add_argument("--threads", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--poll", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--no-stall-guard", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
         return worker(a)
@@ -352,7 +381,7 @@ def main() -> None:
         results.append(bench_model("a: bundled", gguf, held, list(KINDS), a.max_new_tokens, a))
     if "slice" in models:
         gguf = a.slice or make_slice(a.workdir, a.slice_experts, a.slice_vocab)
-        results.append(bench_model("b: slice35b", gguf, held[:a.slice_prompts], ["ar", "block"],
+        results.append(bench_model("b: slice35b", gguf, held[:a.slice_prompts], list(KINDS),
                                    a.slice_max_new_tokens, a))
     table(results, a)
     print(f"\nload average at the end: {loadavg()}")

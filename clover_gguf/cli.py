@@ -162,7 +162,7 @@ def offload_options(command):
     from clover_gguf.offload import OPTIONS, Offload
 
     types = {"gpu_layers": str, "cpu_moe": bool, "n_cpu_moe": int, "threads": Optional[int], "mmap": bool,
-             "poll": Optional[int], "flash_attn": FlashAttn}
+             "poll": Optional[int], "stall_guard": bool, "flash_attn": FlashAttn}
     extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=types[name],
                                default=typer.Option(default, *flags, help=help_, show_default=default is not None,
                                                     **({"case_sensitive": False} if name == "flash_attn" else {})))

@@ -598,6 +598,7 @@ def resolve_block(backend: Backend, block: list[int], resolved: list[bool], gene
         backend, sampler if isinstance(sampler, Selector) else _selector(backend, processors, sampler))
     stats = stats if stats is not None else GenerationStats(mode="diffusion")
     eos = backend.eos_ids
+    eos_arr = np.fromiter(sorted(eos), dtype=np.int64, count=len(eos))
     done = 0
     usable = -1  # a draft's resolved positions before its first masked one, before the last pass
 
@@ -649,7 +650,7 @@ def resolve_block(backend: Backend, block: list[int], resolved: list[bool], gene
             conf = conf.copy()  # not filled in this pass; the next restricts it
             conf[0] = -1.0
             track.strict = True
-        is_end = np.isin(tok, list(eos))  # [M]
+        is_end = (np.asarray(tok)[:, None] == eos_arr).any(axis=1)  # [M] (np.isin costs 5x more on a block's rows)
         for m in _end_rule_fill(end_rule, is_end, conf, threshold):
             block[masked[m]], resolved[masked[m]] = int(tok[m]), True
         if end_rule == "tail":

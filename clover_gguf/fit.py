@@ -616,7 +616,14 @@ def measure(model: Model, result: FitResult, setup: Setup) -> tuple[dict[str, in
 def _threading(rt: Any) -> dict | None:
     """The runtime's context's threads and poll (threads.Threading), with its sentence."""
     t = getattr(rt.ctx, "threading", None)  # a serve slot's context passes it through from the shared one
-    return None if t is None else dict(t.to_json(), describe=t.describe())
+    if t is None:
+        return None
+    guard = getattr(rt.ctx, "guard", None)  # what the stall guard did while fit measured (threads.StallGuard)
+    out = dict(t.to_json(), describe=t.describe())
+    if guard is not None:
+        out["guard"] = guard.describe()
+        out["describe"] += "; " + out["guard"]
+    return out
 
 
 # ---- llama.cpp's own fitting -------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ import ctypes
 import os
 import re
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -29,7 +30,7 @@ import numpy as np
 from clover_gguf.controls import Gather, GraphRows
 from clover_gguf.errors import UserError
 from clover_gguf.offload import FLASH_ATTN, Offload, no_offload_notice
-from clover_gguf.threads import attach_threadpools, choose, has_openmp, prepare_wait
+from clover_gguf.threads import StallGuard, pass_kind, attach_threadpools, choose, has_openmp, prepare_wait
 
 GGML_TYPE_F32 = 0
 # enum ggml_backend_dev_type
@@ -384,6 +385,9 @@ class LlamaContext:
             raise ContextError("llama.cpp could not create a context (too little memory for n_ctx?)")
         self._api = _clover_api(L)
         self._pools = attach_threadpools(L, self.ctx, self.threading)  # freed after the context (close)
+        # threads dropped to one while passes stall, probed back now and then (threads.StallGuard)
+        self.guard = StallGuard(self.threading.n_threads, self.threading.n_threads_batch,
+                                lambda a, b: L.llama_set_n_threads(self.ctx, a, b), on=offload.stall_guard)
         self._sampler = sampler_library(L)
         self.has_block_attn = bool(self._api.llama_model_has_block_attn(self.model))
         self.vocab = L.llama_model_get_vocab(self.model)
@@ -477,7 +481,9 @@ class LlamaContext:
 
     def _run(self, batch: "_Batch", n: int, n_out: int) -> None:
         batch.struct.n_tokens = n
+        t0 = time.perf_counter()
         rc = self.L.llama_decode(self.ctx, batch.struct)
+        self.guard.record(pass_kind(n, n_out, batch.pos[n - 1]), time.perf_counter() - t0)
         if rc != 0:
             raise RuntimeError(f"llama_decode returned {rc}")
         self.max_outputs = max(self.max_outputs, n_out)

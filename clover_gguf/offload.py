@@ -97,6 +97,8 @@ class Offload:
     mmap: bool = True
     poll: int | None = None
     flash_attn: str = "auto"
+    # drop the CPU threads to one while passes stall on a busy machine (threads.StallGuard); off: the counts stay put
+    stall_guard: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "gpu_layers", parse_gpu_layers(self.gpu_layers))
@@ -164,6 +166,8 @@ class Offload:
             out += ["--poll", str(self.poll)]
         if not self.mmap:
             out.append("--no-mmap")
+        if not self.stall_guard:
+            out.append("--no-stall-guard")
         if self.flash_attn != "auto":
             out += ["--flash-attn", self.flash_attn]
         return out
@@ -196,7 +200,7 @@ def no_offload_notice(offload: Offload) -> None:
 
 
 # ---- the one definition of the options, for typer (cli.py) and argparse (bench/) ---------------------------------
-# (name, flags, default, help); --mmap is a boolean pair
+# (name, flags, default, help); --mmap and --stall-guard are boolean pairs
 OPTIONS: list[tuple[str, tuple[str, ...], Any, str]] = [
     ("gpu_layers", ("--gpu-layers", "-ngl"), "auto",
      "layers on the GPU: a number, 'all', or 'auto' (all when the llama.cpp build can offload, else 0)"),
@@ -205,8 +209,10 @@ OPTIONS: list[tuple[str, tuple[str, ...], Any, str]] = [
     ("threads", ("--threads",), None, f"CPU threads, 1..{MAX_THREADS} (default: the math cores, up to 8; one "
      "for a model of small layers, under 8 MiB of weights each)"),
     ("mmap", ("--mmap/--no-mmap",), True, "map the model file (default) or read it into memory"),
-    ("poll", ("--poll",), None, "how long a waiting CPU thread spins before it sleeps, 0..100 (default: 0; 0 sleeps "
-     "at once, which keeps other programs from stalling the model; llama.cpp's --poll)"),
+    ("poll", ("--poll",), None, "how long a waiting CPU thread spins before it sleeps, 0..100 (llama.cpp's --poll; "
+     "default: 50, llama.cpp's, with the stall guard for a busy machine; 0 sleeps at once)"),
+    ("stall_guard", ("--stall-guard/--no-stall-guard",), True, "drop the CPU threads to one while passes stall "
+     "(another program holds a core), trying the full count again now and then (default: on)"),
     ("flash_attn", ("--flash-attn", "-fa"), "auto", "flash attention: on, off or auto (llama.cpp's -fa; auto: on "
      "wherever the backend has it, a CPU included; on a CPU off is faster over a long context)"),
 ]
@@ -217,8 +223,9 @@ def add_argparse(ap: Any) -> None:
     import argparse
 
     for name, flags, default, help_ in OPTIONS:
-        if name == "mmap":
-            ap.add_argument("--mmap", action=argparse.BooleanOptionalAction, default=default, help=help_)
+        if name in ("mmap", "stall_guard"):  # on/off pairs
+            ap.add_argument("--" + name.replace("_", "-"), action=argparse.BooleanOptionalAction, default=default,
+                            help=help_)
         elif isinstance(default, bool):
             ap.add_argument(*flags, dest=name, action="store_true", help=help_)
         else:

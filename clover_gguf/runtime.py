@@ -310,6 +310,9 @@ class RunStats(decoding.GenerationStats):
     peak_memory_mib: float = 0.0
     rollback_passes: int = 0
     reused_tokens: int = 0  # prompt tokens continued from a kept prefix instead of decoded (chat)
+    # the stall guard (threads.StallGuard) during this answer: times it dropped the threads to one, and what it did
+    thread_drops: int = 0
+    thread_guard: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """Every field and the rates, as the JSON outputs (--json, the server's clover_stats) carry them. Fields are
@@ -353,6 +356,8 @@ class RunStats(decoding.GenerationStats):
             parts.append(f"{_count(self.forced_tokens, 'token')} forced by the grammar")
         if self.reused_tokens:
             parts.append(f"{self.reused_tokens} of {self.prompt_tokens} prompt tokens reused")
+        if self.thread_guard:  # passes stalled on a busy machine
+            parts.append(self.thread_guard)
         if self.finish_reason == "length":
             parts.append("cut at the token limit")
         return f"{self.mode}: " + "; ".join(parts)
@@ -734,6 +739,8 @@ class CloverRuntime:
         if mode == "auto":  # its choices start from what the model's earlier answers measured
             policy = AutoPolicy(self.pass_costs, block_size, prior=self._auto_last)
             self._auto_last = policy
+        guard = getattr(self.ctx, "guard", None)
+        marks = (len(guard.events), guard.drops) if guard is not None else None
         t0 = time.perf_counter()
         pending = b""
         for chunk in decoding.generate(self.backend, ids, mode=mode, max_new_tokens=max_new_tokens,
@@ -750,6 +757,8 @@ class CloverRuntime:
                 stats.time_to_first_token_s = now - t0
             _time_stats(stats, now - t0, self.backend.extra_passes, self.backend.prefill_seconds, chunk.finished)
             stats.reused_tokens = self.backend.reused
+            if marks is not None:
+                stats.thread_guard, stats.thread_drops = guard.since(marks[0]), guard.drops - marks[1]
             pending += b"".join(self.ctx.token_to_piece(t, special=True) for t in chunk.tokens)
             text, pending = _utf8_prefix(pending)
             yield Piece(text, stats, list(chunk.tokens), chunk.logprobs)

@@ -114,7 +114,8 @@ def test_prediction_is_within_5_percent_of_what_llama_cpp_allocates(ggufs, name,
     assert r.threading["n_threads"] == 1 and "per layer" in r.threading["why_threads"]  # small layers: one
     text = r.format()
     assert f"threads  {r.threading['describe']}" in text and "(medians)" in text
-    assert r.to_json()["threads"]["poll"] == 0
+    assert r.to_json()["threads"]["poll"] == 50  # llama.cpp's
+    assert "stall guard" in r.threading["guard"] and r.threading["describe"].endswith(r.threading["guard"])
 
 
 def test_flash_attention_off_is_predicted_with_the_buffer_it_needs(ggufs):

@@ -63,7 +63,7 @@ def test_expert_tensors_of_exactly_the_chosen_layers_go_to_the_cpu_buffer(small_
 def test_answers_are_unchanged_with_the_options_in_every_mode(bundled_gguf):
     _, tok, rows = load_tiny(ASSET_DIR)
     prompts = [chat_prompt(r["prompt"]) for r in rows[::40]]
-    options = Offload(gpu_layers="all", n_cpu_moe=2, mmap=False)
+    options = Offload(gpu_layers="all", n_cpu_moe=2, mmap=False, stall_guard=False)
     answers = {}
     for name, off in (("plain", None), ("options", options)):
         with CloverRuntime(bundled_gguf, n_ctx=512, n_threads=2, offload=off) as rt:
@@ -76,7 +76,7 @@ def test_answers_are_unchanged_with_the_options_in_every_mode(bundled_gguf):
 def test_cli_accepts_the_options_and_says_once_that_without_a_gpu_they_do_nothing(bundled_gguf):
     base = ["generate", bundled_gguf, "-p", "Count from 3 to 6.", "-n", "12", "--mode", "ar", "--threads", "2"]
     plain = _cli(*base)
-    with_opts = _cli(*base, "-ngl", "all", "--n-cpu-moe", "2", "--no-mmap")
+    with_opts = _cli(*base, "-ngl", "all", "--n-cpu-moe", "2", "--no-mmap", "--no-stall-guard")
     assert plain.returncode == 0 and with_opts.returncode == 0, with_opts.stderr
     assert with_opts.stdout == plain.stdout
     assert with_opts.stderr.count("no GPU to offload to") == 1

@@ -474,6 +474,10 @@ def test_metrics_and_slots(server, prompts):
     assert delta('clover_forward_passes_total{mode="draft-self"}') == \
         answers[1].model_extra["clover_stats"]["forward_passes"]
     assert after['clover_slots{state="idle"}'] == 2 and after["clover_requests_waiting"] == 0
+    # the stall guard (threads.StallGuard): its drops as the answers' stats count them, the threads passes run with now
+    assert sum(delta(f'clover_thread_drops_total{{mode="{m}"}}') for m in modes) == \
+        sum(a.model_extra["clover_stats"]["thread_drops"] for a in answers)
+    assert after['clover_threads{pass="one_token"}'] >= 1 and after['clover_threads{pass="batch"}'] >= 1
     # the scheduler's steps: each ran at least one llama_decode, and their time in llama.cpp is counted
     assert delta("clover_llama_decodes_total") >= delta("clover_batch_steps_total") > 0
     assert delta("clover_batch_run_seconds_total") > 0 and delta("clover_batch_wait_seconds_total") >= 0

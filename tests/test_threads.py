@@ -21,15 +21,16 @@ MiB = 2**20
 
 
 @pytest.mark.parametrize("per_layer,layers,cores,want", [
-    (1.2 * MiB, 4, 2, 1),  # the bundled model: one thread
-    (SMALL_LAYER_BYTES - 1, 40, 16, 1),
-    (53 * MiB, 4, 2, 2),  # the slice35b: every math core
-    (540 * MiB, 40, 1, 1),  # the 35B on one core
-    (540 * MiB, 40, 32, MAX_DEFAULT_THREADS),  # at most 8
+    (1.2 * MiB, 4, 2, (1, 2)),  # the bundled model: one thread for one-token passes, the cores for larger ones
+    (SMALL_LAYER_BYTES - 1, 40, 16, (1, MAX_DEFAULT_THREADS)),
+    (1.2 * MiB, 4, 1, (1, 1)),
+    (53 * MiB, 4, 2, (2, 2)),  # the slice35b: every math core
+    (540 * MiB, 40, 1, (1, 1)),  # the 35B on one core
+    (540 * MiB, 40, 32, (MAX_DEFAULT_THREADS, MAX_DEFAULT_THREADS)),  # at most 8
 ])
 def test_default_threads_follow_the_widths_and_the_cores(per_layer, layers, cores, want):
-    n, why = default_threads(int(per_layer * layers), layers, cores=cores)
-    assert n == want, why
+    n, nb, why = default_threads(int(per_layer * layers), layers, cores=cores)
+    assert (n, nb) == want, why
     assert why.startswith("default: ")
 
 
@@ -70,7 +71,7 @@ print(json.dumps({{"env": os.environ.get("GOMP_SPINCOUNT"), "policy": os.environ
 
 
 @pytest.mark.parametrize("poll,env,want_env,want_effect", [
-    (None, {}, "0", [0, "default"]),  # the default: sleep at once
+    (None, {}, None, [50, "default"]),  # the default: llama.cpp's, libgomp's own waiting (the environment untouched)
     (50, {}, str(50 * SPINS_PER_POLL), [50, "--poll"]),  # libgomp's own default spin count
     (None, {"OMP_WAIT_POLICY": "active"}, None, [None, "the environment's OMP_WAIT_POLICY=active"]),
     (7, {"GOMP_SPINCOUNT": "123"}, str(7 * SPINS_PER_POLL), [7, "--poll"]),  # an explicit --poll wins
@@ -97,7 +98,7 @@ def test_the_threadpool_parameters_are_laid_out_as_the_library_has_them():
 
 
 def test_greedy_text_is_the_same_whatever_the_threads(bundled_gguf):
-    """The default (one thread for the bundled model, chosen from its widths) against two threads: the same tokens in
+    """The default (one thread for the bundled model's one-token passes, chosen from its widths) against two threads: the same tokens in
     every mode (the CPU backend splits a matrix product's rows between threads, each row's sum in one order; the
     poll level only changes how threads wait)."""
     from clover_gguf.runtime import CloverRuntime
@@ -107,8 +108,8 @@ def test_greedy_text_is_the_same_whatever_the_threads(bundled_gguf):
         rt = CloverRuntime(bundled_gguf, n_ctx=1024, **kw)
         try:
             t = rt.ctx.threading
-            assert t.n_threads == (2 if kw else 1), t.describe()
-            assert kw or t.describe().startswith("1 thread (default: 1.2 MiB of weights per layer"), t.describe()
+            assert (t.n_threads, t.n_threads_batch) == ((2, 2) if kw else (1, min(MAX_DEFAULT_THREADS, math_cores())))
+            assert kw or "(default: 1.2 MiB of weights per layer" in t.describe(), t.describe()
             texts.append([rt.generate(p, mode=m, max_new_tokens=40, think=False).raw
                           for p in ("What is 2 + 3?", "Reverse the word apple.") for m in ("ar", "diffusion", "auto")])
         finally:
@@ -116,8 +117,9 @@ def test_greedy_text_is_the_same_whatever_the_threads(bundled_gguf):
     assert texts[0] == texts[1]
 
 
-@pytest.mark.parametrize("env,poll", [({}, "0 (default: a waiting thread sleeps at once, leaving its core to the "
-                                           "thread it waits for; OpenMP build"),
+@pytest.mark.parametrize("env,poll", [({}, "50 (default: a waiting thread spins a while, as llama.cpp's; threads "
+                                           "drop to one while passes stall; OpenMP build: libgomp waits, its own "
+                                           "default"),
                                       ({"OMP_WAIT_POLICY": "passive"},
                                        "as the environment says (the environment's OMP_WAIT_POLICY=passive")])
 def test_doctor_says_the_defaults_and_where_the_waiting_comes_from(env, poll):
@@ -130,6 +132,6 @@ def test_doctor_says_the_defaults_and_where_the_waiting_comes_from(env, poll):
     from clover_gguf.threads import has_openmp
 
     assert t["math_cores"] == math_cores() and t["openmp"] == has_openmp(load_binding())  # llama_print_system_info
-    assert t["threads"].startswith("1 for a model of small layers (under 8 MiB of weights each), else "
-                                   f"{min(MAX_DEFAULT_THREADS, math_cores())} (")
+    assert t["threads"].startswith(f"{min(MAX_DEFAULT_THREADS, math_cores())} (this machine's ")
+    assert "1 for the one-token passes of a model of small layers (under 8 MiB of weights each)" in t["threads"]
     assert t["poll"].startswith(poll), t["poll"]

@@ -21,6 +21,8 @@ class Metrics:
         "block_passes": ("clover_block_passes_total", "Block-mode passes (drafts and diffusion blocks)."),
         "drafts": ("clover_drafts_total", "Draft-self blocks verified (draft-self and auto)."),
         "ar_steps": ("clover_ar_steps_total", "One-token causal steps (ar and auto)."),
+        "thread_drops": ("clover_thread_drops_total",
+                         "Times the stall guard dropped the threads to one while passes stalled (a busy machine)."),
         "forced_tokens": ("clover_forced_tokens_total",
                           "Tokens a grammar forced, placed without a pass of their own (in the generated tokens)."),
     }
@@ -63,6 +65,12 @@ class Metrics:
                 f"clover_requests_waiting {pool.waiting}"]
         first = pool.runtimes[0] if pool.runtimes else None
         ctx = getattr(first, "ctx", None)
+        guard = getattr(ctx, "guard", None)
+        if guard is not None:  # threads.StallGuard: the counts passes run with now (one while they stall)
+            one, batch = guard.threads()
+            out += ["# HELP clover_threads CPU threads passes run with now, by pass (the stall guard drops them to "
+                    "one on a busy machine).", "# TYPE clover_threads gauge",
+                    f'clover_threads{{pass="one_token"}} {one}', f'clover_threads{{pass="batch"}} {batch}']
         sched = getattr(ctx, "scheduler", None)
         if sched is not None:  # clover_gguf.batching: the slots' passes on one context
             for name, value, text in (("clover_batch_steps_total", sched.steps, "Scheduler steps."),
