@@ -180,7 +180,7 @@ def test_relabelled_checkpoint_quantizes_and_decodes_in_every_mode(twins):
 
 # the keys only our Python side reads (the card's controls, the diffusion threshold, the reading's stamp): the
 # llama.cpp PR's converter class does not write them
-PYTHON_ONLY = re.compile(r"^(clover_moe\.generation\..*|diffusion\.(threshold|softmax_form(_verified)?))$")
+PYTHON_ONLY = re.compile(r"^(clover_moe\.generation\..*|diffusion\.threshold|clover_moe\.diffusion\.softmax_form(_verified)?)$")
 
 
 @pytest.mark.parametrize("outtype", ["f32", "q8_0"])
