@@ -1,7 +1,7 @@
 """`clover-gguf check-block`: does the file's reading of the block tensors hold for its weights?
 
 The math of the real checkpoint's block tensors is not published; clover-gguf reads them in one of a few ways, its
-readings (docs/architecture.md 3b; the file's is stamped into the GGUF as `diffusion.softmax_form`). The model's
+readings (docs/architecture.md 3b; the file's is stamped into the GGUF as `clover_moe.diffusion.softmax_form`). The model's
 causal path needs no reading, so it can judge the block path: draft-self (exact) drafts each block with the block
 path and keeps only what the causal path would have written itself. Under a right reading most of a trained model's drafts are accepted (the llama.cpp PR's
 draft-self on the real model: 82.6%; our trained tiny model: 99%); under a wrong one the block path proposes noise
@@ -288,7 +288,7 @@ def rank_readings(model: Path, readings: Sequence[str] | None = None, prompts: P
     """Decode the prompts in draft-self (exact) under each reading (None: the file's own) and rank the readings by
     the share of drafted tokens the causal path accepts: one check-block run per reading. A reading llama.cpp
     computes runs there (the file's on the first runtime, another on a runtime of its own, opened after the first
-    is closed, with diffusion.softmax_form overridden); any other on the PyTorch reference holding the file's
+    is closed, with clover_moe.diffusion.softmax_form overridden); any other on the PyTorch reference holding the file's
     weights (reference.load_gguf, loaded once). write: stamp the winner into the file's header (export.restamp:
     in place, whole or not at all) when its verdict is "holds"."""
     from clover_gguf.runtime import CloverRuntime, no_block_tensors

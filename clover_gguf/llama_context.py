@@ -119,6 +119,12 @@ def _clover_api(L: Any) -> Any:
         lib.llama_get_block_attn.restype = ctypes.c_bool
         lib.llama_model_has_block_attn.argtypes = [ctypes.c_void_p]
         lib.llama_model_has_block_attn.restype = ctypes.c_bool
+        lib.llama_model_block_attn_max_tokens.argtypes = [ctypes.c_void_p]
+        lib.llama_model_block_attn_max_tokens.restype = ctypes.c_uint32
+        # the patched tree's seq_cp says whether the memory refused the copy (llama-cpp-python declares it void)
+        lib.llama_memory_seq_cp.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32,
+                                            ctypes.c_int32]
+        lib.llama_memory_seq_cp.restype = ctypes.c_bool
         lib.llama_get_memory_breakdown_entries.argtypes = [ctypes.c_void_p, ctypes.POINTER(_MemoryBreakdownEntry),
                                                            ctypes.c_int32]
         lib.llama_get_memory_breakdown_entries.restype = ctypes.c_int32
@@ -183,7 +189,7 @@ def _kv_overrides(L: Any, overrides: dict[str, bool | int | float | str]) -> Any
     arr = (L.llama_model_kv_override * (len(overrides) + 1))()
     for i, (key, val) in enumerate(overrides.items()):
         arr[i].key = key.encode()
-        if isinstance(val, str):  # e.g. diffusion.softmax_form
+        if isinstance(val, str):  # e.g. clover_moe.diffusion.softmax_form
             if len(val.encode()) >= 128:
                 raise UserError(f"the value of {key} is longer than llama.cpp's 127 bytes")
             arr[i].tag, arr[i].value.val_str = L.LLAMA_KV_OVERRIDE_TYPE_STR, val.encode()
@@ -689,7 +695,7 @@ class LlamaContext:
             for i in positions:
                 want[i] = True
         # the flag is the scratch sequence's state: the copy takes the committed sequence's (off), emptying it drops it
-        L.llama_memory_seq_cp(self.mem, seq, scratch, -1, -1)
+        self.seq_cp(seq, scratch)
         try:
             self.set_block_attn(scratch)
             return self.decode(block_ids, n_past, seq=scratch, logits=want, gather=gather)
@@ -700,7 +706,12 @@ class LlamaContext:
         return bool(self.L.llama_memory_seq_rm(self.mem, seq, p0, p1))
 
     def seq_cp(self, src: int, dst: int) -> None:
-        self.L.llama_memory_seq_cp(self.mem, src, dst, -1, -1)
+        """Copy sequence src onto dst; llama.cpp's refusal (a copy between a block sequence and one holding tokens,
+        which would merge a block into a causal prefix, or a bad id) is a RuntimeError, never a copy silently not
+        made."""
+        if not self._api.llama_memory_seq_cp(self.mem, src, dst, -1, -1):
+            raise RuntimeError(f"llama.cpp refused to copy sequence {src} onto sequence {dst} (a copy between a block "
+                               "sequence and one that holds tokens, or a bad sequence id: its log says which)")
 
     def state_seq_get(self, seq: int) -> np.ndarray:
         """The state of one sequence (its KV cells and its recurrent state), as llama.cpp serializes it: bytes in a

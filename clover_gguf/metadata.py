@@ -18,18 +18,19 @@ ARCH = "clover_moe"  # general.architecture (upstream's name), and the prefix of
 HF_REPO = "Diffuspace/Clover-35B-A3B-Preview"  # the real checkpoint (graft reads its block tensors from here)
 OLD_ARCH = "clover"  # what clover-gguf wrote before upstream named the architecture: convert again
 ARCHITECTURE = "general.architecture"
-# Block mode's keys: the `diffusion.*` family beside llama.cpp's own diffusion.shift_logits (patches/: the ones the
-# patched llama.cpp reads; docs/gguf.md)
-BLOCK_MODE = "diffusion.enabled"  # bool: the file has the Clover block-mode tensors
+# Block mode's keys (patches/: the ones the patched llama.cpp reads; docs/gguf.md): the span length joins llama.cpp's
+# arch-less diffusion.* family (diffusion.shift_logits); the rest is Clover's own (its block tensors, its coreset
+# routing, its reading of the block softmax) and lives under the architecture's prefix
+BLOCK_MODE = f"{ARCH}.diffusion.enabled"  # bool: the file has the Clover block-mode tensors
 BLOCK_SIZE = "diffusion.span_length"  # u32: the tokens of one block (a diffusion span)
-RIGHT_KERNEL = "diffusion.conv_right_kernel"  # u32: the right (anti-causal) GDN conv's kernel
-CORESET_ENABLED = "diffusion.expert_coreset"  # bool: a block's experts restricted to its coreset
-CORESET_TOP_P = "diffusion.expert_coreset_top_p"  # f32: the share of the block's routing mass the coreset holds
+RIGHT_KERNEL = f"{ARCH}.diffusion.conv_right_kernel"  # u32: the right (anti-causal) GDN conv's kernel
+CORESET_ENABLED = f"{ARCH}.diffusion.expert_coreset"  # bool: a block's experts restricted to its coreset
+CORESET_TOP_P = f"{ARCH}.diffusion.expert_coreset_top_p"  # f32: the share of the block's routing mass the coreset holds
 # which reading of the block tensors' math the file was made for (docs/architecture.md section 3: the form of the
 # block softmax term), and whether the checkpoint was trained under that reading (our own models) rather than read
 # under it (the real one, until a user with the real weights confirms it with check-block)
-BLOCK_READING = "diffusion.softmax_form"
-BLOCK_READING_VERIFIED = "diffusion.softmax_form_verified"
+BLOCK_READING = f"{ARCH}.diffusion.softmax_form"
+BLOCK_READING_VERIFIED = f"{ARCH}.diffusion.softmax_form_verified"
 THRESHOLD = "diffusion.threshold"  # f32: the model card's confidence threshold (ours; llama.cpp reads none)
 READING = "hist-sink-add"  # the default reading: a file without BLOCK_READING is read under it
 # Every reading of the block softmax's tensors (bd_softmax_*) this version knows, name -> what it does; named for
@@ -48,9 +49,10 @@ assert len({len(r) for r in READINGS}) == 1 and READING in READINGS
 # new ones (the same math), never written
 LEGACY_READINGS = {"clover-gguf-1": "hist-sink-add", "clover-gguf-2": "hist-read-add", "clover-gguf-3": "hist-read-mix"}
 assert set(LEGACY_READINGS.values()) == set(READINGS)
-# the block-mode keys' names before the diffusion.* family: read_header gives a file that has them the new names
-# (and LlamaContext passes their values to llama.cpp under the new names), so such files keep loading
-LEGACY_KEYS = {
+# the block-mode keys' earlier names: read_header gives a file that has them the new names (and LlamaContext passes
+# their values to llama.cpp under the new names), so such files keep loading. Two generations: the names up to
+# 2026-12-05 (all under the architecture, "block" in them), and the arch-less diffusion.* names of 2026-12-05/07
+LEGACY_KEYS_ARCH = {
     f"{ARCH}.block_mode": BLOCK_MODE,
     f"{ARCH}.diffusion.block_size": BLOCK_SIZE,
     f"{ARCH}.ssm.conv_right_kernel": RIGHT_KERNEL,
@@ -60,10 +62,20 @@ LEGACY_KEYS = {
     f"{ARCH}.block_reading_verified": BLOCK_READING_VERIFIED,
     f"{ARCH}.diffusion.threshold": THRESHOLD,
 }
-# every block-mode key (an AR export leaves them out), and the family's prefix
+LEGACY_KEYS_DIFFUSION = {
+    "diffusion.enabled": BLOCK_MODE,
+    "diffusion.conv_right_kernel": RIGHT_KERNEL,
+    "diffusion.expert_coreset": CORESET_ENABLED,
+    "diffusion.expert_coreset_top_p": CORESET_TOP_P,
+    "diffusion.softmax_form": BLOCK_READING,
+    "diffusion.softmax_form_verified": BLOCK_READING_VERIFIED,
+}
+LEGACY_KEYS = {**LEGACY_KEYS_ARCH, **LEGACY_KEYS_DIFFUSION}
+# every block-mode key (an AR export leaves them out); info shows the arch-less ones beside the architecture's
 BLOCK_KEYS = frozenset(LEGACY_KEYS.values())
 DIFFUSION_PREFIX = "diffusion."
-assert all(k.startswith(DIFFUSION_PREFIX) for k in BLOCK_KEYS)
+assert all(k.startswith((DIFFUSION_PREFIX, f"{ARCH}.diffusion.")) for k in BLOCK_KEYS)
+assert not set(LEGACY_KEYS) & BLOCK_KEYS
 # the config.json field with which our own checkpoints (make_tiny, train_tiny) declare the reading they were made
 # under; the real checkpoint has none, so its files say "unverified" until check-block confirms the reading
 READING_FIELD = "clover_gguf_block_reading"

@@ -68,7 +68,7 @@ class LlamaBackend:
     decodes one token; such a pass decodes the rest of the prompt in two parts, the last of one token."""
 
     # the readings of the block softmax the patched llama.cpp computes (metadata.READINGS; patches/0008, chosen at load
-    # by diffusion.softmax_form)
+    # by clover_moe.diffusion.softmax_form)
     READINGS = tuple(md.READINGS)
 
     def __init__(self, ctx: LlamaContext, mask_token_id: int, eos_ids: Sequence[int], block_size: int,
@@ -412,7 +412,7 @@ class CloverRuntime:
         llama.cpp RPC servers (HOST:PORT) that hold the layers (clover_gguf.rpc). cache_ram: bytes of host memory
         for the kept states of conversations a slot moved on from (clover_gguf.state_cache, serve's --cache-ram; with
         keep_prefix; slot_of runtimes share the first one's). reading: decode the block tensors under this reading
-        instead of the file's (metadata.READINGS; a KV override of diffusion.softmax_form: check-block)."""
+        instead of the file's (metadata.READINGS; a KV override of clover_moe.diffusion.softmax_form: check-block)."""
         from clover_gguf.gguf_header import read_clover
 
         path = Path(gguf)

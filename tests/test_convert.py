@@ -162,9 +162,9 @@ def test_metadata_and_vocabulary_round_trip(tiny, tmp_path):
     assert val("clover_moe.ssm.time_step_rank") == cfg.linear_num_value_heads
     assert val("diffusion.span_length") == 32
     assert abs(val("diffusion.threshold") - 0.95) < 1e-6
-    assert val("diffusion.conv_right_kernel") == cfg.right_kernel
-    assert bool(val("diffusion.enabled")) and bool(val("diffusion.expert_coreset"))
-    assert abs(val("diffusion.expert_coreset_top_p") - 0.9) < 1e-6
+    assert val("clover_moe.diffusion.conv_right_kernel") == cfg.right_kernel
+    assert bool(val("clover_moe.diffusion.enabled")) and bool(val("clover_moe.diffusion.expert_coreset"))
+    assert abs(val("clover_moe.diffusion.expert_coreset_top_p") - 0.9) < 1e-6
     assert abs(val("clover_moe.generation.presence_penalty") - 0.9) < 1e-6
     assert abs(val("clover_moe.generation.repetition_penalty") - 1.05) < 1e-6
     assert val("clover_moe.generation.think_end_bias_start") == 4096

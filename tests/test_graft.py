@@ -54,7 +54,7 @@ def test_official_style_file_has_no_block_tensors(official):
     h = read_header(official, full=True)
     assert h.arch == "clover_moe"
     assert not [n for n in h.tensors if CLOVER_EXTRA_RE.match(n)]
-    assert "diffusion.enabled" not in h.kv and "clover_moe.expert_shared_count" in h.kv
+    assert "clover_moe.diffusion.enabled" not in h.kv and "clover_moe.expert_shared_count" in h.kv
 
 
 def test_official_style_file_runs_ar_and_refuses_block_modes_in_one_line(official):
@@ -263,7 +263,7 @@ def test_block_mode_run_on_an_unverified_file_says_so_and_prints_its_acceptance(
     (ck / "config.json").write_text(json.dumps(cfg))
     out = tmp_path / "real.gguf"
     convert(ck, out, outtype="f32", quiet=True)
-    assert read_header(out).kv["diffusion.softmax_form_verified"] is False
+    assert read_header(out).kv["clover_moe.diffusion.softmax_form_verified"] is False
     p = _cli("generate", out, "-p", "What is 7 + 8?", "--no-think", "--mode", "diffusion", "-n", "12", "--stats")
     assert p.returncode == 0, p.stderr
     notes = [l for l in p.stderr.splitlines() if "not yet verified" in l]

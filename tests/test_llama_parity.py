@@ -12,6 +12,7 @@ only a bound that keeps every test running to its end, and CLOVER_GGUF_PARITY_LO
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import subprocess
@@ -142,7 +143,7 @@ def test_masked_block_parity(clover_files, ref, seqs, filled, coreset):
         block[i] = seqs["block"][i]
     with torch.no_grad():
         want = ref.block_logits(prefix, block, coreset=coreset).numpy()
-    r = _runner(clover_files[1], overrides={"diffusion.expert_coreset": coreset})
+    r = _runner(clover_files[1], overrides={"clover_moe.diffusion.expert_coreset": coreset})
     try:
         r.decode(prefix, 0, 0)
         assert parity(r.block(block, len(prefix)), want) <= TOL
@@ -151,9 +152,9 @@ def test_masked_block_parity(clover_files, ref, seqs, filled, coreset):
 
 
 @pytest.mark.parametrize("overrides,coreset", [
-    ({"diffusion.expert_coreset": False}, False),
-    ({"diffusion.expert_coreset_top_p": 0.5}, 0.5),
-    ({"diffusion.expert_coreset_top_p": 1.0}, 1.0),
+    ({"clover_moe.diffusion.expert_coreset": False}, False),
+    ({"clover_moe.diffusion.expert_coreset_top_p": 0.5}, 0.5),
+    ({"clover_moe.diffusion.expert_coreset_top_p": 1.0}, 1.0),
 ], ids=["off", "top_p-0.5", "top_p-1.0"])
 @pytest.mark.slow
 def test_block_coreset_overrides(clover_files, ref, seqs, overrides, coreset):
@@ -223,6 +224,75 @@ def test_causal_commit_and_block_in_one_call(clover_files, ref, seqs):
         r.seq_rm(1)
         assert parity(got[: len(nxt)], want_next) <= TOL
         assert parity(got[len(nxt):], want_block) <= TOL
+    finally:
+        r.close()
+
+
+def test_block_attention_set_before_the_copy_stays_on(clover_files, ref, seqs):
+    """The other order of the scratch copy (review round 4): block attention switched on for the empty sequence 1,
+    then the prefix copied onto it. Round 3's seq_cp gave the destination the source's flag (off): the "block"
+    decoded causally and llama_decode returned 0 (NMSE 1.8 at stdev 1). Now the flag stays on and the block is the
+    float64 reference's."""
+    prefix, block = seqs["prefix"], seqs["block"]
+    with torch.no_grad():
+        want_block = ref.block_logits(prefix, block).numpy()
+    r = _runner(clover_files[1], n_seq_max=3)
+    try:
+        r.decode(prefix, 0, 0)
+        r.set_block_attn(1)
+        r.seq_rm(2)  # an operation on another sequence leaves the empty sequence's flag alone
+        r.seq_cp(0, 1)
+        assert r._api.llama_get_block_attn(r.ctx, 1)
+        assert parity(r.decode(block, len(prefix), 1), want_block) <= TOL
+    finally:
+        r.close()
+
+
+def test_a_partial_state_of_a_block_makes_its_reader_a_block_sequence(clover_files, seqs):
+    """A partial (recurrent-only) state of a block sequence carries its flag: read into a causal sequence, that
+    sequence becomes a block sequence (its recurrent state is past a block, never a causal prefix). Round 3 wrote no
+    flag in a partial state, and the continuation silently went on from the block's state (NMSE 1.33)."""
+    prefix, block = seqs["prefix"], seqs["block"]
+    r = _runner(clover_files[1], n_seq_max=3)
+    api, partial = r._api, 1  # LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+    api.llama_state_seq_get_size_ext.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_uint32]
+    api.llama_state_seq_get_size_ext.restype = ctypes.c_size_t
+    for name in ("llama_state_seq_get_data_ext", "llama_state_seq_set_data_ext"):
+        fn = getattr(api, name)
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int32, ctypes.c_uint32]
+        fn.restype = ctypes.c_size_t
+    try:
+        r.decode(prefix, 0, 0)
+        r.seq_cp(0, 1)
+        r.set_block_attn(1)
+        r.decode(block, len(prefix), 1)
+        buf = ctypes.create_string_buffer(api.llama_state_seq_get_size_ext(r.ctx, 1, partial))
+        n = api.llama_state_seq_get_data_ext(r.ctx, buf, len(buf), 1, partial)
+        assert n == len(buf) > 0
+        r.seq_cp(0, 2)
+        assert not api.llama_get_block_attn(r.ctx, 2)
+        assert api.llama_state_seq_set_data_ext(r.ctx, buf, n, 2, partial) == n
+        assert api.llama_get_block_attn(r.ctx, 2)
+    finally:
+        r.close()
+
+
+def test_a_refused_seq_cp_is_an_error_the_caller_sees(clover_files, seqs):
+    """llama_memory_seq_cp returns false when the hybrid memory refuses a copy (round 3: void, the caller could not
+    know); LlamaContext.seq_cp raises, and nothing was copied."""
+    prefix, block = seqs["prefix"], seqs["block"]
+    r = _runner(clover_files[1], n_seq_max=3)
+    try:
+        r.decode(prefix, 0, 0)
+        r.seq_cp(0, 1)
+        r.set_block_attn(1)
+        r.decode(block, len(prefix), 1)
+        with pytest.raises(RuntimeError, match="refused to copy sequence 0 onto sequence 1"):
+            r.seq_cp(0, 1)
+        with pytest.raises(RuntimeError, match="refused to copy sequence 1 onto sequence 0"):
+            r.seq_cp(1, 0)
+        assert r.L.llama_memory_seq_pos_max(r.mem, 0) == len(prefix) - 1
+        assert r.L.llama_memory_seq_pos_max(r.mem, 1) == len(prefix) + len(block) - 1
     finally:
         r.close()
 
@@ -309,7 +379,7 @@ def test_the_memory_view_and_the_coreset_key_refuse_bad_values(clover_files):
     finally:
         r.close()
     with pytest.raises(UserError, match="could not load"):
-        _runner(clover_files[1], n_ctx=256, n_ubatch=256, overrides={"diffusion.expert_coreset_top_p": 1.5})
+        _runner(clover_files[1], n_ctx=256, n_ubatch=256, overrides={"clover_moe.diffusion.expert_coreset_top_p": 1.5})
 
 
 def test_the_block_graph_is_reserved_at_the_block_size_not_the_ubatch(bundled_gguf, tmp_path):
@@ -390,7 +460,7 @@ def test_saved_model_keeps_block_settings(clover_files, ref, seqs, tmp_path):
     logits (here with a coreset override that must survive too)."""
     prefix, block = seqs["prefix"], seqs["block"]
     saved = tmp_path / "saved.gguf"
-    r = _runner(clover_files[1], overrides={"diffusion.expert_coreset_top_p": 0.5})
+    r = _runner(clover_files[1], overrides={"clover_moe.diffusion.expert_coreset_top_p": 0.5})
     try:
         r.decode(prefix, 0, 0)
         want = r.block(block, len(prefix))
@@ -405,7 +475,7 @@ def test_saved_model_keeps_block_settings(clover_files, ref, seqs, tmp_path):
     assert read_clover(saved).types["clover_moe.attention.recurrent_layers"][1] == 4  # llama.cpp's UINT32, taken
     r = _runner(saved)
     try:
-        assert r.meta("diffusion.expert_coreset_top_p") == "0.500000" and r.meta("diffusion.enabled") == "true"
+        assert r.meta("clover_moe.diffusion.expert_coreset_top_p") == "0.500000" and r.meta("clover_moe.diffusion.enabled") == "true"
         assert mask is not None and r.meta("tokenizer.ggml.mask_token_id") == mask
         r.decode(prefix, 0, 0)
         assert np.array_equal(r.block(block, len(prefix)), want)

@@ -1,7 +1,7 @@
 """The llama.cpp patch series as an upstream reviewer receives it (docs/llama-cpp-patch.md): `git format-patch` files
-that `git am` applies, one after the other, to the pinned tree and (with its own state-versions patch) to the
-newer tree of llama_sdist.XLLAMACPP, each with an author address, a date and a
-"module : description" subject; split as the review asked; no line of it naming this project."""
+that `git am` applies, one after the other, to the pinned tree and to the newer tree of llama_sdist.XLLAMACPP,
+each with an author address, a date and a "module : description" subject; split as the review asked; no line of it
+naming this project."""
 
 from __future__ import annotations
 
@@ -60,12 +60,12 @@ def test_the_series_is_split_as_the_review_asked():
     """The converter and GGUF keys, the core's per-sequence ubatch, the state versions and the model graph are each a
     patch of their own; the backport says it is a reimplementation."""
     keys, core = _files(_patch("gguf-diffusion-keys")), _files(_patch("llama-block-attention"))
-    versions, model = _files(_patch("llama-state-versions")), _files(_patch("clover-moe-block-attention"))
+    versions, model = _files(_patch("llama-state-file-magic")), _files(_patch("clover-moe-block-attention"))
     assert keys <= {"conversion/clover.py", "gguf-py/gguf/constants.py", "gguf-py/gguf/gguf_writer.py",
                     "src/llama-arch.h", "src/llama-arch.cpp"}, keys
     assert not any(f.startswith(("src/models/", "conversion/", "gguf-py/")) for f in core), core
     assert "src/llama-memory-hybrid.cpp" in core and "src/llama-batch.cpp" in core
-    assert versions == {"include/llama.h"}
+    assert versions == {"include/llama.h", "src/llama-context.cpp", "src/llama-context.h", "tests/test-llama-archs.cpp"}
     assert model <= {"src/models/clover-moe.cpp", "src/models/models.h", "src/llama-model.h",
                      "tests/test-llama-archs.cpp"}, model
     # no architecture test in generic code: the saver and the core never name the model
@@ -75,14 +75,20 @@ def test_the_series_is_split_as_the_review_asked():
 
 
 @pytest.mark.parametrize("source", [PINNED.name, XLLAMACPP.name])
-def test_the_state_versions_are_bumped(source):
-    """The hybrid memory's state layout changed (its block attention flags, for every model): both file versions go
-    up by one, from the tree's own numbers."""
-    diff = _patch("llama-state-versions", source).read_text()
-    for name in ("LLAMA_SESSION_VERSION", "LLAMA_STATE_SEQ_VERSION"):
-        old = int(re.search(rf"^-#define {name} (\d+)$", diff, re.M).group(1))
-        new = int(re.search(rf"^\+#define {name} (\d+)$", diff, re.M).group(1))
-        assert new == old + 1, (name, old, new)
+def test_the_state_files_have_a_magic_of_their_own(source):
+    """Review round 4: bumping the tree's state versions collided with upstream's next numbers (another layout) and
+    invalidated every model's files. The hybrid memory's state with block attention flags gets its own magics and a
+    version field of its own around the tree's version instead; the tree's versions are untouched, so one patch serves
+    every tree (no per-tree copy)."""
+    patches = patch_files(source=source)
+    diff = _patch("llama-state-file-magic", source).read_text()
+    assert not re.search(r"^[-+]#define LLAMA_(SESSION|STATE_SEQ)_VERSION ", diff, re.M)
+    magics = dict(re.findall(r"^\+#define (LLAMA_FILE_MAGIC_\w+) (0x[0-9a-f]+)u", diff, re.M))
+    assert set(magics) == {"LLAMA_FILE_MAGIC_GGSB", "LLAMA_FILE_MAGIC_GGQB"}
+    # not a magic the tree already has ('ggsn', 'ggsq', 'ggla'): a build without the patch refuses these files
+    assert not {int(v, 16) for v in magics.values()} & {0x6767736E, 0x67677371, 0x67676C61}
+    assert re.search(r"^\+#define LLAMA_SESSION_VERSION_BLOCK .*LLAMA_SESSION_VERSION\)$", diff, re.M)
+    assert all(p.parent == patch_files(source=PINNED.name)[0].parent for p in patches)
 
 
 def _git(tree, *args):
@@ -109,8 +115,8 @@ def test_git_am_applies_the_series_to_the_pinned_tree(tmp_path):
 
 @pytest.mark.slow
 def test_git_am_applies_the_series_to_the_newer_tree(tmp_path):
-    """The newer tree: xllamacpp's sdist (37 MB, fetched once into the cache and verified) and its state-versions
-    patch. Extracting and applying takes well under a minute; building it is not part of `make test`
+    """The newer tree: xllamacpp's sdist (37 MB, fetched once into the cache and verified), the same series.
+    Extracting and applying takes well under a minute; building it is not part of `make test`
     (docs/llama-cpp-patch.md, "A newer tree")."""
     sdist = fetch_sdist(cache_root() / "sdist", quiet=True, src=XLLAMACPP)
     _git_am(extract_llama_source(sdist, tmp_path / "llama.cpp", XLLAMACPP), XLLAMACPP.name)

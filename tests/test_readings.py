@@ -171,22 +171,27 @@ def test_restamp_in_place_and_by_rewriting(bundled_gguf, tmp_path):
         assert hashlib.sha256(fh.read()).hexdigest() == data
 
 
-def _legacy_copy(src: Path, out: Path, reading: str) -> Path:
-    """A copy of `src` with the block-mode keys under their names before the diffusion.* family and `reading`
-    under the name it had then (what clover-gguf wrote up to 2026-12-05)."""
+def _legacy_copy(src: Path, out: Path, reading: str, names: dict[str, str] = md.LEGACY_KEYS_ARCH) -> Path:
+    """A copy of `src` with the block-mode keys under one generation of earlier names (`names`, old -> new) and
+    `reading` under the name it had then: what clover-gguf wrote up to 2026-12-05 (LEGACY_KEYS_ARCH, the readings'
+    earlier names) or up to 2026-12-07 (LEGACY_KEYS_DIFFUSION, the arch-less diffusion.* names)."""
     from clover_gguf.export import copy_gguf
 
     h = read_header(src, full=True)
-    old = {new: legacy for legacy, new in md.LEGACY_KEYS.items()}
-    was = {new: legacy for legacy, new in md.LEGACY_READINGS.items()}
+    old = {new: legacy for legacy, new in names.items()}
+    was = {new: legacy for legacy, new in md.LEGACY_READINGS.items()} if names is md.LEGACY_KEYS_ARCH else {reading: reading}
     copy_gguf(h, src, out, keep=list(h.tensors), rename={k: old[k] for k in h.kv if k in old},
               drop_keys={md.BLOCK_READING}, add_keys={old[md.BLOCK_READING]: (STRING, was[reading])}, quiet=True)
     return out
 
 
-def test_a_file_of_the_earlier_key_names_keeps_loading(bundled_gguf, tmp_path):
-    """A GGUF written before block mode's keys were the diffusion.* family and the readings were named for their
-    math (clover_moe.block_mode, ..., block_reading = "clover-gguf-3"): its header reads with the new names and
+@pytest.mark.parametrize("names, old_mode_key", [(md.LEGACY_KEYS_ARCH, "clover_moe.block_mode"),
+                                                  (md.LEGACY_KEYS_DIFFUSION, "diffusion.enabled")],
+                         ids=["arch-block-names", "arch-less-diffusion-names"])
+def test_a_file_of_the_earlier_key_names_keeps_loading(bundled_gguf, tmp_path, names, old_mode_key):
+    """A GGUF of an earlier generation of block mode's key names (up to 2026-12-05: clover_moe.block_mode, ...,
+    block_reading = "clover-gguf-3"; up to 2026-12-07: the arch-less diffusion.enabled, ..., diffusion.softmax_form
+    = "hist-read-mix", before Clover's own keys moved under the architecture): its header reads with the new names and
     values (read_header), and llama.cpp, which knows only the new names, gets them as overrides at load
     (LlamaContext): block attention on, the file's reading (hist-read-mix here, not the default) in force, a block
     pass equal to the same model stamped with the new names."""
@@ -195,9 +200,9 @@ def test_a_file_of_the_earlier_key_names_keeps_loading(bundled_gguf, tmp_path):
     new = tmp_path / "new.gguf"
     shutil.copy(bundled_gguf, new)
     restamp(new, {md.BLOCK_READING: (STRING, "hist-read-mix")})
-    old = _legacy_copy(new, tmp_path / "old.gguf", "hist-read-mix")
+    old = _legacy_copy(new, tmp_path / "old.gguf", "hist-read-mix", names)
     raw = read_header(old).spans  # the file's own names
-    assert "clover_moe.block_mode" in raw and md.BLOCK_MODE not in raw
+    assert old_mode_key in raw and md.BLOCK_MODE not in raw
     h = read_header(old)
     assert h.kv[md.BLOCK_MODE] is True and h.kv[md.BLOCK_READING] == "hist-read-mix"
     assert not any(k in h.kv for k in md.LEGACY_KEYS)
@@ -222,7 +227,7 @@ def test_a_file_of_the_earlier_key_names_keeps_loading(bundled_gguf, tmp_path):
 
 
 def test_a_file_under_another_reading_decodes_under_it_with_ar_text(bundled_gguf, tmp_path):
-    """llama.cpp computes every reading (patches/0005, diffusion.softmax_form): a copy of the bundled model stamped
+    """llama.cpp computes every reading (patches/0005, clover_moe.diffusion.softmax_form): a copy of the bundled model stamped
     hist-read-mix runs its block modes under that reading, and draft-self (exact) and auto still write AR's text."""
     f = tmp_path / "r3-stamped.gguf"
     shutil.copy(bundled_gguf, f)

@@ -72,7 +72,7 @@ def test_the_slice_has_the_35b_layer_shape(ref):
 
 def _runner(gguf, coreset: bool, probe=None) -> LlamaContext:
     return LlamaContext(gguf, n_ctx=256, n_ubatch=256, exact=True, n_threads=2, **env_offload_kwargs(),
-                        overrides={"diffusion.expert_coreset": coreset},
+                        overrides={"clover_moe.diffusion.expert_coreset": coreset},
                         eval_callback=None if probe is None else probe.callback)
 
 
@@ -129,7 +129,7 @@ def test_block_parity_routing_and_continuation(files, ref, seqs, coreset):
 
 @pytest.mark.parametrize("reading", ["hist-read-add", "hist-read-mix"])
 def test_block_parity_under_every_reading(files, ref, seqs, reading):
-    """The other readings of the block softmax (docs/architecture.md 3b), chosen at load by diffusion.softmax_form
+    """The other readings of the block softmax (docs/architecture.md 3b), chosen at load by clover_moe.diffusion.softmax_form
     (here a KV override, as check-block uses it): llama.cpp's block logits are the reference's under the same reading,
     and not reading 1's. (Reading 1 is every other block test's.)"""
     prefix, block, state = seqs["prefix"], seqs["block"], seqs["state"]
@@ -142,7 +142,7 @@ def test_block_parity_under_every_reading(files, ref, seqs, reading):
             ref.reading = "hist-sink-add"
     assert rel_err(want, first) > 3 * TOL  # the reading matters at this shape, beyond the parity tolerance
     r = LlamaContext(files[1], n_ctx=256, n_ubatch=256, exact=True, n_threads=2, **env_offload_kwargs(),
-                     overrides={"diffusion.expert_coreset": False, "diffusion.softmax_form": reading})
+                     overrides={"clover_moe.diffusion.expert_coreset": False, "clover_moe.diffusion.softmax_form": reading})
     try:
         r.decode(prefix, 0, 0, logits=False)
         for n in (32, 5, 1):

@@ -180,7 +180,7 @@ def test_relabelled_checkpoint_quantizes_and_decodes_in_every_mode(twins):
 
 # the keys only our Python side reads (the card's controls, the diffusion threshold, the reading's stamp): the
 # llama.cpp PR's converter class does not write them
-PYTHON_ONLY = re.compile(r"^(clover_moe\.generation\..*|diffusion\.(threshold|softmax_form(_verified)?))$")
+PYTHON_ONLY = re.compile(r"^(clover_moe\.generation\..*|diffusion\.threshold|clover_moe\.diffusion\.softmax_form(_verified)?)$")
 
 
 @pytest.mark.parametrize("outtype", ["f32", "q8_0"])
@@ -192,7 +192,7 @@ def test_the_patched_trees_converter_writes_our_file(make_checkpoint, tmp_path, 
     up_kv, up_t = _kv_and_tensors(upstream_convert(ck, tmp_path / "upstream.gguf", outtype, patched=True))
     ours = convert(ck, tmp_path / "ours.gguf", outtype=outtype, quiet=True).out
     kv, tensors = _kv_and_tensors(ours)
-    assert up_kv["general.architecture"][1] == "clover_moe" and up_kv["diffusion.enabled"][1] is True
+    assert up_kv["general.architecture"][1] == "clover_moe" and up_kv["clover_moe.diffusion.enabled"][1] is True
     mine = {k: v for k, v in kv.items() if not PYTHON_ONLY.match(k)}
     assert mine.keys() - up_kv.keys() <= {"general.sampling.penalty_repeat"}, mine.keys() - up_kv.keys()
     # the size label: ours leaves the block tensors out of the parameter count, so that a checkpoint gets the label

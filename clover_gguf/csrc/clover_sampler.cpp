@@ -136,6 +136,9 @@ struct clover_sampler {
     std::vector<run> runs;
     int64_t          k_next = 0; // the caller's row index of the next backend_apply call
     std::string      refused;    // why a call of the current graph was refused ("": none)
+    // why the sampler cannot select at all ("": it can): backend_init found an op the device cannot run, or llama.cpp
+    // asked the host to select (apply); kept for the sampler's life, so that every later decode fails naming it
+    std::string      unusable;
 
     std::vector<int32_t>  buf_i;
     std::vector<float>    buf_f;
@@ -370,6 +373,8 @@ std::string locate_row(ggml_tensor * row, ggml_tensor ** base, int64_t * i_row) 
     return "";
 }
 
+void log_error(const std::string & line);
+
 // a call this sampler does not know: the data stays as llama.cpp gave it, the reason is kept (the first of the graph)
 // and written to llama.cpp's log
 void refuse(clover_sampler * s, int64_t k, const std::string & why) {
@@ -379,6 +384,11 @@ void refuse(clover_sampler * s, int64_t k, const std::string & why) {
     if (s->refused.empty()) {
         s->refused = line.substr(0, line.size() - 1);
     }
+    log_error(line);
+}
+
+// a line to llama.cpp's log (its callback, level error), else stderr
+void log_error(const std::string & line) {
     ggml_log_callback cb = nullptr;
     void *            ud = nullptr;
     llama_log_get(&cb, &ud);
@@ -395,8 +405,17 @@ const char * cs_name(const llama_sampler *) {
     return "clover";
 }
 
-// on the host (llama_sampler_sample, when the backend does not take it): greedy over the candidates
-void cs_apply(llama_sampler *, llama_token_data_array * cur_p) {
+// on the host (llama_sampler_sample, when the backend does not take it): the sampler's outputs (the corrected logits
+// at the ids, the chunk maxima, the choice) exist only in the graph, so a host call is an error the caller sees
+// (clover_sampler_error), never a silent plain greedy; the candidates' greedy choice is still made so that llama.cpp
+// has a token
+void cs_apply(llama_sampler * smpl, llama_token_data_array * cur_p) {
+    clover_sampler * s = self(smpl);
+    if (s->unusable.empty()) {
+        s->unusable = "clover_sampler: asked to select on the host (llama.cpp sampled without the sampler's graph: "
+                      "backend_init failed or the sampler ran outside a decode's graph); it selects only in the graph";
+        log_error(s->unusable + "\n");
+    }
     if (cur_p->size == 0) {
         cur_p->selected = -1;
         return;
@@ -490,7 +509,14 @@ bool cs_backend_init(llama_sampler * smpl, ggml_backend_buffer_type_t buft, uint
     }
     bool ok = true;
     for (int i = 0; i < ggml_graph_n_nodes(gf) && ok; ++i) {
-        ok = ggml_backend_dev_supports_op(dev, ggml_graph_node(gf, i));
+        ggml_tensor * node = ggml_graph_node(gf, i);
+        ok = ggml_backend_dev_supports_op(dev, node);
+        if (!ok) {
+            // llama.cpp then samples on the host with apply: say why, once, for the caller to see
+            self(smpl)->unusable = std::string("clover_sampler: the device ") + ggml_backend_dev_name(dev) +
+                                   " cannot run " + ggml_op_desc(node) + " of the sampler's graph";
+            log_error(self(smpl)->unusable + "\n");
+        }
     }
     ggml_free(ctx);
     return ok;
@@ -946,7 +972,10 @@ int32_t clover_sampler_saved_logit(llama_sampler * smpl, int32_t token, float * 
 
 const char * clover_sampler_error(llama_sampler * smpl) {
     const clover_sampler * s = ours(smpl);
-    return s == nullptr ? "not a clover sampler" : s->refused.empty() ? nullptr : s->refused.c_str();
+    if (s == nullptr) {
+        return "not a clover sampler";
+    }
+    return !s->unusable.empty() ? s->unusable.c_str() : s->refused.empty() ? nullptr : s->refused.c_str();
 }
 
 int32_t clover_sampler_chunk(int32_t n_vocab) {

@@ -98,7 +98,9 @@ CLOVER_SAMPLER_API int32_t clover_sampler_set_inputs_ext(
 CLOVER_SAMPLER_API int32_t clover_sampler_saved_logit(struct llama_sampler * smpl, int32_t token, float * out);
 
 // Why the sampler refused a call of the current sampling graph (the first such call), NULL when it refused none;
-// cleared when the next graph is built. A refused call's row is left as llama.cpp gave it. "not a clover sampler" for
+// cleared when the next graph is built. A refused call's row is left as llama.cpp gave it. Also, for the sampler's
+// life, why it cannot select at all: backend_init found an op the device cannot run, or llama.cpp asked the host to
+// select (the iface's apply: llama.cpp samples on the host when backend_init fails), which would be plain greedy. "not a clover sampler" for
 // a sampler that is not ours. smpl: the sampler or a chain holding it.
 CLOVER_SAMPLER_API const char * clover_sampler_error(struct llama_sampler * smpl);
 

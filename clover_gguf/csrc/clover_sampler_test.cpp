@@ -172,6 +172,24 @@ int main() {
         llama_sampler_free(smpl);
     }
 
+    // ---- asked to select on the host (what llama.cpp does when backend_init fails): an error the caller sees, for the
+    // sampler's life, never a silent plain greedy
+    {
+        llama_sampler * smpl = make(buft, 4);
+        announce(smpl, 1);
+        check(clover_sampler_error(smpl) == nullptr, "a new sampler has no error");
+        std::vector<llama_token_data> cand = { { 3, 1.0f, 0.0f }, { 7, 2.0f, 0.0f } };
+        llama_token_data_array cur_p = { cand.data(), cand.size(), -1, false };
+        log_text.clear();
+        llama_sampler_apply(smpl, &cur_p);
+        const char * why = clover_sampler_error(smpl);
+        check(why != nullptr && strstr(why, "on the host") != nullptr, "a host selection is an error it reports");
+        check(log_text.find("on the host") != std::string::npos, "the host selection is in llama.cpp's log");
+        smpl->iface->backend_reset(smpl);
+        check(clover_sampler_error(smpl) != nullptr, "a new graph does not clear it");
+        llama_sampler_free(smpl);
+    }
+
     // ---- calls it does not know: refused, nothing computed
     {
         llama_sampler * smpl = make(buft, 4);
