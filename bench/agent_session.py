@@ -2,7 +2,7 @@
 for on each turn.
 
     python bench/agent_session.py [--sessions claude-code,opencode,qwen-code] [--servers serve,llama-server]
-                                  [--model DIR|GGUF] [--ctx 65536] [--threads 2] [--runs 3] [--turns N]
+                                  [--model DIR|GGUF | --slice] [--ctx 65536] [--threads 2] [--runs 3] [--turns N]
                                   [--max-tokens 32] [--exact | --no-exact] [--cache-ram MIB]
                                   [--workdir out/agent-session] [--json]
 
@@ -26,7 +26,9 @@ Both servers in one setting (bench/agent.py's start_ours / start_peer): one slot
 tokens of context; --exact (the default): flash attention off and F32 K/V on both, under which greedy text is
 comparable token for token; --no-exact: each server's defaults (F16 K/V), what a user runs. llama-server as an agent
 user starts it: --jinja, its prompt cache (--cache-ram, its default 8192 MiB unless given) and its context
-checkpoints (default) on; serve with its --cache-ram (default 1024 MiB unless given).
+checkpoints (default) on, and (--peer-template tolerant, the default) bench/clients.py's copy of the model's template
+that renders a later system message as a user turn as serve does (the model's own refuses Claude Code's second system
+message with HTTP 500); serve with its --cache-ram (default 1024 MiB unless given).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from session_store import load  # noqa: E402
 
 SESSIONS = ROOT / "bench" / "sessions"
 SERVERS = ("serve", "llama-server")
+RETRIES = 1
 # neutral penalties under both servers' names (each ignores the other's): serve's model defaults would otherwise
 # differ from llama-server's
 NEUTRAL = {"temperature": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
@@ -185,13 +188,27 @@ def llama_cache_n(api: str, data: bytes) -> int | None:
 def replay(base: str, pid: int, requests: list[dict], max_tokens: int) -> tuple[list[Turn], int]:
     """Every request in order -> (the turns, the server's peak resident memory)."""
     turns = []
-    with httpx.Client(timeout=httpx.Timeout(3600, connect=10)) as http:
-        for i, req in enumerate(requests):
-            t = one_turn(http, base, i + 1, req, pid, max_tokens)
-            turns.append(t)
-            if t.status >= 400:
-                raise BenchError(f"turn {i + 1}: HTTP {t.status}: {' '.join(t.error.split())[:200]}")
+    for i, req in enumerate(requests):
+        # a connection per turn: llama-server closes a kept-alive connection after a few requests, and the next
+        # request on it fails before the server saw it (clients reconnect; the connection costs both servers the same)
+        with httpx.Client(timeout=httpx.Timeout(3600, connect=10)) as http:
+            try:
+                t = one_turn(http, base, i + 1, req, pid, max_tokens)
+            except httpx.HTTPError as e:
+                raise BenchError(f"turn {i + 1}: {type(e).__name__}: {e}") from None
+        turns.append(t)
+        if t.status >= 400:
+            raise BenchError(f"turn {i + 1}: HTTP {t.status}: {' '.join(t.error.split())[:200]}")
     return turns, memory(pid)[1]
+
+
+def exited(proc, seconds: float = 15) -> bool:
+    """Whether the server process exits within `seconds` (one that dropped a connection may still be cleaning up)."""
+    try:
+        proc.wait(timeout=seconds)
+        return True
+    except Exception:  # subprocess.TimeoutExpired: it is still running
+        return False
 
 
 def start(server: str, gguf: Path, workdir: Path, args, procs: list) -> tuple[str, int]:
@@ -201,7 +218,10 @@ def start(server: str, gguf: Path, workdir: Path, args, procs: list) -> tuple[st
         kw = {} if args.cache_ram is None else {"cache_ram": args.cache_ram}
         base = start_ours(gguf, workdir, args.threads, args.ctx, procs, mode="ar", exact=args.exact, **kw)
     else:
-        extra = [] if args.cache_ram is None else ["--cache-ram", str(args.cache_ram)]
+        from clients import peer_args
+
+        extra = [*peer_args(args.peer_template, gguf, workdir),
+                 *([] if args.cache_ram is None else ["--cache-ram", str(args.cache_ram)])]
         base = start_peer(gguf, workdir, args.threads, args.ctx, procs, tuple(extra), exact=args.exact)
     return base, procs[-1].pid
 
@@ -214,13 +234,22 @@ def run_session(name: str, requests: list[dict], gguf: Path, args) -> dict:
     for r in range(args.runs):
         order = args.servers if r % 2 == 0 else args.servers[::-1]
         for s in order:
-            print(f"{name}: run {r + 1} on {s} ...", file=sys.stderr, flush=True)
-            with servers_stopped([]) as procs:
-                try:
-                    base, pid = start(s, gguf, args.workdir, args, procs)
-                except ServerError as e:
-                    raise BenchError(str(e)) from None
-                turns, peak = replay(base, pid, requests, args.max_tokens)
+            for attempt in range(RETRIES + 1):
+                print(f"{name}: run {r + 1} on {s} ...", file=sys.stderr, flush=True)
+                with servers_stopped([]) as procs:
+                    try:
+                        base, pid = start(s, gguf, args.workdir, args, procs)
+                    except ServerError as e:
+                        raise BenchError(str(e)) from None
+                    try:
+                        turns, peak = replay(base, pid, requests, args.max_tokens)
+                        break
+                    except BenchError as e:
+                        # a server that went away mid-session (on a shared machine something else may stop it):
+                        # the run again from a fresh start, once; an HTTP error answer is the server's and final
+                        if attempt == RETRIES or not exited(procs[-1]):
+                            raise BenchError(f"{name} on {s}: {e}") from None
+                        print(f"  {s} exited ({e}): the run again", file=sys.stderr, flush=True)
             for t in turns:
                 print(f"  turn {t.n}: prompt {t.prompt} reused {t.reused} ttft {fmt(t.ttft_s, 3)} s", file=sys.stderr,
                       flush=True)
@@ -294,6 +323,39 @@ def table(name: str, rows: list[dict], tot: dict) -> str:
     return "\n".join([f"{name}:", f(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [f(x) for x in body])
 
 
+# ---- the slice with the 35B's widths, speaking the tool model's tokens ------------------------------------------------
+def make_slice(workdir: Path, experts: int = 64) -> Path:
+    """The slice35b (make_tiny's preset: the 35B's layer widths, 3 GDN + 1 attention layer; seed 5; `experts` routed
+    experts, top-8 as the 35B) with the tool model's tokenizer, chat template and special ids, so that the recorded
+    sessions render to the same prompts as on the tool model; BF16, then Q4_K_M. Made once in `workdir`. Its
+    vocabulary is the tool model's 896 rows, not the 35B's 248,320: the embedding and output rows touched per token
+    are few either way, and a prompt's tokens are the tool model's."""
+    import shutil
+
+    from clover_gguf.convert import convert
+    from clover_gguf.quantize import quantize
+    from clover_gguf.testing.agent import TOOL_MODEL
+    from clover_gguf.testing.make_tiny import make_tiny
+
+    q4 = workdir / f"slice35b-e{experts}-tool-q4_k_m.gguf"
+    if q4.is_file():
+        return q4
+    tool_cfg = json.loads((TOOL_MODEL / "config.json").read_text())
+    ckpt = workdir / f"slice35b-e{experts}-tool"
+    make_tiny(ckpt, seed=5, preset="slice35b", num_experts=experts, vocab_size=int(tool_cfg["vocab_size"]), quiet=True)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        shutil.copy(TOOL_MODEL / f, ckpt / f)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg.update({k: tool_cfg.get(k) for k in ("eos_token_id", "pad_token_id", "mask_token_id", "bos_token_id")})
+    (ckpt / "config.json").write_text(json.dumps(cfg, indent=1) + "\n")
+    bf16 = workdir / f"slice35b-e{experts}-tool-bf16.gguf"
+    convert(ckpt, bf16, outtype="bf16", quiet=True, force=True)
+    quantize(bf16, q4, "Q4_K_M", quiet=True, force=True)
+    bf16.unlink()
+    shutil.rmtree(ckpt)
+    return q4
+
+
 # ---- main -----------------------------------------------------------------------------------------------------------
 def session_path(name: str) -> Path:
     p = Path(name)
@@ -306,6 +368,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="comma-separated client names (bench/sessions/<name>.json.gz) or files; default: all there")
     ap.add_argument("--servers", default=",".join(SERVERS))
     ap.add_argument("--model", type=Path, default=None, help="a GGUF, or the tool model's folder (default)")
+    ap.add_argument("--slice", action="store_true", help="the slice35b with the 35B's widths at Q4_K_M (made once in "
+                    "--workdir, with the tool model's tokenizer) instead of --model")
     ap.add_argument("--ctx", type=int, default=65536)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", type=int, default=3)
@@ -315,6 +379,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="flash attention off and F32 K/V on both servers (greedy text comparable)")
     ap.add_argument("--cache-ram", type=int, default=None, help="MiB of prompt cache on both servers (default: "
                     "each server's own)")
+    ap.add_argument("--peer-template", choices=("model", "tolerant"), default="tolerant",
+                    help="llama-server's chat template: tolerant (default; bench/clients.py's: a later system "
+                         "message, which Claude Code sends, rendered as a user turn, as serve does) or the model's "
+                         "own (which refuses it)")
     ap.add_argument("--workdir", type=Path, default=ROOT / "out" / "agent-session")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
@@ -332,6 +400,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             raise BenchError("--cache-ram must be 0 or more")
         if args.model is not None and not args.model.exists():
             raise BenchError(f"--model {args.model}: no such file or folder")
+        if args.model is not None and args.slice:
+            raise BenchError("--slice and --model: give one")
         names = ([n.strip() for n in args.sessions.split(",") if n.strip()] if args.sessions else
                  sorted(p.name[:-len(".json.gz")] for p in SESSIONS.glob("*.json.gz")))
         if not names:
@@ -352,7 +422,7 @@ def main(argv: list[str] | None = None) -> None:
     args.workdir.mkdir(parents=True, exist_ok=True)
     results = {}
     try:
-        gguf = model_gguf(args.model, args.workdir, args.ctx)
+        gguf = make_slice(args.workdir) if args.slice else model_gguf(args.model, args.workdir, args.ctx)
         for name, path in args.paths.items():
             meta, requests = load(path)
             requests = requests[:args.turns] if args.turns else requests

@@ -146,6 +146,7 @@ def test_the_figures_are_medians_over_runs_and_the_text_of_run_one_is_compared()
     (["--runs", "0"], "--runs must be at least 1"),
     (["--turns", "0"], "--turns must be at least 1"),
     (["--model", "/no/such/model"], "--model /no/such/model: no such file"),
+    (["--slice", "--model", str(BENCH)], "--slice and --model: give one"),
 ])
 def test_bad_arguments_are_one_line_and_exit_2(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
