@@ -323,7 +323,7 @@ def table(name: str, rows: list[dict], tot: dict) -> str:
     return "\n".join([f"{name}:", f(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [f(x) for x in body])
 
 
-# ---- the slice with the 35B's widths, speaking the tool model's tokens ------------------------------------------------
+# ---- the slice with the 35B's widths, speaking the tool model's tokens -----------------------------------------------
 def make_slice(workdir: Path, experts: int = 64) -> Path:
     """The slice35b (make_tiny's preset: the 35B's layer widths, 3 GDN + 1 attention layer; seed 5; `experts` routed
     experts, top-8 as the 35B) with the tool model's tokenizer, chat template and special ids, so that the recorded

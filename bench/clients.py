@@ -327,21 +327,29 @@ def _removed(folder: Path):
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def run_client(c: Client, exe: Path, server: str, upstream: str, workdir: Path, timeout: float, force: bool,
-               ctx: int) -> Row:
-    """Client `c` once on the task against `upstream` through a recording proxy -> its row."""
-    run_dir = workdir / "runs" / f"{server}-{c.name}"  # the client's output
+def fresh_run(c: Client, server: str, workdir: Path, tag: str, files: dict) -> tuple[Path, Path, Path, Path]:
+    """A run's folders, emptied: (where the client's output goes, its sandbox, the task's work folder holding
+    `files`, where the proxy records its requests)."""
+    run_dir = workdir / "runs" / f"{tag}{server}-{c.name}"  # the client's output
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     # its HOME and its work folder: a fresh temporary folder outside any repository (inside one, Aider writes its
     # history at the repository's root and the others read the repository's state into their prompts)
-    sandbox = Path(tempfile.mkdtemp(prefix=f"clover-clients-{server}-{c.name}-"))
+    sandbox = Path(tempfile.mkdtemp(prefix=f"clover-clients-{tag}{server}-{c.name}-"))
     work = sandbox / "work"
     work.mkdir()
-    (work / "notes.txt").write_text(NOTES)
-    row = Row(c.name, c.version, c.api, server)
-    record = workdir / "requests" / server / c.name
+    for name, text in files.items():
+        (work / name).write_text(text)
+    record = workdir / "requests" / f"{tag}{server}" / c.name
     shutil.rmtree(record, ignore_errors=True)
+    return run_dir, sandbox, work, record
+
+
+def run_client(c: Client, exe: Path, server: str, upstream: str, workdir: Path, timeout: float, force: bool,
+               ctx: int) -> Row:
+    """Client `c` once on the task against `upstream` through a recording proxy -> its row."""
+    run_dir, sandbox, work, record = fresh_run(c, server, workdir, "", {"notes.txt": NOTES})
+    row = Row(c.name, c.version, c.api, server)
     # llama-server takes tool_choice only as a string (auto, none, required: a named function is "Wrong type
     # supplied for parameter 'tool_choice'" and falls back to auto; its Messages face maps a named tool to required)
     read_tool = c.read_tool if server == "serve" else None
@@ -374,17 +382,8 @@ def run_session(c: Client, exe: Path, server: str, upstream: str, workdir: Path,
     """Client `c` through `prompts` in one session (one HOME and work folder; every prompt after the first with the
     client's continue flag) against `upstream` through one recording proxy -> (the row of the whole session, every
     exchange in order)."""
-    run_dir = workdir / "runs" / f"session-{server}-{c.name}"
-    shutil.rmtree(run_dir, ignore_errors=True)
-    run_dir.mkdir(parents=True)
-    sandbox = Path(tempfile.mkdtemp(prefix=f"clover-session-{server}-{c.name}-"))
-    work = sandbox / "work"
-    work.mkdir()
-    (work / "notes.txt").write_text(NOTES)
-    (work / "todo.txt").write_text(TODO)
+    run_dir, sandbox, work, record = fresh_run(c, server, workdir, "session-", {"notes.txt": NOTES, "todo.txt": TODO})
     row = Row(c.name, c.version, c.api, server)
-    record = workdir / "requests" / f"session-{server}" / c.name
-    shutil.rmtree(record, ignore_errors=True)
     read_tool = c.read_tool if server == "serve" else None
     outs = []
     with RecordingProxy(upstream, record, force=force, read_tool=read_tool) as proxy, _removed(sandbox):
