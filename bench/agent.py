@@ -72,12 +72,14 @@ def spread(tasks: list, n: int) -> list:
 
 # ---- the servers ---------------------------------------------------------------------------------------------------
 def start_ours(gguf: Path, workdir: Path, threads: int, ctx: int, procs: list, mode: str = "auto",
-               exact: bool = True) -> str:
+               exact: bool = True, cache_ram: int | None = None) -> str:
     """`clover-gguf serve` in a subprocess (one slot); exact: flash attention off and F32 K/V, the tests' settings,
-    under which greedy draft-self and auto write greedy AR's text."""
+    under which greedy draft-self and auto write greedy AR's text; cache_ram: its --cache-ram in MiB (None: its
+    default)."""
     port = free_port()
+    ram = "" if cache_ram is None else f"cache_ram={cache_ram * 2**20}, "
     code = ("from clover_gguf.serve import serve; "
-            f"serve({str(gguf)!r}, port={port}, ctx={ctx}, mode={mode!r}, n_threads={threads}, exact={exact}, "
+            f"serve({str(gguf)!r}, port={port}, ctx={ctx}, mode={mode!r}, n_threads={threads}, exact={exact}, {ram}"
             "log_level='warning')")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     proc = start_logged([sys.executable, "-c", code], workdir / f"clover-serve-{mode}.log", cwd=ROOT, env=env)
@@ -87,11 +89,12 @@ def start_ours(gguf: Path, workdir: Path, threads: int, ctx: int, procs: list, m
     return base
 
 
-def start_peer(gguf: Path, workdir: Path, threads: int, ctx: int, procs: list, extra: tuple = ()) -> str:
+def start_peer(gguf: Path, workdir: Path, threads: int, ctx: int, procs: list, extra: tuple = (),
+               exact: bool = True) -> str:
     """The patched llama-server (the cached build: clover_gguf.build.llama_tool), --jinja, one slot, in the exact
     settings our side runs (flash attention off, F32 K/V): near-ties between two logits cannot come out differently
     for the arithmetic's sake, so where the answers differ the parse, the template or the sampling does. extra: more
-    llama-server arguments (bench/clients.py: --chat-template-file)."""
+    llama-server arguments (bench/clients.py: --chat-template-file); exact=False: its own defaults there."""
     from clover_gguf.build import llama_tool
     from clover_gguf.errors import UserError
 
@@ -101,7 +104,8 @@ def start_peer(gguf: Path, workdir: Path, threads: int, ctx: int, procs: list, e
         raise BenchError(f"starting llama-server: {e}") from None
     port = free_port()
     cmd = [str(exe), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-c", str(ctx), "-np", "1",
-           "-t", str(threads), "--jinja", "--no-webui", "--no-warmup", "-fa", "off", "-ctk", "f32", "-ctv", "f32", *extra]
+           "-t", str(threads), "--jinja", "--no-webui", "--no-warmup",
+           *(("-fa", "off", "-ctk", "f32", "-ctv", "f32") if exact else ()), *extra]
     proc = start_logged(cmd, workdir / "llama-server.log")
     procs.append(proc)
     base = f"http://127.0.0.1:{port}"

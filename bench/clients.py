@@ -66,6 +66,11 @@ NOTES = "alpha one\nthe code word is heron\ngamma three\n"
 LINE = "the code word is heron"
 PROMPT = "Read the file notes.txt and tell me its second line."
 SERVERS = ("serve", "llama-server")
+# --session: one session of these prompts, each going on with the one before (the client's continue flag); with the
+# forced first call each prompt is a tool round trip, two requests or more
+TODO = "buy milk\nfix the build\ncall the plumber\n"
+SESSION_PROMPTS = (PROMPT, "Now read todo.txt and tell me its first line.", "What is the third line of notes.txt?")
+SESSIONS = ROOT / "bench" / "sessions"
 
 
 @dataclass(frozen=True)
@@ -155,9 +160,13 @@ def base_env(home: Path) -> dict:
             "NO_COLOR": "1", "CI": "1"}
 
 
-def configure(c: Client, exe: Path, base: str, home: Path, work: Path, ctx: int) -> tuple[list[str], dict]:
-    """(argv, env) running client `c` once on the task against the server at `base` (its root URL: each client
-    adds its own /v1), with its configuration files written under `home`."""
+def configure(c: Client, exe: Path, base: str, home: Path, work: Path, ctx: int, prompt: str = PROMPT,
+              session: bool = False, resume: bool = False) -> tuple[list[str], dict]:
+    """(argv, env) running client `c` once on `prompt` against the server at `base` (its root URL: each client
+    adds its own /v1), with its configuration files written under `home`. session: the client keeps its record of
+    the session (for prompts that go on with it); resume: the prompt goes on the client's last session in that HOME
+    and work folder (its own continue flag), as a user's next prompt does."""
+    session = session or resume
     home.mkdir(parents=True, exist_ok=True)
     env = base_env(home)
     v1 = base.rstrip("/") + "/v1"
@@ -166,32 +175,36 @@ def configure(c: Client, exe: Path, base: str, home: Path, work: Path, ctx: int)
                     "ANTHROPIC_DEFAULT_HAIKU_MODEL": MODEL_NAME, "ANTHROPIC_SMALL_FAST_MODEL": MODEL_NAME,
                     "DISABLE_AUTOUPDATER": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
                     "DISABLE_TELEMETRY": "1", "DISABLE_ERROR_REPORTING": "1"})
-        return [str(exe), "-p", PROMPT, "--model", MODEL_NAME, "--no-session-persistence"], env
+        # a session that goes on needs the client's own record of it: persistence stays on then
+        keep = ["--continue"] if resume else [] if session else ["--no-session-persistence"]
+        return [str(exe), "-p", prompt, "--model", MODEL_NAME, *keep], env
     if c.name == "codex":
         codex_home = home / ".codex"
         codex_home.mkdir(parents=True, exist_ok=True)
         (codex_home / "config.toml").write_text(codex_config(v1))
         env.update({"CODEX_HOME": str(codex_home), "CLOVER_API_KEY": API_KEY})
-        return [str(exe), "exec", "--skip-git-repo-check", "--ephemeral", "--color", "never", "-s", "read-only",
-                "-c", 'approval_policy="never"', "-C", str(work), PROMPT], env
+        head = [str(exe), "exec", *(["resume", "--last"] if resume else [])]
+        return [*head, "--skip-git-repo-check", *([] if session else ["--ephemeral"]), "--color", "never",
+                "-s", "read-only", "-c", 'approval_policy="never"', "-C", str(work), prompt], env
     if c.name == "opencode":
         d = home / ".config" / "opencode"
         d.mkdir(parents=True, exist_ok=True)
         (d / "opencode.json").write_text(json.dumps(opencode_config(v1), indent=1) + "\n")
         env.update({"OPENCODE_DISABLE_AUTOUPDATE": "1", "OPENCODE_DISABLE_SHARE": "1"})
-        return [str(exe), "run", "-m", f"{MODEL_NAME}/{MODEL_NAME}", PROMPT], env
+        return [str(exe), "run", *(["--continue"] if resume else []), "-m", f"{MODEL_NAME}/{MODEL_NAME}", prompt], env
     if c.name == "qwen-code":
         d = home / ".qwen"
         d.mkdir(parents=True, exist_ok=True)
         (d / "settings.json").write_text(json.dumps(qwen_settings(), indent=1) + "\n")
         env.update({"OPENAI_BASE_URL": v1, "OPENAI_API_KEY": API_KEY, "OPENAI_MODEL": MODEL_NAME})
-        return [str(exe), "--approval-mode", "default", "--auth-type", "openai", "-m", MODEL_NAME, PROMPT], env
+        return [str(exe), *(["--continue"] if resume else []), "--approval-mode", "default", "--auth-type", "openai",
+                "-m", MODEL_NAME, prompt], env
     if c.name == "aider":
         env.update({"OPENAI_API_BASE": v1, "OPENAI_API_KEY": API_KEY, "LITELLM_LOCAL_MODEL_COST_MAP": "True",
                     "AIDER_ANALYTICS": "false"})
-        return [str(exe), "--model", f"openai/{MODEL_NAME}", "--message", PROMPT, "--read", "notes.txt", "--no-git", "--yes-always", "--no-suggest-shell-commands",
+        return [str(exe), "--model", f"openai/{MODEL_NAME}", "--message", prompt, "--read", "notes.txt", "--no-git", "--yes-always", "--no-suggest-shell-commands",
                 "--no-check-update", "--no-show-model-warnings", "--analytics-disable", "--no-pretty",
-                "--no-fancy-input", "--map-tokens", "0"], env
+                "--no-fancy-input", "--map-tokens", "0", *(["--restore-chat-history"] if resume else [])], env
     raise BenchError(f"no configuration for client {c.name}")
 
 
@@ -314,21 +327,29 @@ def _removed(folder: Path):
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def run_client(c: Client, exe: Path, server: str, upstream: str, workdir: Path, timeout: float, force: bool,
-               ctx: int) -> Row:
-    """Client `c` once on the task against `upstream` through a recording proxy -> its row."""
-    run_dir = workdir / "runs" / f"{server}-{c.name}"  # the client's output
+def fresh_run(c: Client, server: str, workdir: Path, tag: str, files: dict) -> tuple[Path, Path, Path, Path]:
+    """A run's folders, emptied: (where the client's output goes, its sandbox, the task's work folder holding
+    `files`, where the proxy records its requests)."""
+    run_dir = workdir / "runs" / f"{tag}{server}-{c.name}"  # the client's output
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     # its HOME and its work folder: a fresh temporary folder outside any repository (inside one, Aider writes its
     # history at the repository's root and the others read the repository's state into their prompts)
-    sandbox = Path(tempfile.mkdtemp(prefix=f"clover-clients-{server}-{c.name}-"))
+    sandbox = Path(tempfile.mkdtemp(prefix=f"clover-clients-{tag}{server}-{c.name}-"))
     work = sandbox / "work"
     work.mkdir()
-    (work / "notes.txt").write_text(NOTES)
-    row = Row(c.name, c.version, c.api, server)
-    record = workdir / "requests" / server / c.name
+    for name, text in files.items():
+        (work / name).write_text(text)
+    record = workdir / "requests" / f"{tag}{server}" / c.name
     shutil.rmtree(record, ignore_errors=True)
+    return run_dir, sandbox, work, record
+
+
+def run_client(c: Client, exe: Path, server: str, upstream: str, workdir: Path, timeout: float, force: bool,
+               ctx: int) -> Row:
+    """Client `c` once on the task against `upstream` through a recording proxy -> its row."""
+    run_dir, sandbox, work, record = fresh_run(c, server, workdir, "", {"notes.txt": NOTES})
+    row = Row(c.name, c.version, c.api, server)
     # llama-server takes tool_choice only as a string (auto, none, required: a named function is "Wrong type
     # supplied for parameter 'tool_choice'" and falls back to auto; its Messages face maps a named tool to required)
     read_tool = c.read_tool if server == "serve" else None
@@ -354,6 +375,53 @@ def run_client(c: Client, exe: Path, server: str, upstream: str, workdir: Path, 
     if not row.requests and not row.note:
         row.note = "sent no request"
     return row
+
+
+def run_session(c: Client, exe: Path, server: str, upstream: str, workdir: Path, timeout: float, force: bool,
+                ctx: int, prompts=SESSION_PROMPTS) -> tuple[Row, list[Exchange]]:
+    """Client `c` through `prompts` in one session (one HOME and work folder; every prompt after the first with the
+    client's continue flag) against `upstream` through one recording proxy -> (the row of the whole session, every
+    exchange in order)."""
+    run_dir, sandbox, work, record = fresh_run(c, server, workdir, "session-", {"notes.txt": NOTES, "todo.txt": TODO})
+    row = Row(c.name, c.version, c.api, server)
+    read_tool = c.read_tool if server == "serve" else None
+    outs = []
+    with RecordingProxy(upstream, record, force=force, read_tool=read_tool) as proxy, _removed(sandbox):
+        t0 = time.perf_counter()
+        for i, prompt in enumerate(prompts):
+            argv, env = configure(c, exe, proxy.base, sandbox / "home", work, ctx, prompt, session=True, resume=i > 0)
+            try:
+                p = subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True, timeout=timeout,
+                                   stdin=subprocess.DEVNULL)
+                out, err, row.exit_code = p.stdout, p.stderr, p.returncode
+            except subprocess.TimeoutExpired:
+                out, err, row.note = "", "", f"prompt {i + 1} stopped after {timeout:.0f} s"
+            (run_dir / f"stdout-{i + 1}.txt").write_text(out)
+            (run_dir / f"stderr-{i + 1}.txt").write_text(err)
+            outs.append(out)
+            if row.note or row.exit_code not in (0, None):
+                break
+        row.wall_s = time.perf_counter() - t0
+        exchanges = list(proxy.exchanges)
+    judge(row, exchanges, "\n".join(outs))
+    if row.exit_code not in (0, None) and not row.note:
+        row.note = f"exit {row.exit_code} on prompt {len(outs)}"
+    return row, exchanges
+
+
+def save_session(c: Client, exchanges: list[Exchange], prompts, folder: Path = SESSIONS) -> Path:
+    """The session's model requests (those of an API, answered 2xx) as bench/sessions/<client>.json.gz: bodies as
+    the client sent them (before the forcing rule), the tool_choice the proxy set, the request headers a server
+    reads, and the recorded answer's text, calls and usage."""
+    from session_store import KEEP_HEADERS, save
+
+    reqs = [{"path": e.path, "headers": {k.lower(): v for k, v in e.headers.items() if k.lower() in KEEP_HEADERS},
+             "forced": e.forced, "answer": e.answer.__dict__, "body": e.body}
+            for e in exchanges if e.api and 200 <= e.status < 300 and isinstance(e.body, dict)]
+    meta = {"client": c.name, "version": c.version, "api": c.api, "prompts": list(prompts),
+            "recorded": time.strftime("%Y-%m-%d", time.gmtime()),
+            "model": "the tool-trained tiny Clover (clover_gguf.testing.agent.TOOL_MODEL), bench/clients.py --session"}
+    return save(folder / f"{c.name}.json.gz", meta, reqs)
 
 
 # ---- the table ------------------------------------------------------------------------------------------------------
@@ -400,6 +468,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--peer-template", choices=("model", "tolerant"), default="model",
                     help="llama-server's chat template: the model's own, or a copy that renders a later system "
                          "message as a user turn (as serve does) instead of refusing it")
+    ap.add_argument("--session", action="store_true",
+                    help="record one session per client (SESSION_PROMPTS, each going on with the one before) "
+                         "against the first --servers and store it as bench/sessions/<client>.json.gz "
+                         "(bench/agent_session.py replays them)")
     ap.add_argument("--workdir", type=Path, default=ROOT / "out" / "bench-clients")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
@@ -471,12 +543,24 @@ def run(args) -> list[Row]:
     with servers_stopped([]) as procs:
         bases = {}
         try:
-            for s in args.servers:
+            for s in args.servers[:1] if args.session else args.servers:
                 bases[s] = (start_ours(gguf, args.workdir, args.threads, args.ctx, procs, mode=args.mode)
                             if s == "serve" else start_peer(gguf, args.workdir, args.threads, args.ctx, procs,
                                                   peer_args(args.peer_template, gguf, args.workdir)))
         except ServerError as e:
             raise BenchError(str(e)) from None
+        if args.session:
+            s = args.servers[0]
+            for n in args.clients:
+                print(f"{n} {CLIENTS[n].version}: a session of {len(SESSION_PROMPTS)} prompts against {s} ...",
+                      file=sys.stderr, flush=True)
+                row, exchanges = run_session(CLIENTS[n], exes[n], s, bases[s], args.workdir, args.timeout,
+                                             args.force, args.ctx)
+                path = save_session(CLIENTS[n], exchanges, SESSION_PROMPTS)
+                print(f"  {row.requests} requests -> {path.relative_to(ROOT)} ({path.stat().st_size:,} bytes)"
+                      + (f" ({row.note})" if row.note else ""), file=sys.stderr, flush=True)
+                rows.append(row)
+            return rows
         for n in args.clients:
             for s in args.servers:
                 print(f"{n} {CLIENTS[n].version} against {s} ...", file=sys.stderr, flush=True)
