@@ -210,7 +210,7 @@ OPTIONS: list[tuple[str, tuple[str, ...], Any, str]] = [
      "for a model of small layers, under 8 MiB of weights each)"),
     ("mmap", ("--mmap/--no-mmap",), True, "map the model file (default) or read it into memory"),
     ("poll", ("--poll",), None, "how long a waiting CPU thread spins before it sleeps, 0..100 (llama.cpp's --poll; "
-     "default: 50, llama.cpp's, with the stall guard for a busy machine; 0 sleeps at once)"),
+     "default: 50; llama.cpp's, with the stall guard for a busy machine; 0 sleeps at once)"),
     ("stall_guard", ("--stall-guard/--no-stall-guard",), True, "drop the CPU threads to one while passes stall "
      "(another program holds a core), trying the full count again now and then (default: on)"),
     ("flash_attn", ("--flash-attn", "-fa"), "auto", "flash attention: on, off or auto (llama.cpp's -fa; auto: on "

@@ -19,6 +19,7 @@ from clover_gguf.export import export_ar
 from clover_gguf.gguf_header import read_header
 from clover_gguf.info import read_info
 from clover_gguf.llama_context import LlamaContext
+from clover_gguf.metadata import BLOCK_KEYS
 from clover_gguf.tensor_map import CLOVER_EXTRA_RE
 
 TOL = 1e-5
@@ -127,7 +128,7 @@ def test_gguf_dump_reads_what_info_reports(files, which):
     assert meta["general.architecture"] == ours["architecture"]
     assert meta["GGUF.tensor_count"] == ours["tensor_count"] == len(theirs["tensors"])
     for key, value in ours["hparams"].items():
-        want = meta[key if key.startswith("diffusion.") else f"{ours['architecture']}.{key}"]  # block mode's family
+        want = meta[key if key in BLOCK_KEYS else f"{ours['architecture']}.{key}"]  # arch-less diffusion.* as they are
         if isinstance(value, float):
             assert value == pytest.approx(want, rel=1e-6), key
         elif isinstance(value, str) and value.endswith(" values]"):  # long arrays are only counted
