@@ -48,9 +48,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from client_proxy import api_of, parse_answer, sse_events  # noqa: E402
-from session_store import load  # noqa: E402
+from session_store import file_of, load, recorded  # noqa: E402
 
-SESSIONS = ROOT / "bench" / "sessions"
 SERVERS = ("serve", "llama-server")
 RETRIES = 1
 # neutral penalties under both servers' names (each ignores the other's): serve's model defaults would otherwise
@@ -358,8 +357,9 @@ def make_slice(workdir: Path, experts: int = 64) -> Path:
 
 # ---- main -----------------------------------------------------------------------------------------------------------
 def session_path(name: str) -> Path:
+    """--sessions' entry: a path to a stored session as it is, else a client's name (its recorded session)."""
     p = Path(name)
-    return p if p.suffix == ".gz" or p.is_file() else SESSIONS / f"{name}.json.gz"
+    return p if p.suffix == ".gz" or p.is_file() else file_of(name)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -403,7 +403,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if args.model is not None and args.slice:
             raise BenchError("--slice and --model: give one")
         names = ([n.strip() for n in args.sessions.split(",") if n.strip()] if args.sessions else
-                 sorted(p.name[:-len(".json.gz")] for p in SESSIONS.glob("*.json.gz")))
+                 recorded())
         if not names:
             raise BenchError("no sessions: record them with `python bench/clients.py --session`")
         args.paths = {n: session_path(n) for n in names}

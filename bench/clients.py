@@ -59,6 +59,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from client_proxy import Exchange, RecordingProxy, carries_tool_result  # noqa: E402
+from session_store import KEEP_HEADERS, SESSIONS, file_of, save  # noqa: E402
 
 API_KEY = "clover-bench-key"  # what the clients send; neither server is started with --api-key
 MODEL_NAME = "clover"
@@ -70,7 +71,6 @@ SERVERS = ("serve", "llama-server")
 # forced first call each prompt is a tool round trip, two requests or more
 TODO = "buy milk\nfix the build\ncall the plumber\n"
 SESSION_PROMPTS = (PROMPT, "Now read todo.txt and tell me its first line.", "What is the third line of notes.txt?")
-SESSIONS = ROOT / "bench" / "sessions"
 
 
 @dataclass(frozen=True)
@@ -413,15 +413,13 @@ def save_session(c: Client, exchanges: list[Exchange], prompts, folder: Path = S
     """The session's model requests (those of an API, answered 2xx) as bench/sessions/<client>.json.gz: bodies as
     the client sent them (before the forcing rule), the tool_choice the proxy set, the request headers a server
     reads, and the recorded answer's text, calls and usage."""
-    from session_store import KEEP_HEADERS, save
-
     reqs = [{"path": e.path, "headers": {k.lower(): v for k, v in e.headers.items() if k.lower() in KEEP_HEADERS},
              "forced": e.forced, "answer": e.answer.__dict__, "body": e.body}
             for e in exchanges if e.api and 200 <= e.status < 300 and isinstance(e.body, dict)]
     meta = {"client": c.name, "version": c.version, "api": c.api, "prompts": list(prompts),
             "recorded": time.strftime("%Y-%m-%d", time.gmtime()),
             "model": "the tool-trained tiny Clover (clover_gguf.testing.agent.TOOL_MODEL), bench/clients.py --session"}
-    return save(folder / f"{c.name}.json.gz", meta, reqs)
+    return save(file_of(c.name, folder), meta, reqs)
 
 
 # ---- the table ------------------------------------------------------------------------------------------------------

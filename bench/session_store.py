@@ -21,6 +21,20 @@ import gzip
 import json
 from pathlib import Path
 
+SESSIONS = Path(__file__).resolve().parent / "sessions"  # bench/sessions: the recorded sessions in the repository
+SUFFIX = ".json.gz"
+
+
+def file_of(name: str, folder: Path = SESSIONS) -> Path:
+    """The file of the session recorded of client `name` in `folder`."""
+    return folder / f"{name}{SUFFIX}"
+
+
+def recorded(folder: Path = SESSIONS) -> list[str]:
+    """The names of the sessions stored in `folder`, sorted."""
+    return sorted(p.name[:-len(SUFFIX)] for p in folder.glob(f"*{SUFFIX}"))
+
+
 # the request headers a server may read (the rest: the client's transport, proxies, secrets)
 KEEP_HEADERS = ("anthropic-beta", "anthropic-version", "user-agent", "x-app", "openai-beta", "originator", "session_id",
                 "x-stainless-helper-method")
