@@ -41,6 +41,7 @@ from clover_gguf.offload import MAX_THREADS, check_poll
 
 POLL_DEFAULT = 50  # spin a while, as llama.cpp (ggml's default poll, libgomp's default spin count)
 SPINS_PER_POLL = 6000  # GOMP_SPINCOUNT per poll level: 50 -> 300,000, libgomp's default
+LIBGOMP_POLL = 50  # the poll level whose spin count is libgomp's own default: at it the environment is left alone
 SMALL_LAYER_BYTES = 8 * 2**20  # weights per layer under this run on one thread (bundled 1.2 MiB, slice35b 53 MiB)
 MAX_DEFAULT_THREADS = 8  # the default's cap (more threads than this only help a CPU with the bandwidth for them)
 GOMP_ENV = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
@@ -86,8 +87,8 @@ def prepare_wait(poll: int | None) -> None:
     elif any(k in os.environ for k in GOMP_ENV):
         _loaded = (None, "the environment's " + ", ".join(f"{k}={os.environ[k]}" for k in GOMP_ENV
                                                           if k in os.environ))
-    else:  # libgomp's own waiting is poll 50's: left to it, as llama.cpp's tools leave it
-        if POLL_DEFAULT != 50:
+    else:  # libgomp's own waiting is LIBGOMP_POLL's: left to it, as llama.cpp's tools leave it
+        if POLL_DEFAULT != LIBGOMP_POLL:
             os.environ["GOMP_SPINCOUNT"] = str(spin_count(POLL_DEFAULT))
         _loaded = (POLL_DEFAULT, DEFAULT_WHY)
 
