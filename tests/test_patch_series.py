@@ -68,6 +68,8 @@ def test_the_series_is_split_as_the_review_asked():
     assert versions == {"include/llama.h", "src/llama-context.cpp", "src/llama-context.h", "tests/test-llama-archs.cpp"}
     assert model <= {"src/models/clover-moe.cpp", "src/models/models.h", "src/llama-model.h",
                      "tests/test-llama-archs.cpp"}, model
+    # the block graph's float64 reference check is a test of its own, on the graph patch (review round 4, item 3)
+    assert _files(_patch("tests-clover-moe-block-reference")) == {"tests/test-llama-archs.cpp"}
     # no architecture test in generic code: the saver and the core never name the model
     core_added = "\n".join(_added(_patch("llama-block-attention")))
     assert "CLOVER" not in core_added and "clover" not in core_added.lower().replace("clover_moe.", "")
