@@ -6,7 +6,8 @@ against the CPU's, the causal-attention toggle, block attention (check_block_att
 copy of the prefix, blocks alternating with causal passes, a block and a causal sequence in one decode against the two
 apart, the prefix untouched, the flag through seq_cp / seq_rm / clear / state, the API's refusals) and a save/load
 round trip; the protocol the hybrid memory keeps (check_block_attn_protocol) and the block attention flags in the
-state (check_block_attn_state). Runs in CI on the build `make llama` made: a missing tool is a failure, never a
+state (check_block_attn_state); and, at weights of stdev 1, the block pass's first Gated DeltaNet layer against a
+float64 reference of it under each softmax form (check_block_attn_reference, patches/0009). Runs in CI on the build `make llama` made: a missing tool is a failure, never a
 skip.
 """
 
