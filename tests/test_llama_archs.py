@@ -7,8 +7,8 @@ copy of the prefix, blocks alternating with causal passes, a block and a causal 
 apart, the prefix untouched, the flag through seq_cp / seq_rm / clear / state, the API's refusals) and a save/load
 round trip; the protocol the hybrid memory keeps (check_block_attn_protocol) and the block attention flags in the
 state (check_block_attn_state); and, at weights of stdev 1, the block pass's first Gated DeltaNet layer against a
-float64 reference of it under each softmax form (check_block_attn_reference, patches/0009). Runs in CI on the build `make llama` made: a missing tool is a failure, never a
-skip.
+float64 reference of it under each softmax form (check_block_attn_reference, patches/0009). Runs in CI on the build
+`make llama` made: a missing tool is a failure, never a skip.
 """
 
 from __future__ import annotations
