@@ -442,7 +442,7 @@ class LlamaContext:
         logits [n_out, V] for the tokens that asked for them (all by default); with `gather`, the graph's selection
         rows for them instead (GraphRows; None when no token asked). A sequence switched to block attention
         (set_block_attn) is decoded as one block. A gather with no token asking (the first part of a prompt whose
-        last token the gather is for) attaches its sampler now (_attach), so that a prompt's passes all run on the
+        last token the gather is for) attaches its sampler now (attach), so that a prompt's passes all run on the
         compute buffers its sampler's graph keeps."""
         self._check_open()
         parts = [(ids, pos0, seq), *extra]
@@ -477,7 +477,7 @@ class LlamaContext:
                 self._select_off(s)
             self._disarm(tuple(seqs))
         elif gather is not None:
-            self._attach(seq, gather)
+            self.attach(seq, gather)
         self._run(batch, n, n_out)
         if gather is not None:  # llama.cpp finds a decode's rows by the batch index of the first
             if not n_out:
@@ -567,7 +567,7 @@ class LlamaContext:
             self._selectors[seq] = held = (key, chain)
         return held
 
-    def _attach(self, seq: int, g: Gather) -> None:
+    def attach(self, seq: int, g: Gather) -> None:
         """Give `seq` the sampler of a gather whose rows a later decode asks for, with no rows in this one. A prompt
         kept in parts (runtime.LlamaBackend: its first tokens, then the rest) gets its sampler before its first part:
         attached only before the last, llama.cpp's re-reserve would throw away the compute buffers the long first
