@@ -3,7 +3,7 @@ for on each turn.
 
     python bench/agent_session.py [--sessions claude-code,opencode,qwen-code] [--servers serve,llama-server]
                                   [--model DIR|GGUF | --slice] [--ctx 65536] [--threads 2] [--runs 3] [--turns N]
-                                  [--max-tokens 32] [--exact | --no-exact] [--cache-ram MIB]
+                                  [--max-tokens 32] [--exact | --no-exact] [--cache-ram MIB] [--interleave]
                                   [--workdir out/agent-session] [--json]
 
 A session (bench/sessions/<client>.json.gz, recorded by `bench/clients.py --session`: the requests as the client sent
@@ -201,6 +201,27 @@ def replay(base: str, pid: int, requests: list[dict], max_tokens: int) -> tuple[
     return turns, memory(pid)[1]
 
 
+def replay_interleaved(servers: dict[str, tuple[str, int]], requests: list[dict], max_tokens: int
+                       ) -> dict[str, tuple[list[Turn], int]]:
+    """Every request in order to each server (name -> (base URL, pid)), all up at once, the order of the servers
+    alternating from one turn to the next, so that a turn's figures on both meet the same load -> {server: (its
+    turns, its peak resident memory)}."""
+    names = list(servers)
+    turns: dict[str, list[Turn]] = {s: [] for s in names}
+    for i, req in enumerate(requests):
+        for s in (names if i % 2 == 0 else names[::-1]):
+            base, pid = servers[s]
+            with httpx.Client(timeout=httpx.Timeout(3600, connect=10)) as http:
+                try:
+                    t = one_turn(http, base, i + 1, req, pid, max_tokens)
+                except httpx.HTTPError as e:
+                    raise BenchError(f"{s}, turn {i + 1}: {type(e).__name__}: {e}") from None
+            turns[s].append(t)
+            if t.status >= 400:
+                raise BenchError(f"{s}, turn {i + 1}: HTTP {t.status}: {' '.join(t.error.split())[:200]}")
+    return {s: (turns[s], memory(servers[s][1])[1]) for s in names}
+
+
 def exited(proc, seconds: float = 15) -> bool:
     """Whether the server process exits within `seconds` (one that dropped a connection may still be cleaning up)."""
     try:
@@ -231,6 +252,16 @@ def run_session(name: str, requests: list[dict], gguf: Path, args) -> dict:
 
     out = {s: [] for s in args.servers}
     for r in range(args.runs):
+        if args.interleave:  # both servers up at once, each turn on one then the other
+            print(f"{name}: run {r + 1} on {', '.join(args.servers)}, interleaved ...", file=sys.stderr, flush=True)
+            with servers_stopped([]) as procs:
+                try:
+                    up = {s: start(s, gguf, args.workdir, args, procs) for s in args.servers}
+                except ServerError as e:
+                    raise BenchError(str(e)) from None
+                for s, got in replay_interleaved(up, requests, args.max_tokens).items():
+                    out[s].append(got)
+            continue
         order = args.servers if r % 2 == 0 else args.servers[::-1]
         for s in order:
             for attempt in range(RETRIES + 1):
@@ -383,6 +414,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="llama-server's chat template: tolerant (default; bench/clients.py's: a later system "
                          "message, which Claude Code sends, rendered as a user turn, as serve does) or the model's "
                          "own (which refuses it)")
+    ap.add_argument("--interleave", action="store_true",
+                    help="both servers up at once, each turn sent to one then the other (the order alternating): "
+                         "per-turn ratios under the same load")
     ap.add_argument("--workdir", type=Path, default=ROOT / "out" / "agent-session")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)

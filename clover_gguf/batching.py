@@ -281,6 +281,8 @@ class SlotContext:
             return self._run(_Pass(fn=lambda: ctx.decode(ids, pos0, s, logits=flags, gather=gather)))
         # an AR step or a prompt (its only row the last token's): parts that share the steps' decodes, a chunk of
         # a long prompt per step
+        if gather is not None and not flags[-1]:  # the first part of a prompt kept in parts (LlamaContext.attach)
+            self._run(_Pass(fn=lambda: ctx.attach(s, gather)))
         c = sched.prefill_chunk
         for k in range(0, len(ids), c):
             if k and self._cancelled is not None and self._cancelled():

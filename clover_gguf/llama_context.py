@@ -441,7 +441,9 @@ class LlamaContext:
         """Decode `ids` at positions pos0.. on `seq` (plus (ids, pos0, seq) parts in the same batch) ->
         logits [n_out, V] for the tokens that asked for them (all by default); with `gather`, the graph's selection
         rows for them instead (GraphRows; None when no token asked). A sequence switched to block attention
-        (set_block_attn) is decoded as one block."""
+        (set_block_attn) is decoded as one block. A gather with no token asking (the first part of a prompt whose
+        last token the gather is for) attaches its sampler now (attach), so that a prompt's passes all run on the
+        compute buffers its sampler's graph keeps."""
         self._check_open()
         parts = [(ids, pos0, seq), *extra]
         n = sum(len(p[0]) for p in parts)
@@ -474,6 +476,8 @@ class LlamaContext:
             for s in [s for s in self._selectors if s in seqs]:
                 self._select_off(s)
             self._disarm(tuple(seqs))
+        elif gather is not None:
+            self.attach(seq, gather)
         self._run(batch, n, n_out)
         if gather is not None:  # llama.cpp finds a decode's rows by the batch index of the first
             if not n_out:
@@ -538,23 +542,10 @@ class LlamaContext:
         row of n_vocab values (libclover_sampler refuses more)."""
         return self.n_vocab - (1 if sampled else self.n_chunks + 1) - top_n
 
-    def _select_on(self, seq: int, g: Gather, n_out: int, n: int) -> None:
-        """Give `seq` the selection sampler for this gather (a new one when its settings changed) and its inputs
-        for this decode (the sampler copies them)."""
-        if g.n_rows != n_out:
-            raise ValueError(f"a gather for {g.n_rows} rows, the decode has {n_out}")
-        if n_out > 1 and n > self.n_ubatch:  # the sampler reads one ubatch's rows
-            raise ValueError(f"{n} tokens with {n_out} selected rows: more than one micro-batch ({self.n_ubatch})")
-        ids = np.ascontiguousarray(g.ids, dtype=np.int32)
-        coef = u = None
-        if g.coef is not None:
-            coef = np.ascontiguousarray(g.coef, dtype=np.float32)
-            if coef.shape != (3, n_out, len(ids)):
-                raise ValueError(f"a gather's coef must be [3, {n_out}, {len(ids)}], got {list(coef.shape)}")
-        if g.temp > 0:
-            u = None if g.uniform is None else np.ascontiguousarray(g.uniform, dtype=np.float32)
-            if coef is None or u is None or u.shape != (n_out,):
-                raise ValueError(f"a sampled gather needs coef [3, {n_out}, {len(ids)}] and uniform [{n_out}]")
+    def _selector(self, seq: int, g: Gather, n_out: int) -> tuple[tuple, Any]:
+        """`seq`'s selection sampler for a gather of n_out rows -> (its settings, its chain): the one it has when that
+        fits, else a new one attached to llama.cpp (which then re-reserves its compute buffers at the next decode: new
+        memory, whose pages each graph touches for the first time)."""
         key = (g.width, g.probs, g.temp, g.top_k, g.top_p, g.top_n, g.save_last)
         held = self._selectors.get(seq)
         if held is not None and held[0][1:] == key[1:] and g.width <= held[0][0] and \
@@ -574,6 +565,35 @@ class LlamaContext:
             if held is not None:
                 L.llama_sampler_free(held[1])
             self._selectors[seq] = held = (key, chain)
+        return held
+
+    def attach(self, seq: int, g: Gather) -> None:
+        """Give `seq` the sampler of a gather whose rows a later decode asks for, with no rows in this one. A prompt
+        kept in parts (runtime.LlamaBackend: its first tokens, then the rest) gets its sampler before its first part:
+        attached only before the last, llama.cpp's re-reserve would throw away the compute buffers the long first
+        part had touched, and the next turns' passes would fault in fresh pages of new ones (on the tool model at 37K
+        tokens of context, a continuing turn's prefill took 2.4x llama-server's)."""
+        held = self._selector(seq, g, g.n_rows)
+        self._sampler.clover_sampler_set_inputs(held[1], None, 0, 0, None, None)  # no rows in this decode
+
+    def _select_on(self, seq: int, g: Gather, n_out: int, n: int) -> None:
+        """Give `seq` the selection sampler for this gather (a new one when its settings changed) and its inputs
+        for this decode (the sampler copies them)."""
+        if g.n_rows != n_out:
+            raise ValueError(f"a gather for {g.n_rows} rows, the decode has {n_out}")
+        if n_out > 1 and n > self.n_ubatch:  # the sampler reads one ubatch's rows
+            raise ValueError(f"{n} tokens with {n_out} selected rows: more than one micro-batch ({self.n_ubatch})")
+        ids = np.ascontiguousarray(g.ids, dtype=np.int32)
+        coef = u = None
+        if g.coef is not None:
+            coef = np.ascontiguousarray(g.coef, dtype=np.float32)
+            if coef.shape != (3, n_out, len(ids)):
+                raise ValueError(f"a gather's coef must be [3, {n_out}, {len(ids)}], got {list(coef.shape)}")
+        if g.temp > 0:
+            u = None if g.uniform is None else np.ascontiguousarray(g.uniform, dtype=np.float32)
+            if coef is None or u is None or u.shape != (n_out,):
+                raise ValueError(f"a sampled gather needs coef [3, {n_out}, {len(ids)}] and uniform [{n_out}]")
+        held = self._selector(seq, g, n_out)
         masks = row_mask = None
         n_words = n_masks = 0
         if g.masks:

@@ -161,8 +161,8 @@ class LlamaBackend:
         if self.keep_prompt and start < len(ids) - 1 and (keep is None or start >= keep):
             cuts.append((len(ids) - 1, SEQ_PROMPT))
         for at, seq in cuts:
-            if at > start:
-                self.ctx.decode(ids[start:at], start, SEQ_MAIN, logits=False)
+            if at > start:  # with the gather: its sampler is attached before the prompt's first pass (LlamaContext)
+                self.ctx.decode(ids[start:at], start, SEQ_MAIN, logits=False, gather=gather)
             self.ctx.seq_rm(seq)
             self.ctx.seq_cp(SEQ_MAIN, seq)
             setattr(self, _KEPT[seq], ids[:at])

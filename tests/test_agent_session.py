@@ -154,3 +154,20 @@ def test_bad_arguments_are_one_line_and_exit_2(argv, message, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0]
+
+
+def test_interleaved_turns_go_to_both_servers_in_alternating_order(monkeypatch):
+    """--interleave: each turn goes to every server before the next turn, the servers' order alternating, so that a
+    turn's figures on both meet the same load; each server gets its own turns, in order."""
+    a = session
+    sent = []
+
+    def one_turn(http, base, n, req, pid, max_tokens):
+        sent.append((base, n))
+        return a.Turn(n, "chat", status=200)
+
+    monkeypatch.setattr(a, "one_turn", one_turn)
+    monkeypatch.setattr(a, "memory", lambda pid: (0, pid))
+    out = a.replay_interleaved({"serve": ("S", 1), "llama-server": ("L", 2)}, [{}, {}, {}], 32)
+    assert sent == [("S", 1), ("L", 1), ("L", 2), ("S", 2), ("S", 3), ("L", 3)]
+    assert [t.n for t in out["serve"][0]] == [1, 2, 3] and out["serve"][1] == 1 and out["llama-server"][1] == 2

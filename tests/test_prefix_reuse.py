@@ -9,6 +9,7 @@ import pytest
 
 from clover_gguf.chat import ChatSession
 from clover_gguf.decoding import MODES
+from clover_gguf.llama_context import load_binding
 from clover_gguf.runtime import CloverRuntime
 
 FIVE_TURNS = ["What is 7 + 8?", "Count from 33 to 37.", "Reverse: c l o v e r", "What is 34 + 58?",
@@ -282,3 +283,43 @@ def test_a_raw_prompt_keeps_its_prompt_for_the_same_or_a_longer_one(bundled_gguf
         assert reused == n - 1
     with CloverRuntime(bundled_gguf, n_ctx=1024) as rt:
         assert ask(rt, short)[:2] == (a, 0) and ask(rt, longer)[:2] == (b, 0)
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+def test_a_kept_prompt_attaches_its_sampler_before_its_first_pass(bundled_gguf, monkeypatch, slots):
+    """A prompt decoded in parts (its turn kept, then the rest) gets its selection sampler before the first part: a
+    sampler attached to llama.cpp makes it re-reserve its compute buffers at the next decode, and attached only before
+    the last part it threw away the buffers the long first part had touched (the next turns' passes then faulted in
+    fresh pages: 2.4x llama-server's wait on a continuing turn at 37K tokens of context). The next turn, same
+    settings, attaches nothing. Also on a slot of a shared context (serve --parallel), whose prompt parts share the
+    scheduler's decodes."""
+    with CloverRuntime(bundled_gguf, n_ctx=1024, keep_prefix=True, keep_prompt=True, slots=slots) as rt:
+        L = load_binding()
+        calls: list[str] = []
+        set_sampler, decode = L.llama_set_sampler, L.llama_decode
+
+        def on_set(*a):
+            calls.append("set_sampler")
+            return set_sampler(*a)
+
+        def on_decode(*a):
+            calls.append("decode")
+            return decode(*a)
+
+        monkeypatch.setattr(L, "llama_set_sampler", on_set)
+        monkeypatch.setattr(L, "llama_decode", on_decode)
+
+        def ask(messages):
+            calls.clear()
+            ids, keep = rt.prompt_and_keep(messages, think=False)
+            text = "".join(t for t, _ in rt.stream_ids(ids, mode="ar", max_new_tokens=4, keep=keep))
+            return text, keep, len(ids)
+
+        first = [{"role": "user", "content": "What is 7 + 8?"}]
+        a, keep, n = ask(first)
+        assert 0 < keep < n and rt.backend.prefix  # decoded in two parts, the turn kept between them
+        assert calls[:3] == ["set_sampler", "decode", "decode"], calls
+        second = first + [{"role": "assistant", "content": a}, {"role": "user", "content": "Count from 3 to 6."}]
+        ask(second)
+        assert rt.backend.reused == keep and calls.count("decode") >= 2
+        assert "set_sampler" not in calls, calls
