@@ -184,20 +184,25 @@ def llama_cache_n(api: str, data: bytes) -> int | None:
 
 
 # ---- one session on one server --------------------------------------------------------------------------------------
+def send_turn(base: str, pid: int, i: int, req: dict, max_tokens: int, who: str = "") -> Turn:
+    """Request i (0-based) of a session to one server -> its Turn; a failed request or an error status is a
+    BenchError naming the turn (and `who`, the server, when several are up)."""
+    where = f"{who}, " if who else ""
+    # a connection per turn: llama-server closes a kept-alive connection after a few requests, and the next
+    # request on it fails before the server saw it (clients reconnect; the connection costs both servers the same)
+    with httpx.Client(timeout=httpx.Timeout(3600, connect=10)) as http:
+        try:
+            t = one_turn(http, base, i + 1, req, pid, max_tokens)
+        except httpx.HTTPError as e:
+            raise BenchError(f"{where}turn {i + 1}: {type(e).__name__}: {e}") from None
+    if t.status >= 400:
+        raise BenchError(f"{where}turn {i + 1}: HTTP {t.status}: {' '.join(t.error.split())[:200]}")
+    return t
+
+
 def replay(base: str, pid: int, requests: list[dict], max_tokens: int) -> tuple[list[Turn], int]:
     """Every request in order -> (the turns, the server's peak resident memory)."""
-    turns = []
-    for i, req in enumerate(requests):
-        # a connection per turn: llama-server closes a kept-alive connection after a few requests, and the next
-        # request on it fails before the server saw it (clients reconnect; the connection costs both servers the same)
-        with httpx.Client(timeout=httpx.Timeout(3600, connect=10)) as http:
-            try:
-                t = one_turn(http, base, i + 1, req, pid, max_tokens)
-            except httpx.HTTPError as e:
-                raise BenchError(f"turn {i + 1}: {type(e).__name__}: {e}") from None
-        turns.append(t)
-        if t.status >= 400:
-            raise BenchError(f"turn {i + 1}: HTTP {t.status}: {' '.join(t.error.split())[:200]}")
+    turns = [send_turn(base, pid, i, req, max_tokens) for i, req in enumerate(requests)]
     return turns, memory(pid)[1]
 
 
@@ -211,14 +216,7 @@ def replay_interleaved(servers: dict[str, tuple[str, int]], requests: list[dict]
     for i, req in enumerate(requests):
         for s in (names if i % 2 == 0 else names[::-1]):
             base, pid = servers[s]
-            with httpx.Client(timeout=httpx.Timeout(3600, connect=10)) as http:
-                try:
-                    t = one_turn(http, base, i + 1, req, pid, max_tokens)
-                except httpx.HTTPError as e:
-                    raise BenchError(f"{s}, turn {i + 1}: {type(e).__name__}: {e}") from None
-            turns[s].append(t)
-            if t.status >= 400:
-                raise BenchError(f"{s}, turn {i + 1}: HTTP {t.status}: {' '.join(t.error.split())[:200]}")
+            turns[s].append(send_turn(base, pid, i, req, max_tokens, who=s))
     return {s: (turns[s], memory(servers[s][1])[1]) for s in names}
 
 
