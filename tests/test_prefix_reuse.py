@@ -323,3 +323,37 @@ def test_a_kept_prompt_attaches_its_sampler_before_its_first_pass(bundled_gguf, 
         ask(second)
         assert rt.backend.reused == keep and calls.count("decode") >= 2
         assert "set_sampler" not in calls, calls
+
+
+def test_an_agent_turn_is_tokenized_once_and_kept_where_its_messages_end(tool_gguf):
+    """An agent resends 17K-45K tokens every turn, and llama.cpp's tokenizer takes 25-45 ms for 38K of them:
+    prompt_and_keep tokenizes the prompt once and finds the kept position from the generation prompt's own tokens.
+    The position is checked against the independent reading (the rendering without the generation prompt, tokenized
+    on its own) on every turn of the recorded Qwen Code session (chat completions, its tools, tool results) as serve
+    prepares it, and on a plain chat with thinking on and off."""
+    from bench_scripts import load_bench
+
+    from clover_gguf.serve import tools as serve_tools
+    from clover_gguf.serve.core import chat_plan, normalize_roles
+
+    store = load_bench("session_store.py")
+    _, requests = store.load(store.file_of("qwen-code"))
+    with CloverRuntime(tool_gguf, n_ctx=512) as rt:
+        cases = []
+        for req in requests:
+            plan = chat_plan(req["body"], None, "ar")  # as serve's precheck prepares it (its size check left out)
+            messages, tools = serve_tools.for_template(rt, normalize_roles(plan.messages), plan.template_tools)
+            cases.append((messages, plan.think, tools))
+        cases += [([{"role": "user", "content": "What is 7 + 8?"}, {"role": "assistant", "content": "15"},
+                    {"role": "user", "content": "And 8 + 9?"}], think, None) for think in (True, False)]
+        tokenize = rt.ctx.tokenize
+        for messages, think, tools in cases:
+            texts = []
+            rt.ctx.tokenize = lambda text, special=True: texts.append(text) or tokenize(text, special)
+            ids, keep = rt.prompt_and_keep(messages, think=think, tools=tools)
+            rt.ctx.tokenize = tokenize
+            prompt = rt.render(messages, think=think, tools=tools)
+            assert sum(map(len, texts)) < len(prompt) + 200  # the prompt once, and the generation prompt's text
+            history = tokenize(rt.render(messages, think=think, add_generation_prompt=False, tools=tools), True)
+            assert keep == len(history) and ids[:keep] == history and ids == tokenize(prompt, True)
+        assert len(cases) >= 8 and max(len(c[0]) for c in cases) > 10
