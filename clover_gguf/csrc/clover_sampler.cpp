@@ -445,8 +445,8 @@ void cs_backend_reset(llama_sampler * smpl) {
 }
 
 bool cs_backend_init(llama_sampler * smpl, ggml_backend_buffer_type_t buft, uint32_t n_outputs_max_per_seq) {
-    // the most rows of one sequence a ubatch holds (llama.cpp fails a decode with more): a run never holds more, and
-    // set_inputs refuses to announce more
+    // the most rows of one sequence a ubatch holds (llama.cpp fails a decode with more): set_inputs refuses to
+    // announce more
     self(smpl)->n_outputs_max_per_seq = std::max<int64_t>(1, n_outputs_max_per_seq);
     self(smpl)->buft = buft;
     ggml_backend_dev_t dev = ggml_backend_buft_get_device(buft);
