@@ -1,18 +1,26 @@
 // clover_sampler: see clover_sampler.h for what it computes.
 //
 // Its contract with llama.cpp is the public backend sampling interface (include/llama.h, struct llama_sampler_i, with
-// the series' llama_sampler_data.row and .refused): backend_init(buft, n_outputs_max_per_seq) once per attach, then
-// for each sampling graph backend_reset, one backend_apply per chain llama.cpp builds for the sampler's sequence
-// (data->logits: the row of that chain; data->row: which of the sequence's output rows in the ubatch it is, in batch
-// order, the index into what the caller announced with clover_sampler_set_inputs), and backend_set_input before the
-// graph runs. The calls it knows, each a contiguous one-row F32 data->logits with nothing set by a sampler before it:
-//  - data->row >= 0: that row, read as given (the tensor llama.cpp passed, nothing around it), one computation (a
-//    "run") per call; rows at or past the announced count get identity inputs;
+// the series' llama_sampler_data.row, .refused, .n_rows and .seq_logits): backend_init(buft, n_outputs_max_per_seq)
+// once per attach, then for each sampling graph backend_reset, one backend_apply per chain llama.cpp builds for the
+// sampler's sequence (data->logits: the row of that chain; data->row: which of the sequence's n_rows output rows in
+// the ubatch it is, in batch order, the index into what the caller announced with clover_sampler_set_inputs;
+// data->seq_logits: all those rows as one [n_vocab, n_rows] tensor when llama.cpp has them consecutive), and
+// backend_set_input before the graph runs. The calls it knows, each a contiguous one-row F32 data->logits with
+// nothing set by a sampler before it:
+//  - data->row >= 0 with data->seq_logits (a contiguous F32 [n_vocab, n_rows] tensor, row < n_rows): the first call
+//    of the graph for that tensor builds one computation (a "run") over all of its rows, in whatever order the calls
+//    come; each call gets the slice of its row. One run per sequence, not per row: a 32-row block pass is one
+//    top_k / softmax node over 32 rows (split over the CPU's threads, one launch on a GPU), not 32 of one row;
+//  - data->row >= 0, no seq_logits and n_rows <= 1: that row, read as given (the tensor llama.cpp passed, nothing
+//    around it), a run of its own;
 //  - data->row < 0: no output row. A tensor of its own with no op (llama.cpp's node-count probe in backend_init) is a
 //    run built as a real row's would be; anything else (a dummy row of a sequence without outputs in the ubatch, a
 //    chain llama.cpp does not select) builds nothing and keeps llama.cpp's row.
-// Anything else (several rows in one call, a strided, non-F32 or deeper tensor, a row narrowed or sampled by a sampler
-// before it, a row of another length than n_vocab) is refused: data->refused is set (llama_decode then returns -4
+// Rows at or past the announced count get identity inputs. Anything else (several rows in one call, a strided, non-F32
+// or deeper tensor, a row narrowed or sampled by a sampler before it, a row of another length than n_vocab, several
+// rows of a sequence without seq_logits: their rows interleaved with another sequence's, where one run per row would
+// silently cost a graph node set per row) is refused: data->refused is set (llama_decode then returns -4
 // and runs nothing), the data is left as llama.cpp gave it, the reason goes to llama.cpp's log (llama_log_get's
 // callback, level error) and stays readable until the next graph (clover_sampler_error). Per-decode inputs (ids,
 // coefficients, uniforms, restrictions) are the sampler's own state, set with clover_sampler_set_inputs[_ext], copied
@@ -75,6 +83,7 @@ int64_t chunk_of(int64_t n_vocab) {
 struct run {
     int64_t       n     = 0;       // rows (slots) of the run
     int64_t       k0    = -1;      // the sampler's row index of slot 0 (llama_sampler_data.row; -1: no row)
+    const ggml_tensor * seq = nullptr; // the llama_sampler_data.seq_logits it was built over (nullptr: one row)
     int64_t       V = 0, c = 0, m = 0;
 
     ggml_tensor * inp_ids  = nullptr; // [W, n] I32
@@ -507,25 +516,58 @@ void cs_backend_apply(llama_sampler * smpl, ggml_context * ctx, ggml_cgraph * gf
                             std::to_string(s->n_vocab));
         return;
     }
-    run r = build_run(s, ctx, ggml_reshape_2d(ctx, row, row->ne[0], 1));
-    r.k0  = k;
-    s->runs.push_back(r);
+    ggml_tensor * seq = k >= 0 ? data->seq_logits : nullptr;
+    if (k >= 0 && seq == nullptr && data->n_rows > 1) {
+        refuse(s, data, "its sequence has " + std::to_string(data->n_rows) + " output rows in the ubatch and no "
+                        "seq_logits (they are not consecutive rows of the logits); it computes a sequence's rows as "
+                        "one, not one by one");
+        return;
+    }
+    if (seq != nullptr) {
+        if (seq->type != GGML_TYPE_F32 || seq->ne[0] != s->n_vocab || seq->ne[1] != data->n_rows || seq->ne[2] != 1 ||
+            seq->ne[3] != 1 || !ggml_is_contiguous(seq) || k >= data->n_rows) {
+            refuse(s, data, "its sequence's rows are " + shape_of(seq) + ", not " + std::to_string(data->n_rows) +
+                            " contiguous f32 rows of " + std::to_string(s->n_vocab) + " holding row " +
+                            std::to_string(k));
+            return;
+        }
+    }
+    // the run the call's row is a slot of: the sequence's (built by its first call in the graph), else its own
+    int64_t slot = 0;
+    const run * r = nullptr;
+    if (seq != nullptr) {
+        for (const run & q : s->runs) {
+            if (q.seq == seq) {
+                r = &q;
+            }
+        }
+        slot = k;
+    }
+    if (r == nullptr) {
+        run q = build_run(s, ctx, seq != nullptr ? seq : ggml_reshape_2d(ctx, row, row->ne[0], 1));
+        q.k0  = seq != nullptr ? 0 : k;
+        q.seq = seq;
+        s->runs.push_back(q);
+        r = &s->runs.back();
+    }
 
     if (k >= 0 && s->save_last && k == s->n_rows - 1) {
-        // the last announced row, raw, into the sampler's own tensor (read later: clover_sampler_saved_logit)
+        // the last announced row, raw, into the sampler's own tensor (read later: clover_sampler_saved_logit); from
+        // the sequence's rows when given (llama.cpp's padded copy is then not computed for this)
         ggml_tensor * dst = saved_row(s, row->ne[0]);
         if (dst != nullptr) {
-            ggml_build_forward_expand(gf, ggml_cpy(ctx, row, dst));
+            ggml_tensor * src = seq != nullptr ? ggml_view_1d(ctx, seq, seq->ne[0], k * seq->nb[1]) : row;
+            ggml_build_forward_expand(gf, ggml_cpy(ctx, src, dst));
         }
     }
 
     auto out = [&](ggml_tensor * t) -> ggml_tensor * {
-        return t ? ggml_view_1d(ctx, t, t->ne[0], 0) : nullptr;
+        return t ? ggml_view_1d(ctx, t, t->ne[0], slot * t->nb[1]) : nullptr;
     };
-    data->logits     = out(r.out_logits);
-    data->probs      = out(r.out_probs);
-    data->candidates = out(r.out_cand);
-    data->sampled    = out(r.out_token);
+    data->logits     = out(r->out_logits);
+    data->probs      = out(r->out_probs);
+    data->candidates = out(r->out_cand);
+    data->sampled    = out(r->out_token);
 }
 
 void cs_backend_set_input(llama_sampler * smpl) {
@@ -552,7 +594,7 @@ void cs_backend_set_input(llama_sampler * smpl) {
         if (r.inp_dead) {
             // a chunk is dead when every one of its c ids is among the W ids: the distinct ids counted per chunk
             // through a bit per id (O(W) host work per decode, nothing the size of the vocabulary touched); the
-            // same for every run of a vocabulary (a run per row), so counted once
+            // same for every run of a vocabulary (a run per sequence or lone row), so counted once
             if (dead_V != r.V) {
                 dead_V = r.V;
                 s->seen.resize((r.V + 63) / 64);
