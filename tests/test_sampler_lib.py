@@ -317,8 +317,8 @@ def test_a_block_pass_selects_its_rows_in_one_computation(bundled_gguf):
     (llama_sampler_data.row): one `clover_token` tensor per pass, not one per row. Counted when the block graph is
     first built and when it is reused, beside a causal pass of 18 rows, where the block sequence's sampler (no rows
     announced, a call for no row) builds nothing on llama.cpp's dummy row; the rows still equal numpy's on the
-    block's raw logits. (One computation per row, i69r's library: 32 `clover_token` tensors and 2,293 graph nodes for
-    a 32-token block on the bundled model, against 619 for one run; host time per pass: docs/llama-cpp-patch.md,
+    block's raw logits. (One computation per row, the first 0010's library: 32 `clover_token` tensors and 2,550 graph
+    nodes for a 32-token block on the bundled model, against 657 for one run; timings: docs/llama-cpp-patch.md,
     patch 0010.)"""
     from clover_gguf.graph_probe import GraphProbe
 
