@@ -194,7 +194,7 @@ with CloverRuntime(gguf, n_ctx=n + 256, n_threads=threads) as rt:
         tok[0] = t
         if L.llama_decode(c, L.llama_batch_get_one(tok, 1)) != 0:
             raise SystemExit("llama_decode failed")
-        t = int(ctx._rows_view(api.llama_get_sampled_candidates_ith(c, 0), 1, np.int32)[0, last])
+        t = int(ctx._row_view(api.llama_get_sampled_candidates_ith(c, 0), last + 1, np.int32)[last])
     print(json.dumps({"tok_s": n / (time.perf_counter() - t0)}))
 """
 

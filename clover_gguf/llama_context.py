@@ -48,6 +48,9 @@ N_CTX_PAD = 256
 # (no history yet) need less than the previous answer's last ones.
 REUSE_PADDING = 65536
 
+# llama_decode's code for a graph a backend sampler refused (the series' patch 0010, llama.h): nothing was computed
+DECODE_SAMPLER_REFUSED = -4
+
 
 def padded_n_ctx(n_ctx: int) -> int:
     """The context size llama.cpp makes of a request for n_ctx tokens."""
@@ -494,9 +497,20 @@ class LlamaContext:
         t0 = time.perf_counter()
         rc = self.L.llama_decode(self.ctx, batch.struct)
         self.guard.record(pass_kind(n, n_out, batch.pos[n - 1]), time.perf_counter() - t0)
+        if rc == DECODE_SAMPLER_REFUSED:
+            raise RuntimeError(self._refusals())
         if rc != 0:
             raise RuntimeError(f"llama_decode returned {rc}")
         self.max_outputs = max(self.max_outputs, n_out)
+
+    def _refusals(self) -> str:
+        """The one line of a decode that a selection sampler refused (llama_decode's -4, the series' patch 0010):
+        each refusing sequence's reason (clover_sampler_error, also in llama.cpp's log)."""
+        whys = [f"sequence {seq}: {why.decode(errors='replace')}" for seq, (_, chain) in sorted(self._selectors.items())
+                if (why := self._sampler.clover_sampler_error(chain))]
+        return (f"the selection sampler refused this decode's rows ({'; '.join(whys) or 'no reason kept'}); nothing "
+                "was computed (this llama.cpp passes them in a way it does not know; selection='numpy' selects on the "
+                "host)")
 
     def decode_parts(self, parts: Sequence[tuple[Sequence[int], int, int, Gather | None]]) -> list[GraphRows | None]:
         """Causal passes of several sequences in one llama_decode (a server's slots: their AR steps and prompt chunks):
@@ -617,9 +631,9 @@ class LlamaContext:
             self.L.llama_sampler_free(held[1])
 
     def _check_selection(self, seq: int) -> None:
-        """The decode's rows of `seq` are its sampler's: when the sampler refused a call of the decode's graph (a way
-        of passing rows it does not know: clover_sampler_error, also in llama.cpp's log), the rows are llama.cpp's
-        own, and reading them as its outputs would read garbage: the decode fails naming why."""
+        """The decode's rows of `seq` are its sampler's: a refused call already failed the decode (_run); what is left
+        is a sampler that cannot select at all (backend_init failed, llama.cpp selected on the host:
+        clover_sampler_error, also in llama.cpp's log), whose rows are not its outputs: the decode fails naming why."""
         why = self._sampler.clover_sampler_error(self._selectors[seq][1])
         if why:
             raise RuntimeError(f"the selection sampler refused sequence {seq}'s rows in this decode: "
@@ -627,25 +641,26 @@ class LlamaContext:
                                "know; selection='numpy' selects on the host)")
 
     def _graph_rows(self, first: int, n_out: int, g: Gather, seq: int | None = None) -> GraphRows:
-        """The sampler's outputs for the decode's rows, the first at batch index `first` (llama.cpp keeps the rows in
-        batch order, each at a stride of n_vocab). Layout: clover_gguf/csrc/clover_sampler.h."""
+        """The sampler's outputs for the decode's n_out rows from batch index `first` on, each read through
+        llama.cpp's _ith getters at its batch index (where a row lies is llama.cpp's business).
+        Layout: clover_gguf/csrc/clover_sampler.h."""
         api, ctx = self._api, self.ctx
         w, k = g.width, g.top_n
+        rows = np.flatnonzero(self._batch.logits[first:self._batch.struct.n_tokens])[:n_out] + first
         n_ids = self._n_ids.get(seq)
         saved = self._saved_logit(seq) if g.save_last and seq is not None else None
         if g.temp > 0:
             n_p = api.llama_get_sampled_probs_count_ith(ctx, first)
             if n_p != w + 1 + k:
                 raise RuntimeError(f"the selection sampler returned {n_p} probabilities per row for a width of {w}")
-            p = self._rows_view(api.llama_get_sampled_probs_ith(ctx, first), n_out, np.float32)[:, :n_p].copy()
-            rows = np.flatnonzero(self._batch.logits[first:self._batch.struct.n_tokens])[:n_out] + first
+            p = self._rows(api.llama_get_sampled_probs_ith, rows, n_p, np.float32)
             tokens = np.fromiter((api.llama_get_sampled_token_ith(ctx, int(i)) for i in rows), dtype=np.int64,
                                  count=n_out)
             out = GraphRows(at_ids=p[:, :w], tokens=tokens, token_probs=p[:, w], n_ids=n_ids, saved=saved)
             if k:  # [at the ids | the draw | the top k], probabilities, candidates and processed logits alike
-                z = self._rows_view(api.llama_get_sampled_logits_ith(ctx, first), n_out, np.float32)[:, :n_p].copy()
-                c = self._rows_view(api.llama_get_sampled_candidates_ith(ctx, first), n_out, np.int32)
-                out.top_ids, out.top_probs, out.top_logits = c[:, w + 1:n_p].copy(), p[:, w + 1:], z[:, w + 1:]
+                z = self._rows(api.llama_get_sampled_logits_ith, rows, n_p, np.float32)
+                c = self._rows(api.llama_get_sampled_candidates_ith, rows, n_p, np.int32)
+                out.top_ids, out.top_probs, out.top_logits = c[:, w + 1:], p[:, w + 1:], z[:, w + 1:]
                 out.at_logits, out.token_z = z[:, :w], z[:, w]
             return out
         n = self.n_chunks
@@ -658,11 +673,11 @@ class LlamaContext:
             if g.probs and api.llama_get_sampled_probs_count_ith(ctx, first) != n:
                 raise RuntimeError("the selection sampler returned no chunk probabilities")
             self._sizes_checked.add(key)
-        f = self._rows_view(api.llama_get_sampled_logits_ith(ctx, first), n_out, np.float32)[:, :n_f].copy()
-        ids = self._rows_view(api.llama_get_sampled_candidates_ith(ctx, first), n_out, np.int32)[:, w:n_f].copy()
+        f = self._rows(api.llama_get_sampled_logits_ith, rows, n_f, np.float32)
+        ids = self._rows(api.llama_get_sampled_candidates_ith, rows, n_f, np.int32)[:, w:]
         probs = None
         if g.probs:
-            probs = self._rows_view(api.llama_get_sampled_probs_ith(ctx, first), n_out, np.float32)[:, :n].copy()
+            probs = self._rows(api.llama_get_sampled_probs_ith, rows, n, np.float32)
         out = GraphRows(at_ids=f[:, :w], rest_ids=ids[:, :n], rest_logits=f[:, w:w + n], rest_probs=probs,
                         tokens=ids[:, n], token_logits=f[:, w + n], n_ids=n_ids, saved=saved)
         if k:
@@ -685,18 +700,26 @@ class LlamaContext:
 
         return read
 
-    def _rows_view(self, addr: int | None, n_out: int, dtype) -> np.ndarray:
-        """[n_out, n_vocab] numpy view of one of llama.cpp's sampled-output buffers (kept per address: making a view
-        through ctypes costs more than the rest of a pass's reading)."""
+    def _rows(self, getter, rows: np.ndarray, n: int, dtype) -> np.ndarray:
+        """[len(rows), n]: the first n values of each row's sampled output, its address asked of llama.cpp's _ith
+        getter (`getter`) at the row's batch index, one call per row."""
+        out = np.empty((len(rows), n), dtype=dtype)
+        for j, i in enumerate(rows.tolist()):
+            out[j] = self._row_view(getter(self.ctx, i), n, dtype)
+        return out
+
+    def _row_view(self, addr: int | None, n: int, dtype) -> np.ndarray:
+        """numpy view of n values at one of llama.cpp's sampled-output rows (kept per address: llama.cpp reuses its
+        output buffers, and making a view through ctypes costs more than the rest of a row's reading)."""
         if not addr:
-            raise RuntimeError("llama.cpp returned no sampled rows (was the selection sampler attached?)")
-        key = (addr, n_out, dtype)
+            raise RuntimeError("llama.cpp returned no sampled row (was the selection sampler attached?)")
+        key = (addr, n, dtype)
         view = self._views.get(key)
         if view is None:
-            if len(self._views) > 64:
+            if len(self._views) > 1024:
                 self._views.clear()
-            buf = (ctypes.c_char * (n_out * self.n_vocab * np.dtype(dtype).itemsize)).from_address(addr)
-            view = self._views[key] = np.frombuffer(buf, dtype=dtype).reshape(n_out, self.n_vocab)
+            buf = (ctypes.c_char * (n * np.dtype(dtype).itemsize)).from_address(addr)
+            view = self._views[key] = np.frombuffer(buf, dtype=dtype)
         return view
 
     def _batch_for(self, n: int) -> "_Batch":

@@ -311,12 +311,15 @@ def test_bad_inputs_are_refused_not_read(small_gguf):
                        gather=Gather(ids=np.array([v + 5], dtype=np.int32), n_rows=1, width=32))
 
 
-def test_a_block_pass_selects_its_rows_in_one_computation_as_a_causal_pass_does(bundled_gguf):
-    """The sampler computes all of a sequence's announced rows at once (one "run": one `clover_token` tensor for all
-    rows), not each row on its own (2,293 graph nodes instead of 619 on the bundled model for a 32-token block: a
-    block pass cost 2.4 ms against 1.9 on a 2-core CPU). Counted when the block graph is first built and when it is
-    reused, beside a causal pass of many rows, where the block sequence's sampler (no rows announced) builds nothing
-    on llama.cpp's dummy row; the rows still equal numpy's on the block's raw logits."""
+def test_a_block_pass_selects_its_rows_in_one_computation(bundled_gguf):
+    """The sampler computes a sequence's announced rows as one computation over the rows llama.cpp hands it
+    (llama_sampler_data.seq_logits, the series' 0010), each call getting the slice of its own row
+    (llama_sampler_data.row): one `clover_token` tensor per pass, not one per row. Counted when the block graph is
+    first built and when it is reused, beside a causal pass of 18 rows, where the block sequence's sampler (no rows
+    announced, a call for no row) builds nothing on llama.cpp's dummy row; the rows still equal numpy's on the
+    block's raw logits. (One computation per row, the first 0010's library: 32 `clover_token` tensors and 2,550 graph
+    nodes for a 32-token block on the bundled model, against 657 for one run; timings: docs/llama-cpp-patch.md,
+    patch 0010.)"""
     from clover_gguf.graph_probe import GraphProbe
 
     probe = GraphProbe(r"clover_token", read_data=False)
@@ -616,12 +619,15 @@ def test_the_sampler_keeps_to_llama_cpps_sampler_interface():
     """clover-sampler-test (clover_gguf/csrc/clover_sampler_test.cpp, built beside the library by build-llama) drives
     the sampler through llama.cpp's public sampler interface alone: the calls it does not know (several rows in one
     call, a 3-D tensor, an I32 row, a view of a row of a 3-D tensor, an announced row of another length, a row a
-    sampler before it narrowed) are refused, the data left as it was, the reason in llama.cpp's log and kept; the
-    calls of both trees' build_sampling (rows of the padded logits copy, a newer tree's unselected chains on row 0,
-    llama.cpp's probe row, a sampler without rows) are known; the greedy choices are the rows' argmax (a sequence's
-    rows interleaved with another's too), with coefficients and a bitmask row that decide; a clone (settings, inputs,
-    restrictions, row limit) gives the same.
-    Planted break: the old fallback (a call of n rows read as one row of V * n values) -> 6 checks FAILED."""
+    sampler before it narrowed) are refused and marked so (llama_sampler_data.refused), the data left as it was, the
+    reason in llama.cpp's log and kept; the calls of build_sampling (rows of the padded logits copy, each read as
+    passed, calls for no row, llama.cpp's probe row) are known; the greedy choices are the rows' argmax (a sequence's
+    rows interleaved with another's too), with coefficients and a bitmask row that decide, each call taking the inputs
+    of its llama_sampler_data.row whatever the order of the calls; a clone (settings, inputs, restrictions, row limit)
+    gives the same.
+    Planted breaks: the k-th call taken for the k-th row again (data.row ignored) -> 1 check FAILED (the call
+    order); refuse() not marking the call -> 5 checks FAILED; round 4's library (rows read through view_src, calls
+    counted, refusals unmarked) -> 14 checks FAILED."""
     import subprocess
 
     from clover_gguf.build import SAMPLER_TEST, find_library
@@ -656,7 +662,68 @@ def test_a_call_the_sampler_does_not_know_fails_the_decode_naming_why(small_gguf
             return chain
 
         monkeypatch.setattr(L, "llama_sampler_chain_init", with_top_k_first)
-        with capture_llama_log() as log, pytest.raises(RuntimeError, match=r"refused sequence 0's rows in this "
-                                                       r"decode: .*a sampler before it in its chain narrowed"):
+        codes = []
+        decode = L.llama_decode
+
+        def recorded(*args):
+            codes.append(decode(*args))
+            return codes[-1]
+
+        monkeypatch.setattr(L, "llama_decode", recorded)
+        with capture_llama_log() as log, pytest.raises(RuntimeError, match=r"refused this decode's rows \(sequence 0: "
+                                                       r".*a sampler before it in its chain narrowed"):
             ctx.decode(ids, 0, logits=last, gather=Gather(ids=np.array([3, 5], dtype=np.int32), n_rows=1, width=32))
-        assert log.grep(r"clover_sampler: refused call 0 of a sampling graph \(1 rows announced\): a sampler before")
+        assert log.grep(r"clover_sampler: refused row 0 of a sampling graph \(1 rows announced\): a sampler before")
+        # the decode itself failed (the series' llama_sampler_data.refused -> llama_decode -4), nothing was computed:
+        # the prompt is not in the memory
+        assert codes == [-4], codes
+        assert L.llama_memory_seq_pos_max(L.llama_get_memory(ctx.ctx), 0) == -1
+
+
+def test_sampled_rows_are_read_where_llamas_getters_put_each_row(small_gguf):
+    """The runtime reads each output row through llama.cpp's _ith getters at its batch index, not n rows at a stride
+    from the first row's address: with getters that place the rows of a 4-row decode every other row of a buffer
+    (NaN between them: a layout llama.cpp is free to have), the rows read are the same as from llama.cpp's own
+    getters, greedy and sampled."""
+    with LlamaContext(small_gguf, n_ctx=128, n_threads=2) as ctx:
+        ids = ctx.tokenize("Count from 3 to 9.")
+        last4 = [False] * (len(ids) - 4) + [True] * 4
+        first, v = len(ids) - 4, ctx.n_vocab
+        for g in (Gather(ids=np.array([3, 5], dtype=np.int32), n_rows=4, width=32, probs=True),
+                  Gather(ids=np.array([3, 5], dtype=np.int32), n_rows=4, width=32, temp=0.8, top_n=3,
+                         coef=np.stack([np.ones((4, 2)), np.ones((4, 2)), np.zeros((4, 2))]).astype(np.float32),
+                         uniform=np.linspace(0.1, 0.9, 4).astype(np.float32))):
+            ctx.clear()
+            want = ctx.decode(ids, 0, logits=last4, gather=g)
+            real = ctx._api
+            bufs = {}  # getter name -> [8, V]: batch row first + j at row 2 j, NaN (or -1) elsewhere
+            for name in ("llama_get_sampled_logits_ith", "llama_get_sampled_probs_ith",
+                         "llama_get_sampled_candidates_ith"):
+                dtype = np.int32 if "candidates" in name else np.float32
+                buf = np.full((8, v), -1 if dtype == np.int32 else np.nan, dtype=dtype)
+                for j in range(4):
+                    addr = getattr(real, name)(ctx.ctx, first + j)
+                    if not addr:
+                        buf = None
+                        break
+                    buf[2 * j] = np.frombuffer((ctypes.c_char * (v * 4)).from_address(addr), dtype=dtype)
+                bufs[name] = buf
+
+            class Spaced:
+                def __getattr__(self, name):
+                    if name in bufs:
+                        held = bufs[name]
+                        return lambda c, i: held[2 * (i - first)].ctypes.data if held is not None else None
+                    return getattr(real, name)
+
+            ctx._api, ctx._views = Spaced(), {}
+            try:
+                got = ctx._graph_rows(first, 4, g, 0)
+            finally:
+                ctx._api, ctx._views = real, {}
+            for field in ("at_ids", "rest_ids", "rest_logits", "rest_probs", "tokens", "token_logits", "token_probs",
+                          "top_ids", "top_probs", "top_logits"):
+                a, b = getattr(want, field), getattr(got, field)
+                assert (a is None) == (b is None), field
+                if a is not None:
+                    np.testing.assert_array_equal(a, b, err_msg=field)

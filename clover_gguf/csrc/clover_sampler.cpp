@@ -1,32 +1,30 @@
 // clover_sampler: see clover_sampler.h for what it computes.
 //
-// Its contract with llama.cpp is the public backend sampling interface (include/llama.h, struct llama_sampler_i):
-// backend_init(buft, n_outputs_max_per_seq) once per attach, then for each sampling graph backend_reset, one
-// backend_apply per chain llama.cpp builds for the sampler's sequence (data->logits: the row of that chain), and
-// backend_set_input before the graph runs. The k-th call of a graph is the sequence's k-th output row for k below the
-// rows the caller announced (clover_sampler_set_inputs: n_rows, in batch order); later calls are chains llama.cpp
-// builds but does not select (the pinned tree's dummy row of a sampler without rows in the ubatch, a newer tree's
-// n_outputs_max_per_seq chains per sampler, the ones past the sequence's rows on row 0) or a reserve graph's rows.
-// The calls it knows, each a contiguous one-row F32 data->logits with nothing set by a sampler before it:
-//  - a 1-D view of one row of a contiguous 2-D F32 tensor of rows (both trees' build_sampling): the rows are read
-//    from that tensor, one computation (a "run") over consecutive announced rows, each call getting views of its
-//    slot; an announced row that does not follow the run's previous one (a sequence's rows interleaved with another's)
-//    starts a new run, so any layout is right. When that tensor is ggml_pad's copy of another with rows appended
-//    (GGML_OP_PAD padding only the second dimension on the right: build_sampling's), rows below the source's count
-//    are read from the source: the same values by the op's definition, so the copy is not computed for them (on a
-//    CPU about 1 ms per row at V = 248k) and nothing is written into rows llama.cpp may still copy out;
-//  - a row that is no view (llama.cpp's probe graphs in backend_init, which count a chain's nodes): a run of its
-//    own, built as a real row's would be.
-// An announced row must be a view of n_vocab values. Anything else (several rows in one call, a strided, non-F32 or
-// deeper tensor, a row narrowed or sampled by a sampler before it, an announced row that is no view or of another
-// length) is refused: the data is left as llama.cpp gave it, the reason goes to llama.cpp's log (llama_log_get's
-// callback, level error) and stays readable until the next graph (clover_sampler_error), and nothing is computed on a
-// guess; the runtime then fails the decode naming it. A run never holds more rows than n_outputs_max_per_seq (the
-// rows one sequence may output in a ubatch, from backend_init; set_inputs refuses more); unannounced calls reuse the
-// run holding their row (a newer tree's repeated row 0) or get one run of the rest of the tensor (reserve graphs),
-// and a sampler with no announced rows builds nothing on llama.cpp's row views (its chain is not selected). Per-decode
-// inputs (ids, coefficients, uniforms, restrictions) are the sampler's own state, set with
-// clover_sampler_set_inputs[_ext], copied into the graph's input tensors by backend_set_input.
+// Its contract with llama.cpp is the public backend sampling interface (include/llama.h, struct llama_sampler_i, with
+// the series' llama_sampler_data.row, .refused, .n_rows and .seq_logits): backend_init(buft, n_outputs_max_per_seq)
+// once per attach, then for each sampling graph backend_reset, one backend_apply per chain llama.cpp builds for the
+// sampler's sequence (data->logits: the row of that chain; data->row: which of the sequence's n_rows output rows in
+// the ubatch it is, in batch order, the index into what the caller announced with clover_sampler_set_inputs;
+// data->seq_logits: all those rows as one [n_vocab, n_rows] tensor when llama.cpp has them consecutive), and
+// backend_set_input before the graph runs. The calls it knows, each a contiguous one-row F32 data->logits with
+// nothing set by a sampler before it:
+//  - data->row >= 0 with data->seq_logits (a contiguous F32 [n_vocab, n_rows] tensor, row < n_rows): the first call
+//    of the graph for that tensor builds one computation (a "run") over all of its rows, in whatever order the calls
+//    come; each call gets the slice of its row. One run per sequence, not per row: a 32-row block pass is one
+//    top_k / softmax node over 32 rows (split over the CPU's threads, one launch on a GPU), not 32 of one row;
+//  - data->row >= 0, no seq_logits and n_rows <= 1: that row, read as given (the tensor llama.cpp passed, nothing
+//    around it), a run of its own;
+//  - data->row < 0: no output row. A tensor of its own with no op (llama.cpp's node-count probe in backend_init) is a
+//    run built as a real row's would be; anything else (a dummy row of a sequence without outputs in the ubatch, a
+//    chain llama.cpp does not select) builds nothing and keeps llama.cpp's row.
+// Rows at or past the announced count get identity inputs. Anything else (several rows in one call, a strided, non-F32
+// or deeper tensor, a row narrowed or sampled by a sampler before it, a row of another length than n_vocab, several
+// rows of a sequence without seq_logits: their rows interleaved with another sequence's, where one run per row would
+// silently cost a graph node set per row) is refused: data->refused is set (llama_decode then returns -4
+// and runs nothing), the data is left as llama.cpp gave it, the reason goes to llama.cpp's log (llama_log_get's
+// callback, level error) and stays readable until the next graph (clover_sampler_error). Per-decode inputs (ids,
+// coefficients, uniforms, restrictions) are the sampler's own state, set with clover_sampler_set_inputs[_ext], copied
+// into the graph's input tensors by backend_set_input.
 
 #include "clover_sampler.h"
 
@@ -83,11 +81,9 @@ int64_t chunk_of(int64_t n_vocab) {
 }
 
 struct run {
-    ggml_tensor * base  = nullptr; // the 2-D logits tensor the rows are read from (nullptr: a row of its own)
-    int64_t       first = 0;       // its first row in base
     int64_t       n     = 0;       // rows (slots) of the run
-    int64_t       k0    = 0;       // the caller's row index of slot 0
-    int64_t       seen  = 0;       // slots handed out so far
+    int64_t       k0    = -1;      // the sampler's row index of slot 0 (llama_sampler_data.row; -1: no row)
+    const ggml_tensor * seq = nullptr; // the llama_sampler_data.seq_logits it was built over (nullptr: one row)
     int64_t       V = 0, c = 0, m = 0;
 
     ggml_tensor * inp_ids  = nullptr; // [W, n] I32
@@ -134,7 +130,6 @@ struct clover_sampler {
 
     // the current sampling graph
     std::vector<run> runs;
-    int64_t          k_next = 0; // the caller's row index of the next backend_apply call
     std::string      refused;    // why a call of the current graph was refused ("": none)
     // why the sampler cannot select at all ("": it can): backend_init found an op the device cannot run, or llama.cpp
     // asked the host to select (apply); kept for the sampler's life, so that every later decode fails naming it
@@ -145,6 +140,7 @@ struct clover_sampler {
     std::vector<uint64_t> seen;     // [ceil(n_vocab / 64)] bits: the distinct ids of a decode (dead chunks)
     std::vector<int32_t>  in_chunk; // [m] distinct ids per chunk
     std::vector<float>    buf_keep;
+    std::vector<float>    buf_dead; // [m] the dead chunks of the current inputs (backend_set_input)
     std::vector<int32_t>  col_of;   // [n_vocab] id -> its column while set_inputs_ext runs (else -1)
 };
 
@@ -339,48 +335,23 @@ std::string shape_of(const ggml_tensor * t) {
     return buf;
 }
 
-// where a call's row is: the tensor to read it from (a 2-D tensor of rows, or the row itself when it is no view) and
-// its row there. "" for a call this sampler knows (the file's header), else why not
-std::string locate_row(ggml_tensor * row, ggml_tensor ** base, int64_t * i_row) {
+// "" for a call's row this sampler knows (one contiguous f32 row, read as it is), else why not
+std::string check_row(const ggml_tensor * row) {
     if (row->type != GGML_TYPE_F32 || row->ne[1] != 1 || row->ne[2] != 1 || row->ne[3] != 1 ||
         !ggml_is_contiguous(row)) {
         return "its logits are " + shape_of(row) + ", not one contiguous f32 row";
-    }
-    ggml_tensor * vs = row->view_src; // ggml keeps the root: a view of a view points at the first tensor
-    if (vs == nullptr) {
-        *base  = row;
-        *i_row = 0;
-        return "";
-    }
-    if (vs->type != GGML_TYPE_F32 || !ggml_is_contiguous(vs) || vs->ne[0] != row->ne[0] || vs->ne[2] != 1 ||
-        vs->ne[3] != 1 || vs->nb[1] == 0 || row->view_offs % vs->nb[1] != 0 ||
-        (int64_t) (row->view_offs / vs->nb[1]) >= vs->ne[1]) {
-        return "its row is a view at byte " + std::to_string(row->view_offs) + " of " + shape_of(vs) +
-               ", not a row of a contiguous 2-D f32 tensor of rows of its length";
-    }
-    const int64_t i = (int64_t) (row->view_offs / vs->nb[1]);
-    *base  = vs;
-    *i_row = i;
-    // ggml_pad's copy with rows appended (op params lp0, rp0, lp1, rp1, lp2, rp2, lp3, rp3; rp1 only): its rows
-    // below the source's count are the source's, whatever the padding (zeros or circular)
-    ggml_tensor *   src = vs->src[0];
-    const int32_t * pad = vs->op_params;
-    if (vs->op == GGML_OP_PAD && src != nullptr && src->type == GGML_TYPE_F32 && ggml_is_contiguous(src) &&
-        src->ne[0] == vs->ne[0] && src->ne[2] == 1 && src->ne[3] == 1 && pad[0] == 0 && pad[1] == 0 && pad[2] == 0 &&
-        pad[4] == 0 && pad[5] == 0 && pad[6] == 0 && pad[7] == 0 && i < src->ne[1]) {
-        *base = src;
     }
     return "";
 }
 
 void log_error(const std::string & line);
 
-// a call this sampler does not know: the data stays as llama.cpp gave it, the reason is kept (the first of the graph)
-// and written to llama.cpp's log
-void refuse(clover_sampler * s, int64_t k, const std::string & why) {
-    const std::string line = "clover_sampler: refused call " + std::to_string(k) + " of a sampling graph (" +
-                             std::to_string(s->n_rows) + " rows announced): " + why +
-                             "; the row is left as llama.cpp computed it, nothing selected\n";
+// a call this sampler does not know: the data stays as llama.cpp gave it, the call is marked refused (llama_decode
+// then fails with -4 and runs nothing), the reason is kept (the first of the graph) and written to llama.cpp's log
+void refuse(clover_sampler * s, llama_sampler_data * data, const std::string & why) {
+    data->refused = true;
+    const std::string line = "clover_sampler: refused row " + std::to_string(data->row) + " of a sampling graph (" +
+                             std::to_string(s->n_rows) + " rows announced): " + why + "\n";
     if (s->refused.empty()) {
         s->refused = line.substr(0, line.size() - 1);
     }
@@ -479,13 +450,12 @@ ggml_tensor * saved_row(clover_sampler * s, int64_t n) {
 void cs_backend_reset(llama_sampler * smpl) {
     clover_sampler * s = self(smpl);
     s->runs.clear();
-    s->k_next = 0;
     s->refused.clear();
 }
 
 bool cs_backend_init(llama_sampler * smpl, ggml_backend_buffer_type_t buft, uint32_t n_outputs_max_per_seq) {
-    // the most rows of one sequence a ubatch holds (llama.cpp fails a decode with more): a run never holds more, and
-    // set_inputs refuses to announce more
+    // the most rows of one sequence a ubatch holds (llama.cpp fails a decode with more): set_inputs refuses to
+    // announce more
     self(smpl)->n_outputs_max_per_seq = std::max<int64_t>(1, n_outputs_max_per_seq);
     self(smpl)->buft = buft;
     ggml_backend_dev_t dev = ggml_backend_buft_get_device(buft);
@@ -524,80 +494,80 @@ bool cs_backend_init(llama_sampler * smpl, ggml_backend_buffer_type_t buft, uint
 
 void cs_backend_apply(llama_sampler * smpl, ggml_context * ctx, ggml_cgraph * gf, llama_sampler_data * data) {
     clover_sampler * s = self(smpl);
-    const int64_t k = s->k_next++; // the caller's row index of this call (its inputs' row when announced)
     ggml_tensor * row = data->logits;
     if (row == nullptr || data->candidates != nullptr || data->probs != nullptr || data->sampled != nullptr) {
-        refuse(s, k, "a sampler before it in its chain narrowed or sampled the row (it must come first)");
+        refuse(s, data, "a sampler before it in its chain narrowed or sampled the row (it must come first)");
         return;
     }
-    ggml_tensor * base  = nullptr;
-    int64_t       i_row = 0;
-    const std::string why = locate_row(row, &base, &i_row);
+    const std::string why = check_row(row);
     if (!why.empty()) {
-        refuse(s, k, why);
+        refuse(s, data, why);
         return;
     }
-    const bool announced = k < s->n_rows;
-    if (announced && (base == row || row->ne[0] != s->n_vocab)) {
-        refuse(s, k, base == row ? "an announced row is no view of a tensor of rows (" + shape_of(row) + ")"
-                                 : "an announced row of " + std::to_string(row->ne[0]) + " values, the sampler was "
-                                   "made for " + std::to_string(s->n_vocab));
+    // the row llama.cpp says the call is for; -1: none, the dummy row of a sequence without outputs in the ubatch
+    // (its chain is not selected: nothing built) or the node-count probe (a tensor of its own, no op: built as a
+    // real row's would be, with identity inputs, so that llama.cpp's node budget holds)
+    const int64_t k = data->row;
+    if (k < 0 && (row->op != GGML_OP_NONE || row->view_src != nullptr)) {
         return;
     }
-    if (!announced && s->n_rows == 0 && base != row) {
-        return; // a sampler without rows (its sequence outside the decode): its chain is not selected
+    if (k >= 0 && row->ne[0] != s->n_vocab) {
+        refuse(s, data, "a row of " + std::to_string(row->ne[0]) + " values, the sampler was made for " +
+                            std::to_string(s->n_vocab));
+        return;
     }
-    const int64_t limit = s->n_outputs_max_per_seq > 0 ? s->n_outputs_max_per_seq : INT64_MAX;
-    run *   r = nullptr;
-    int64_t j = 0;
-    if (announced) {
-        run * last = s->runs.empty() ? nullptr : &s->runs.back();
-        if (last != nullptr && last->base == base && last->seen < last->n && i_row == last->first + last->seen &&
-            k == last->k0 + last->seen) {
-            r = last; // the next row of the run
+    ggml_tensor * seq = k >= 0 ? data->seq_logits : nullptr;
+    if (k >= 0 && seq == nullptr && data->n_rows > 1) {
+        refuse(s, data, "its sequence has " + std::to_string(data->n_rows) + " output rows in the ubatch and no "
+                        "seq_logits (they are not consecutive rows of the logits); it computes a sequence's rows as "
+                        "one, not one by one");
+        return;
+    }
+    if (seq != nullptr) {
+        if (seq->type != GGML_TYPE_F32 || seq->ne[0] != s->n_vocab || seq->ne[1] != data->n_rows || seq->ne[2] != 1 ||
+            seq->ne[3] != 1 || !ggml_is_contiguous(seq) || k >= data->n_rows) {
+            refuse(s, data, "its sequence's rows are " + shape_of(seq) + ", not " + std::to_string(data->n_rows) +
+                            " contiguous f32 rows of " + std::to_string(s->n_vocab) + " holding row " +
+                            std::to_string(k));
+            return;
         }
-    } else {
-        for (run & cand : s->runs) { // a chain llama.cpp does not select: any slot of its row will do
-            if (cand.base == base && i_row >= cand.first && i_row < cand.first + cand.n) {
-                r = &cand;
-                j = i_row - cand.first;
-                break;
+    }
+    // the run the call's row is a slot of: the sequence's (built by its first call in the graph), else its own
+    int64_t slot = 0;
+    const run * r = nullptr;
+    if (seq != nullptr) {
+        for (const run & q : s->runs) {
+            if (q.seq == seq) {
+                r = &q;
             }
         }
+        slot = k;
     }
     if (r == nullptr) {
-        // announced: from this row to the last announced one; else (a reserve graph) to the tensor's end
-        const int64_t left = base->ne[1] - i_row;
-        const int64_t n    = std::min({ announced ? s->n_rows - k : left, left, limit });
-        ggml_tensor * rows = ggml_view_2d(ctx, base, base->ne[0], n, base->nb[1], i_row * base->nb[1]);
-        run fresh   = build_run(s, ctx, rows);
-        fresh.base  = base;
-        fresh.first = i_row;
-        fresh.k0    = k;
-        s->runs.push_back(fresh);
+        run q = build_run(s, ctx, seq != nullptr ? seq : ggml_reshape_2d(ctx, row, row->ne[0], 1));
+        q.k0  = seq != nullptr ? 0 : k;
+        q.seq = seq;
+        s->runs.push_back(q);
         r = &s->runs.back();
-        j = 0;
-    }
-    if (announced) {
-        j = r->seen++;
     }
 
-    if (announced && s->save_last && k == s->n_rows - 1) {
-        // the last announced row, raw, into the sampler's own tensor (read later: clover_sampler_saved_logit)
-        ggml_tensor * src = ggml_view_1d(ctx, base, base->ne[0], i_row * base->nb[1]);
-        ggml_tensor * dst = saved_row(s, src->ne[0]);
+    if (k >= 0 && s->save_last && k == s->n_rows - 1) {
+        // the last announced row, raw, into the sampler's own tensor (read later: clover_sampler_saved_logit); from
+        // the sequence's rows when given (llama.cpp's padded copy is then not computed for this)
+        ggml_tensor * dst = saved_row(s, row->ne[0]);
         if (dst != nullptr) {
+            ggml_tensor * src = seq != nullptr ? ggml_view_1d(ctx, seq, seq->ne[0], k * seq->nb[1]) : row;
             ggml_build_forward_expand(gf, ggml_cpy(ctx, src, dst));
         }
     }
 
-    auto slot = [&](ggml_tensor * t) -> ggml_tensor * {
-        return t ? ggml_view_1d(ctx, t, t->ne[0], j * t->nb[1]) : nullptr;
+    auto out = [&](ggml_tensor * t) -> ggml_tensor * {
+        return t ? ggml_view_1d(ctx, t, t->ne[0], slot * t->nb[1]) : nullptr;
     };
-    data->logits     = slot(r->out_logits);
-    data->probs      = slot(r->out_probs);
-    data->candidates = slot(r->out_cand);
-    data->sampled    = slot(r->out_token);
+    data->logits     = out(r->out_logits);
+    data->probs      = out(r->out_probs);
+    data->candidates = out(r->out_cand);
+    data->sampled    = out(r->out_token);
 }
 
 void cs_backend_set_input(llama_sampler * smpl) {
@@ -606,6 +576,7 @@ void cs_backend_set_input(llama_sampler * smpl) {
     const int64_t n_ids  = (int64_t) s->ids.size();
     const int64_t n_coef = s->coef.empty() ? 0 : s->n_coef;
     const bool    limits = !s->row_mode.empty();
+    int64_t dead_V = -1; // the vocabulary buf_dead was counted for
     for (const run & r : s->runs) {
         const int64_t n = r.n;
         // the ids, padded with the first; an id the graph's vocabulary does not hold reads token 0
@@ -622,24 +593,28 @@ void cs_backend_set_input(llama_sampler * smpl) {
 
         if (r.inp_dead) {
             // a chunk is dead when every one of its c ids is among the W ids: the distinct ids counted per chunk
-            // through a bit per id (O(W) host work per decode, nothing the size of the vocabulary touched)
-            s->seen.resize((r.V + 63) / 64);
-            s->in_chunk.assign(r.m, 0);
-            s->buf_f.assign(r.m, 0.0f);
-            for (const int32_t id : ids) {
-                uint64_t & word = s->seen[id >> 6];
-                const uint64_t bit = uint64_t(1) << (id & 63);
-                if (!(word & bit)) {
-                    word |= bit;
-                    if (++s->in_chunk[id / r.c] == r.c) {
-                        s->buf_f[id / r.c] = -INFINITY;
+            // through a bit per id (O(W) host work per decode, nothing the size of the vocabulary touched); the
+            // same for every run of a vocabulary (a run per sequence or lone row), so counted once
+            if (dead_V != r.V) {
+                dead_V = r.V;
+                s->seen.resize((r.V + 63) / 64);
+                s->in_chunk.assign(r.m, 0);
+                s->buf_dead.assign(r.m, 0.0f);
+                for (const int32_t id : ids) {
+                    uint64_t & word = s->seen[id >> 6];
+                    const uint64_t bit = uint64_t(1) << (id & 63);
+                    if (!(word & bit)) {
+                        word |= bit;
+                        if (++s->in_chunk[id / r.c] == r.c) {
+                            s->buf_dead[id / r.c] = -INFINITY;
+                        }
                     }
                 }
+                for (const int32_t id : ids) {
+                    s->seen[id >> 6] = 0;
+                }
             }
-            for (const int32_t id : ids) {
-                s->seen[id >> 6] = 0;
-            }
-            ggml_backend_tensor_set(r.inp_dead, s->buf_f.data(), 0, ggml_nbytes(r.inp_dead));
+            ggml_backend_tensor_set(r.inp_dead, s->buf_dead.data(), 0, ggml_nbytes(r.inp_dead));
         }
         if (r.inp_coef) {
             // the coefficients of the announced rows (identity where none were given), the rows' restrictions on
@@ -650,7 +625,7 @@ void cs_backend_set_input(llama_sampler * smpl) {
                 for (int64_t j = 0; j < n; ++j) {
                     float *       dst = s->buf_f.data() + (q * n + j) * W;
                     const int64_t k   = r.k0 + j;
-                    const bool    in  = k < s->n_rows && n_ids > 0;
+                    const bool    in  = k >= 0 && k < s->n_rows && n_ids > 0;
                     int64_t       w0  = 0;
                     if (in && n_coef > 0) {
                         std::memcpy(dst, s->coef.data() + (q * s->n_rows + k) * n_coef, n_coef * sizeof(float));
@@ -690,7 +665,7 @@ void cs_backend_set_input(llama_sampler * smpl) {
             s->buf_f.assign(n, 0.0f);
             for (int64_t j = 0; j < n; ++j) {
                 const int64_t k = r.k0 + j;
-                if (limits && k < s->n_rows && s->row_mode[k] == ROW_ALLOW) {
+                if (limits && k >= 0 && k < s->n_rows && s->row_mode[k] == ROW_ALLOW) {
                     s->buf_f[j] = -INFINITY;
                 }
             }
@@ -699,7 +674,7 @@ void cs_backend_set_input(llama_sampler * smpl) {
         if (r.inp_u) {
             s->buf_f.assign(n, 0.5f);
             for (int64_t j = 0; j < n; ++j) {
-                if (r.k0 + j < s->n_rows) {
+                if (r.k0 >= 0 && r.k0 + j < s->n_rows) {
                     s->buf_f[j] = s->uniform[r.k0 + j];
                 }
             }

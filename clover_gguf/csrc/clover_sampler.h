@@ -30,10 +30,12 @@
 // A width whose outputs would not fit llama.cpp's output row of n_vocab values is refused (init returns NULL):
 // greedy W + m + 1 + top_n, sampled W + 1 + top_n at most n_vocab (llama.cpp aborts on more).
 // The sampler must be the first in its chain (after a sampler that narrows or samples the row it refuses the call).
-// It knows the calls llama.cpp's build_sampling makes (one row per call, a view of a row of the ubatch's logits) and
-// refuses any other (clover_sampler.cpp's header lists them): the row is then left as llama.cpp gave it, the reason
-// goes to llama.cpp's log and clover_sampler_error returns it, and the caller must not read that decode's outputs of
-// the sequence as this sampler's.
+// It builds one computation over all of a sequence's output rows (llama_sampler_data.seq_logits, n_rows) and hands
+// each call the slice of its llama_sampler_data.row, whose inputs it takes (the series' API patch 0010); a lone row
+// without seq_logits is read as llama.cpp passes it. It refuses any call it does not know (clover_sampler.cpp's
+// header lists them; among them several rows of a sequence without seq_logits): the call is marked
+// refused, so llama_decode fails with -4 and runs nothing, and the reason goes to llama.cpp's log and
+// clover_sampler_error returns it.
 #pragma once
 
 #include "llama.h"

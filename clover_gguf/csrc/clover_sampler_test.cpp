@@ -2,16 +2,19 @@
 // header), driven through that interface alone (struct llama_sampler_i by member, ggml tensors) on the CPU backend.
 // Built beside the library (CMakeLists.txt); tests/test_sampler_lib.py runs it. Exit status 0 when every check holds;
 // each failed check prints one line "FAILED: ...".
-//  - calls it does not know are refused: the data is left as llama.cpp gave it, the reason is written to llama.cpp's
-//    log and kept (clover_sampler_error) until the next graph: several rows in one call, a 3-D tensor, an I32 row, a
-//    view of a row of a 3-D tensor, an announced row of another length, a row a sampler before it narrowed;
-//  - calls it knows: consecutive announced rows share one computation, a newer tree's unselected chains on row 0 add
-//    no computation, rows of ggml_pad's copy are read from the pad's source, a row that is no view (llama.cpp's
-//    probe) is a computation of its own, a sampler without announced rows builds nothing; at most
-//    n_outputs_max_per_seq rows may be announced;
-//  - outputs: each row's greedy choice is its argmax, also for a sequence's rows interleaved with another's;
-//    coefficients that decide and a bitmask row restricting it change it as they should; a clone (settings, inputs,
-//    restrictions, the per-sequence row limit) computes the same.
+//  - calls it does not know are refused: the call is marked refused (llama_sampler_data.refused: llama_decode fails),
+//    the data is left as llama.cpp gave it, the reason is written to llama.cpp's log and kept (clover_sampler_error)
+//    until the next graph: several rows in one call, a 3-D tensor, an I32 row, a row of another length, a row a sampler
+//    before it narrowed;
+//    a sequence's several rows without seq_logits (interleaved with another's), seq_logits of another shape;
+//  - calls it knows: a sequence's rows (data.seq_logits, n_rows) are one computation over all of them whatever the
+//    order of the calls, read from seq_logits (llama.cpp's padded copy not computed), a 32-row graph about as many
+//    nodes as a one-row graph; a lone row without seq_logits is a computation of its own on the tensor passed (a row of
+//    ggml_pad's copy is read from the copy); a call for no row (data.row -1) on llama.cpp's rows adds nothing, one on
+//    a tensor of its own (llama.cpp's probe) is computed; at most n_outputs_max_per_seq rows may be announced;
+//  - outputs: each row's greedy choice is its argmax; coefficients that decide and a bitmask row restricting it change
+//    it as they should, each row getting the inputs and the slice of its data.row whatever the order of the calls;
+//    a clone (settings, inputs, restrictions, the per-sequence row limit) computes the same.
 #include "clover_sampler.h"
 
 #include "ggml-alloc.h"
@@ -65,15 +68,18 @@ struct graph_ctx {
     graph_ctx & operator=(const graph_ctx &) = delete;
 };
 
-llama_sampler_data apply(llama_sampler * smpl, graph_ctx & g, ggml_tensor * logits) {
-    llama_sampler_data data = { logits, nullptr, nullptr, nullptr };
+// one call as build_sampling makes it: `row` the index of the sequence's output row (-1: none) among its n_rows,
+// `seq` all of them when consecutive
+llama_sampler_data apply(llama_sampler * smpl, graph_ctx & g, ggml_tensor * logits, int32_t row = 0,
+                         int32_t n_rows = 1, ggml_tensor * seq = nullptr) {
+    llama_sampler_data data = { logits, nullptr, nullptr, nullptr, row, false, row < 0 ? 0 : n_rows, seq };
     smpl->iface->backend_apply(smpl, g.ctx, g.gf, &data);
     return data;
 }
 
-// refused: the data as it was, the reason kept and in the log
+// refused: marked so, the data as it was, the reason kept and in the log
 bool refused(llama_sampler * smpl, const llama_sampler_data & data, ggml_tensor * logits) {
-    return data.logits == logits && data.candidates == nullptr && data.sampled == nullptr && data.probs == nullptr &&
+    return data.refused && data.logits == logits && data.candidates == nullptr && data.sampled == nullptr && data.probs == nullptr &&
            clover_sampler_error(smpl) != nullptr && log_text.find("clover_sampler: refused") != std::string::npos;
 }
 
@@ -112,23 +118,33 @@ void announce(llama_sampler * smpl, int32_t n_rows) {
     }
 }
 
-// the greedy tokens of the rows `order` of values ([V, n]) computed by the graph `smpl` builds on views of them, as
-// build_sampling passes them (a row of ggml_pad's copy each, in the order given; default: 0..n-1)
+// the greedy tokens of a sequence whose output rows are the rows `rows` of values ([V, n]; default: 0..n-1),
+// computed by the graph `smpl` builds on them as build_sampling passes them: a row of ggml_pad's copy per call, the
+// rows as one view of values when consecutive (seq_logits), the i-th call for the sequence's row idx[i] (default: i;
+// the tokens come back in call order)
 std::vector<int32_t> greedy(llama_sampler * smpl, ggml_backend_t backend, const std::vector<float> & values,
-                            int64_t n, std::vector<int64_t> order = {}) {
-    if (order.empty()) {
+                            int64_t n, std::vector<int64_t> rows_of_seq = {}, std::vector<int32_t> idx = {}) {
+    if (rows_of_seq.empty()) {
         for (int64_t i = 0; i < n; ++i) {
-            order.push_back(i);
+            rows_of_seq.push_back(i);
         }
     }
+    for (size_t i = idx.size(); i < rows_of_seq.size(); ++i) {
+        idx.push_back((int32_t) i);
+    }
+    const int32_t n_rows = (int32_t) rows_of_seq.size();
     graph_ctx g;
     ggml_tensor * rows = ggml_new_tensor_2d(g.ctx, GGML_TYPE_F32, V, n);
     ggml_set_input(rows);
     ggml_tensor * padded = ggml_pad(g.ctx, rows, 0, 1, 0, 0);
+    ggml_tensor * seq    = rows_of_seq.back() - rows_of_seq.front() + 1 == n_rows
+                               ? ggml_view_2d(g.ctx, rows, V, n_rows, rows->nb[1], rows_of_seq.front() * rows->nb[1])
+                               : nullptr;
     smpl->iface->backend_reset(smpl);
-    std::vector<ggml_tensor *> cand(order.size());
-    for (size_t i = 0; i < order.size(); ++i) {
-        cand[i] = apply(smpl, g, ggml_view_1d(g.ctx, padded, V, order[i] * padded->nb[1])).candidates;
+    std::vector<ggml_tensor *> cand(idx.size());
+    for (size_t i = 0; i < idx.size(); ++i) {
+        cand[i] = apply(smpl, g, ggml_view_1d(g.ctx, padded, V, rows_of_seq[idx[i]] * padded->nb[1]), idx[i], n_rows,
+                        seq).candidates;
         if (cand[i] == nullptr) {
             return {};
         }
@@ -138,8 +154,8 @@ std::vector<int32_t> greedy(llama_sampler * smpl, ggml_backend_t backend, const 
     ggml_backend_tensor_set(rows, values.data(), 0, ggml_nbytes(rows));
     smpl->iface->backend_set_input(smpl);
     ggml_backend_graph_compute(backend, g.gf);
-    std::vector<int32_t> out(order.size());
-    for (size_t i = 0; i < order.size(); ++i) {
+    std::vector<int32_t> out(idx.size());
+    for (size_t i = 0; i < idx.size(); ++i) {
         std::vector<int32_t> c(cand[i]->ne[0]);
         ggml_backend_tensor_get(cand[i], c.data(), 0, ggml_nbytes(cand[i]));
         out[i] = c.back(); // the last candidate: the choice (clover_sampler.h)
@@ -216,21 +232,25 @@ int main() {
         const bad cases[] = {
             { ggml_new_tensor_3d(g.ctx, GGML_TYPE_F32, V, 1, 2), "a 3-D tensor" },
             { ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, V), "an I32 row" },
-            { ggml_view_1d(g.ctx, deep, V, deep->nb[2]), "a view of a row of a 3-D tensor" },
-            { ggml_view_1d(g.ctx, rows, V - 1, rows->nb[1]), "an announced row of another length" },
+            { ggml_view_1d(g.ctx, rows, V - 1, rows->nb[1]), "a row of another length" },
         };
         for (const bad & b : cases) {
             smpl->iface->backend_reset(smpl);
             log_text.clear();
             check(refused(smpl, apply(smpl, g, b.t), b.t), std::string(b.what) + " is refused");
         }
+        // a row is read as passed, whatever tensor it is a view of
+        smpl->iface->backend_reset(smpl);
+        llama_sampler_data in3d = apply(smpl, g, ggml_view_1d(g.ctx, deep, V, deep->nb[2]));
+        check(!in3d.refused && in3d.candidates != nullptr && clover_sampler_error(smpl) == nullptr,
+              "a contiguous row viewed in a 3-D tensor is read as passed");
         smpl->iface->backend_reset(smpl);
         log_text.clear();
         ggml_tensor *      row   = ggml_view_1d(g.ctx, ggml_new_tensor_2d(g.ctx, GGML_TYPE_F32, V, 2), V, 0);
         ggml_tensor *      nar   = ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, 5);
-        llama_sampler_data after = { row, nullptr, nullptr, nar };
+        llama_sampler_data after = { row, nullptr, nullptr, nar, 0, false, 1, nullptr };
         smpl->iface->backend_apply(smpl, g.ctx, g.gf, &after);
-        check(after.logits == row && after.candidates == nar && clover_sampler_error(smpl) != nullptr,
+        check(after.refused && after.logits == row && after.candidates == nar && clover_sampler_error(smpl) != nullptr,
               "a row a sampler before it narrowed is refused");
         llama_sampler_free(smpl);
     }
@@ -246,53 +266,127 @@ int main() {
         ggml_tensor * rows = ggml_new_tensor_2d(g.ctx, GGML_TYPE_F32, V, 4);
         auto row = [&](int64_t i) { return ggml_view_1d(g.ctx, rows, V, i * rows->nb[1]); };
         smpl->iface->backend_reset(smpl);
+        ggml_tensor * seq3 = ggml_view_2d(g.ctx, rows, V, 3, rows->nb[1], 0);
         std::vector<llama_sampler_data> out;
-        for (int64_t i = 0; i < 3; ++i) {
-            out.push_back(apply(smpl, g, row(i)));
+        for (int64_t i : { 2, 0, 1 }) {
+            out.push_back(apply(smpl, g, row(i), (int32_t) i, 3, seq3));
         }
-        check(clover_sampler_error(smpl) == nullptr && out[0].candidates && out[1].candidates && out[2].candidates,
-              "views of rows of a 2-D tensor are known calls");
+        check(clover_sampler_error(smpl) == nullptr && out[0].candidates && out[1].candidates && out[2].candidates &&
+                  !out[0].refused && !out[1].refused && !out[2].refused,
+              "a sequence's rows with seq_logits are known calls, in any order");
         check(n_runs(out) == 1 && out[0].candidates->view_src->ne[1] == 3,
-              "consecutive announced rows share one computation of their count");
-        // a newer tree's chains past the sequence's rows: on row 0, not selected
+              "a sequence's rows are one computation over seq_logits, whichever row's call comes first");
+        check(out[0].candidates && out[1].candidates && out[0].candidates->view_offs == 2 * out[0].candidates->nb[1] &&
+                  out[1].candidates->view_offs == 0,
+              "each call gets the slice of its data.row");
+        {
+            // a lone row (n_rows 1, no seq_logits): a computation of its own on the tensor passed
+            llama_sampler_data lone = apply(smpl, g, row(3), 0, 1, nullptr);
+            check(!lone.refused && lone.candidates && lone.candidates->view_src->ne[1] == 1,
+                  "a lone row without seq_logits is a computation of its own");
+        }
+        {
+            // several rows of a sequence without seq_logits (interleaved with another's), or seq_logits of another
+            // shape: refused, naming why
+            smpl->iface->backend_reset(smpl);
+            log_text.clear();
+            ggml_tensor * r1 = row(1);
+            check(refused(smpl, apply(smpl, g, r1, 1, 3, nullptr), r1) &&
+                      strstr(clover_sampler_error(smpl), "not consecutive") != nullptr,
+                  "a sequence's several rows without seq_logits are refused, naming why");
+            smpl->iface->backend_reset(smpl);
+            log_text.clear();
+            check(refused(smpl, apply(smpl, g, r1, 1, 3, ggml_view_2d(g.ctx, rows, V, 2, rows->nb[1], 0)), r1),
+                  "seq_logits of another number of rows than n_rows are refused");
+            smpl->iface->backend_reset(smpl);
+            log_text.clear();
+            check(refused(smpl, apply(smpl, g, r1, 3, 3, seq3), r1), "a row past n_rows is refused");
+            smpl->iface->backend_reset(smpl);
+        }
+        // calls for no row (a newer tree's unselected chains, an inactive sampler's dummy row): nothing built
+        smpl->iface->backend_reset(smpl);
+        out.clear();
+        for (int64_t i = 0; i < 3; ++i) {
+            out.push_back(apply(smpl, g, row(i), (int32_t) i, 3, seq3));
+        }
         for (const auto & d : out) {
             ggml_build_forward_expand(g.gf, d.candidates);
         }
         const int n_nodes = ggml_graph_n_nodes(g.gf);
-        std::vector<llama_sampler_data> extra;
         for (int i = 0; i < 5; ++i) {
-            extra.push_back(apply(smpl, g, row(0)));
-            ggml_build_forward_expand(g.gf, extra.back().candidates);
+            ggml_tensor *      r0 = row(0);
+            llama_sampler_data e  = apply(smpl, g, r0, -1);
+            check(e.logits == r0 && e.candidates == nullptr && !e.refused, "a call for no row keeps llama.cpp's row");
         }
-        check(clover_sampler_error(smpl) == nullptr && n_runs(extra) == 1 &&
-                  extra[0].candidates->view_src == out[0].candidates->view_src,
-              "unselected chains on a row already computed reuse its computation");
-        check(ggml_graph_n_nodes(g.gf) == n_nodes + 5, "... adding one view node each");
+        check(clover_sampler_error(smpl) == nullptr && ggml_graph_n_nodes(g.gf) == n_nodes,
+              "calls for no row add nothing to the graph");
 
-        // a row of ggml_pad's copy (build_sampling's): read from the pad's source
+        // a lone row of ggml_pad's copy (build_sampling's): read as passed, from the copy; a sequence's rows are read
+        // from seq_logits, the padded copy not computed
         graph_ctx gp;
         ggml_tensor * src    = ggml_new_tensor_2d(gp.ctx, GGML_TYPE_F32, V, 2);
         ggml_tensor * padded = ggml_pad(gp.ctx, src, 0, 1, 0, 0);
         announce(smpl, 2);
         smpl->iface->backend_reset(smpl);
-        llama_sampler_data p0 = apply(smpl, gp, ggml_view_1d(gp.ctx, padded, V, 0));
+        llama_sampler_data p0 = apply(smpl, gp, ggml_view_1d(gp.ctx, padded, V, 0), 0);
         check(p0.candidates != nullptr, "a row of a padded copy is a known call");
         if (p0.candidates != nullptr) {
             ggml_build_forward_expand(gp.gf, p0.candidates);
-            check(!in_graph(gp.gf, GGML_OP_PAD), "a row of a padded copy is read from the pad's source");
+            check(in_graph(gp.gf, GGML_OP_PAD), "a row of a padded copy is read from the copy it is a row of");
+        }
+        {
+            graph_ctx gs;
+            ggml_tensor * s2  = ggml_new_tensor_2d(gs.ctx, GGML_TYPE_F32, V, 2);
+            ggml_tensor * pad = ggml_pad(gs.ctx, s2, 0, 1, 0, 0);
+            smpl->iface->backend_reset(smpl);
+            for (int32_t i = 0; i < 2; ++i) {
+                llama_sampler_data d = apply(smpl, gs, ggml_view_1d(gs.ctx, pad, V, i * pad->nb[1]), i, 2, s2);
+                if (d.candidates != nullptr) {
+                    ggml_build_forward_expand(gs.gf, d.candidates);
+                }
+            }
+            check(!in_graph(gs.gf, GGML_OP_PAD) && in_graph(gs.gf, GGML_OP_TOP_K),
+                  "a sequence's rows are read from seq_logits, the padded copy not computed");
         }
 
         // no rows announced: nothing built on llama.cpp's rows; a row that is no view (the probe) is computed
         announce(smpl, 0);
         smpl->iface->backend_reset(smpl);
         ggml_tensor *      r0    = ggml_view_1d(gp.ctx, padded, V, 0);
-        llama_sampler_data dummy = apply(smpl, gp, r0);
+        llama_sampler_data dummy = apply(smpl, gp, r0, -1);
         check(dummy.logits == r0 && dummy.candidates == nullptr && clover_sampler_error(smpl) == nullptr,
               "a sampler without announced rows leaves llama.cpp's row as it is, without a refusal");
         smpl->iface->backend_reset(smpl);
         ggml_tensor *      alone = ggml_new_tensor_1d(gp.ctx, GGML_TYPE_F32, 128 * 1024);
-        llama_sampler_data a     = apply(smpl, gp, alone);
-        check(a.candidates != nullptr && clover_sampler_error(smpl) == nullptr, "a row that is no view is computed");
+        llama_sampler_data a     = apply(smpl, gp, alone, -1);
+        check(a.candidates != nullptr && clover_sampler_error(smpl) == nullptr,
+              "a call for no row on a tensor of its own (llama.cpp's probe) is computed");
+        llama_sampler_free(smpl);
+    }
+
+    // ---- one computation per sequence: a 32-row graph has about the nodes of a one-row graph (the outputs' 31
+    // more slices), not 32 times as many (one run per row: 32 top_k / softmax nodes of one row each)
+    {
+        llama_sampler * smpl = make(buft, 32);
+        announce(smpl, 32);
+        auto nodes = [&](int32_t n) {
+            graph_ctx g;
+            ggml_tensor * rows = ggml_new_tensor_2d(g.ctx, GGML_TYPE_F32, V, n);
+            ggml_tensor * pad  = ggml_pad(g.ctx, rows, 0, 1, 0, 0);
+            smpl->iface->backend_reset(smpl);
+            for (int32_t i = n - 1; i >= 0; --i) {
+                llama_sampler_data d = apply(smpl, g, ggml_view_1d(g.ctx, pad, V, i * pad->nb[1]), i, n, rows);
+                if (d.candidates == nullptr) {
+                    return -1;
+                }
+                ggml_build_forward_expand(g.gf, d.candidates);
+            }
+            return ggml_graph_n_nodes(g.gf);
+        };
+        const int n1 = nodes(1), n32 = nodes(32);
+        check(n1 > 0 && n32 > 0 && n32 <= n1 + 2 * 31,
+              "a 32-row graph has " + std::to_string(n32) + " nodes, a one-row graph " + std::to_string(n1) +
+                  ": one computation per sequence, not per row");
         llama_sampler_free(smpl);
     }
 
@@ -315,11 +409,38 @@ int main() {
         check(greedy(smpl, backend, values, n) == want, "the greedy choices are the rows' argmax");
         llama_sampler * copy = llama_sampler_clone(smpl);
         check(copy != nullptr && greedy(copy, backend, values, n) == want, "a clone computes the same choices");
-        // a sequence's rows interleaved with another's (rows 0, 2, 3 of the ubatch): a run per stretch of rows
+        // a sequence's rows interleaved with another's (rows 0, 2, 3 of the ubatch): no seq_logits, refused
         announce(smpl, 3);
-        check(greedy(smpl, backend, values, n, { 0, 2, 3 }) == std::vector<int32_t>{ want[0], want[2], want[3] },
-              "rows that do not follow each other are each computed as their own");
+        log_text.clear();
+        check(greedy(smpl, backend, values, n, { 0, 2, 3 }).empty() && clover_sampler_error(smpl) != nullptr &&
+                  log_text.find("not consecutive") != std::string::npos,
+              "a sequence's rows interleaved with another's are refused");
+        // a sequence's rows that are rows 1..3 of the ubatch: computed from there
+        check(greedy(smpl, backend, values, n, { 1, 2, 3 }) == std::vector<int32_t>{ want[1], want[2], want[3] },
+              "a sequence's rows after another's are its own");
         announce(smpl, (int32_t) n);
+
+        // each call gets the inputs of the row llama.cpp says it is for, whatever the order of the calls: row k's
+        // coefficients put +100 on id slot k, the calls made from the last row to the first
+        {
+            const int32_t      slot_ids[WIDTH] = { 5, 17, 2500, 999 };
+            std::vector<float> c(3 * n * WIDTH, 0.0f);
+            for (int64_t i = 0; i < n * WIDTH; ++i) {
+                c[i] = c[n * WIDTH + i] = 1.0f;
+            }
+            for (int64_t k = 0; k < n; ++k) {
+                c[2 * n * WIDTH + k * WIDTH + k] = 100.0f;
+            }
+            check(clover_sampler_set_inputs(smpl, slot_ids, WIDTH, (int32_t) n, c.data(), nullptr) == 0,
+                  "set_inputs with per-row coefficients");
+            check(greedy(smpl, backend, values, n, {}, { 3, 2, 1, 0 }) ==
+                      std::vector<int32_t>{ slot_ids[3], slot_ids[2], slot_ids[1], slot_ids[0] },
+                  "each call gets the inputs of its data.row, not of its place among the calls");
+            check(greedy(smpl, backend, values, n, {}, { 2, 0, 3, 1 }) ==
+                      std::vector<int32_t>{ slot_ids[2], slot_ids[0], slot_ids[3], slot_ids[1] },
+                  "each call gets the slice of its data.row, calls in a shuffled order");
+            announce(smpl, (int32_t) n);
+        }
 
         // coefficients that decide (id 17 +100 in every row) and a row restricted to ids {2500, 999} (an allow mask)
         const int32_t      ids[WIDTH] = { 5, 17, 2500, 999 };
