@@ -205,10 +205,11 @@ class _Passes:
         """The gather width of every one-row pass of an AR answer, sized once for all of it. With the penalties each
         token the answer writes can add its id to the gather, and a gather outgrowing its width takes a new sampler,
         which llama.cpp attaches by re-reserving its compute buffers at the next decode (fresh pages, the graph
-        built anew): at the slice's widths 30-40 ms each, two of them in a 128-token answer (32 -> 128 -> 512 ids),
-        4% of its time. So the first one-row gather (the prompt's) takes the width the whole answer can need, up to
-        ONE_ROW_WIDTH_MAX: a longer answer outgrows it once more at most, over thousands of steps. The graph gathers
-        that many ids a step (no more work on the host: the ids and coefficients stay as many as the answer has)."""
+        built anew): on the slice35b about 35 ms more each (one thread), two of them in a 128-token answer (32 ->
+        128 -> 512 ids), 2% of its time. So the first one-row gather (the prompt's) takes the width the whole answer
+        can need, up to ONE_ROW_WIDTH_MAX: a longer answer outgrows it once more at most, over thousands of steps.
+        The graph gathers that many ids a step; the host's Python stays the same (the ids and coefficients are as
+        many as the answer has, the sampler pads them)."""
         if not self.one_row_width:
             need = len(g.ids) + sum(m.n_ids() for m in g.masks or ()) + (self.grow if self.sel.history else 0)
             self.one_row_width = gather_width(min(need, ONE_ROW_WIDTH_MAX))
