@@ -60,7 +60,8 @@ import numpy as np
 
 from clover_gguf.auto import AutoPolicy, PassCosts, Plan
 from clover_gguf.constraint import Constraint, Mask
-from clover_gguf.controls import Choice, Gather, GraphRows, Histories, Processor, Sampler, Selector
+from clover_gguf.controls import (GATHER_WIDTHS, Choice, Gather, GraphRows, Histories, Processor, Sampler, Selector,
+                                  gather_width)
 
 MODES = ("auto", "ar", "diffusion", "draft-self")
 ACCEPT_MODES = ("exact", "threshold")
@@ -157,6 +158,9 @@ def _selector(backend: Backend, processors: Sequence[Processor], sampler: Sample
     return Selector(processors, sampler, backend.eos_ids, never=(backend.mask_token_id, *never))
 
 
+ONE_ROW_WIDTH_MAX = GATHER_WIDTHS[3]  # an AR answer's one-row gathers are sized for at most this many ids at once
+
+
 class _Passes:
     """The model passes of one answer with the selection of their rows: in the backend's graph when it can and the
     selector allows it (every processor sparse, the sampler ours), else on dense logits. Either way the same
@@ -173,6 +177,8 @@ class _Passes:
         self.can_keep_backup = hasattr(backend, "keep_backup")
         self.logprobs = logprobs  # the answer's: None, or the alternatives each kept token's logprob comes with
         self.limit = getattr(backend, "gather_limit", None)
+        self.grow = 0  # ids the answer's one-row gathers may still gain (an AR answer: its tokens; _one_row_width)
+        self.one_row_width = 0  # the width its one-row gathers take, set by the first (0: not yet)
 
     def _fits(self, g: Gather) -> bool:
         """Whether the graph's sampler can take this gather (a small vocabulary cannot take many ids: its rows'
@@ -191,7 +197,23 @@ class _Passes:
             return None
         g = self.sel.gather(h, want, probs=probs, masks=masks, logprobs=self.logprobs if lp else None,
                             save_last=save)
+        if self.grow and g.n_rows == 1:
+            g.width = max(g.width, self._one_row_width(g))
         return g if self._fits(g) else None
+
+    def _one_row_width(self, g: Gather) -> int:
+        """The gather width of every one-row pass of an AR answer, sized once for all of it. With the penalties each
+        token the answer writes can add its id to the gather, and a gather outgrowing its width takes a new sampler,
+        which llama.cpp attaches by re-reserving its compute buffers at the next decode (fresh pages, the graph
+        built anew): on the slice35b about 35 ms more each (one thread), two of them in a 128-token answer (32 ->
+        128 -> 512 ids), 2% of its time. So the first one-row gather (the prompt's) takes the width the whole answer
+        can need, up to ONE_ROW_WIDTH_MAX: a longer answer outgrows it once more at most, over thousands of steps.
+        The graph gathers that many ids a step; the host's Python stays the same (the ids and coefficients are as
+        many as the answer has, the sampler pads them)."""
+        if not self.one_row_width:
+            need = len(g.ids) + sum(m.n_ids() for m in g.masks or ()) + (self.grow if self.sel.history else 0)
+            self.one_row_width = gather_width(min(need, ONE_ROW_WIDTH_MAX))
+        return self.one_row_width
 
     def _timed(self, kind: str, rows: int, call, *args):
         t0 = self.clock()
@@ -751,6 +773,7 @@ def generate(backend: Backend, prompt_ids: Sequence[int], mode: str = "diffusion
     if mode == "auto":
         gen = _auto(passes, prompt_ids, max_new_tokens, block_size, fill, accept, stats, end_rule, policy, gram, stall)
     elif mode == "ar":
+        passes.grow = max_new_tokens  # each token may add an id to the gathers: their width is set once (_Passes)
         gen = _ar(passes, prompt_ids, max_new_tokens, stats, gram, block_size)
     elif mode == "diffusion":
         gen = _diffusion(passes, prompt_ids, max_new_tokens, block_size, threshold, stats, end_rule, gram)

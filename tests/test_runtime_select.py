@@ -180,3 +180,29 @@ def tiny_random_gguf(make_checkpoint, tmp_path_factory):
     out = tmp_path_factory.mktemp("select") / "random.gguf"
     convert(make_checkpoint(seed=1), out, outtype="f32", quiet=True)
     return out
+
+
+def test_an_ar_answer_attaches_its_sampler_once_and_reuses_every_steps_graph(bundled_gguf, monkeypatch):
+    """An AR answer's one-row gathers take the width the whole answer can need at its first pass (decoding._Passes):
+    with the penalties each token it writes can add its id to the gather, and a gather that outgrew its width took a
+    new sampler mid-answer, which llama.cpp attaches by re-reserving its compute buffers and building the graph anew
+    (on the 35B-wide slice 30-40 ms each, twice in a 128-token answer: 4% of its time; issue 67). A sampled answer
+    on a fresh runtime, whose tokens outgrow the first width (32 ids): one attach, before the prompt, and every step
+    after the first reuses llama.cpp's graph (llama_perf_context's n_reused)."""
+    from clover_gguf.controls import GATHER_WIDTHS
+    from clover_gguf.llama_context import load_binding
+
+    L = load_binding()
+    attached: list[int] = []
+    set_sampler = L.llama_set_sampler
+    monkeypatch.setattr(L, "llama_set_sampler", lambda *a: (attached.append(a[1]), set_sampler(*a))[1])
+    with CloverRuntime(bundled_gguf, n_ctx=512, n_threads=1) as rt:
+        ids = rt.prompt_ids("Write a short story about a cat.", think=False)
+        before = L.llama_perf_context(rt.ctx.ctx)
+        tokens = [t for piece in rt.stream_pieces(ids, mode="ar", max_new_tokens=200, ignore_eos=True, temp=1.5,
+                                                  seed=3) for t in piece.tokens]
+        after = L.llama_perf_context(rt.ctx.ctx)
+    assert len(tokens) == 200 and len(set(tokens)) > GATHER_WIDTHS[0]  # the ids outgrew the first width
+    assert attached == [0]
+    steps = after.n_eval - before.n_eval  # one-token decodes: the answer's steps after the prompt's pass
+    assert steps == len(tokens) - 2 and after.n_reused - before.n_reused == steps
